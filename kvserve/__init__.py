@@ -1,0 +1,13 @@
+"""kvserve: an LLM inference server built around its KV cache. Public API: LLM, SamplingParams, RequestOutput."""
+
+from kvserve.request import CompletionOutput, RequestOutput, SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+
+def __getattr__(name: str):
+    # The engine pulls in torch; import it only when asked so the cache layer and tools stay light.
+    if name in ("LLM", "LLMEngine"):
+        from kvserve import engine
+        return getattr(engine, name)
+    raise AttributeError(name)

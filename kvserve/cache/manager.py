@@ -1,0 +1,276 @@
+"""KVCacheManager: the scheduler's only cache API. It owns the page pool, every sequence's block table
+and the prefix index ("radix", "hash" or "off"), and counts what the cache does.
+
+A sequence's life, as the scheduler drives it each step:
+
+    hit = lookup(tokens, ns)                      read-only: longest cached prefix, never the last token
+    copies = allocate(id, tokens, ns, hit, end)   refs on the hit's pages (+ a copy of a partial last
+                                                  page), fresh pages up to `end`; None: no room
+    copies = append(id, num_computed, end)        grow to `end`; copy-on-write of shared pages about
+                                                  to be written; None: no room (preempt someone)
+    ... the runner applies `copies` in order, then computes positions num_computed..end-1 ...
+    commit(id, tokens, num_computed)              index the pages that are now full (radix may swap a
+                                                  page for an identical cached one: re-read block_table)
+    free(id)                                      pages back, tail first; cached ones stay reusable
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from kvserve.cache.hashing import page_hash
+from kvserve.cache.pages import NULL_PAGE, PagePool
+from kvserve.cache.prefix_hash import HashPrefixIndex
+from kvserve.cache.prefix_radix import RadixPrefixIndex
+from kvserve.config import ConfigError, PrefixCachePolicy
+
+
+@dataclass(slots=True)
+class PrefixHit:
+    pages: list[int] = field(default_factory=list)  # cached pages covering the hit, in order
+    num_tokens: int = 0  # cached tokens; the scheduler sets num_computed_tokens = num_tokens
+    # If num_tokens % page_size != 0 the LAST page is a partial hit: only its first
+    # num_tokens % page_size tokens match; allocate() copies it into a fresh page instead of sharing it.
+
+
+@dataclass(slots=True)
+class _Seq:
+    namespace: str
+    block_table: list[int]
+    num_committed_pages: int = 0  # pages 0..n-1 are full of computed tokens and were offered to the index
+    page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the committed pages
+    committed_token_ids: list[int] = field(default_factory=list)  # their tokens (for checks)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_pages: int, page_size: int,
+                 policy: PrefixCachePolicy | str = PrefixCachePolicy.RADIX) -> None:
+        if page_size < 1:
+            raise ConfigError(f"page_size must be at least 1, got {page_size}")
+        if num_pages < 2:
+            raise ConfigError(f"the KV cache needs at least 2 pages (page 0 is reserved), got {num_pages}")
+        try:
+            self.policy = PrefixCachePolicy(policy)
+        except ValueError:
+            raise ConfigError(f"prefix cache policy must be radix, hash or off, got {policy!r}") from None
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.pool = PagePool(num_pages)
+        self.index: HashPrefixIndex | RadixPrefixIndex | None = None
+        if self.policy is PrefixCachePolicy.HASH:
+            self.index = HashPrefixIndex(self.pool, page_size)
+        elif self.policy is PrefixCachePolicy.RADIX:
+            self.index = RadixPrefixIndex(self.pool, page_size)
+        self._seqs: dict[str, _Seq] = {}
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # -- admission -----------------------------------------------------------------------------
+    def lookup(self, token_ids: list[int], namespace: str = "") -> PrefixHit:
+        """Longest cached prefix of `token_ids` in `namespace`, at most len - 1 tokens (the last token
+        is always computed: its logits are needed). Read-only: takes no refs."""
+        if self.index is None or len(token_ids) < 2:
+            return PrefixHit()
+        pages, num_tokens = self.index.match(list(token_ids), namespace)
+        num_tokens = min(num_tokens, len(token_ids) - 1)
+        return PrefixHit(pages[:_cdiv(num_tokens, self.page_size)], num_tokens)
+
+    def allocate(self, seq_id: str, token_ids: list[int], namespace: str, hit: PrefixHit,
+                 num_tokens: int) -> list[tuple[int, int]] | None:
+        """Admit a sequence whose first hit.num_tokens tokens are cached and cover `num_tokens`
+        positions. Returns the (src, dst) page copies to apply before computing, or None with nothing
+        changed when pages are short. The hit is re-checked against the index: if some of its pages
+        were evicted since lookup, `hit` is shrunk in place, so read hit.num_tokens afterwards."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already has pages")
+        if num_tokens <= hit.num_tokens:
+            raise ValueError(f"num_tokens ({num_tokens}) must exceed the hit ({hit.num_tokens} tokens)")
+        ps = self.page_size
+        token_ids = list(token_ids)
+        fresh = self.lookup(token_ids, namespace)
+        num_hit = min(hit.num_tokens, fresh.num_tokens)
+        pages = fresh.pages[:_cdiv(num_hit, ps)]
+        num_full = num_hit // ps
+        shared, partial = pages[:num_full], pages[num_full:]  # partial: [] or [page to copy]
+        num_new = _cdiv(num_tokens, ps) - num_full
+        num_idle_hit = sum(1 for page in pages if self.pool.ref(page) == 0)  # not reclaimable now
+        if num_new > self.pool.num_free - num_idle_hit:
+            return None
+        for page in pages:  # refs first: the allocation below must not evict the hit
+            self.pool.incref(page)
+        new_pages = self.pool.allocate(num_new)
+        assert new_pages is not None
+        copies = [(partial[0], new_pages[0])] if partial else []
+        for page in partial:
+            self.pool.decref(page)
+        seq = _Seq(namespace, shared + new_pages, num_committed_pages=num_full,
+                   committed_token_ids=token_ids[:num_full * ps])
+        if self.index is not None:
+            self._extend_hashes(seq, token_ids, num_full)
+            if num_full:
+                self.index.on_hit(token_ids, namespace, num_full)
+        self._seqs[seq_id] = seq
+        self.prefix_cache_queries += len(token_ids)
+        self.prefix_cache_hits += num_hit
+        hit.pages, hit.num_tokens = pages, num_hit
+        return copies
+
+    # -- running -------------------------------------------------------------------------------
+    def append(self, seq_id: str, num_computed_tokens: int, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Cover `num_tokens` positions. Pages the step will write (positions num_computed_tokens..
+        num_tokens-1) that are shared or cached are copied to fresh pages first (copy-on-write).
+        Returns the copies, or None with nothing changed when pages are short."""
+        seq = self._seq(seq_id)
+        ps = self.page_size
+        if num_computed_tokens < seq.num_committed_pages * ps:
+            raise ValueError(f"sequence {seq_id!r}: positions below {seq.num_committed_pages * ps} "
+                             f"are committed to the prefix cache and cannot be recomputed")
+        table = seq.block_table
+        end_page = _cdiv(num_tokens, ps)
+        num_grow = max(0, end_page - len(table))
+        cow = []
+        if num_tokens > num_computed_tokens:
+            cow = [i for i in range(num_computed_tokens // ps, min(end_page, len(table)))
+                   if self.pool.ref(table[i]) > 1 or self.pool.is_cached(table[i])]
+        new_pages = self.pool.allocate(num_grow + len(cow))
+        if new_pages is None:
+            return None
+        copies = []
+        for i, dst in zip(cow, new_pages):
+            copies.append((table[i], dst))
+            self.pool.decref(table[i])
+            table[i] = dst
+        table.extend(new_pages[len(cow):])
+        return copies
+
+    def commit(self, seq_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
+        """Index every page of the sequence now full of computed tokens (prompt and generated ones
+        alike); pages committed before are skipped. Call after each step, with the request's tokens."""
+        seq = self._seq(seq_id)
+        if self.index is None:
+            return
+        ps = self.page_size
+        start = seq.num_committed_pages
+        end = min(num_computed_tokens, len(token_ids)) // ps
+        end = min(end, len(seq.block_table))
+        if end <= start:
+            return
+        token_ids = list(token_ids)
+        self._extend_hashes(seq, token_ids, end)
+        self.index.insert(token_ids, seq.namespace, seq.block_table, seq.page_hashes, start, end)
+        seq.committed_token_ids.extend(token_ids[start * ps:end * ps])
+        seq.num_committed_pages = end
+
+    def _extend_hashes(self, seq: _Seq, token_ids: list[int], num_pages: int) -> None:
+        ps = self.page_size
+        for i in range(len(seq.page_hashes), num_pages):
+            parent = seq.page_hashes[-1] if seq.page_hashes else None
+            seq.page_hashes.append(page_hash(parent, token_ids[i * ps:(i + 1) * ps], seq.namespace))
+
+    def free(self, seq_id: str) -> None:
+        """Release the sequence's pages, tail first, so its last pages are the first evicted."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            raise ValueError(f"unknown sequence {seq_id!r}")
+        for page in reversed(seq.block_table):
+            self.pool.decref(page)
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child shares all of the parent's pages; the first write to a shared page copies it."""
+        parent = self._seq(parent_id)
+        if child_id in self._seqs:
+            raise ValueError(f"sequence {child_id!r} already has pages")
+        for page in parent.block_table:
+            self.pool.incref(page)
+        self._seqs[child_id] = _Seq(parent.namespace, list(parent.block_table),
+                                    parent.num_committed_pages, list(parent.page_hashes),
+                                    list(parent.committed_token_ids))
+
+    def allocate_pages(self, seq_id: str, namespace: str, num_pages: int) -> list[int] | None:
+        """Fresh pages for a sequence whose contents come from elsewhere (swap-in from the host tier):
+        no prefix lookup, nothing counted; the pages are committed again as the sequence goes on."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already has pages")
+        pages = self.pool.allocate(num_pages)
+        if pages is not None:
+            self._seqs[seq_id] = _Seq(namespace, list(pages))
+        return pages
+
+    def block_table(self, seq_id: str) -> list[int]:
+        return list(self._seq(seq_id).block_table)
+
+    def has_seq(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
+
+    def page_hashes(self, seq_id: str) -> list[bytes]:
+        """Chained hashes of the sequence's committed pages (for tiers); empty with policy off."""
+        return list(self._seq(seq_id).page_hashes)
+
+    def _seq(self, seq_id: str) -> _Seq:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise ValueError(f"unknown sequence {seq_id!r}")
+        return seq
+
+    # -- accounting ----------------------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        """Free plus cached idle pages: all can be handed out."""
+        return self.pool.num_free
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.pool.num_used
+
+    def usage(self) -> float:
+        return self.pool.num_used / self.pool.num_usable
+
+    def stats(self) -> dict:
+        return {
+            "num_pages_total": self.pool.num_usable,
+            "num_pages_free": self.pool.num_free,
+            "num_pages_used": self.pool.num_used,
+            "num_pages_cached": self.pool.num_cached,
+            "num_pages_cached_idle": self.pool.num_cached_idle,
+            "kv_cache_usage_perc": self.usage(),
+            "prefix_cache_queries": self.prefix_cache_queries,
+            "prefix_cache_hits": self.prefix_cache_hits,
+            "num_evictions": self.pool.num_evictions,
+        }
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached page; refused (False) while sequences hold pages, as in vLLM."""
+        if self.pool.num_used:
+            return False
+        if self.index is not None:
+            self.index.clear()
+        return True
+
+    def check_invariants(self) -> None:
+        """Every page is exactly one of free / cached idle / used; refs equal block-table occurrences;
+        every indexed page a sequence committed holds the tokens the sequence committed there."""
+        self.pool.check_invariants()
+        occurrences = Counter(page for seq in self._seqs.values() for page in seq.block_table)
+        assert NULL_PAGE not in occurrences, "the null page is in a block table"
+        for page in range(1, self.num_pages):
+            assert self.pool.ref(page) == occurrences[page], (
+                f"page {page}: ref {self.pool.ref(page)} but {occurrences[page]} block-table entries")
+        if self.index is None:
+            assert self.pool.num_cached == 0
+            return
+        self.index.check_invariants()
+        ps = self.page_size
+        for seq_id, seq in self._seqs.items():
+            assert len(seq.committed_token_ids) == seq.num_committed_pages * ps
+            assert len(seq.page_hashes) >= seq.num_committed_pages
+            for i in range(seq.num_committed_pages):
+                tokens = self.index.page_tokens(seq.block_table[i])
+                expected = tuple(seq.committed_token_ids[i * ps:(i + 1) * ps])
+                if isinstance(self.index, RadixPrefixIndex):
+                    assert tokens is not None, f"{seq_id}: committed page {i} is not in the tree"
+                assert tokens is None or tokens == expected, f"{seq_id}: page {i} holds other tokens"

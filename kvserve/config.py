@@ -1,0 +1,159 @@
+"""Frozen configuration of the model, the KV cache and the engine, and the KV byte arithmetic.
+
+`KVDtype` is the single source of bytes-per-element and scale overhead: the engine's page count and
+`kvserve plan` both call `kv_bytes_per_page`, so they can never disagree.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+
+
+class ConfigError(ValueError):
+    """A configuration the user must change; the message says what to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVDtype:
+    """How one KV element is stored. `scale_bytes_per_page_head` counts the scales kept per page,
+    per KV head, per layer, for K and V each (int8/int4 use one float32 scale per page per head)."""
+
+    name: str
+    bits: int
+    scale_bytes_per_page_head: int = 0
+    is_float: bool = True
+
+    @property
+    def bytes_per_element(self) -> float:
+        return self.bits / 8
+
+
+KV_DTYPES: dict[str, KVDtype] = {
+    "fp32": KVDtype("fp32", 32),
+    "fp16": KVDtype("fp16", 16),
+    "bf16": KVDtype("bf16", 16),
+    "fp8_e4m3": KVDtype("fp8_e4m3", 8),
+    "fp8_e5m2": KVDtype("fp8_e5m2", 8),
+    "int8": KVDtype("int8", 8, scale_bytes_per_page_head=4, is_float=False),
+    "int4": KVDtype("int4", 4, scale_bytes_per_page_head=4, is_float=False),
+}
+
+MODEL_DTYPE_TO_KV = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+MODEL_DTYPES = tuple(MODEL_DTYPE_TO_KV)
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: str) -> KVDtype:
+    """`auto` means the model's own dtype."""
+    name = MODEL_DTYPE_TO_KV[model_dtype] if kv_cache_dtype == "auto" else kv_cache_dtype
+    if name not in KV_DTYPES:
+        raise ConfigError(
+            f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose one of auto, {', '.join(KV_DTYPES)}"
+        )
+    return KV_DTYPES[name]
+
+
+def kv_bytes_per_page(
+    num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, kv_dtype: KVDtype
+) -> int:
+    """Bytes of one page across all layers: K and V elements plus their scales."""
+    elements = 2 * num_layers * page_size * num_kv_heads * head_dim
+    scales = 2 * num_layers * num_kv_heads * kv_dtype.scale_bytes_per_page_head
+    return int(elements * kv_dtype.bits) // 8 + scales
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
+          "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "t": 1000**4,
+          "tb": 1000**4}
+
+
+def parse_bytes(value: str | int | float) -> int:
+    """'1GiB', '512MiB', '2e9', 1_000_000 -> bytes."""
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ConfigError(f"a memory size cannot be negative: {value}")
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ConfigError(f"cannot read memory size {value!r}; write it like 512MiB, 1GiB or 2e9")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+class PrefixCachePolicy(str, enum.Enum):
+    RADIX = "radix"
+    HASH = "hash"
+    OFF = "off"
+
+
+class PreemptionMode(str, enum.Enum):
+    RECOMPUTE = "recompute"
+    SWAP = "swap"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder, read from GGUF metadata or a HF config.json."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    page_size: int
+    num_pages: int  # including the reserved null page 0
+    kv_dtype: KVDtype
+    prefix_cache: PrefixCachePolicy = PrefixCachePolicy.RADIX
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """User-facing engine knobs, validated on construction."""
+
+    model: str | None = None
+    page_size: int = 16
+    prefix_cache: str = "radix"
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory: str | int = "1GiB"
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 2048
+    preemption_mode: str = "recompute"
+    swap_space: str | int = "2GiB"
+    device: str = "cpu"
+    dtype: str = "float32"
+    redis_url: str | None = None
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.page_size <= 256) or self.page_size & (self.page_size - 1):
+            raise ConfigError(f"--page-size must be a power of two from 1 to 256, got {self.page_size}")
+        if self.prefix_cache not in {p.value for p in PrefixCachePolicy}:
+            raise ConfigError(f"--prefix-cache must be radix, hash or off, got {self.prefix_cache!r}")
+        if self.preemption_mode not in {p.value for p in PreemptionMode}:
+            raise ConfigError(
+                f"--preemption-mode must be recompute or swap, got {self.preemption_mode!r}"
+            )
+        if self.dtype not in MODEL_DTYPES:
+            raise ConfigError(f"--dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
+        resolve_kv_dtype(self.kv_cache_dtype, self.dtype)
+        parse_bytes(self.kv_cache_memory)
+        parse_bytes(self.swap_space)
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(
+                f"--max-num-batched-tokens must be at least 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"--max-model-len must be at least 1, got {self.max_model_len}")

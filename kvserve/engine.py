@@ -1,0 +1,557 @@
+"""The engine: LLMEngine ties scheduler, KV cache manager and model runner together one step at a
+time; LLM is the synchronous batch API of DESIGN.md §4.
+
+One step: scheduler.schedule() -> SchedulerOutput -> runner.execute() -> sampled tokens ->
+scheduler.update() (counters, commits to the prefix cache, stop rules, freeing) -> RequestOutputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import replace
+from typing import Any, Iterable
+
+from kvserve.cache.manager import KVCacheManager
+from kvserve.cache.tiers import HostTier
+from kvserve.config import (CacheConfig, ConfigError, EngineConfig, PrefixCachePolicy,
+                            kv_bytes_per_page, parse_bytes, resolve_kv_dtype)
+from kvserve.model.gguf_loader import LoadedModel, apply_chat_template, load_gguf, resolve_model_path
+from kvserve.model.runner import ModelRunner
+from kvserve.request import (CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus,
+                             SamplingParams)
+from kvserve.scheduler import Scheduler
+from kvserve.tools.planner import capacity_error_message, pool_tokens_for
+
+Prompt = str | dict[str, Any] | list[int]
+
+
+def plan_cache(config: EngineConfig, loaded: LoadedModel) -> tuple[CacheConfig, int]:
+    """Page count from the memory budget, and the start-up capacity check. Returns (cache config,
+    max_model_len)."""
+    model = loaded.config
+    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, config.dtype)
+    page_bytes = kv_bytes_per_page(model.num_layers, model.num_kv_heads, model.head_dim,
+                                   config.page_size, kv_dtype)
+    memory = parse_bytes(config.kv_cache_memory)
+    num_pages = memory // page_bytes  # page 0, the null page, is inside the budget
+    pool_tokens = max(pool_tokens_for(memory, page_bytes, config.page_size), 0)
+    max_model_len = config.max_model_len or model.max_position_embeddings
+    if max_model_len > model.max_position_embeddings:
+        raise ConfigError(f"--max-model-len {max_model_len} is over the model's context "
+                          f"{model.max_position_embeddings}; lower --max-model-len")
+    if max_model_len > pool_tokens:
+        raise ConfigError(capacity_error_message(max_model_len, pool_tokens, memory,
+                                                 page_bytes / config.page_size))
+    cache = CacheConfig(page_size=config.page_size, num_pages=num_pages, kv_dtype=kv_dtype,
+                        prefix_cache=PrefixCachePolicy(config.prefix_cache))
+    return cache, max_model_len
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.loaded = load_gguf(resolve_model_path(config.model))
+        self.tokenizer = self.loaded.tokenizer
+        self.cache_config, self.max_model_len = plan_cache(config, self.loaded)
+        self.manager = KVCacheManager(self.cache_config.num_pages, config.page_size,
+                                      self.cache_config.prefix_cache)
+        self.runner = ModelRunner(self.loaded, self.cache_config.num_pages, config.page_size,
+                                  self.cache_config.kv_dtype, device=config.device, dtype=config.dtype)
+        self.host_tier = HostTier(parse_bytes(config.swap_space), self.runner.page_bytes)
+        self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, preemption_mode=config.preemption_mode,
+                                   host_tier=self.host_tier)
+        self._ids = itertools.count()
+        self._prompts: dict[str, str | None] = {}
+        self._stop_text: dict[str, str] = {}  # request id -> output text cut at its stop string
+        self._groups: dict[str, list[Request]] = {}  # request id -> its n samples (n > 1), in order
+        self._group_of: dict[str, str] = {}  # sample id -> request id
+
+    # -- requests ------------------------------------------------------------------------------
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False).ids
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return None, list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self.tokenize(prompt["prompt"])
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError("a prompt is a string, a list of token ids, or {'prompt_token_ids': [...]}")
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+        if not self.loaded.chat_template:
+            raise ValueError("this model has no chat template")
+        return apply_chat_template(self.loaded.chat_template, messages, add_generation_prompt=True)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None, namespace: str = "") -> str:
+        """Validate and queue one request. Bad input raises ValueError; nothing is queued then."""
+        params = params or SamplingParams()
+        params.validate()
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} is over --max-num-seqs {self.config.max_num_seqs}")
+        text, token_ids = self.tokenize(prompt)
+        self.check_prompt(token_ids, params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.scheduler.requests or request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        salt = params.cache_salt or ""
+        samples = [
+            Request(request_id=request_id if i == 0 else f"{request_id}#{i}", prompt_token_ids=token_ids,
+                    sampling_params=replace(params, seed=None if params.seed is None else params.seed + i),
+                    eos_token_id=self.loaded.eos_token_id,
+                    namespace=f"{namespace}\x00{salt}" if namespace else salt)
+            for i in range(params.n)]
+        request = samples[0]
+        request.fork_children = samples[1:]
+        if params.n > 1:
+            self._groups[request_id] = samples
+            self._group_of.update((s.request_id, request_id) for s in samples)
+        self._prompts[request_id] = text
+        self.scheduler.add(request)
+        return request_id
+
+    def check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty; send at least one token")
+        vocab = self.loaded.config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        needed = len(token_ids) + params.max_tokens
+        if needed > self.max_model_len:
+            raise ValueError(
+                f"this request needs {needed} tokens ({len(token_ids)} prompt + {params.max_tokens} "
+                f"max_tokens), over max_model_len {self.max_model_len}; shorten the prompt or lower "
+                f"max_tokens")
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort a request (all its samples when n > 1); its pages go back to the pool."""
+        members = self._groups.get(request_id)
+        aborted = [self.scheduler.abort(r.request_id) for r in members or []]
+        request = self.scheduler.abort(request_id) if members is None else members[0]
+        if request is None or (members is not None and not any(aborted)):
+            return None
+        return self._output(request)
+
+    # -- stepping ------------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if not out.seqs:
+            if self.scheduler.has_unfinished() and not self.scheduler.running:
+                raise RuntimeError("no request could be scheduled although the pool is empty")
+            return []
+        for request_id, pages in out.swap_out:
+            self.host_tier.fill_swap(request_id, self.runner.read_pages(pages))
+        for request_id, pages in out.swap_in:
+            self.runner.write_pages(pages, self.host_tier.take_swap(request_id))
+        sampled = self.runner.execute(out)
+        now = time.monotonic()
+        changed = self.scheduler.update(out, sampled, now)
+        for request in changed:
+            if request.sampling_params.stop and not request.status.is_finished:
+                self._check_stop_strings(request, now)
+        outputs: dict[str, RequestOutput] = {}
+        for request in changed:
+            output = self._output(request)
+            outputs.setdefault(output.request_id, output)
+        return list(outputs.values())
+
+    def _check_stop_strings(self, request: Request, now: float) -> None:
+        text = self.decode(request.output_token_ids)
+        cuts = [text.find(s) for s in request.sampling_params.stop or [] if s and s in text]
+        if cuts:
+            self._stop_text[request.request_id] = text[:min(cuts)]
+            self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED, now)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _output(self, request: Request) -> RequestOutput:
+        """The RequestOutput of the user's request this sample belongs to (all n samples)."""
+        group_id = self._group_of.get(request.request_id)
+        samples = self._groups[group_id] if group_id else [request]
+        first = samples[0]
+        finished = all(s.status.is_finished for s in samples)
+        completions = [self._completion(i, s, finished) for i, s in enumerate(samples)]
+        rid = first.request_id
+        prompt = self._prompts.pop(rid, None) if finished else self._prompts.get(rid)
+        if finished and group_id:
+            del self._groups[group_id]
+            for s in samples:
+                self._group_of.pop(s.request_id, None)
+        return RequestOutput(
+            request_id=rid, prompt=prompt, prompt_token_ids=first.prompt_token_ids,
+            outputs=completions, finished=finished, num_cached_tokens=first.num_cached_tokens,
+            metrics=RequestMetrics(first.arrival_time,
+                                   min((s.first_token_time for s in samples if s.first_token_time),
+                                       default=None),
+                                   max((s.finish_time or 0.0 for s in samples), default=None)
+                                   if finished else None))
+
+    def _completion(self, index: int, request: Request, group_finished: bool) -> CompletionOutput:
+        done = request.status.is_finished
+        text = (self._stop_text.pop(request.request_id, None) if group_finished
+                else self._stop_text.get(request.request_id))
+        if text is None:
+            text = self.decode(request.output_token_ids)
+        return CompletionOutput(
+            index=index, token_ids=list(request.output_token_ids), text=text,
+            finish_reason=request.status.value if done else None,
+            logprobs=list(request.logprobs) if request.sampling_params.logprobs is not None else None)
+
+    def stats(self) -> dict[str, Any]:
+        stats = self.manager.stats()
+        sched = self.scheduler.stats
+        stats.update(
+            num_requests_running=self.scheduler.num_running,
+            num_requests_waiting=self.scheduler.num_waiting,
+            num_requests_swapped=self.scheduler.num_swapped,
+            cpu_cache_usage_perc=self.host_tier.usage(),
+            num_swapped_out_pages=self.host_tier.stats.swap_outs,
+            num_swapped_in_pages=self.host_tier.stats.swap_ins,
+            num_preemptions=sched.num_preemptions,
+            prompt_tokens=sched.prompt_tokens,
+            prompt_tokens_cached=sched.cached_prompt_tokens,
+            generation_tokens=sched.generation_tokens,
+            page_size=self.config.page_size,
+            kv_cache_dtype=self.cache_config.kv_dtype.name,
+            kv_cache_bytes=self.runner.kv_cache_bytes(),
+            max_model_len=self.max_model_len,
+            pool_tokens=(self.cache_config.num_pages - 1) * self.config.page_size,
+        )
+        return stats
+
+
+class LLM:
+    """Synchronous batch API: `LLM().generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Iterable[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params_list = (sampling_params if isinstance(sampling_params, list)
+                       else [sampling_params or SamplingParams()] * len(prompts))
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        ids: list[str] = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                ids.append(self.engine.add_request(prompt, replace(params)))
+        except ValueError:
+            for rid in ids:  # all or nothing: a bad prompt queues none of this batch
+                self.engine.abort(rid)
+            raise
+        return self._run(ids)
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        return self.generate([self.engine.chat_prompt(c) for c in conversations], sampling_params)
+
+    def _run(self, ids: list[str]) -> list[RequestOutput]:
+        wanted = set(ids)
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(wanted):
+            for output in self.engine.step():
+                if output.finished and output.request_id in wanted:
+                    finished[output.request_id] = output
+        return [finished[rid] for rid in ids]
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+
+# -- AsyncEngine: the engine loop in the background, one output queue per request --------------
+# (imports kept with the section; they are stdlib only)
+import asyncio  # noqa: E402
+import logging  # noqa: E402
+import queue  # noqa: E402
+import threading  # noqa: E402
+from collections.abc import AsyncIterator, Callable  # noqa: E402
+
+log = logging.getLogger("kvserve.engine")
+
+# page states of AsyncEngine.page_states(), one character per page
+PAGE_FREE, PAGE_CACHED, PAGE_USED, PAGE_SHARED, PAGE_NULL = "0", "1", "2", "3", "4"
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed while this request was in it; the request was aborted."""
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator. Outputs are cumulative (token ids and text
+    so far), so a consumer that falls behind gets only the newest one: nothing is lost."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        while not isinstance(item, BaseException) and not item.finished and not self.queue.empty():
+            item = self.queue.get_nowait()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+
+class AsyncEngine:
+    """Runs `LLMEngine.step()` in a background thread (torch releases the GIL while it computes)
+    and serves any number of asyncio event loops.
+
+    Everything that touches the engine runs on that thread: `add_request`, `abort` and `call` post
+    commands that it executes between steps; outputs go back to each request's `RequestStream`
+    through its loop's `call_soon_threadsafe`. An exception in a step aborts the requests then in
+    the engine (their streams raise `EngineDeadError`) and the loop goes on serving new ones.
+    `on_step(stats, outputs)` is called on the engine thread after each step (metrics).
+    """
+
+    def __init__(self, engine: LLMEngine,
+                 on_step: Callable[[dict[str, Any], list[RequestOutput]], None] | None = None) -> None:
+        self.engine = engine
+        self.on_step = on_step
+        self.latest_stats: dict[str, Any] = {}
+        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> AsyncEngine:
+        if self._thread is None or not self._thread.is_alive():
+            self._stopping = False
+            self._publish([])
+            self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._commands.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- requests ------------------------------------------------------------------------------
+    async def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                          request_id: str | None = None, namespace: str = "") -> RequestStream:
+        """Queue a request; raises the engine's ValueError for bad input. Iterate the returned
+        stream for outputs; `abort(stream.request_id)` if you stop before it finishes."""
+        return (await self.add_requests([(prompt, params, request_id)], namespace))[0]
+
+    async def add_requests(self, items: list[tuple[Prompt, SamplingParams | None, str | None]],
+                           namespace: str = "") -> list[RequestStream]:
+        """Queue several requests in one trip to the engine thread, all or none: if one is bad,
+        none stays queued and its ValueError is raised."""
+        if not self.is_running:
+            raise EngineDeadError("the engine loop is not running")
+        loop = asyncio.get_running_loop()
+        streams = [RequestStream(rid or f"async-{next(self._ids)}", loop) for _, _, rid in items]
+
+        def add() -> None:
+            added: list[str] = []
+            try:
+                for (prompt, params, _), stream in zip(items, streams):
+                    self.engine.add_request(prompt, params, request_id=stream.request_id,
+                                            namespace=namespace)
+                    added.append(stream.request_id)
+            except Exception:
+                for request_id in added:
+                    self.engine.abort(request_id)
+                raise
+            for stream in streams:
+                self._streams[stream.request_id] = stream
+
+        try:
+            await self.call(add)
+        except asyncio.CancelledError:
+            for stream in streams:  # the caller went away while its requests were being queued
+                self.abort(stream.request_id)
+            raise
+        return streams
+
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
+                       request_id: str | None = None, namespace: str = ""
+                       ) -> AsyncIterator[RequestOutput]:
+        """Async iterator of cumulative RequestOutputs; the request is aborted (its pages freed)
+        if the iteration is abandoned or cancelled before it finishes."""
+        stream = await self.add_request(prompt, params, request_id, namespace)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            if not stream.finished:
+                self.abort(stream.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe, non-blocking; the stream (if still read) ends with an aborted output."""
+        self._commands.put(lambda: self._abort(request_id))
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn()` on the engine thread between two steps and return its result."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def run() -> None:
+            try:
+                result, error = fn(), None
+            except Exception as err:  # handed to the caller, never kills the loop
+                result, error = None, err
+            loop.call_soon_threadsafe(_resolve, future, result, error)
+
+        self._commands.put(run)
+        return await future
+
+    # -- the engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping:
+            try:
+                self._run_commands(block=not self.engine.has_unfinished())
+                if self._stopping or not self.engine.has_unfinished():
+                    continue
+                outputs = self.engine.step()
+                self._deliver(outputs)
+                self._publish(outputs)
+            except Exception as err:  # one bad request or step must not stop the server
+                log.exception("engine step failed; aborting the requests in flight")
+                self._fail_all(f"the engine failed while running this request: {err}")
+        self._fail_all("the server is shutting down")
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            if block:
+                self._publish([])  # idle: keep stats fresh (e.g. cached pages evicted elsewhere)
+            return
+        while True:
+            if command is None:
+                return
+            try:
+                command()
+            except Exception:  # a failed abort must not take the other requests with it
+                log.exception("engine command failed")
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _abort(self, request_id: str) -> None:
+        output = self.engine.abort(request_id)
+        if output is not None:
+            self._deliver([output])
+            self._publish([output])
+        else:
+            self._streams.pop(request_id, None)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
+        for output in outputs:
+            stream = (self._streams.pop(output.request_id, None) if output.finished
+                      else self._streams.get(output.request_id))
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream, output))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that loop is closed: nobody is listening
+                for stream, _ in items:
+                    self._commands.put(lambda rid=stream.request_id: self._abort(rid))
+
+    def _fail_all(self, message: str) -> None:
+        error = EngineDeadError(message)
+        for request_id in list(self.engine.scheduler.requests):
+            try:
+                self.engine.abort(request_id)
+            except Exception:
+                log.exception("could not abort %s", request_id)
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            try:
+                stream.loop.call_soon_threadsafe(_put_all, [(stream, error)])
+            except RuntimeError:
+                pass
+        self._publish([])
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        try:
+            stats = self.engine.stats()
+        except Exception:
+            log.exception("engine.stats() failed")
+            return
+        stats.setdefault("num_requests_swapped", 0)
+        stats.setdefault("cpu_cache_usage_perc", 0.0)
+        stats.setdefault("remote_cache_hits", 0)
+        stats.setdefault("remote_cache_errors", 0)
+        self.latest_stats = stats
+        if self.on_step is not None:
+            try:
+                self.on_step(stats, outputs)
+            except Exception:
+                log.exception("on_step callback failed")
+
+    # -- observability -------------------------------------------------------------------------
+    def page_states(self) -> str | None:
+        """One character per page (PAGE_FREE / PAGE_CACHED / PAGE_USED / PAGE_SHARED / PAGE_NULL),
+        or None when the cache manager cannot say. Call it on the engine thread (`call`)."""
+        manager = self.engine.manager
+        if hasattr(manager, "page_states"):
+            return "".join(str(s) for s in manager.page_states())
+        return _page_states_from_pool(manager)
+
+
+def _page_states_from_pool(manager: Any) -> str | None:
+    """From the pool's public per-page accessors (`ref`, `is_cached`) while the manager has no
+    page_states() of its own."""
+    pool = getattr(manager, "pool", None)
+    if pool is None or not hasattr(pool, "ref") or not hasattr(pool, "is_cached"):
+        return None
+    states = [PAGE_NULL]
+    for page_id in range(1, pool.num_pages):
+        refs = pool.ref(page_id)
+        states.append(PAGE_SHARED if refs > 1 else PAGE_USED if refs == 1
+                      else PAGE_CACHED if pool.is_cached(page_id) else PAGE_FREE)
+    return "".join(states)
+
+
+def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():  # the caller was cancelled
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def _put_all(items: list[tuple[RequestStream, Any]]) -> None:
+    for stream, item in items:
+        stream.queue.put_nowait(item)

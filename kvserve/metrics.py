@@ -1,0 +1,120 @@
+"""Prometheus collectors for the server, named as vLLM names them but under `kvserve:` (DESIGN.md §4),
+so a vLLM dashboard works after a rename.
+
+`EngineMetrics` owns its own `CollectorRegistry` (tests build several servers in one process). It is
+fed from the engine loop: `observe(stats, outputs)` after every step turns the engine's cumulative
+counters (`LLMEngine.stats()`) into counter increments and observes the latency histograms of the
+requests that finished in that step.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from kvserve.request import RequestOutput
+
+PREFIX = "kvserve:"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# vLLM's buckets, so quantiles line up with a vLLM deployment's.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+# counter name (without _total) -> key of LLMEngine.stats() holding its cumulative value
+COUNTERS = {
+    "prefix_cache_queries": ("prefix_cache_queries", "Prefix cache lookups, in prompt tokens."),
+    "prefix_cache_hits": ("prefix_cache_hits", "Prefix cache hits, in prompt tokens."),
+    "num_preemptions": ("num_preemptions", "Requests preempted because the KV cache ran out."),
+    "num_evictions": ("num_evictions", "Cached pages evicted from the prefix cache."),
+    "prompt_tokens": ("prompt_tokens", "Prompt tokens of admitted requests."),
+    "generation_tokens": ("generation_tokens", "Generated tokens."),
+    "prompt_tokens_cached": ("prompt_tokens_cached", "Prompt tokens served from the prefix cache."),
+    "remote_cache_hits": ("remote_cache_hits", "Pages loaded from the remote (Redis) tier."),
+    "remote_cache_errors": ("remote_cache_errors", "Remote tier failures (each one a miss)."),
+}
+
+# gauge name -> (stats key, help)
+GAUGES = {
+    "kv_cache_usage_perc": ("kv_cache_usage_perc", "Fraction of KV pages held by running requests (0-1)."),
+    "cpu_cache_usage_perc": ("cpu_cache_usage_perc", "Fraction of the CPU (host) tier in use (0-1)."),
+    "num_requests_running": ("num_requests_running", "Requests in the running batch."),
+    "num_requests_waiting": ("num_requests_waiting", "Requests waiting to be admitted."),
+    "num_requests_swapped": ("num_requests_swapped", "Requests swapped out to the CPU tier."),
+    "num_pages_total": ("num_pages_total", "KV pages in the pool."),
+    "num_pages_free": ("num_pages_free", "Free KV pages, cached idle ones included."),
+    "num_pages_cached": ("num_pages_cached", "Idle pages that still hold a cached prefix."),
+}
+
+
+def hit_rate(stats: dict[str, Any]) -> float:
+    queries = stats.get("prefix_cache_queries", 0) or 0
+    return (stats.get("prefix_cache_hits", 0) or 0) / queries if queries else 0.0
+
+
+class EngineMetrics:
+    """The server's Prometheus collectors in a registry of their own."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        self.counters = {
+            name: Counter(PREFIX + name, help_, labels, registry=self.registry).labels(model_name)
+            for name, (_, help_) in COUNTERS.items()
+        }
+        self.gauges = {
+            name: Gauge(PREFIX + name, help_, labels, registry=self.registry).labels(model_name)
+            for name, (_, help_) in GAUGES.items()
+        }
+        self.request_success = Counter(
+            PREFIX + "request_success", "Finished requests by finish reason.",
+            labels + ["finished_reason"], registry=self.registry)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.",
+                              labels, buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
+        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds",
+                              "Time per output token after the first.", labels,
+                              buckets=TPOT_BUCKETS, registry=self.registry).labels(model_name)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "End-to-end request latency.",
+                             labels, buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
+        self._seen: dict[str, float] = {}  # cumulative engine values already counted
+        self._lock = threading.Lock()
+
+    def observe(self, stats: dict[str, Any], outputs: Iterable[RequestOutput] = ()) -> None:
+        """Called by the engine loop after each step (and when idle) with `LLMEngine.stats()` and
+        the outputs of that step."""
+        with self._lock:
+            for name, (key, _) in COUNTERS.items():
+                value = stats.get(key, 0) or 0
+                delta = value - self._seen.get(key, 0)
+                if delta > 0:  # a counter never goes back, even if the engine's were reset
+                    self.counters[name].inc(delta)
+                self._seen[key] = value
+            for name, (key, _) in GAUGES.items():
+                self.gauges[name].set(stats.get(key, 0) or 0)
+        for output in outputs:
+            if output.finished:
+                self.observe_finished(output)
+
+    def observe_finished(self, output: RequestOutput) -> None:
+        metrics = output.metrics
+        reason = output.outputs[0].finish_reason if output.outputs else None
+        self.request_success.labels(self.model_name, reason or "unknown").inc()
+        if metrics.first_token_time is not None:
+            self.ttft.observe(max(metrics.first_token_time - metrics.arrival_time, 0.0))
+        if metrics.finish_time is not None:
+            self.e2e.observe(max(metrics.finish_time - metrics.arrival_time, 0.0))
+            num_output = len(output.outputs[0].token_ids) if output.outputs else 0
+            if metrics.first_token_time is not None and num_output > 1:
+                decode_s = metrics.finish_time - metrics.first_token_time
+                self.tpot.observe(max(decode_s / (num_output - 1), 0.0))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,170 @@
+"""Paged attention on plain torch: write each step's K/V into cache slots, then attend over the
+pages of each sequence's block table. Decode tokens (one query each) are batched into one gather and
+one SDPA call; prefill chunks run one SDPA call per sequence with a causal mask offset.
+
+Cache layout, per layer, for K and for V (slot = page_id * page_size + offset):
+
+    cache[num_pages, page_size, num_kv_heads, head_dim]
+    block_table [p0, p1, p2]  ->  positions 0..page_size-1 live in page p0, the next page_size in p1 ...
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.model.kv_quant import QuantizedKV
+
+
+# --- KV codec hook: identity for float caches (plain tensors); fp8/int8/int4 caches are
+# kv_quant.QuantizedKV objects, which quantize on write and dequantize on read. ------------------
+
+def quantize_kv(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """New K or V rows [N, kv_heads, head_dim] -> the cache's storage format."""
+    return x.to(cache.dtype)
+
+
+def dequantize_kv(stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache pages [..., page_size, kv_heads, head_dim] -> compute dtype."""
+    return stored.to(dtype)
+
+
+# --- per-step metadata --------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """One sequence with more than one query token in this step."""
+
+    row: int  # first row of its tokens in the flat batch
+    num_tokens: int  # query length
+    start_pos: int  # position of its first query token
+    block_table: torch.Tensor  # [ceil(context_len / page_size)] int64
+    mask: torch.Tensor | None  # [num_tokens, context_len] bool (True = attend); None: plain causal
+
+    @property
+    def context_len(self) -> int:
+        return self.start_pos + self.num_tokens
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Built once per step by the runner, shared by every layer."""
+
+    page_size: int
+    positions: torch.Tensor  # [T] int64, position of each query token
+    slot_mapping: torch.Tensor  # [T] int64, cache slot each new K/V row is written to
+    decode_rows: torch.Tensor  # [B] int64, rows of the single-token sequences in the flat batch
+    decode_block_tables: torch.Tensor  # [B, P] int64, padded with the null page 0
+    decode_mask: torch.Tensor  # [B, 1, 1, P * page_size] bool, True where position < context_len
+    prefills: list[PrefillChunk]
+
+    @property
+    def num_decode(self) -> int:
+        return self.decode_rows.shape[0]
+
+    @classmethod
+    def build(
+        cls,
+        start_positions: list[int],
+        query_lens: list[int],
+        block_tables: list[list[int]],
+        page_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Sequence i computes query_lens[i] tokens from position start_positions[i], over the pages
+        block_tables[i] (which must cover start_positions[i] + query_lens[i] positions)."""
+        num_pages = [-(-(s + n) // page_size) for s, n in zip(start_positions, query_lens)]
+        width = max(num_pages)
+        assert all(len(bt) >= p for bt, p in zip(block_tables, num_pages)), "block table too short"
+        padded = torch.tensor([bt[:p] + [0] * (width - p) for bt, p in zip(block_tables, num_pages)],
+                              dtype=torch.int64, device=device)  # [S, width]
+        lens = torch.tensor(query_lens, dtype=torch.int64, device=device)  # [S]
+        starts = torch.tensor(start_positions, dtype=torch.int64, device=device)  # [S]
+        num_tokens = sum(query_lens)
+
+        # flat token index -> its sequence, its position, its slot (no per-sequence loop)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens), device=device), lens)
+        first_row = torch.cumsum(lens, 0) - lens  # [S]
+        offset_in_seq = torch.arange(num_tokens, device=device) - first_row[seq_of_token]
+        positions = starts[seq_of_token] + offset_in_seq  # [T]
+        pages = padded[seq_of_token, positions // page_size]  # [T]
+        slot_mapping = pages * page_size + positions % page_size
+
+        decode = [i for i, n in enumerate(query_lens) if n == 1]
+        decode_idx = torch.tensor(decode, dtype=torch.int64, device=device)
+        decode_width = max((num_pages[i] for i in decode), default=0)
+        decode_block_tables = padded[decode_idx, :decode_width]  # [B, P]
+        context_lens = (starts + lens)[decode_idx]  # [B]
+        span = torch.arange(decode_width * page_size, device=device)
+        decode_mask = (span[None, :] < context_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+
+        prefills = []
+        rows = first_row.tolist()
+        for i, n in enumerate(query_lens):
+            if n == 1:
+                continue
+            start = start_positions[i]
+            mask = None
+            if start > 0:  # query j sees context positions 0..start+j
+                ctx = torch.arange(start + n, device=device)
+                mask = ctx[None, :] <= (start + torch.arange(n, device=device))[:, None]
+            prefills.append(PrefillChunk(rows[i], n, start, padded[i, : num_pages[i]], mask))
+        return cls(page_size, positions, slot_mapping, first_row[decode_idx], decode_block_tables,
+                   decode_mask, prefills)
+
+
+# --- the two operations -------------------------------------------------------------------------
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store k, v [T, kv_heads, head_dim] at their slots of the caches [pages, page_size, kv_heads, head_dim]."""
+    if isinstance(k_cache, QuantizedKV):
+        k_cache.write(k, slot_mapping)
+        v_cache.write(v, slot_mapping)
+        return
+    kvh, hd = k_cache.shape[-2:]
+    k_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, quantize_kv(k, k_cache))
+    v_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, quantize_kv(v, v_cache))
+
+
+def gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cache [pages, page_size, kvh, hd], block_tables [B, P] -> [B, P * page_size, kvh, hd]."""
+    b, p = block_tables.shape
+    if isinstance(cache, QuantizedKV):
+        return cache.read(block_tables, dtype).view(b, p * cache.shape[1], *cache.shape[2:])
+    stored = cache.index_select(0, block_tables.reshape(-1))  # [B*P, page_size, kvh, hd]
+    return dequantize_kv(stored, dtype).view(b, p * cache.shape[1], *cache.shape[2:])
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
+    """q [T, heads, head_dim] -> [T, heads, head_dim]; K/V of this step must already be written."""
+    num_heads, head_dim = q.shape[1:]
+    kv_heads = k_cache.shape[2]
+    group = num_heads // kv_heads  # query heads sharing one KV head (GQA)
+    out = torch.empty_like(q)
+
+    b = meta.num_decode
+    if b:
+        # query head h uses KV head h // group, so the group becomes SDPA's query-length axis
+        qd = q.index_select(0, meta.decode_rows).view(b, kv_heads, group, head_dim)  # [B, kvh, G, hd]
+        k = gather_pages(k_cache, meta.decode_block_tables, q.dtype).transpose(1, 2)  # [B, kvh, L, hd]
+        v = gather_pages(v_cache, meta.decode_block_tables, q.dtype).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask)  # [B, kvh, G, hd]
+        out.index_copy_(0, meta.decode_rows, o.reshape(b, num_heads, head_dim))
+
+    for chunk in meta.prefills:
+        n, ctx = chunk.num_tokens, chunk.context_len
+        qp = q[chunk.row : chunk.row + n].transpose(0, 1)[None]  # [1, heads, n, hd]
+        k = gather_pages(k_cache, chunk.block_table[None], q.dtype)[:, :ctx].transpose(1, 2)  # [1, kvh, ctx, hd]
+        v = gather_pages(v_cache, chunk.block_table[None], q.dtype)[:, :ctx].transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            qp, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, enable_gqa=True
+        )  # [1, heads, n, hd]
+        out[chunk.row : chunk.row + n] = o[0].transpose(0, 1)
+    return out

@@ -1,0 +1,270 @@
+"""KV cache codecs: how K and V rows are stored in their pages (quantize on write) and turned back
+into compute-dtype values when attention reads the pages (dequantize on read).
+
+One codec per `kv_cache_dtype`; the runner makes one `(data, scales)` pair per layer for K and one
+for V with `codec.make_cache`, attention calls `codec.write` and `codec.read`:
+
+    data   [num_pages, page_size, num_kv_heads, head_dim]        fp32/fp16/bf16/fp8 elements, or int8
+           [num_pages, page_size, num_kv_heads, head_dim // 2]   int4: two codes per uint8
+    scales [num_pages, num_kv_heads] float32                     int8/int4: one scale per page per head
+           [num_pages, 0]                                        float codecs: empty, zero bytes
+
+so page copies, swaps and tier transfers move `data[p]` and `scales[p]` alike, whatever the dtype,
+and `bytes_per_page` (data + scales of one page) is exactly `config.kv_bytes_per_page` per layer.
+
+fp8 (e4m3, e5m2) uses one per-tensor scale, a float fixed at start-up (1.0, or amax / fp8 max from a
+calibration pass); values beyond the fp8 range saturate instead of turning into NaN.
+
+int8/int4: pages fill token by token, so a page's scale must be able to grow after some of its
+tokens are stored. Re-quantizing those tokens with round-to-nearest would round twice, and the
+stored page would then depend on how its tokens were chunked: a page written during a prefill
+would differ from the same tokens written one decode step at a time or after a prefix-cache hit.
+Instead every scale is a power of two and codes are floors (a mid-rise quantizer):
+
+    scale  s = the smallest power of two with amax < 2**(bits-1) * s   (amax over the page's tokens
+                                                                        and head_dim, per KV head)
+    code   q = floor(x / s)             in [-2**(bits-1), 2**(bits-1) - 1], never clamped
+    value  x' = (q + 0.5) * s           so |x - x'| <= s / 2
+
+When a new token raises the scale from s to s * 2**k, the stored codes become floor(q / 2**k), and
+floor(floor(y) / n) == floor(y / n) for any integer n: the page holds exactly the codes it would
+hold had all its tokens been written at once with the final scale. The stored page is a function
+of its tokens only, never of the write history. The price: a power-of-two scale is up to 2x (on
+average ~1.4x) coarser than amax / 127, about half a bit; the gain is that quantization never adds
+a difference between a cache hit and a recompute. A write that starts at offset 0 of a page starts
+that page afresh (its old contents belong to a freed request). One gap remains: a page copied from
+a partly matching page (radix copy-on-write) inherits a scale that may count the source's tokens
+past the match, so its first tokens can sit on a coarser grid (still within that scale / 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from kvserve.config import KV_DTYPES, KVDtype
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_FLOAT_STORAGE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_FP8_STORAGE = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+MIN_SCALE_EXP = -120  # int scales never go below 2**-120 (an all-zero page still has a finite scale)
+
+
+@dataclass(frozen=True, slots=True)
+class KVCodec:
+    """Plain cast codec (fp32, fp16, bf16); the base of the quantizing codecs."""
+
+    kv_dtype: KVDtype
+    storage_dtype: torch.dtype
+    compute_dtype: torch.dtype = torch.float32  # what `read` returns by default
+
+    @property
+    def name(self) -> str:
+        return self.kv_dtype.name
+
+    def data_shape(self, num_pages: int, page_size: int, num_kv_heads: int,
+                   head_dim: int) -> tuple[int, ...]:
+        return (num_pages, page_size, num_kv_heads, head_dim)
+
+    def make_cache(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                   device: torch.device | str = "cpu", num_layers: int | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A zeroed (data, scales) pair for K or for V of one layer; with `num_layers`, one pair for
+        all of them, K and V: data [num_layers, 2, num_pages, ...], scales [num_layers, 2, num_pages, n]."""
+        lead = () if num_layers is None else (num_layers, 2)
+        data = torch.zeros(*lead, *self.data_shape(num_pages, page_size, num_kv_heads, head_dim),
+                           dtype=self.storage_dtype, device=device)
+        scales = torch.zeros(*lead, num_pages, self.scales_per_page(num_kv_heads), device=device)
+        return data, scales
+
+    def head_dim_of(self, data: torch.Tensor) -> int:
+        return data.shape[-1]
+
+    def scales_per_page(self, num_kv_heads: int) -> int:
+        return num_kv_heads if self.kv_dtype.scale_bytes_per_page_head else 0
+
+    def bytes_per_page(self, page_size: int, num_kv_heads: int, head_dim: int) -> int:
+        """Bytes one page of K (or of V) of one layer takes: data plus scales. Twice this, times the
+        number of layers, is `config.kv_bytes_per_page`."""
+        elements = page_size * num_kv_heads * head_dim
+        return elements * self.kv_dtype.bits // 8 + num_kv_heads * self.kv_dtype.scale_bytes_per_page_head
+
+    def write(self, cache: torch.Tensor, scales: torch.Tensor, values: torch.Tensor,
+              slot_mapping: torch.Tensor, page_size: int) -> None:
+        """Store values [T, kvh, hd] at slots [T] (slot = page_id * page_size + offset)."""
+        kvh, hd = cache.shape[2:]
+        encoded = self.encode(values)
+        if cache.element_size() == 1 and cache.is_floating_point():  # index_copy_ has no fp8 kernel
+            cache, encoded = cache.view(torch.uint8), encoded.view(torch.uint8)
+        cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, encoded)
+
+    def encode(self, values: torch.Tensor) -> torch.Tensor:
+        if self.storage_dtype == torch.float16:  # saturate: 1e6 becomes 65504, not inf
+            values = values.clamp(-65504.0, 65504.0)
+        return values.to(self.storage_dtype)
+
+    def read(self, cache: torch.Tensor, scales: torch.Tensor, page_ids: torch.Tensor,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Pages page_ids [...] (any shape, e.g. a block table) -> [..., page_size, kvh, hd] values."""
+        stored = cache.index_select(0, page_ids.reshape(-1))
+        out = self.decode(stored, scales, page_ids.reshape(-1)).to(dtype or self.compute_dtype)
+        return out.view(*page_ids.shape, *out.shape[1:])
+
+    def decode(self, stored: torch.Tensor, scales: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
+        return stored
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Codec(KVCodec):
+    """fp8 storage with one per-tensor scale: stored = saturate(x / scale), read = stored * scale."""
+
+    scale: float = 1.0
+
+    @property
+    def fp8_max(self) -> float:
+        return torch.finfo(self.storage_dtype).max
+
+    def with_amax(self, amax: float) -> Fp8Codec:
+        """The codec calibrated for values up to `amax`: scale = amax / fp8 max (1.0 if amax is 0)."""
+        return replace(self, scale=fp8_scale_for(amax, self.storage_dtype))
+
+    def encode(self, values: torch.Tensor) -> torch.Tensor:
+        x = values.float()
+        if self.scale != 1.0:
+            x = x / self.scale
+        return x.clamp(-self.fp8_max, self.fp8_max).to(self.storage_dtype)  # fp8 overflow would be NaN
+
+    def decode(self, stored: torch.Tensor, scales: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
+        x = stored.float()
+        return x * self.scale if self.scale != 1.0 else x
+
+
+def fp8_scale_for(amax: float, storage_dtype: torch.dtype) -> float:
+    amax = float(amax)
+    if not amax > 0 or amax == float("inf"):
+        return 1.0
+    return amax / torch.finfo(storage_dtype).max
+
+
+@dataclass(frozen=True, slots=True)
+class IntCodec(KVCodec):
+    """Symmetric int8 / int4 with per-page-per-head power-of-two scales (see the module docstring).
+
+    int4 packs head_dim in halves: byte j of a row holds code j (low nibble) and code j + hd/2 (high
+    nibble), each stored as code + 8 in 0..15."""
+
+    @property
+    def bits(self) -> int:
+        return self.kv_dtype.bits
+
+    def data_shape(self, num_pages: int, page_size: int, num_kv_heads: int,
+                   head_dim: int) -> tuple[int, ...]:
+        if self.bits == 4 and head_dim % 2:
+            raise ValueError(f"int4 KV needs an even head_dim, got {head_dim}; use int8")
+        return (num_pages, page_size, num_kv_heads, head_dim * self.bits // 8)
+
+    def head_dim_of(self, data: torch.Tensor) -> int:
+        return data.shape[-1] * 8 // self.bits
+
+    # -- codes <-> stored bytes -----------------------------------------------------------------
+    def pack(self, codes: torch.Tensor) -> torch.Tensor:
+        """Integer codes [..., hd] in range -> storage [..., hd * bits / 8]."""
+        if self.bits == 8:
+            return codes.to(torch.int8)
+        u = (codes + 8).to(torch.uint8)
+        half = u.shape[-1] // 2
+        return u[..., :half] | (u[..., half:] << 4)
+
+    def unpack(self, stored: torch.Tensor) -> torch.Tensor:
+        """Storage -> integer codes [..., hd] (int16 for int4, int8 for int8)."""
+        if self.bits == 8:
+            return stored
+        return torch.cat([stored & 15, stored >> 4], dim=-1).to(torch.int16) - 8
+
+    # -- write ----------------------------------------------------------------------------------
+    def scale_for(self, amax: torch.Tensor) -> torch.Tensor:
+        """Smallest power of two s with amax < 2**(bits-1) * s (0 where amax is 0)."""
+        _, exponent = torch.frexp(amax)  # amax = m * 2**exponent, 0.5 <= m < 1, so amax < 2**exponent
+        exponent = (exponent - (self.bits - 1)).clamp(min=MIN_SCALE_EXP)
+        return torch.where(amax > 0, torch.ldexp(torch.ones_like(amax), exponent),
+                           torch.zeros_like(amax))
+
+    def write(self, cache: torch.Tensor, scales: torch.Tensor, values: torch.Tensor,
+              slot_mapping: torch.Tensor, page_size: int) -> None:
+        """Raise each touched page's scale to cover the new tokens, shift its stored codes down to
+        the new scale (exact, see the module docstring), then store the new tokens' codes."""
+        page_ids = torch.div(slot_mapping, page_size, rounding_mode="floor")  # [T]
+        offsets = slot_mapping - page_ids * page_size
+        pages, inverse = torch.unique(page_ids, return_inverse=True)  # [U], [T]
+        num_kv_heads = values.shape[1]
+
+        token_amax = values.detach().abs().amax(dim=-1).float()  # [T, kvh]
+        need = torch.zeros(pages.shape[0], num_kv_heads, device=values.device)
+        need.scatter_reduce_(0, inverse[:, None].expand(-1, num_kv_heads), self.scale_for(token_amax),
+                             "amax")  # [U, kvh]
+        first = torch.full_like(pages, page_size).scatter_reduce(0, inverse, offsets, "amin")
+        old = scales.index_select(0, pages)  # [U, kvh]
+        old = torch.where((first == 0)[:, None], torch.zeros_like(old), old)  # offset 0: a fresh page
+        new = torch.maximum(old, need).clamp(min=2.0 ** MIN_SCALE_EXP)
+
+        changed = (old != new).any(dim=1)  # [U]
+        if bool(changed.any()):
+            grown = pages[changed]
+            ratio = (old[changed].double() / new[changed].double())[:, None, :, None]  # 2**-k, or 0
+            codes = self.unpack(cache.index_select(0, grown)).double()  # [G, page_size, kvh, hd]
+            cache.index_copy_(0, grown, self.pack(torch.floor(codes * ratio)))
+        scales.index_copy_(0, pages, new)
+
+        # float64: x / 2**e is exact for every float32 x, so floor sees the true quotient
+        codes = torch.floor(values.detach().double() / new.double()[inverse][:, :, None])  # [T, kvh, hd]
+        kvh, width = cache.shape[2:]
+        cache.view(-1, kvh, width).index_copy_(0, slot_mapping, self.pack(codes))
+
+    # -- read -----------------------------------------------------------------------------------
+    def decode(self, stored: torch.Tensor, scales: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
+        s = scales.index_select(0, page_ids)[:, None, :, None]  # [N, 1, kvh, 1]
+        return torch.addcmul(s * 0.5, self.unpack(stored).float(), s)  # (code + 0.5) * s
+
+
+@dataclass(slots=True)
+class QuantizedKV:
+    """One layer's K (or V) cache behind a codec, as attention sees it: `shape` is the logical
+    [num_pages, page_size, num_kv_heads, head_dim] whatever the storage."""
+
+    codec: KVCodec
+    data: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        num_pages, page_size, num_kv_heads, _ = self.data.shape
+        return num_pages, page_size, num_kv_heads, self.head_dim
+
+    @property
+    def head_dim(self) -> int:
+        return self.codec.head_dim_of(self.data)
+
+    def write(self, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        self.codec.write(self.data, self.scales, values, slot_mapping, self.data.shape[1])
+
+    def read(self, page_ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.codec.read(self.data, self.scales, page_ids, dtype)
+
+
+def codec_for(kv_dtype: KVDtype | str, model_dtype: torch.dtype | str = torch.float32,
+              fp8_scale: float = 1.0) -> KVCodec:
+    """The codec of a resolved kv dtype (`config.resolve_kv_dtype` turns "auto" into the model's
+    dtype). `model_dtype` is what `read` returns: the dtype attention computes in."""
+    if isinstance(kv_dtype, str):
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"unknown kv dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
+        kv_dtype = KV_DTYPES[kv_dtype]
+    compute = _TORCH_DTYPES[model_dtype] if isinstance(model_dtype, str) else model_dtype
+    if kv_dtype.name in _FLOAT_STORAGE:
+        return KVCodec(kv_dtype, _FLOAT_STORAGE[kv_dtype.name], compute)
+    if kv_dtype.name in _FP8_STORAGE:
+        return Fp8Codec(kv_dtype, _FP8_STORAGE[kv_dtype.name], compute, scale=fp8_scale)
+    if kv_dtype.name in ("int8", "int4"):
+        return IntCodec(kv_dtype, torch.int8 if kv_dtype.bits == 8 else torch.uint8, compute)
+    raise ValueError(f"no KV codec for {kv_dtype.name!r}")

@@ -1,0 +1,143 @@
+"""ModelRunner: owns the model and the paged KV tensors, and turns one SchedulerOutput into tokens:
+page copies -> flat batch tensors + attention metadata -> decoder -> logits for sampled rows -> sampler.
+
+All layers' caches live in one tensor, so page copies and tier transfers are one indexing op:
+
+    kv[num_layers, 2 (K, V), num_pages, page_size, num_kv_heads, head_dim]
+    layer l uses kv[l, 0] as K cache and kv[l, 1] as V cache
+
+Quantized KV dtypes (fp8, int8, int4) store codes in `kv` (int4: head_dim / 2 bytes) plus
+`kv_scales[num_layers, 2, num_pages, n]` (int8/int4: n = num_kv_heads; fp8: n = 0), made by the
+codec of kvserve/model/kv_quant.py; each layer then gets QuantizedKV views that attention writes and
+reads through.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from kvserve.config import KVDtype
+from kvserve.model.attention import AttentionMetadata
+from kvserve.model.gguf_loader import LoadedModel
+from kvserve.model.kv_quant import QuantizedKV, codec_for
+from kvserve.model.llama import LlamaModel
+from kvserve.model.sampler import SampledToken, sample
+from kvserve.scheduler import SchedulerOutput
+
+MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+FLOAT_KV_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@functools.cache
+def _configure_threads() -> None:
+    """Use every core this process may run on, unless the user chose (OMP_NUM_THREADS)."""
+    if "OMP_NUM_THREADS" not in os.environ and hasattr(os, "sched_getaffinity"):
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+
+
+@functools.lru_cache(maxsize=4)
+def build_model(loaded: LoadedModel, dtype: str, device: str) -> LlamaModel:
+    """One model per (weights, dtype, device) in a process: the model holds no per-request state."""
+    return LlamaModel(loaded.config, loaded.weights, MODEL_DTYPES[dtype], device).eval()
+
+
+class ModelRunner:
+    def __init__(
+        self, loaded: LoadedModel, num_pages: int, page_size: int, kv_dtype: KVDtype,
+        device: str = "cpu", dtype: str = "float32", fp8_scale: float = 1.0,
+    ) -> None:
+        if dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {dtype!r}")
+        _configure_threads()
+        cfg = loaded.config
+        self.config = cfg
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.kv_dtype = kv_dtype
+        self.device = torch.device(device)
+        self.model = build_model(loaded, dtype, str(self.device))
+        # zeros, not empty: padded reads of the null page 0 must be finite (masked, but 0 * NaN = NaN)
+        self.codec = codec_for(kv_dtype, MODEL_DTYPES[dtype], fp8_scale=fp8_scale)
+        self.kv, self.kv_scales = self.codec.make_cache(
+            num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, self.device, num_layers=cfg.num_layers)
+        if kv_dtype.name in FLOAT_KV_DTYPES:  # plain tensors: attention casts them itself
+            self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
+        else:
+            self.kv_caches = [tuple(QuantizedKV(self.codec, self.kv[i, j], self.kv_scales[i, j])
+                                    for j in (0, 1)) for i in range(cfg.num_layers)]
+        # fp8 tensors have no index_copy_ kernel: page copies move their bytes
+        self._kv_bytes = self.kv.view(torch.uint8) if self.kv.dtype in (
+            torch.float8_e4m3fn, torch.float8_e5m2) else self.kv
+
+    def execute(self, out: SchedulerOutput) -> list[SampledToken | None]:
+        """Run one step; the result is aligned with out.seqs (None where need_sample is False)."""
+        if out.page_copies:
+            self.copy_pages(out.page_copies)
+        seqs = out.seqs
+        if not seqs:
+            return []
+        query_lens = [len(s.token_ids) for s in seqs]
+        assert min(query_lens) > 0, "a scheduled sequence has no tokens"
+        meta = AttentionMetadata.build(
+            [s.start_pos for s in seqs], query_lens, [s.block_table for s in seqs], self.page_size,
+            self.device,
+        )
+        input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64,
+                                 device=self.device)  # [T]
+        rows = [i for i, s in enumerate(seqs) if s.need_sample]
+        result: list[SampledToken | None] = [None] * len(seqs)
+        with torch.inference_mode():
+            hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)  # [T, hidden]
+            if not rows:
+                return result
+            last_rows = torch.tensor(query_lens, device=self.device).cumsum(0) - 1  # [S]
+            sample_rows = last_rows[torch.tensor(rows, device=self.device)]  # [N]
+            logits = self.model.compute_logits(hidden.index_select(0, sample_rows))  # [N, vocab]
+            tokens = sample(logits, [seqs[i] for i in rows])
+        for i, token in zip(rows, tokens):
+            result[i] = token
+        return result
+
+    def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy page src -> dst in every layer, K and V (copy-on-write of a shared partial page)."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=self.device)
+        self._kv_bytes.index_copy_(2, dst, self._kv_bytes.index_select(2, src))
+        self.kv_scales.index_copy_(2, dst, self.kv_scales.index_select(2, src))
+
+    def read_pages(self, page_ids: list[int]) -> torch.Tensor:
+        """-> CPU tensor [n, num_layers, 2, page_size, kv_heads, head_dim]; row i holds page_ids[i]
+        (`out[i].numpy().tobytes()` is that page's bytes for a host or Redis tier). Quantized KV
+        dtypes: uint8 [n, page_bytes], each row the page's codes then its scales."""
+        ids = torch.tensor(page_ids, dtype=torch.int64, device=self.device)
+        data = self._kv_bytes.index_select(2, ids).movedim(2, 0).contiguous().cpu()
+        if self.kv_dtype.name in FLOAT_KV_DTYPES:
+            return data
+        scales = self.kv_scales.index_select(2, ids).movedim(2, 0).contiguous().cpu()
+        n = len(page_ids)
+        return torch.cat([data.view(torch.uint8).reshape(n, -1), scales.view(torch.uint8).reshape(n, -1)], 1)
+
+    def write_pages(self, page_ids: list[int], data: torch.Tensor) -> None:
+        """Inverse of read_pages: data [n, num_layers, 2, page_size, kv_heads, head_dim]."""
+        ids = torch.tensor(page_ids, dtype=torch.int64, device=self.device)
+        if self.kv_dtype.name in FLOAT_KV_DTYPES:
+            self.kv.index_copy_(2, ids, data.to(self.device, self.kv.dtype).movedim(0, 2))
+            return
+        n, split = len(page_ids), self.kv[:, :, 0].nbytes
+        codes = data[:, :split].reshape(n, *self._kv_bytes[:, :, 0].shape).view(self._kv_bytes.dtype)
+        scales = data[:, split:].contiguous().view(torch.float32).reshape(n, *self.kv_scales[:, :, 0].shape)
+        self._kv_bytes.index_copy_(2, ids, codes.to(self.device).movedim(0, 2))
+        self.kv_scales.index_copy_(2, ids, scales.to(self.device).movedim(0, 2))
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page across all layers, K and V, scales included (= config.kv_bytes_per_page)."""
+        return (self.kv.nbytes + self.kv_scales.nbytes) // self.num_pages
+
+    def kv_cache_bytes(self) -> int:
+        return self.kv.nbytes + self.kv_scales.nbytes

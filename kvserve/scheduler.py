@@ -1,0 +1,359 @@
+"""Continuous batching: each step, decide which tokens of which requests the model computes.
+
+There are no prefill or decode phases. Every request has `num_computed_tokens` catching up with
+`len(token_ids)` under a per-step token budget; a prompt longer than the budget is computed in
+chunks, a prefix-cache hit simply starts the counter further along, and a request preempted by
+recompute starts again from zero (or from its cached prefix). Running requests are served first, in
+admission order; when a running request needs a page and none is free, the most recently admitted
+request is preempted. Then waiting requests are admitted while pages, sequence slots and budget last.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterator, Protocol
+
+from kvserve.cache.manager import PrefixHit
+from kvserve.config import PreemptionMode, PrefixCachePolicy
+from kvserve.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from kvserve.cache.manager import KVCacheManager
+    from kvserve.cache.tiers import HostTier
+
+ADMISSION_SCAN_LIMIT = 256  # waiting requests looked at per step for cache-aware ordering
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One request's share of a step: compute `token_ids` at positions start_pos.. using the pages
+    of `block_table` (which covers at least start_pos + len(token_ids) positions)."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    need_sample: bool  # the chunk ends at the last known token: sample the next one
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    num_output_tokens: int = 0  # tokens generated so far; with seed, makes sampling reproducible
+    logprobs: int | None = None
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    page_copies: list[tuple[int, int]] = field(default_factory=list)  # (src_page, dst_page), before compute
+    preempted: list[str] = field(default_factory=list)
+    # host tier moves, applied by the engine before the copies: swap_out reads the listed pages
+    # (already freed, so not reused before this step's compute), swap_in writes into new pages
+    swap_out: list[tuple[str, list[int]]] = field(default_factory=list)
+    swap_in: list[tuple[str, list[int]]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+class Sampled(Protocol):
+    token_id: int
+    logprob: float | None
+    top_logprobs: dict[int, float] | None
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_preemptions: int = 0
+    prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission only)
+    cached_prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, preemption_mode: str = "recompute",
+                 host_tier: HostTier | None = None, admission_age_bound_s: float = 10.0) -> None:
+        self.manager = manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.preemption_mode = PreemptionMode(preemption_mode)
+        self.host_tier = host_tier
+        self.admission_age_bound_s = admission_age_bound_s
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the tail is preempted first
+        self.swapped: deque[Request] = deque()  # pages in the host tier, oldest first
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+
+    # -- requests in and out -------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        """Queue a request; its fork children (n > 1) wait on it, or queue too if there is no
+        prompt page to share (a one-token prompt)."""
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        for child in request.fork_children:
+            self.requests[child.request_id] = child
+        if request.num_prompt_tokens < 2:
+            self.waiting.extend(request.fork_children)
+            request.fork_children = []
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is None or request.status.is_finished:
+            return None
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
+    # -- one step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        if self.swapped:
+            self._swap_in(out)
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            if request.fork_children and request.num_computed_tokens == request.num_prompt_tokens - 1:
+                self._fork(request)
+            num_new = self._chunk(request, request.num_computed_tokens, budget)
+            end = request.num_computed_tokens + num_new
+            copies = self.manager.append(request.request_id, request.num_computed_tokens, end)
+            while copies is None:
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                preempted = True
+                if victim is request:
+                    break
+                copies = self.manager.append(request.request_id, request.num_computed_tokens, end)
+            if copies is None:
+                break  # the request preempted itself: nobody after it is left
+            out.page_copies.extend(copies)
+            out.seqs.append(self._seq(request, num_new))
+            budget -= num_new
+            index += 1
+        if not preempted and not self.swapped:
+            self._admit(out, budget)
+        return out
+
+    def _chunk(self, request: Request, start: int, budget: int) -> int:
+        """Tokens to compute this step. A fork parent stops one token short of its prompt's end,
+        so its children can share every prompt page before anyone writes the last one."""
+        num_new = min(request.num_tokens - start, budget)
+        if request.fork_children:
+            num_new = min(num_new, request.num_prompt_tokens - 1 - start)
+        return num_new
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        for request, hit in self._admission_order():
+            seats = 1 + len(request.fork_children)
+            if budget <= 0 or len(self.running) + seats > self.max_num_seqs:
+                break
+            if request.fork_children and hit.num_tokens >= request.num_prompt_tokens - 1:
+                keep = request.num_prompt_tokens - 2  # leave a token to compute before the fork
+                hit = PrefixHit(hit.pages[:-(-keep // self.manager.page_size)], keep)
+            end = hit.num_tokens + self._chunk(request, hit.num_tokens, budget)
+            copies = self.manager.allocate(request.request_id, request.token_ids, request.namespace,
+                                           hit, end)
+            if copies is None:
+                break  # not enough pages now; nobody behind it overtakes it
+            num_new = min(end - hit.num_tokens, budget)  # allocate may have shrunk a stale hit
+            self.waiting.remove(request)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = hit.num_tokens
+                self.stats.prompt_tokens += request.num_prompt_tokens
+                self.stats.cached_prompt_tokens += min(hit.num_tokens, request.num_prompt_tokens)
+            request.num_computed_tokens = hit.num_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.page_copies.extend(copies)
+            out.seqs.append(self._seq(request, num_new))
+            budget -= num_new
+
+    def _fork(self, parent: Request) -> None:
+        for child in parent.fork_children:
+            self.manager.fork(parent.request_id, child.request_id)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+        parent.fork_children = []
+
+    def _admission_order(self) -> Iterator[tuple[Request, PrefixHit]]:
+        """Cache-aware order. With the prefix cache off: FCFS. Otherwise requests that waited past the
+        age bound (or were preempted) go first in arrival order, then the rest by longest cached
+        prefix. A request whose uncached prefix (at least a page of it) is being computed right now
+        by a running request waits a step: it will hit once those pages are committed."""
+        if self.manager.policy is PrefixCachePolicy.OFF:
+            for request in list(self.waiting):
+                yield request, self.manager.lookup(request.token_ids, request.namespace)
+            return
+        now = time.monotonic()
+        candidates = list(itertools.islice(self.waiting, ADMISSION_SCAN_LIMIT))
+        hits = {r.request_id: self.manager.lookup(r.token_ids, r.namespace) for r in candidates}
+
+        def priority(item: tuple[int, Request]) -> tuple:
+            position, request = item
+            aged = request.num_preemptions > 0 or now - request.arrival_time > self.admission_age_bound_s
+            return (0, position) if aged else (1, -hits[request.request_id].num_tokens, position)
+
+        for _, request in sorted(enumerate(candidates), key=priority):
+            hit = hits[request.request_id]
+            if self._shares_prefix_in_flight(request, hit):
+                continue
+            yield request, hit
+
+    def _shares_prefix_in_flight(self, request: Request, hit: PrefixHit) -> bool:
+        page_size = self.manager.page_size
+        for other in self.running:
+            if other.num_computed_tokens >= other.num_prompt_tokens or other.namespace != request.namespace:
+                continue  # only requests still computing their prompt will commit new prefix pages
+            common = _common_prefix_len(request.token_ids, other.prompt_token_ids)
+            if common - hit.num_tokens >= page_size:
+                return True
+        return False
+
+    def _seq(self, request: Request, num_new: int) -> ScheduledSeq:
+        start = request.num_computed_tokens
+        params = request.sampling_params
+        return ScheduledSeq(
+            request_id=request.request_id,
+            token_ids=request.token_ids[start:start + num_new],
+            start_pos=start,
+            block_table=self.manager.block_table(request.request_id),
+            need_sample=start + num_new == request.num_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            seed=params.seed,
+            num_output_tokens=request.num_output_tokens,
+            logprobs=params.logprobs,
+        )
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Swap the pages to the host tier when asked and there is room; otherwise recompute: drop the
+        pages (full ones stay in the prefix cache) and requeue the request at the front."""
+        self.running.remove(request)
+        table = self.manager.block_table(request.request_id)
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        out.preempted.append(request.request_id)
+        swap = (self.preemption_mode is PreemptionMode.SWAP and self.host_tier is not None
+                and not request.fork_children
+                and self.host_tier.reserve_swap(request.request_id, len(table)))
+        self.manager.free(request.request_id)
+        if swap:
+            out.swap_out.append((request.request_id, table))
+            request.status = RequestStatus.SWAPPED
+            self.swapped.append(request)
+            return
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def _swap_in(self, out: SchedulerOutput) -> None:
+        """Bring swapped requests back, oldest first, when their pages fit with a page of headroom for
+        every running request's next token (so they are not swapped straight out again)."""
+        while self.swapped and len(self.running) < self.max_num_seqs:
+            request = self.swapped[0]
+            num_pages = len(self.host_tier.swapped[request.request_id])
+            if self.manager.num_free_pages < num_pages + len(self.running) + 1:
+                return
+            pages = self.manager.allocate_pages(request.request_id, request.namespace, num_pages)
+            if pages is None:
+                return
+            self.swapped.popleft()
+            out.swap_in.append((request.request_id, pages))
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+
+    # -- results -------------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: list[Sampled | None], now: float) -> list[Request]:
+        """Advance counters, append sampled tokens, apply length/EOS rules, free finished requests.
+        Returns the requests that got a new token (finished ones included)."""
+        changed: list[Request] = []
+        for seq, token in zip(out.seqs, sampled):
+            request = self.requests.get(seq.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += len(seq.token_ids)
+            if token is not None:
+                request.token_ids.append(token.token_id)
+                if token.top_logprobs is not None or token.logprob is not None:
+                    request.logprobs.append({token.token_id: token.logprob or 0.0,
+                                             **(token.top_logprobs or {})})
+                self.stats.generation_tokens += 1
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                changed.append(request)
+            self.manager.commit(request.request_id, request.token_ids, request.num_computed_tokens)
+            if token is not None:
+                reason = self._stop_reason(request)
+                if reason is not None:
+                    self._finish(request, reason, now)
+        return changed
+
+    def _stop_reason(self, request: Request) -> RequestStatus | None:
+        params = request.sampling_params
+        last = request.token_ids[-1]
+        if not params.ignore_eos and last == request.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+        if params.stop_token_ids and last in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish(self, request_id: str, status: RequestStatus, now: float | None = None) -> None:
+        """Called by the engine for stop strings, which need the detokenized text."""
+        request = self.requests.get(request_id)
+        if request is not None and not request.status.is_finished:
+            self._finish(request, status, now)
+
+    def _finish(self, request: Request, status: RequestStatus, now: float | None = None) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+            self.host_tier.drop_swap(request.request_id)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        for child in request.fork_children:  # never forked: they end with their parent
+            child.status = status
+            child.finish_time = time.monotonic() if now is None else now
+            self.requests.pop(child.request_id, None)
+        request.fork_children = []
+        if self.manager.has_seq(request.request_id):
+            self.manager.free(request.request_id)
+        request.status = status
+        request.finish_time = time.monotonic() if now is None else now
+        del self.requests[request.request_id]
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

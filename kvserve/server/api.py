@@ -1,0 +1,226 @@
+"""The FastAPI app of `kvserve serve`: OpenAI's /v1/completions, /v1/chat/completions and /v1/models,
+plus /health, /metrics (Prometheus text), /dashboard (a live page) and /dashboard/stats (its JSON).
+
+`build_app(engine)` wraps an `LLMEngine` (or an `AsyncEngine` the caller owns) and starts the engine
+loop with the app. Every error is OpenAI's `{"error": {"message", "type", "param", "code"}}` with a
+4xx status (validation is 400, not FastAPI's 422). With API keys, `/v1/*` needs `Authorization:
+Bearer KEY`, and each key gets its own prefix-cache namespace unless the keys share one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import hmac
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from kvserve.engine import AsyncEngine, LLMEngine
+from kvserve.metrics import CONTENT_TYPE, EngineMetrics, hit_rate
+from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from kvserve.server.serving import OpenAIServing
+
+log = logging.getLogger("kvserve.server")
+DASHBOARD = Path(__file__).with_name("dashboard.html")
+STATS_KEYS = ("kv_cache_usage_perc", "cpu_cache_usage_perc", "num_pages_total", "num_pages_free",
+              "num_pages_used", "num_pages_cached", "num_requests_running", "num_requests_waiting",
+              "num_requests_swapped", "num_preemptions", "num_evictions", "prefix_cache_queries",
+              "prefix_cache_hits", "prompt_tokens", "prompt_tokens_cached", "generation_tokens",
+              "remote_cache_hits", "remote_cache_errors", "page_size", "kv_cache_dtype",
+              "max_model_len")
+
+
+def key_namespace(api_key: str) -> str:
+    """A tenant's cache namespace: derived from its key, never the key itself."""
+    return "key:" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
+
+
+def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
+              api_keys: list[str] | None = None, shared_cache_namespace: bool = False,
+              extra_model_names: list[str] | None = None) -> FastAPI:
+    owns_engine = isinstance(engine, LLMEngine)
+    model_name = model_name or default_model_name(engine if owns_engine else engine.engine)
+    metrics = EngineMetrics(model_name)
+    if owns_engine:
+        async_engine = AsyncEngine(engine, on_step=metrics.observe)
+    else:
+        async_engine = engine
+        previous = async_engine.on_step  # several apps may watch one engine (tests)
+        async_engine.on_step = _chain(previous, metrics.observe)
+    names = [model_name, *(n for n in extra_model_names or [] if n and n != model_name)]
+    serving = OpenAIServing(async_engine, names)
+    namespaces = {key: ("" if shared_cache_namespace else key_namespace(key)) for key in api_keys or []}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        try:
+            yield
+        finally:
+            if owns_engine:
+                async_engine.shutdown()
+
+    app = FastAPI(title="kvserve", lifespan=lifespan)
+    app.state.engine = async_engine
+    app.state.metrics = metrics
+    _add_error_handlers(app)
+
+    async def namespace(request: Request) -> str:
+        if not namespaces:
+            return ""
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        token = token.strip()
+        if scheme.lower() == "bearer":
+            for key, ns in namespaces.items():
+                if hmac.compare_digest(token.encode(), key.encode()):
+                    return ns
+        raise APIError("Incorrect API key provided; send it as `Authorization: Bearer KEY`", 401,
+                       "invalid_request_error", None, "invalid_api_key")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request, ns: str = Depends(namespace)):
+        return _respond(await serving.completions(body, raw, ns))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request,
+                               ns: str = Depends(namespace)):
+        return _respond(await serving.chat(body, raw, ns))
+
+    @app.get("/v1/models")
+    async def models(ns: str = Depends(namespace)):
+        created = int(time.time())
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "kvserve",
+             "root": names[0], "max_model_len": async_engine.engine.max_model_len}
+            for name in names]}
+
+    @app.get("/health")
+    async def health():
+        if not async_engine.is_running:
+            return JSONResponse(error_body("the engine loop is not running", "server_error"), 503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/dashboard", response_class=HTMLResponse)
+    async def dashboard():
+        return HTMLResponse(DASHBOARD.read_text(encoding="utf-8"))
+
+    @app.get("/dashboard/stats")
+    async def dashboard_stats():
+        pages = await async_engine.call(async_engine.page_states) if async_engine.is_running else None
+        return dashboard_payload(async_engine.latest_stats, pages, model_name)
+
+    return app
+
+
+def dashboard_payload(stats: dict[str, Any], pages: str | None, model_name: str) -> dict[str, Any]:
+    payload = {key: stats.get(key, 0) for key in STATS_KEYS}
+    payload.update(model=model_name, time=time.time(), prefix_cache_hit_rate=hit_rate(stats),
+                   pages=pages)
+    return payload
+
+
+def default_model_name(engine: LLMEngine) -> str:
+    name = getattr(getattr(engine.loaded, "config", None), "name", None)
+    return str(name or (Path(engine.config.model).stem if engine.config.model else "kvserve"))
+
+
+def validation_error_body(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """pydantic's first error as OpenAI's error JSON, with `param` the field's dotted path."""
+    first = errors[0] if errors else {"msg": "invalid request", "loc": (), "type": ""}
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return error_body(f"the request body is not valid JSON: {detail}".rstrip(": "))
+    # drop "body" and pydantic's union-member tags such as "str" or "list[int]"
+    path = [str(p) for p in first.get("loc", ())[1:]
+            if not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p))]
+    param = ".".join(path) or None
+    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    if param:
+        message = f"{param}: {message}"
+    return error_body(message, "invalid_request_error", param, None)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "function-after",
+              "function-before", "function-wrap"}
+
+
+def _respond(result: Any) -> Any:
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return StreamingResponse(result, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _chain(first, second):
+    if first is None:
+        return second
+
+    def both(stats, outputs):
+        first(stats, outputs)
+        second(stats, outputs)
+    return both
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, err: APIError):
+        return JSONResponse(err.body(), err.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, err: RequestValidationError):
+        return JSONResponse(validation_error_body(err.errors()), 400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, err: HTTPException):
+        type_ = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(err.detail), type_, None, None), err.status_code,
+                            headers=getattr(err, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, err: Exception):
+        log.exception("unhandled error")
+        return JSONResponse(error_body(f"internal error: {type(err).__name__}", "server_error"), 500)
+
+
+# -- kvserve serve -----------------------------------------------------------------------------
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvserve.cli import add_engine_arguments
+
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", action="append", default=None,
+                        help="require `Authorization: Bearer KEY` (repeat for several tenants)")
+    parser.add_argument("--shared-cache-namespace", action="store_true",
+                        help="let all API keys share one prefix cache (default: one per key)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name clients send (default: the model's own name)")
+    parser.add_argument("--redis-url", default=None, help="the shared KV tier, e.g. redis://127.0.0.1:6379/0")
+    parser.add_argument("--log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_arguments(parser)
+
+
+def main_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvserve.cli import engine_kwargs
+    from kvserve.config import EngineConfig
+
+    engine = LLMEngine(EngineConfig(model=args.model, redis_url=args.redis_url, **engine_kwargs(args)))
+    app = build_app(engine, model_name=args.served_model_name, api_keys=args.api_key,
+                    shared_cache_namespace=args.shared_cache_namespace,
+                    extra_model_names=[args.model] if args.model else None)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

@@ -1,0 +1,201 @@
+"""The OpenAI request schema as pydantic models, the error body, and `SamplingParams` from a request.
+
+Unknown fields are ignored (as vLLM does); known fields of the wrong type or out of range are a 400
+with OpenAI's error JSON. Fields kvserve adds: `cache_salt` (cache isolation), `top_k`, `ignore_eos`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
+                      model_validator)
+
+from kvserve.request import SamplingParams
+
+MAX_N = 16  # choices per request
+MAX_PROMPTS = 64  # prompts in one batched /v1/completions request
+MAX_STOP = 16
+MAX_LOGPROBS = 20
+
+
+
+def _utf8(text: str) -> str:
+    """JSON can carry lone surrogates (\\ud800) that no tokenizer or hash can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text must be valid Unicode (no lone surrogate code points)") from None
+    return text
+
+
+Text = Annotated[StrictStr, AfterValidator(_utf8)]
+Int64 = Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=2**31)]
+Temperature = Annotated[float, Field(ge=0.0, le=100.0, allow_inf_nan=False)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+MaxTokens = Annotated[StrictInt, Field(ge=1, le=2**31)]
+
+
+class APIError(Exception):
+    """Raised by handlers; rendered as OpenAI's `{"error": {...}}` with `status`."""
+
+    def __init__(self, message: str, status: int = 400, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type_, param, code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool | None = None
+    continuous_usage_stats: StrictBool | None = None
+
+
+class _Sampling(BaseModel):
+    """Fields both endpoints share."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: Text | None = None
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1, le=2**31)] | None = None  # -1 or 0: off
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
+    seed: Int64 | None = None
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP)] | None = None
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    user: Text | None = None
+    ignore_eos: StrictBool = False
+    cache_salt: Annotated[Text, Field(max_length=1024)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> _Sampling:
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty and frequency_penalty are not supported; send 0")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.cache_salt == "":
+            raise ValueError("cache_salt must not be empty; leave it out to share the cache")
+        return self
+
+    @property
+    def include_usage_chunk(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """Raises APIError (400) if the engine's own checks refuse the values."""
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        try:
+            return self._sampling_params(max_tokens, logprobs, [s for s in stop if s] or None)
+        except ValueError as err:
+            raise APIError(str(err)) from None
+
+    def _sampling_params(self, max_tokens: int, logprobs: int | None,
+                         stop: list[str] | None) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=max(self.top_k or 0, 0),
+            seed=self.seed,
+            stop=stop,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            cache_salt=self.cache_salt,
+        )
+
+
+PromptInput = (Text | Annotated[list[TokenId], Field(min_length=1)]
+               | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)]
+               | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                           Field(min_length=1, max_length=MAX_PROMPTS)])
+
+
+class CompletionRequest(_Sampling):
+    prompt: PromptInput
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: StrictBool = False
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _completion_only(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported (other than best_of == n)")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        return list(prompt)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: StrictStr
+    text: Text | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        for part in self.content:
+            if part.type != "text":
+                raise ValueError(f"content parts of type {part.type!r} are not supported; send text")
+        return "".join(part.text or "" for part in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @model_validator(mode="after")
+    def _chat_only(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def conversation(self) -> list[dict[str, str]]:
+        messages = []
+        for message in self.messages:
+            item = {"role": "system" if message.role == "developer" else message.role,
+                    "content": message.text()}
+            if message.name:
+                item["name"] = message.name
+            messages.append(item)
+        return messages
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens

@@ -1,0 +1,134 @@
+"""OpenAI response bodies as plain dicts: choices, chunks, usage and the two logprobs formats."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+from kvserve.request import CompletionOutput
+
+MIN_LOGPROB = -9999.0  # JSON has no -Infinity; vLLM clamps the same way
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def completion_choice(index: int, out: CompletionOutput, tokenizer, num_logprobs: int | None
+                      ) -> dict[str, Any]:
+    return {"index": index, "text": out.text, "finish_reason": out.finish_reason,
+            "logprobs": logprobs_for(False, out, 0, tokenizer, num_logprobs)}
+
+
+def chat_choice(index: int, out: CompletionOutput, tokenizer, num_logprobs: int | None
+                ) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": out.text},
+            "finish_reason": out.finish_reason,
+            "logprobs": logprobs_for(True, out, 0, tokenizer, num_logprobs)}
+
+
+def completion_response(request_id: str, created: int, model: str, choices: list, usage_: dict
+                        ) -> dict[str, Any]:
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage_}
+
+
+def chat_response(request_id: str, created: int, model: str, choices: list, usage_: dict
+                  ) -> dict[str, Any]:
+    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": usage_}
+
+
+def completion_chunk(gen, index: int, text: str, finish_reason: str | None = None,
+                     logprobs: Any = None, usage_: dict | None = None) -> dict[str, Any]:
+    chunk = {"id": gen.request_id, "object": "text_completion", "created": gen.created,
+             "model": gen.model, "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                              "finish_reason": finish_reason}]}
+    if usage_ is not None:
+        chunk["usage"] = usage_
+    return chunk
+
+
+def chat_chunk(gen, index: int, delta: dict[str, Any], finish_reason: str | None = None,
+               logprobs: Any = None, usage_: dict | None = None) -> dict[str, Any]:
+    chunk = {"id": gen.request_id, "object": "chat.completion.chunk", "created": gen.created,
+             "model": gen.model, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                              "finish_reason": finish_reason}]}
+    if usage_ is not None:
+        chunk["usage"] = usage_
+    return chunk
+
+
+def usage_chunk(gen, chat: bool) -> dict[str, Any]:
+    """stream_options.include_usage: OpenAI's extra last chunk, no choices, only usage."""
+    return {"id": gen.request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": gen.created, "model": gen.model, "choices": [], "usage": gen.usage()}
+
+
+# -- logprobs --------------------------------------------------------------------------------------
+def logprobs_for(chat: bool, out: CompletionOutput, start: int, tokenizer,
+                 num_logprobs: int | None) -> dict[str, Any] | None:
+    """Logprobs of tokens start.. of `out`. The engine gives, per token, a dict whose first key is
+    the sampled token and whose other keys are the top alternatives."""
+    if num_logprobs is None or out.logprobs is None:
+        return None
+    token_ids, entries = out.token_ids[start:], out.logprobs[start:]
+    if chat:
+        content = []
+        for token_id, entry in zip(token_ids, entries):
+            top = _top(entry, num_logprobs)
+            content.append({**_token_info(tokenizer, token_id, entry.get(token_id)),
+                            "top_logprobs": [_token_info(tokenizer, t, lp) for t, lp in top]})
+        return {"content": content}
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    offset = 0
+    for token_id, entry in zip(token_ids, entries):
+        text = token_text(tokenizer, token_id)
+        tokens.append(text)
+        token_logprobs.append(_clamp(entry.get(token_id)))
+        top_logprobs.append({token_text(tokenizer, t): _clamp(lp) for t, lp in _top(entry, num_logprobs)})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}
+
+
+def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    return sorted(entry.items(), key=lambda item: -_clamp(item[1]))[:k] if k else []
+
+
+def _clamp(logprob: float | None) -> float:
+    if logprob is None or math.isnan(logprob):
+        return MIN_LOGPROB
+    return max(float(logprob), MIN_LOGPROB)
+
+
+def _token_info(tokenizer, token_id: int, logprob: float | None) -> dict[str, Any]:
+    raw = token_bytes(tokenizer, token_id)
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": _clamp(logprob),
+            "bytes": list(raw)}
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    return token_bytes(tokenizer, token_id).decode("utf-8", errors="replace")
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """The raw bytes of one token: byte-level BPE spells bytes as printable stand-ins."""
+    piece = tokenizer.id_to_token(token_id)
+    if piece is None:
+        return b""
+    inverse = _byte_decoder()
+    if all(ch in inverse for ch in piece):
+        return bytes(inverse[ch] for ch in piece)
+    return piece.encode("utf-8")
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    from kvserve.model.tokenizer import byte_alphabet
+
+    return {ch: byte for byte, ch in byte_alphabet().items()}

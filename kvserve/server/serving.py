@@ -1,0 +1,262 @@
+"""The OpenAI endpoints' work: a request becomes one engine request per (prompt, choice); their
+outputs become one JSON response, or SSE chunks as they arrive.
+
+Text is streamed as the difference between the engine's cumulative text and what was sent, holding
+back a trailing U+FFFD (a multi-byte character split across tokens decodes to it until its last
+byte arrives) and, when stop strings are set, the last len(stop) - 1 characters (they may turn out
+to be the start of a stop string, which the engine cuts from the final text).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from starlette.requests import Request
+
+from kvserve.engine import AsyncEngine, EngineDeadError, RequestStream
+from kvserve.request import RequestOutput, SamplingParams
+from kvserve.server import render
+from kvserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+                                     error_body)
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+
+
+class TextDelta:
+    """What of the cumulative text can be sent now."""
+
+    def __init__(self, stop: list[str] | None) -> None:
+        self.sent = ""
+        self.hold = max((len(s) for s in stop or []), default=1) - 1
+
+    def update(self, text: str, finished: bool) -> str:
+        if not text.startswith(self.sent):
+            return ""  # cannot happen with byte-level BPE; never resend what was sent
+        end = len(text)
+        if not finished:
+            end = max(end - self.hold, 0)
+            while end > len(self.sent) and text[end - 1] == "\ufffd":
+                end -= 1
+        if end <= len(self.sent):
+            return ""
+        delta, self.sent = text[len(self.sent):end], text[:end]
+        return delta
+
+
+@dataclass(slots=True)
+class Choice:
+    index: int
+    prompt_index: int
+    stream: RequestStream
+    delta: TextDelta
+    output: RequestOutput | None = None
+    num_sent_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.output is not None and self.output.finished
+
+
+@dataclass(slots=True)
+class Generation:
+    """All engine requests of one API request."""
+
+    request_id: str
+    model: str
+    prompts: list[list[int]]
+    choices: list[Choice]
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def usage(self) -> dict[str, Any]:
+        firsts = {c.prompt_index: c for c in reversed(self.choices)}  # choice 0 of each prompt
+        cached = sum(c.output.num_cached_tokens for c in firsts.values() if c.output is not None)
+        completion = sum(len(c.output.outputs[0].token_ids) for c in self.choices if c.output)
+        return render.usage(sum(len(p) for p in self.prompts), completion, cached)
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, model_names: list[str]) -> None:
+        self.engine = engine
+        self.model_names = model_names
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+
+    # -- entry points --------------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest, raw: Request, namespace: str):
+        self._check_model(body.model)
+        prompts = [self._tokenize(p) for p in body.prompts()]
+        params = body.sampling_params(body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS, body.logprobs)
+        gen = await self._submit("cmpl", prompts, params, body.n, namespace)
+        if body.stream:
+            return self._sse(gen, body, chat=False)
+        await self._wait_all(gen, raw)
+        choices = [render.completion_choice(c.index, c.output.outputs[0], self.tokenizer,
+                                            body.logprobs) for c in gen.choices]
+        return render.completion_response(gen.request_id, gen.created, gen.model, choices,
+                                          gen.usage())
+
+    async def chat(self, body: ChatCompletionRequest, raw: Request, namespace: str):
+        self._check_model(body.model)
+        try:
+            text = self.engine.engine.chat_prompt(body.conversation())
+        except APIError:
+            raise
+        except Exception as err:  # template errors: jinja raises its own types
+            raise APIError(f"cannot apply the chat template: {err}", param="messages") from None
+        prompt = self._tokenize(text)
+        max_tokens = body.requested_max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - len(prompt)
+            if max_tokens < 1:
+                raise APIError(f"the conversation is {len(prompt)} tokens, at or over max_model_len "
+                               f"{self.max_model_len}; shorten it", param="messages")
+        params = body.sampling_params(max_tokens, body.num_logprobs)
+        gen = await self._submit("chatcmpl", [prompt], params, body.n, namespace)
+        if body.stream:
+            return self._sse(gen, body, chat=True)
+        await self._wait_all(gen, raw)
+        choices = [render.chat_choice(c.index, c.output.outputs[0], self.tokenizer,
+                                      body.num_logprobs) for c in gen.choices]
+        return render.chat_response(gen.request_id, gen.created, gen.model, choices, gen.usage())
+
+    # -- shared steps --------------------------------------------------------------------------
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            raise APIError(f"The model `{model}` does not exist; this server serves "
+                           f"{', '.join(self.model_names)}", 404, "NotFoundError", "model",
+                           "model_not_found")
+
+    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        try:
+            return self.tokenizer.encode(prompt, add_special_tokens=False).ids
+        except Exception as err:  # the Rust tokenizer's own errors
+            raise APIError(f"cannot tokenize the prompt: {err}", param="prompt") from None
+
+    async def _submit(self, kind: str, prompts: list[list[int]], params: SamplingParams, n: int,
+                      namespace: str) -> Generation:
+        request_id = f"{kind}-{uuid.uuid4().hex}"
+        items, choices = [], []
+        for p, prompt in enumerate(prompts):
+            for i in range(n):
+                seed = params.seed
+                if seed is not None and n > 1:  # distinct but reproducible samples
+                    seed = (seed + i + 2**63) % 2**64 - 2**63
+                items.append((prompt, replace(params, seed=seed), f"{request_id}-{p}-{i}"))
+        try:
+            streams = await self.engine.add_requests(items, namespace)
+        except ValueError as err:
+            raise APIError(str(err), param="prompt" if "prompt" in str(err) else None) from None
+        except EngineDeadError as err:
+            raise APIError(str(err), 503, "server_error") from None
+        for index, stream in enumerate(streams):
+            choices.append(Choice(index, index // n, stream, TextDelta(params.stop)))
+        model = self.model_names[0]
+        return Generation(request_id, model, prompts, choices)
+
+    def _abort_unfinished(self, gen: Generation) -> None:
+        for choice in gen.choices:
+            if not choice.finished and not choice.stream.finished:
+                self.engine.abort(choice.stream.request_id)
+
+    async def _outputs(self, gen: Generation) -> AsyncIterator[Choice]:
+        """Each choice as it gets a new output (choice.output updated), until all finish."""
+        merged: asyncio.Queue[tuple[Choice, RequestOutput | BaseException]] = asyncio.Queue()
+
+        async def pump(choice: Choice) -> None:
+            try:
+                async for output in choice.stream:
+                    merged.put_nowait((choice, output))
+            except Exception as err:
+                merged.put_nowait((choice, err))
+
+        tasks = [asyncio.create_task(pump(c)) for c in gen.choices]
+        try:
+            remaining = len(gen.choices)
+            while remaining:
+                choice, item = await merged.get()
+                if isinstance(item, BaseException):
+                    raise APIError(str(item), 503, "server_error")
+                choice.output = item
+                remaining -= item.finished
+                yield choice
+        finally:
+            for task in tasks:
+                task.cancel()
+            self._abort_unfinished(gen)
+
+    async def _wait_all(self, gen: Generation, raw: Request) -> None:
+        """Collect every final output; a client that disconnects first aborts the requests."""
+        async def collect() -> None:
+            outputs = self._outputs(gen)
+            try:
+                async for _ in outputs:
+                    pass
+            finally:
+                await outputs.aclose()
+
+        work = asyncio.ensure_future(collect())
+        watch = asyncio.ensure_future(_disconnected(raw))
+        try:
+            await asyncio.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()  # the client left: its requests are aborted, pages freed
+                self._abort_unfinished(gen)
+        if not work.done():
+            raise APIError("the client closed the connection", 499, code="client_closed_request")
+        work.result()
+
+    async def _sse(self, gen: Generation, body: Any, chat: bool) -> AsyncIterator[str]:
+        """The SSE body, returned unstarted: errors before it are plain 4xx responses."""
+        chunk = render.chat_chunk if chat else render.completion_chunk
+        num_logprobs = body.num_logprobs if chat else body.logprobs
+        every_usage = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+        outputs = self._outputs(gen)
+        try:
+            if chat:
+                for c in gen.choices:
+                    yield _sse(chunk(gen, c.index, {"role": "assistant", "content": ""}))
+            num_finished = 0
+            async for c in outputs:
+                completion = c.output.outputs[0]
+                text = c.delta.update(completion.text, c.output.finished)
+                new_tokens = completion.token_ids[c.num_sent_tokens:]
+                if not text and not c.output.finished and not (num_logprobs is not None and new_tokens):
+                    continue
+                logprobs = render.logprobs_for(chat, completion, c.num_sent_tokens, self.tokenizer,
+                                               num_logprobs)
+                c.num_sent_tokens = len(completion.token_ids)
+                reason = completion.finish_reason if c.output.finished else None
+                num_finished += c.output.finished
+                last = num_finished == len(gen.choices)
+                usage = gen.usage() if every_usage or (last and not body.include_usage_chunk) else None
+                delta = {"content": text} if chat else text
+                yield _sse(chunk(gen, c.index, delta, reason, logprobs, usage))
+            if body.include_usage_chunk:
+                yield _sse(render.usage_chunk(gen, chat))
+        except APIError as err:
+            yield _sse(error_body(err.message, err.type, err.param, err.code))
+        finally:
+            await outputs.aclose()
+        yield "data: [DONE]\n\n"
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _disconnected(raw: Request) -> None:
+    """Returns when the client closes the connection (the body was already read)."""
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return

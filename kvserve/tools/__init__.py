@@ -1,0 +1,1 @@
+"""Offline tools: capacity planning, provider prompt-cache cost, trace simulation. No torch here."""

@@ -1,0 +1,68 @@
+"""Shared test factories: engines that are checked for leaked pages after every test, and the
+transformers reference on the same GGUF weights."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+WORKLOADS = Path(os.environ.get("KVSERVE_WORKLOADS", SHARED / "workloads"))
+
+_engines: list = []
+
+
+def make_llm(**kwargs):
+    """An LLM whose pool is checked to be empty (no page in use) when the test ends."""
+    from kvserve import LLM
+
+    llm = LLM(**kwargs)
+    _engines.append(llm)
+    return llm
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_pages():
+    yield
+    engines = list(_engines)
+    _engines.clear()
+    for llm in engines:
+        manager = llm.engine.manager
+        assert not llm.engine.has_unfinished(), "a request was left unfinished"
+        assert manager.num_used_pages == 0, f"{manager.num_used_pages} pages leaked"
+        manager.check_invariants()
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    """Greedy continuation by transformers (float32) loading the same GGUF, token by token."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvserve.model.gguf_loader import bundled_model_path
+
+    path = Path(bundled_model_path())
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=torch.float32)
+    model.eval()
+    memo: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def greedy(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        key = (tuple(prompt_ids), max_new_tokens)
+        if key not in memo:
+            out: list[int] = []
+            with torch.inference_mode():
+                ids = torch.tensor([prompt_ids])
+                past = None
+                for _ in range(max_new_tokens):
+                    result = model(input_ids=ids, past_key_values=past, use_cache=True)
+                    past = result.past_key_values
+                    token = int(result.logits[0, -1].argmax())
+                    out.append(token)
+                    ids = torch.tensor([[token]])
+            memo[key] = out
+        return memo[key]
+
+    return greedy

@@ -1,0 +1,69 @@
+"""Paged attention equals dense causal attention over each sequence's full K/V, for batches that mix
+decode tokens and prefill chunks, any page size and scattered page ids."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvserve.model.attention import AttentionMetadata, paged_attention, write_kv
+
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 16
+
+
+def dense_reference(q, k, v, start):
+    """q [n, H, D] at positions start..start+n-1; k, v [start+n, KVH, D] of the whole context."""
+    n, ctx = q.shape[0], k.shape[0]
+    group = HEADS // KV_HEADS
+    k = k.repeat_interleave(group, 1).transpose(0, 1)  # [H, ctx, D]
+    v = v.repeat_interleave(group, 1).transpose(0, 1)
+    scores = q.transpose(0, 1) @ k.transpose(1, 2) / HEAD_DIM**0.5  # [H, n, ctx]
+    allowed = torch.arange(ctx)[None, :] <= (start + torch.arange(n))[:, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(0, 1)  # [n, H, D]
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_mixed_batch_matches_dense_attention(page_size):
+    gen = torch.Generator().manual_seed(page_size)
+    # (context already cached, new tokens): decodes, a fresh prefill, a mid-page chunk, a 1-token prompt
+    shapes = [(9, 1), (0, 7), (13, 6), (30, 1), (0, 1), (5, 11)]
+    num_pages = 1 + sum(-(-(c + n) // page_size) for c, n in shapes)
+    pages = list(range(1, num_pages))
+    random.Random(page_size).shuffle(pages)
+    k_cache = torch.zeros(num_pages, page_size, KV_HEADS, HEAD_DIM)
+    v_cache = torch.zeros_like(k_cache)
+
+    seqs, block_tables = [], []
+    for cached, new in shapes:
+        total = cached + new
+        k = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen)
+        v = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen)
+        q = torch.randn(new, HEADS, HEAD_DIM, generator=gen)
+        bt = [pages.pop() for _ in range(-(-total // page_size))]
+        if cached:  # the earlier context is already in the cache
+            meta = AttentionMetadata.build([0], [cached], [bt], page_size)
+            write_kv(k_cache, v_cache, k[:cached], v[:cached], meta.slot_mapping)
+        seqs.append((q, k, v, cached))
+        block_tables.append(bt + [0] * 2)  # tables may be longer than needed
+
+    meta = AttentionMetadata.build([c for c, _ in shapes], [n for _, n in shapes], block_tables, page_size)
+    q_all = torch.cat([q for q, *_ in seqs])
+    write_kv(k_cache, v_cache, torch.cat([k[c:] for _, k, _, c in seqs]),
+             torch.cat([v[c:] for _, _, v, c in seqs]), meta.slot_mapping)
+    out = paged_attention(q_all, k_cache, v_cache, meta)
+
+    assert meta.num_decode == 3 and len(meta.prefills) == 3
+    row = 0
+    for q, k, v, cached in seqs:
+        expected = dense_reference(q, k, v, cached)
+        torch.testing.assert_close(out[row : row + q.shape[0]], expected, atol=1e-5, rtol=1e-5)
+        row += q.shape[0]
+
+
+def test_slot_mapping_and_positions():
+    meta = AttentionMetadata.build([3, 0], [2, 3], [[7, 2], [5, 6]], page_size=4)
+    assert meta.positions.tolist() == [3, 4, 0, 1, 2]
+    assert meta.slot_mapping.tolist() == [7 * 4 + 3, 2 * 4 + 0, 5 * 4, 5 * 4 + 1, 5 * 4 + 2]

@@ -1,0 +1,82 @@
+"""Sampling: greedy is argmax, seeded draws are reproducible and depend only on (seed, position),
+top-k / top-p restrict the support, logprobs are log-softmax of the raw logits."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvserve.model.sampler import sample
+from kvserve.scheduler import ScheduledSeq
+
+
+def seq(**kw) -> ScheduledSeq:
+    return ScheduledSeq("r", [0], 0, [1], True, **kw)
+
+
+def logits_rows(n: int = 4, vocab: int = 100, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax():
+    logits = logits_rows()
+    got = [t.token_id for t in sample(logits, [seq() for _ in range(4)])]
+    assert got == logits.argmax(-1).tolist()
+    assert all(t.logprob is None and t.top_logprobs is None for t in sample(logits, [seq()] * 4))
+
+
+def test_seeded_sampling_is_reproducible_and_stateless():
+    logits = logits_rows(1, 1000)
+    draws = lambda n_out: [sample(logits, [seq(temperature=1.0, seed=7, num_output_tokens=n_out)])[0].token_id
+                           for _ in range(3)]
+    first = draws(5)
+    torch.rand(10)  # global RNG use in between must not matter
+    assert draws(5) == first and len(set(first)) == 1
+    # a different position or seed gives (for a flat distribution, almost surely) another token
+    flat = torch.zeros(1, 1000)
+    tokens = {sample(flat, [seq(temperature=1.0, seed=7, num_output_tokens=i)])[0].token_id for i in range(20)}
+    assert len(tokens) > 10
+    # the same seed in a batch, next to other rows, gives the same token
+    batch = torch.cat([logits_rows(3, 1000, seed=1), logits])
+    mixed = sample(batch, [seq(), seq(temperature=0.7), seq(temperature=1.0, seed=3),
+                           seq(temperature=1.0, seed=7, num_output_tokens=5)])
+    assert mixed[3].token_id == first[0]
+
+
+def test_top_k_one_equals_greedy():
+    logits = logits_rows(8, 500)
+    seqs = [seq(temperature=1.5, top_k=1, seed=i) for i in range(8)]
+    assert [t.token_id for t in sample(logits, seqs)] == logits.argmax(-1).tolist()
+
+
+def test_top_k_and_top_p_restrict_support():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 0.0, -1.0, -2.0]])
+    top3 = {sample(logits, [seq(temperature=5.0, top_k=3, seed=i)])[0].token_id for i in range(200)}
+    assert top3 == {0, 1, 2}
+    probs = logits.softmax(-1)[0]  # ~[0.66, 0.24, 0.09, ...]: top_p 0.8 keeps the first two
+    assert probs[0] < 0.8 < probs[0] + probs[1]
+    top_p = {sample(logits, [seq(temperature=1.0, top_p=0.8, seed=i)])[0].token_id for i in range(200)}
+    assert top_p == {0, 1}
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
+    counts = [0, 0, 0]
+    for i in range(600):
+        counts[sample(logits, [seq(temperature=1.0, seed=i)])[0].token_id] += 1
+    assert 360 < counts[0] < 480 and 70 < counts[1] < 170 and counts[2] < 110
+
+
+def test_logprobs():
+    logits = logits_rows(3, 200)
+    out = sample(logits, [seq(logprobs=5), seq(), seq(temperature=0.9, seed=1, logprobs=0)])
+    logp = torch.log_softmax(logits, -1)
+    assert math.isclose(out[0].logprob, logp[0, out[0].token_id].item(), rel_tol=1e-6)
+    assert len(out[0].top_logprobs) == 5
+    assert list(out[0].top_logprobs) == logp[0].topk(5).indices.tolist()
+    assert out[0].top_logprobs[out[0].token_id] == out[0].logprob  # greedy pick is the top one
+    assert sum(math.exp(v) for v in out[0].top_logprobs.values()) <= 1.0 + 1e-6
+    assert math.isclose(sum(math.exp(v) for v in logp[0].tolist()), 1.0, rel_tol=1e-5)
+    assert out[1].logprob is None and out[2].top_logprobs == {}
+    assert out[2].logprob <= 0.0

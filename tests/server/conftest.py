@@ -1,0 +1,99 @@
+"""A real kvserve server on a free loopback port, shared by the server tests: one small engine
+(256 MiB of KV pages, max_model_len 2048) behind uvicorn in a background thread."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+
+SMALL_ENGINE = dict(kv_cache_memory="256MiB", max_model_len=2048)
+
+
+class ServerThread:
+    """uvicorn serving `app` on 127.0.0.1:<free port> in a daemon thread."""
+
+    def __init__(self, app) -> None:
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+
+def on_engine(async_engine, fn, timeout: float = 60):
+    """Run fn on the engine thread (between steps) from a test thread."""
+    async def run():
+        return await asyncio.wait_for(async_engine.call(fn), timeout)
+    return asyncio.run(run())
+
+
+def wait_no_pages_in_use(async_engine, timeout: float = 60) -> None:
+    """Aborts are asynchronous: wait until the engine holds no request and no page, then check the
+    cache invariants."""
+    manager = async_engine.engine.manager
+    deadline = time.monotonic() + timeout
+    while True:
+        used, busy = on_engine(async_engine, lambda: (manager.num_used_pages,
+                                                      async_engine.engine.has_unfinished()))
+        if used == 0 and not busy:
+            break
+        assert time.monotonic() < deadline, f"{used} pages still in use, unfinished={busy}"
+        time.sleep(0.1)
+    on_engine(async_engine, manager.check_invariants)
+
+
+@pytest.fixture(scope="session")
+def async_engine():
+    from kvserve.config import EngineConfig
+    from kvserve.engine import AsyncEngine, LLMEngine
+
+    engine = AsyncEngine(LLMEngine(EngineConfig(**SMALL_ENGINE))).start()
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def server(async_engine):
+    """The default server: no API key."""
+    from kvserve.server.api import build_app
+
+    with ServerThread(build_app(async_engine)) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def model_name(async_engine) -> str:
+    from kvserve.server.api import default_model_name
+
+    return default_model_name(async_engine.engine)
+
+
+@pytest.fixture
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=300, max_retries=0)

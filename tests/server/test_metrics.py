@@ -1,0 +1,83 @@
+"""/metrics is Prometheus text that prometheus_client parses, with every name of DESIGN.md §4, and its
+counters move as requests run; /dashboard/stats agrees with it."""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.conftest import wait_no_pages_in_use
+
+DESIGN_NAMES = [
+    "kvserve:kv_cache_usage_perc", "kvserve:cpu_cache_usage_perc",
+    "kvserve:prefix_cache_queries_total", "kvserve:prefix_cache_hits_total",
+    "kvserve:num_preemptions_total", "kvserve:num_requests_running",
+    "kvserve:num_requests_waiting", "kvserve:num_requests_swapped", "kvserve:prompt_tokens_total",
+    "kvserve:generation_tokens_total", "kvserve:prompt_tokens_cached_total",
+    "kvserve:time_to_first_token_seconds", "kvserve:time_per_output_token_seconds",
+    "kvserve:e2e_request_latency_seconds", "kvserve:remote_cache_hits_total",
+    "kvserve:remote_cache_errors_total",
+]
+
+
+def scrape(url: str) -> dict[str, float]:
+    """sample name -> value, summed over labels (one model here); histograms as _count / _sum."""
+    r = httpx.get(url + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            if sample.name.endswith("_bucket"):
+                continue
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+def test_every_design_name_is_exported(server):
+    values = scrape(server.url)
+    for name in DESIGN_NAMES:
+        if name.endswith("_seconds"):
+            assert name + "_count" in values and name + "_sum" in values, name
+        else:
+            assert name in values, name
+
+
+def test_counters_move_as_requests_run(server, client, model_name, async_engine):
+    before = scrape(server.url)
+    prompt = f"Metrics check {uuid.uuid4().hex}: " + "the tide comes in and goes out. " * 12
+    for _ in range(2):  # the second run hits the first one's pages
+        client.completions.create(model=model_name, prompt=prompt, max_tokens=6, temperature=0.0,
+                                  extra_body={"ignore_eos": True})
+    wait_no_pages_in_use(async_engine)
+    after = scrape(server.url)
+
+    def moved(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    prompt_tokens = 2 * async_engine.engine.tokenizer.encode(prompt, add_special_tokens=False).ids.__len__()
+    assert moved("kvserve:prompt_tokens_total") == prompt_tokens
+    assert moved("kvserve:generation_tokens_total") == 12
+    assert moved("kvserve:prefix_cache_queries_total") >= prompt_tokens / 2
+    assert moved("kvserve:prefix_cache_hits_total") >= 64
+    assert moved("kvserve:prompt_tokens_cached_total") >= 64
+    for name in ("time_to_first_token_seconds", "time_per_output_token_seconds",
+                 "e2e_request_latency_seconds"):
+        assert moved(f"kvserve:{name}_count") == 2
+        assert moved(f"kvserve:{name}_sum") > 0
+    assert moved('kvserve:request_success_total') == 2
+    assert after["kvserve:num_requests_running"] == 0 and after["kvserve:kv_cache_usage_perc"] == 0
+
+
+def test_dashboard_stats_agree_with_metrics(server, async_engine):
+    wait_no_pages_in_use(async_engine)
+    stats = httpx.get(server.url + "/dashboard/stats").json()
+    values = scrape(server.url)
+    assert stats["prefix_cache_queries"] == values["kvserve:prefix_cache_queries_total"]
+    assert stats["prefix_cache_hits"] == values["kvserve:prefix_cache_hits_total"]
+    assert stats["num_pages_total"] == values["kvserve:num_pages_total"]
+    pages = stats["pages"]
+    assert len(pages) == stats["num_pages_total"] + 1 and pages[0] == "4"  # page 0: the null page
+    assert set(pages[1:]) <= {"0", "1"}  # idle: every page free or cached idle
+    assert pages.count("1") == stats["num_pages_cached"]

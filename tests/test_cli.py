@@ -1,0 +1,41 @@
+"""`kvserve generate` prints a completion; user mistakes end as one line on stderr, exit status 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from kvserve.cli import main
+
+
+def test_generate_prints_the_completion(capsys):
+    assert main(["generate", "The capital of France is", "--max-tokens", "6"]) == 0
+    assert capsys.readouterr().out.strip()
+
+
+def test_unknown_model_is_one_line_on_stderr(capsys):
+    assert main(["generate", "hi", "--model", "/no/such/model.gguf"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvserve: error: model not found") and "\n" not in err
+
+
+def test_context_that_cannot_fit_is_one_line(capsys):
+    assert main(["generate", "hi", "--kv-cache-memory", "4MiB", "--max-model-len", "4096"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--kv-cache-memory" in err and "4096" in err and "\n" not in err
+
+
+def test_bad_flag_values_are_one_line(capsys):
+    assert main(["generate", "hi", "--page-size", "3"]) == 2
+    assert "power of two" in capsys.readouterr().err
+    assert main(["generate", "hi", "--max-tokens", "0"]) == 2
+    assert "max_tokens" in capsys.readouterr().err
+    assert main(["generate", "hi", "--temperature", "-1"]) == 2
+    assert "temperature" in capsys.readouterr().err
+
+
+def test_console_script_runs_as_a_process():
+    result = subprocess.run([sys.executable, "-m", "kvserve.cli", "generate", "--chat", "Say hi",
+                             "--max-tokens", "8"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()

@@ -1,0 +1,150 @@
+"""The engine's greedy tokens equal transformers' on the same GGUF weights, one request at a time and
+all together in one continuous batch with chunked prefill, at several page sizes; bad input gets a
+clear error and the engine keeps serving."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvserve import SamplingParams
+from kvserve.config import ConfigError
+from tests.conftest import WORKLOADS, make_llm
+
+NEW_TOKENS = 48
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def _handbook() -> str:
+    with open(WORKLOADS / "w1.jsonl") as f:
+        return json.loads(f.readline())["prompt"]
+
+
+def varied_prompts(tokenizer) -> list[list[int]]:
+    """Ten prompts from 5 to ~1,500 tokens: prose, code, unicode, numbers, chat markup."""
+    handbook = _handbook()
+    texts = [
+        "The capital of France is",
+        "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+        "Translate to French: The weather is lovely today, and the café on the corner — "
+        "the one with the blue door — has reopened. Über alles: naïve façade, 東京, emoji 🚢.",
+        "1, 1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233, 377, 610, 987, 1597, 2584, 4181, 6765,",
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+        "Give me three tips for writing clear commit messages.<|im_end|>\n<|im_start|>assistant\n",
+        handbook[:1200] + "\n\nUser: How do I report a data breach?\nAssistant:",
+        "Once upon a time, in a harbour town where the fog never lifted, " * 12,
+        handbook[:3000] + "\n\nSummary of the rules above:",
+        handbook[2000:6000] + "\n\nQuestion: what happens if a delivery is late?\nAnswer:",
+        handbook + "\n\nUser: Who approves overtime?\nAssistant:",
+    ]
+    prompts = [tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
+    lengths = sorted(len(p) for p in prompts)
+    assert lengths[0] <= 8 and lengths[-1] >= 1400, lengths
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    from kvserve.model.gguf_loader import bundled_model_path, load_gguf
+
+    return varied_prompts(load_gguf(bundled_model_path()).tokenizer)
+
+
+def _generate(llm, prompt_ids: list[list[int]]) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], GREEDY)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 128])
+def test_continuous_batch_with_chunked_prefill_equals_transformers(page_size, prompts, hf_reference):
+    llm = make_llm(page_size=page_size, max_num_batched_tokens=256, prefix_cache="off")
+    got = _generate(llm, prompts)
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == hf_reference(prompt, NEW_TOKENS), f"prompt of {len(prompt)} tokens"
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 128])
+def test_one_request_at_a_time_equals_transformers(page_size, prompts, hf_reference):
+    llm = make_llm(page_size=page_size, prefix_cache="off")
+    for prompt in prompts:
+        assert _generate(llm, [prompt])[0] == hf_reference(prompt, NEW_TOKENS)
+
+
+def test_text_prompt_and_finish_reasons():
+    llm = make_llm()
+    out = llm.generate("The capital of France is", SamplingParams(max_tokens=5))[0]
+    assert out.outputs[0].finish_reason in ("length", "stop")
+    assert len(out.outputs[0].token_ids) <= 5
+    assert out.outputs[0].text == llm.engine.decode(out.outputs[0].token_ids)
+    assert out.metrics.ttft_s is not None and out.metrics.ttft_s >= 0
+
+
+def test_stop_string_cuts_the_text():
+    llm = make_llm()
+    free = llm.generate("Count: 1, 2, 3, 4,", SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    text = free.outputs[0].text
+    stop = text.strip()[:2] if text.strip() else "5"
+    cut = llm.generate("Count: 1, 2, 3, 4,", SamplingParams(max_tokens=24, stop=[stop]))[0]
+    assert cut.outputs[0].finish_reason == "stop"
+    assert stop not in cut.outputs[0].text
+    assert text.startswith(cut.outputs[0].text)
+
+
+def test_chat_applies_the_template():
+    llm = make_llm()
+    out = llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(max_tokens=8))[0]
+    tokenizer = llm.get_tokenizer()
+    assert "<|im_start|>assistant" in tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+
+
+def test_pages_return_to_the_pool_after_abort():
+    llm = make_llm(max_num_batched_tokens=64)
+    engine = llm.engine
+    ids = [engine.add_request({"prompt_token_ids": list(range(100, 300))}, GREEDY) for _ in range(3)]
+    engine.step()
+    engine.step()
+    assert engine.manager.num_used_pages > 0
+    for rid in ids:
+        out = engine.abort(rid)
+        assert out is not None and out.outputs[0].finish_reason == "abort"
+    assert engine.manager.num_used_pages == 0
+    assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ("", SamplingParams(), "empty"),
+    ({"prompt_token_ids": []}, SamplingParams(), "empty"),
+    ({"prompt_token_ids": [1, 2, 10**9]}, SamplingParams(), "token ids"),
+    ("x " * 600, SamplingParams(max_tokens=8), "max_model_len"),
+])
+def test_bad_request_is_rejected_and_the_engine_keeps_serving(prompt, params, message):
+    llm = make_llm(max_model_len=512, kv_cache_memory="64MiB")
+    with pytest.raises(ValueError, match=message):
+        llm.generate([prompt, "Hello"], params)
+    assert not llm.engine.has_unfinished()
+    out = llm.generate("Hello, my name is", SamplingParams(max_tokens=4))[0]
+    assert len(out.outputs[0].token_ids) >= 1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+])
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_model_path_is_a_config_error():
+    with pytest.raises(ConfigError, match="model not found"):
+        make_llm(model="/nonexistent/model.gguf")
+
+
+def test_context_that_cannot_fit_stops_start_up_with_both_numbers():
+    with pytest.raises(ConfigError) as err:
+        make_llm(kv_cache_memory="8MiB", max_model_len=8192)
+    message = str(err.value)
+    assert "8192" in message and "--kv-cache-memory" in message and "--max-model-len" in message
+    assert "\n" not in message

@@ -9,6 +9,9 @@ PROMPT ?= Write one sentence about the sea.
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
+	# system packages the tests use: headless Chromium (dashboard test) and redis-server (shared tier)
+	command -v chromium >/dev/null && command -v redis-server >/dev/null || \
+	  (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium chromium-driver redis-server)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first, pinned to the CPU build this machine carries, so nothing pulls a CUDA build

@@ -1,8 +1,9 @@
 """kvserve: an LLM inference server built around its KV cache. Public API: LLM, SamplingParams, RequestOutput."""
 
+from kvserve.beam_search import BeamSearchParams
 from kvserve.request import CompletionOutput, RequestOutput, SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name: str):

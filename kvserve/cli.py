@@ -88,7 +88,25 @@ def _tool_registrars() -> list[Callable[[argparse._SubParsersAction], None]]:
         pricing.add_cost_arguments(p)
         p.set_defaults(func=pricing.main_cost)
 
-    return [plan, cost]
+    def simulate(sub):
+        from kvserve.tools import simulate
+        p = sub.add_parser("simulate", help="replay a trace through the prefix cache: hit rates and diagnosis")
+        simulate.add_simulate_arguments(p)
+        p.set_defaults(func=simulate.main_simulate)
+
+    def serve(sub):
+        from kvserve import server
+        p = sub.add_parser("serve", help="the OpenAI-compatible HTTP server, /metrics and /dashboard")
+        server.add_serve_arguments(p)
+        p.set_defaults(func=server.main_serve)
+
+    def bench(sub):
+        from kvserve.tools import bench
+        p = sub.add_parser("bench", help="benchmark a workload through kvserve and a peer, side by side")
+        bench.add_bench_arguments(p)
+        p.set_defaults(func=bench.main_bench)
+
+    return [plan, cost, simulate, serve, bench]
 
 
 def main(argv: list[str] | None = None) -> int:

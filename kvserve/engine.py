@@ -12,6 +12,7 @@ import time
 from dataclasses import replace
 from typing import Any, Iterable
 
+from kvserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from kvserve.cache.manager import KVCacheManager
 from kvserve.cache.tiers import HostTier
 from kvserve.config import (CacheConfig, ConfigError, EngineConfig, PrefixCachePolicy,
@@ -54,8 +55,9 @@ class LLMEngine:
         self.loaded = load_gguf(resolve_model_path(config.model))
         self.tokenizer = self.loaded.tokenizer
         self.cache_config, self.max_model_len = plan_cache(config, self.loaded)
-        self.manager = KVCacheManager(self.cache_config.num_pages, config.page_size,
-                                      self.cache_config.prefix_cache)
+        self.manager = KVCacheManager(
+            self.cache_config.num_pages, config.page_size, self.cache_config.prefix_cache,
+            partial_page_hits=not self.cache_config.kv_dtype.scale_bytes_per_page_head)
         self.runner = ModelRunner(self.loaded, self.cache_config.num_pages, config.page_size,
                                   self.cache_config.kv_dtype, device=config.device, dtype=config.dtype)
         self.host_tier = HostTier(parse_bytes(config.swap_space), self.runner.page_bytes)
@@ -273,6 +275,13 @@ class LLM:
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams
+                    ) -> list[BeamSearchOutput]:
+        """vLLM V1's beam search: beams share pages through the prefix cache (keep it on)."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        return [beam_search(self.engine, p, params) for p in prompts]
 
 
 # -- AsyncEngine: the engine loop in the background, one output queue per request --------------

@@ -36,8 +36,8 @@ def no_leaked_pages():
 
 
 @pytest.fixture(scope="session")
-def hf_reference():
-    """Greedy continuation by transformers (float32) loading the same GGUF, token by token."""
+def hf_model():
+    """transformers (float32) loading the same GGUF file as the engine."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -46,7 +46,15 @@ def hf_reference():
     path = Path(bundled_model_path())
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                  dtype=torch.float32)
-    model.eval()
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_reference(hf_model):
+    """Greedy continuation by transformers, token by token (a manual loop: no EOS handling)."""
+    import torch
+
+    model = hf_model
     memo: dict[tuple[tuple[int, ...], int], list[int]] = {}
 
     def greedy(prompt_ids: list[int], max_new_tokens: int) -> list[int]:

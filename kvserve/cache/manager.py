@@ -49,7 +49,8 @@ def _cdiv(a: int, b: int) -> int:
 
 class KVCacheManager:
     def __init__(self, num_pages: int, page_size: int,
-                 policy: PrefixCachePolicy | str = PrefixCachePolicy.RADIX) -> None:
+                 policy: PrefixCachePolicy | str = PrefixCachePolicy.RADIX,
+                 partial_page_hits: bool = True) -> None:
         if page_size < 1:
             raise ConfigError(f"page_size must be at least 1, got {page_size}")
         if num_pages < 2:
@@ -60,6 +61,10 @@ class KVCacheManager:
             raise ConfigError(f"prefix cache policy must be radix, hash or off, got {policy!r}") from None
         self.num_pages = num_pages
         self.page_size = page_size
+        # False for KV dtypes with per-page scales (int8/int4): a page's scale depends on all its
+        # tokens, so a copied partial page would carry the other request's tokens into this one's
+        # numbers; hits then end on a page boundary and the rest of that page is recomputed.
+        self.partial_page_hits = partial_page_hits
         self.pool = PagePool(num_pages)
         self.index: HashPrefixIndex | RadixPrefixIndex | None = None
         if self.policy is PrefixCachePolicy.HASH:
@@ -78,6 +83,8 @@ class KVCacheManager:
             return PrefixHit()
         pages, num_tokens = self.index.match(list(token_ids), namespace)
         num_tokens = min(num_tokens, len(token_ids) - 1)
+        if not self.partial_page_hits:
+            num_tokens -= num_tokens % self.page_size
         return PrefixHit(pages[:_cdiv(num_tokens, self.page_size)], num_tokens)
 
     def allocate(self, seq_id: str, token_ids: list[int], namespace: str, hit: PrefixHit,
@@ -162,7 +169,7 @@ class KVCacheManager:
             return
         token_ids = list(token_ids)
         self._extend_hashes(seq, token_ids, end)
-        self.index.insert(token_ids, seq.namespace, seq.block_table, seq.page_hashes, start, end)
+        end = self.index.insert(token_ids, seq.namespace, seq.block_table, seq.page_hashes, start, end)
         seq.committed_token_ids.extend(token_ids[start * ps:end * ps])
         seq.num_committed_pages = end
 
@@ -193,7 +200,9 @@ class KVCacheManager:
 
     def allocate_pages(self, seq_id: str, namespace: str, num_pages: int) -> list[int] | None:
         """Fresh pages for a sequence whose contents come from elsewhere (swap-in from the host tier):
-        no prefix lookup, nothing counted; the pages are committed again as the sequence goes on."""
+        no prefix lookup, nothing counted; the pages are committed again as the sequence goes on
+        (radix then swaps any whose content is cached for the cached page). None, with nothing
+        changed, if pages are short."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already has pages")
         pages = self.pool.allocate(num_pages)

@@ -9,11 +9,15 @@ wrong page.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvserve.cache.hashing import page_hash
+from kvserve.cache.hashing import page_hash, page_hashes
 from kvserve.cache.pages import PagePool
+
+
+CHAIN_MEMO_SIZE = 256  # queries whose page hashes are remembered
 
 
 @dataclass(slots=True)
@@ -30,6 +34,8 @@ class HashPrefixIndex:
         self._pool = pool
         self._page_by_hash: dict[bytes, int] = {}
         self._entries: dict[int, _Entry] = {}
+        # The scheduler looks up every waiting request each step: remember their hash chains.
+        self._chains: OrderedDict[tuple, list[bytes]] = OrderedDict()
         pool.listener = self
 
     def __len__(self) -> int:
@@ -40,9 +46,8 @@ class HashPrefixIndex:
         ps = self.page_size
         pages: list[int] = []
         parent: bytes | None = None
-        for i in range(len(token_ids) // ps):
+        for i, h in enumerate(self._chain(token_ids, namespace)):
             tokens = tuple(token_ids[i * ps:(i + 1) * ps])
-            h = page_hash(parent, tokens, namespace)
             page = self._page_by_hash.get(h)
             if page is None:
                 break
@@ -54,13 +59,25 @@ class HashPrefixIndex:
             parent = h
         return pages, len(pages) * ps
 
+    def _chain(self, token_ids: Sequence[int], namespace: str) -> list[bytes]:
+        key = (namespace, tuple(token_ids[:len(token_ids) // self.page_size * self.page_size]))
+        chain = self._chains.get(key)
+        if chain is None:
+            chain = self._chains[key] = page_hashes(key[1], self.page_size, namespace)
+            if len(self._chains) > CHAIN_MEMO_SIZE:
+                self._chains.popitem(last=False)
+        else:
+            self._chains.move_to_end(key)
+        return chain
+
     def on_hit(self, token_ids: Sequence[int], namespace: str, num_pages: int) -> None:
         """Nothing to do: taking refs on the pages already took them off the pool's LRU."""
 
     def insert(self, token_ids: Sequence[int], namespace: str, block_table: list[int],
-               page_hashes: list[bytes], start_page: int, end_page: int) -> None:
+               page_hashes: list[bytes], start_page: int, end_page: int) -> int:
         """Index pages start_page..end_page-1 of a sequence (all full of computed tokens). A page whose
-        content is already cached in another page stays private: the first copy wins."""
+        content is already cached in another page stays private: the first copy wins. Returns
+        end_page (all of them are committed)."""
         ps = self.page_size
         for i in range(start_page, end_page):
             page, h = block_table[i], page_hashes[i]
@@ -74,6 +91,7 @@ class HashPrefixIndex:
             self._entries[page] = _Entry(h, parent, namespace if parent is None else "",
                                          tuple(token_ids[i * ps:(i + 1) * ps]))
             self._pool.mark_cached(page)
+        return end_page
 
     def page_tokens(self, page_id: int) -> tuple[int, ...] | None:
         entry = self._entries.get(page_id)

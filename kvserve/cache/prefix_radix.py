@@ -5,14 +5,14 @@ holds a run of pages (their tokens and page ids); its children are keyed by thei
                                                 └─ [question 2: p9]        a child per first page
 
 Matching is token-granular: a query that diverges inside a cached page still hits that page as a
-partial page (the manager copies it). Using a hit splits the node where the hit ends, so the unused
-rest keeps its older access time.
+partial page (the manager copies it). Using part of a run (a hit, or a commit that retraces cached
+content) splits the node where the use ends, so the unused rest keeps its older access time.
 
 Locks are the pool's ref counts. Whoever holds a tree page holds its whole path from the root (hits
 start at the root; a commit that finds its content already cached swaps its own page for the cached
-one), so refs never grow going down a path: a page in use locks its path up to the root, as
-SGLang's lock_ref does, and every cached idle page becomes an evictable leaf page once the idle
-pages below it are gone. The pool asks `choose_victim` whenever it has no uncached free page: the
+one, or stops indexing there while a fork shares its copy), so refs never grow going down a path:
+a page in use locks its path up to the root, as SGLang's lock_ref does, and every cached idle page
+becomes an evictable leaf page once the idle pages below it are gone. The pool asks `choose_victim` whenever it has no uncached free page: the
 last page of the least recently used leaf whose last page is idle (a lazy heap).
 """
 
@@ -81,16 +81,29 @@ class RadixPrefixIndex:
                 if best_len:
                     pages.append(best_page)
                 return pages, pos + best_len
-            for j, page in enumerate(child.page_ids):
-                run = child.token_ids[j * ps:(j + 1) * ps]
-                length = _common_prefix_len(run, token_ids[pos:pos + ps])
+            num_full = self._num_equal_pages(child, token_ids, pos, (n - pos) // ps)
+            pages += child.page_ids[:num_full]
+            pos += num_full * ps
+            if num_full < len(child.page_ids):  # ends or diverges inside page num_full of the run
+                length = _common_prefix_len(child.token_ids[num_full * ps:(num_full + 1) * ps],
+                                            token_ids[pos:pos + ps])
                 if length:
-                    pages.append(page)
-                pos += length
-                if length < ps:
-                    return pages, pos
+                    pages.append(child.page_ids[num_full])
+                return pages, pos + length
             node = child
         return pages, pos
+
+    def _num_equal_pages(self, node: _Node, token_ids: list[int], pos: int, limit: int) -> int:
+        """How many leading pages of node's run (at most `limit`) equal the pages of `token_ids`
+        from `pos`. One slice comparison in the common all-equal case."""
+        ps = self.page_size
+        num = min(len(node.page_ids), limit)
+        if node.token_ids[:num * ps] == token_ids[pos:pos + num * ps]:
+            return num
+        j = 0
+        while node.token_ids[j * ps:(j + 1) * ps] == token_ids[pos + j * ps:pos + (j + 1) * ps]:
+            j += 1
+        return j
 
     def on_hit(self, token_ids: list[int], namespace: str, num_pages: int) -> None:
         """A sequence took the first `num_pages` full pages of a hit: split the node where they end and
@@ -109,10 +122,12 @@ class RadixPrefixIndex:
 
     # -- insert --------------------------------------------------------------------------------
     def insert(self, token_ids: list[int], namespace: str, block_table: list[int],
-               page_hashes: list[bytes], start_page: int, end_page: int) -> None:
+               page_hashes: list[bytes], start_page: int, end_page: int) -> int:
         """Index pages start_page..end_page-1 of a sequence (pages before start_page are in the tree
         already). Where the tree already holds a page's content, the sequence's own copy is swapped
-        for the cached page in `block_table` (same tokens, same positions: same KV) and released."""
+        for the cached page in `block_table` (same tokens, same positions: same KV) and released.
+        Returns how many leading pages of the sequence are now in the tree: end_page, or less when
+        an own copy to swap is shared with a fork (it stays private; a later commit retries)."""
         ps = self.page_size
         node = self._roots.get(namespace)
         if node is None:
@@ -121,26 +136,53 @@ class RadixPrefixIndex:
         while i < end_page:
             child = node.children.get(tuple(token_ids[i * ps:(i + 1) * ps]))
             if child is None:
-                self._add_leaf(node, token_ids[i * ps:end_page * ps], block_table[i:end_page])
-                return
-            j = 0
-            while (j < len(child.page_ids) and i < end_page
-                   and child.token_ids[j * ps:(j + 1) * ps] == token_ids[i * ps:(i + 1) * ps]):
-                cached = child.page_ids[j]
-                if block_table[i] != cached:
-                    assert i >= start_page, "a committed page left the tree while in use"
-                    assert not self._pool.is_cached(block_table[i])
-                    self._pool.incref(cached)
-                    self._pool.decref(block_table[i])
-                    block_table[i] = cached
-                i += 1
-                j += 1
+                if node.parent is not None and not node.children:
+                    self._extend_leaf(node, token_ids[i * ps:end_page * ps], block_table[i:end_page])
+                else:
+                    self._add_leaf(node, token_ids[i * ps:end_page * ps], block_table[i:end_page])
+                return end_page
+            num_equal = self._num_equal_pages(child, token_ids, i * ps, end_page - i)
+            num = num_equal
+            if block_table[i:i + num] != child.page_ids[:num]:
+                num = self._swap_in_cached(child, block_table, i, num, start_page)
+                if num == 0:
+                    return i
+            i += num
+            if num < len(child.page_ids):  # the sequence ends or diverges inside the run:
+                child = self._split(child, num)  # only the part it covers counts as used now
             self._touch(child)
-            if j < len(child.page_ids):
-                if i == end_page:
-                    return
-                child = self._split(child, j)  # the sequence diverges after page j - 1
+            if num < num_equal:
+                return i  # stopped before an own copy that a fork shares
             node = child
+        return end_page
+
+    def _swap_in_cached(self, node: _Node, block_table: list[int], first: int, num: int,
+                        start_page: int) -> int:
+        """The sequence computed the content of node's first `num` pages itself: use the cached
+        pages instead. Stops before an own copy that a fork shares (it cannot be swapped for both);
+        returns how many pages now match."""
+        for k in range(first, first + num):
+            cached, own = node.page_ids[k - first], block_table[k]
+            if own == cached:
+                continue
+            assert k >= start_page, "a committed page left the tree while in use"
+            assert not self._pool.is_cached(own)
+            if self._pool.ref(own) > 1:
+                return k - first
+            self._pool.incref(cached)
+            self._pool.decref(own)
+            block_table[k] = cached
+        return num
+
+    def _extend_leaf(self, leaf: _Node, token_ids: list[int], page_ids: list[int]) -> None:
+        """Append a sequence's next pages to the leaf it already ends in (decode grows one run,
+        not a chain of one-page nodes)."""
+        leaf.token_ids += token_ids
+        leaf.page_ids += page_ids
+        for page in page_ids:
+            self._pool.mark_cached(page)
+            self._node_of_page[page] = leaf
+        self._touch(leaf)
 
     def _add_leaf(self, parent: _Node, token_ids: list[int], page_ids: list[int]) -> None:
         leaf = _Node(tuple(token_ids[:self.page_size]), list(token_ids), list(page_ids), parent,

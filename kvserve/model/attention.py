@@ -135,7 +135,8 @@ def gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.d
     """cache [pages, page_size, kvh, hd], block_tables [B, P] -> [B, P * page_size, kvh, hd]."""
     b, p = block_tables.shape
     if isinstance(cache, QuantizedKV):
-        return cache.read(block_tables, dtype).view(b, p * cache.shape[1], *cache.shape[2:])
+        # rotated as stored: paged_attention rotates the queries and outputs to match
+        return cache.read(block_tables, dtype, rotated=True).view(b, p * cache.shape[1], *cache.shape[2:])
     stored = cache.index_select(0, block_tables.reshape(-1))  # [B*P, page_size, kvh, hd]
     return dequantize_kv(stored, dtype).view(b, p * cache.shape[1], *cache.shape[2:])
 
@@ -147,6 +148,10 @@ def paged_attention(
     num_heads, head_dim = q.shape[1:]
     kv_heads = k_cache.shape[2]
     group = num_heads // kv_heads  # query heads sharing one KV head (GQA)
+    # int KV is stored Hadamard-rotated (kv_quant.py): (Hq).(Hk) = q.k, and sum p (Hv) = H out
+    rotated = isinstance(k_cache, QuantizedKV) and k_cache.codec.rotates
+    if rotated:
+        q = k_cache.codec.rotate_rows(q)
     out = torch.empty_like(q)
 
     b = meta.num_decode
@@ -167,4 +172,4 @@ def paged_attention(
             qp, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, enable_gqa=True
         )  # [1, heads, n, hd]
         out[chunk.row : chunk.row + n] = o[0].transpose(0, 1)
-    return out
+    return v_cache.codec.rotate_rows(out) if rotated else out

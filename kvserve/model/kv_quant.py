@@ -49,6 +49,7 @@ _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16":
 _FLOAT_STORAGE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _FP8_STORAGE = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 MIN_SCALE_EXP = -120  # int scales never go below 2**-120 (an all-zero page still has a finite scale)
+ROTATE_LIMIT = 2.0**112  # rotating codecs saturate |x| here (~5e33; activations are nowhere near)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,11 +105,25 @@ class KVCodec:
             values = values.clamp(-65504.0, 65504.0)
         return values.to(self.storage_dtype)
 
+    @property
+    def rotates(self) -> bool:
+        """True when values are stored Hadamard-rotated (see `hadamard_rotate`)."""
+        return False
+
+    def rotate_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Into (and, being an involution, out of) the basis the cache stores: [..., head_dim]."""
+        return hadamard_rotate(x) if self.rotates else x
+
     def read(self, cache: torch.Tensor, scales: torch.Tensor, page_ids: torch.Tensor,
-             dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Pages page_ids [...] (any shape, e.g. a block table) -> [..., page_size, kvh, hd] values."""
+             dtype: torch.dtype | None = None, rotated: bool = False) -> torch.Tensor:
+        """Pages page_ids [...] (any shape, e.g. a block table) -> [..., page_size, kvh, hd] values.
+        `rotated=True` skips the inverse rotation of a rotating codec: attention rotates its queries
+        and outputs instead, which costs O(queries), not O(context)."""
         stored = cache.index_select(0, page_ids.reshape(-1))
-        out = self.decode(stored, scales, page_ids.reshape(-1)).to(dtype or self.compute_dtype)
+        out = self.decode(stored, scales, page_ids.reshape(-1))
+        if self.rotates and not rotated:
+            out = hadamard_rotate(out)
+        out = out.to(dtype or self.compute_dtype)
         return out.view(*page_ids.shape, *out.shape[1:])
 
     def decode(self, stored: torch.Tensor, scales: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
@@ -151,8 +166,18 @@ def fp8_scale_for(amax: float, storage_dtype: torch.dtype) -> float:
 class IntCodec(KVCodec):
     """Symmetric int8 / int4 with per-page-per-head power-of-two scales (see the module docstring).
 
+    Rows are Hadamard-rotated before quantizing (`hadamard`, on by default): K has a few outlier
+    channels that would set every page's scale; the rotation spreads them over all channels, which
+    halves K's rounding error at no byte cost (measured on SmolLM2: int4 K rms error 30% -> 16%).
+
     int4 packs head_dim in halves: byte j of a row holds code j (low nibble) and code j + hd/2 (high
     nibble), each stored as code + 8 in 0..15."""
+
+    hadamard: bool = True
+
+    @property
+    def rotates(self) -> bool:
+        return self.hadamard
 
     @property
     def bits(self) -> int:
@@ -194,6 +219,8 @@ class IntCodec(KVCodec):
               slot_mapping: torch.Tensor, page_size: int) -> None:
         """Raise each touched page's scale to cover the new tokens, shift its stored codes down to
         the new scale (exact, see the module docstring), then store the new tokens' codes."""
+        if self.hadamard:  # clamp first: a rotated row's max can grow by sqrt(block) <= 2**8
+            values = hadamard_rotate(values.float().clamp(-ROTATE_LIMIT, ROTATE_LIMIT))
         page_ids = torch.div(slot_mapping, page_size, rounding_mode="floor")  # [T]
         offsets = slot_mapping - page_ids * page_size
         pages, inverse = torch.unique(page_ids, return_inverse=True)  # [U], [T]
@@ -248,8 +275,28 @@ class QuantizedKV:
     def write(self, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         self.codec.write(self.data, self.scales, values, slot_mapping, self.data.shape[1])
 
-    def read(self, page_ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return self.codec.read(self.data, self.scales, page_ids, dtype)
+    def read(self, page_ids: torch.Tensor, dtype: torch.dtype | None = None,
+             rotated: bool = False) -> torch.Tensor:
+        return self.codec.read(self.data, self.scales, page_ids, dtype, rotated)
+
+
+def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+    """x [..., hd] times the normalized Hadamard matrix H (block-diagonal, in blocks of the largest
+    power of two dividing hd). H is symmetric and orthogonal, so this is its own inverse and keeps
+    dot products: (H q) . (H k) = q . k. Butterflies of elementwise adds, never a matmul, so a row's
+    result does not depend on the batch it is in (token-by-token writes stay bit-identical)."""
+    hd = x.shape[-1]
+    block = hd & -hd
+    if block < 2:
+        return x
+    y = (x.float() * block ** -0.5).reshape(-1, hd // block, block)  # normalize first: no overflow
+    h = 1
+    while h < block:
+        pairs = y.view(y.shape[0], hd // block, block // (2 * h), 2, h)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2).view(y.shape)
+        h *= 2
+    return y.view(x.shape).to(x.dtype)
 
 
 def codec_for(kv_dtype: KVDtype | str, model_dtype: torch.dtype | str = torch.float32,

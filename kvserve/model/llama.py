@@ -79,11 +79,12 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = F.linear(self.input_norm(x), self.qkv, self.qkv_bias)  # [T, (H + 2 KVH) * hd]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), *rope)  # [T, H, hd]
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), *rope)  # [T, KVH, hd]
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        h_q, h_kv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        q_size = h_q * hd
+        # Q and K heads side by side get RoPE in one pass: [T, H + KVH, hd]
+        qk = apply_rope(qkv[:, : (h_q + h_kv) * hd].view(t, h_q + h_kv, hd), *rope)
+        q, k = qk[:, :h_q], qk[:, h_q:]  # [T, H, hd], [T, KVH, hd]
+        v = qkv[:, (h_q + h_kv) * hd :].view(t, h_kv, hd)
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         attn = paged_attention(q, k_cache, v_cache, meta)  # [T, H, hd]
         h = x + F.linear(attn.reshape(t, q_size), self.o_proj)  # [T, hidden]

@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from kvserve import server as server_cli
 from kvserve.engine import AsyncEngine, LLMEngine
 from kvserve.metrics import CONTENT_TYPE, EngineMetrics, hit_rate
 from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
@@ -194,25 +195,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(f"internal error: {type(err).__name__}", "server_error"), 500)
 
 
-# -- kvserve serve -----------------------------------------------------------------------------
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvserve.cli import add_engine_arguments
-
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", action="append", default=None,
-                        help="require `Authorization: Bearer KEY` (repeat for several tenants)")
-    parser.add_argument("--shared-cache-namespace", action="store_true",
-                        help="let all API keys share one prefix cache (default: one per key)")
-    parser.add_argument("--served-model-name", default=None,
-                        help="the model name clients send (default: the model's own name)")
-    parser.add_argument("--redis-url", default=None, help="the shared KV tier, e.g. redis://127.0.0.1:6379/0")
-    parser.add_argument("--log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug"])
-    add_engine_arguments(parser)
-
-
-def main_serve(args: argparse.Namespace) -> int:
+# -- kvserve serve (flags in kvserve/server/__init__.py, light enough for `kvserve --help`) -------
+def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvserve.cli import engine_kwargs
@@ -224,3 +208,6 @@ def main_serve(args: argparse.Namespace) -> int:
                     extra_model_names=[args.model] if args.model else None)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+add_serve_arguments, main_serve = server_cli.add_serve_arguments, server_cli.main_serve

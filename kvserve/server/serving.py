@@ -26,6 +26,7 @@ from kvserve.server.protocol import (APIError, ChatCompletionRequest, Completion
                                      error_body)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+MAX_CHOICES = 128  # engine requests one API request may start (prompts x n)
 
 
 class TextDelta:
@@ -142,6 +143,9 @@ class OpenAIServing:
 
     async def _submit(self, kind: str, prompts: list[list[int]], params: SamplingParams, n: int,
                       namespace: str) -> Generation:
+        if len(prompts) * n > MAX_CHOICES:
+            raise APIError(f"{len(prompts)} prompts x n={n} is over {MAX_CHOICES} choices per "
+                           f"request; send fewer prompts or a smaller n", param="n")
         request_id = f"{kind}-{uuid.uuid4().hex}"
         items, choices = [], []
         for p, prompt in enumerate(prompts):

@@ -122,7 +122,17 @@ def _greedy(runner, prompt: list[int], num_tokens: int) -> list[int]:
         hidden = _forward(runner, out[-1:], start=len(prompt) + len(out) - 1)
 
 
-def _compare(model, ref_hidden, hidden, targets: list[int], num_scored: int) -> tuple[float, float, int]:
+def _log_probs(model, hidden):
+    """Next-token log-probabilities [T, vocab] of final hidden states [T, hidden], in blocks."""
+    import torch
+    import torch.nn.functional as F
+
+    with torch.inference_mode():
+        return torch.cat([F.log_softmax(model.compute_logits(hidden[s:s + LOGIT_BLOCK]), dim=-1)
+                          for s in range(0, hidden.shape[0], LOGIT_BLOCK)])
+
+
+def _compare(model, ref_logp, hidden, targets: list[int], num_scored: int) -> tuple[float, float, int]:
     """Over positions t predicting targets[t]: (mean NLL and mean KL(ref || this) over the first
     num_scored positions, number of later positions whose argmax is the target)."""
     import torch
@@ -135,7 +145,7 @@ def _compare(model, ref_hidden, hidden, targets: list[int], num_scored: int) -> 
         for s in range(0, len(targets), LOGIT_BLOCK):
             e = min(s + LOGIT_BLOCK, len(targets))
             logp = F.log_softmax(model.compute_logits(hidden[s:e]), dim=-1)  # [n, vocab]
-            ref = F.log_softmax(model.compute_logits(ref_hidden[s:e]), dim=-1)
+            ref = ref_logp[s:e]
             scored = max(0, min(e, num_scored) - s)
             t = target[s:e]
             nll -= float(logp[:scored].gather(1, t[:scored, None]).sum())
@@ -172,7 +182,7 @@ def evaluate(loaded, token_ids: list[int], contexts: list[int], dtypes: list[str
         amax = _cache_amax(ref_runner, context)
         sequence = window + generated
         targets = sequence[1:]
-        ref_hidden = None
+        ref_logp = None  # [total - 1, vocab] float32, kept for this context's dtypes
         for name in dtypes:
             started = time.monotonic()
             scale = 1.0
@@ -183,9 +193,9 @@ def evaluate(loaded, token_ids: list[int], contexts: list[int], dtypes: list[str
             elif name.startswith("fp8"):
                 scale = float(fp8_scale)
             hidden = _forward(_runner(loaded, name, total, page_size, scale), sequence)[:-1]
-            if ref_hidden is None:
-                ref_hidden = hidden
-            nll, kl, agree = _compare(ref_runner.model, ref_hidden, hidden, targets, context - 1)
+            if ref_logp is None:
+                ref_logp = _log_probs(ref_runner.model, hidden)
+            nll, kl, agree = _compare(ref_runner.model, ref_logp, hidden, targets, context - 1)
             pool = pool_tokens_for(memory, page_bytes[name], page_size)
             rows.append(EvalRow(
                 context=context, kv_dtype=name, perplexity=math.exp(nll), ppl_drift_pct=0.0,

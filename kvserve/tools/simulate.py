@@ -19,7 +19,6 @@ to waits for pages), so their hit rates differ by what the cache did, not by a s
 from __future__ import annotations
 
 import argparse
-import bisect
 import heapq
 import json
 import math

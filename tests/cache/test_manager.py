@@ -284,3 +284,49 @@ def test_unknown_sequences_and_reused_ids_are_errors():
     with pytest.raises(ValueError):
         m.fork("a", "a")
     assert m.has_seq("a") and not m.has_seq("nope")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_swap_in_pages_are_private_until_the_next_commit(policy):
+    m = KVCacheManager(16, 4, policy)
+    tokens = list(range(10))
+    run_seq(m, "a", tokens)
+    cached = m.block_table("a")
+    m.free("a")  # swapped out: its content went to the host tier
+    pages = m.allocate_pages("a", "", 3)
+    assert len(pages) == 3 and m.block_table("a") == pages
+    assert not any(m.pool.is_cached(page) for page in pages)
+    m.commit("a", tokens, 10)
+    if policy == "radix":  # the loaded copies of cached pages give way to the cached ones
+        assert m.block_table("a")[:2] == cached[:2] and m.num_used_pages == 3
+    m.check_invariants()
+    assert m.allocate_pages("b", "", 20) is None
+
+
+def test_radix_keeps_a_duplicate_shared_with_a_fork_private_until_the_fork_lets_go():
+    m = KVCacheManager(32, 4, "radix")
+    tokens = list(range(9))
+    run_seq(m, "a", tokens)
+    cached = m.block_table("a")
+    m.free("a")
+    pages = m.allocate_pages("b", "", 3)  # swapped in: its own copies of cached content
+    m.fork("b", "c")
+    m.commit("b", tokens, 9)
+    assert m.block_table("b") == pages  # c shares b's copies: swapping them for b alone would
+    m.check_invariants()                # leave c holding tree pages without their prefix
+    m.free("c")
+    m.commit("b", tokens, 9)  # retried at the next commit
+    assert m.block_table("b")[:2] == cached[:2]
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("policy", CACHING)
+def test_without_partial_page_hits_a_hit_ends_on_a_page_boundary(policy):
+    m = KVCacheManager(16, 4, policy, partial_page_hits=False)  # per-page-scale KV dtypes
+    tokens = list(range(12))
+    run_seq(m, "a", tokens)
+    m.free("a")
+    hit = m.lookup(tokens)
+    assert hit.num_tokens == 8 and len(hit.pages) == 2
+    assert m.allocate("b", tokens, "", hit, 12) == []
+    m.check_invariants()

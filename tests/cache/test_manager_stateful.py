@@ -36,9 +36,11 @@ class CacheMachine(RuleBasedStateMachine):
 
     @initialize(page_size=st.sampled_from([1, 2, 4]), num_pages=st.integers(3, 20),
                 prefixes=st.lists(st.lists(st.integers(0, VOCAB - 1), max_size=12),
-                                  min_size=1, max_size=3))
-    def setup(self, page_size: int, num_pages: int, prefixes: list[list[int]]) -> None:
-        self.m = KVCacheManager(num_pages, page_size, self.policy)
+                                  min_size=1, max_size=3),
+                partial_page_hits=st.booleans())
+    def setup(self, page_size: int, num_pages: int, prefixes: list[list[int]],
+              partial_page_hits: bool) -> None:
+        self.m = KVCacheManager(num_pages, page_size, self.policy, partial_page_hits)
         self.ps = page_size
         self.prefixes = prefixes
         self.content: dict[int, list[int | None]] = {}  # page -> token written at each slot
@@ -76,6 +78,7 @@ class CacheMachine(RuleBasedStateMachine):
     def _check_hit(self, hit: PrefixHit, query: list[int], namespace: str) -> None:
         assert 0 <= hit.num_tokens <= max(0, len(query) - 1), "the last token must be computed"
         assert len(hit.pages) == -(-hit.num_tokens // self.ps)
+        assert self.m.partial_page_hits or hit.num_tokens % self.ps == 0
         for pos in range(hit.num_tokens):
             page = hit.pages[pos // self.ps]
             assert self.content[page][pos % self.ps] == query[pos], f"hit page {page} holds other tokens"
@@ -184,6 +187,23 @@ class CacheMachine(RuleBasedStateMachine):
         self.m.free(seq_id)
         self.histories.append((seq.namespace, seq.token_ids))
 
+    @precondition(lambda self: self.seqs)
+    @rule(index=st.integers(0, 50))
+    def swap_out_and_in(self, index):
+        """Preempt by swap: the pages' content goes to a host tier, comes back in fresh pages."""
+        seq_id = self._pick(index)
+        seq = self.seqs[seq_id]
+        saved = [list(self.content.get(page, [None] * self.ps)) for page in self.m.block_table(seq_id)]
+        self.m.free(seq_id)
+        pages = self.m.allocate_pages(seq_id, seq.namespace, len(saved))
+        if pages is None:
+            del self.seqs[seq_id]
+            self.histories.append((seq.namespace, seq.token_ids))
+            return
+        for page, slots in zip(pages, saved):
+            self.content[page] = slots
+            self.content_ns[page] = seq.namespace
+
     @rule(source=st.integers(0, 5), suffix=SUFFIX, namespace=NAMESPACES, use_history=st.booleans())
     def lookup(self, source, suffix, namespace, use_history):
         query = self._query(source, suffix, namespace, use_history)
@@ -223,7 +243,7 @@ class CacheMachine(RuleBasedStateMachine):
                     f"page {page} is shared across namespaces")
             for pos in range(seq.num_computed):
                 page = table[pos // self.ps]
-                assert self.content[page][pos % self.ps] == seq.token_ids[pos], f"{seq_id} lost position {pos}"
+                assert self.content[page][pos % self.ps] == seq.token_ids[pos], f"{seq_id} lost {pos}"
                 assert self.content_ns[page] == seq.namespace
 
     def teardown(self):
@@ -234,7 +254,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert self.m.num_used_pages == 0
 
 
-SETTINGS = settings(max_examples=120, stateful_step_count=40, deadline=None,
+SETTINGS = settings(max_examples=200, stateful_step_count=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -255,4 +275,4 @@ TestRadixManager.settings = SETTINGS
 TestHashManager = HashMachine.TestCase
 TestHashManager.settings = SETTINGS
 TestOffManager = OffMachine.TestCase
-TestOffManager.settings = settings(SETTINGS, max_examples=40)
+TestOffManager.settings = settings(SETTINGS, max_examples=60)

@@ -92,6 +92,7 @@ def test_a_hash_collision_is_a_miss_not_a_wrong_page(monkeypatch):
     def colliding_hashes(tokens, page_size, namespace):
         return [colliding(None, None, None)] * (len(tokens) // page_size)
 
+    monkeypatch.setattr(prefix_hash, "page_hashes", colliding_hashes)
     index, pool = make_index()
     pages = computed(index, pool, [1, 2, 3, 4], hash_fn=colliding_hashes)
     assert index.match([5, 6, 7, 8], "") == ([], 0)

@@ -146,3 +146,20 @@ def test_clear_forgets_everything():
     assert index.match(list(range(8)), "") == ([], 0)
     assert pool.num_cached == 0
     pool.check_invariants()
+
+
+def test_a_commit_that_retraces_part_of_a_run_leaves_the_rest_least_recently_used():
+    index, pool = make_index(num_pages=6)  # 5 usable
+    a = computed(index, pool, list(range(12)))
+    release(pool, a)
+    x = computed(index, pool, [7] * 4)
+    release(pool, x)  # x is more recent than all of a
+    pool.incref(a[0])  # b hit a's first page, then computed a's second page itself
+    b = [a[0]] + pool.allocate(1)
+    own = b[1]
+    index.insert(list(range(8)), "", b, [], 1, 2)
+    assert b == a[:2]
+    release(pool, b)
+    assert pool.allocate(1) == [own]  # b's own copy went back uncached
+    assert pool.allocate(1) == [a[2]]  # a's unused rest, not x
+    index.check_invariants()

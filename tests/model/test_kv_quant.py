@@ -1,8 +1,13 @@
 """KV codecs: exact page bytes, round-trip error bounds, extreme values, and the property that makes
 quantized pages safe to cache: a page's stored bytes depend on its tokens, not on how they were
-written (at once, token by token, in chunks, or over a page a freed request left behind)."""
+written (at once, token by token, in chunks, or over a page a freed request left behind).
+
+int codecs store rows Hadamard-rotated: their per-element bound (half a scale step) holds in that
+basis (`read(..., rotated=True)`); back in the model's basis it becomes a bound on each row's norm."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,7 +15,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kvserve.config import KV_DTYPES, kv_bytes_per_page
-from kvserve.model.kv_quant import Fp8Codec, IntCodec, KVCodec, codec_for
+from kvserve.model.kv_quant import ROTATE_LIMIT, Fp8Codec, IntCodec, KVCodec, codec_for, hadamard_rotate
 
 ALL = list(KV_DTYPES)
 QUANTIZED = ["fp8_e4m3", "fp8_e5m2", "int8", "int4"]
@@ -41,9 +46,29 @@ def write_pages(codec: KVCodec, values: torch.Tensor, page_size: int = 16, first
     return data, scales, torch.arange(first_page, first_page + used)
 
 
-def read_tokens(codec: KVCodec, data, scales, page_ids, num_tokens: int) -> torch.Tensor:
-    out = codec.read(data, scales, page_ids)  # [P, page_size, kvh, hd]
+def read_tokens(codec: KVCodec, data, scales, page_ids, num_tokens: int, rotated: bool = False):
+    out = codec.read(data, scales, page_ids, rotated=rotated)  # [P, page_size, kvh, hd]
     return out.reshape(-1, *out.shape[2:])[:num_tokens]
+
+
+def stored_basis(codec: KVCodec, values: torch.Tensor) -> torch.Tensor:
+    """What a codec quantizes: the values, Hadamard-rotated for int codecs."""
+    if not codec.rotates:
+        return values
+    return hadamard_rotate(values.clamp(-ROTATE_LIMIT, ROTATE_LIMIT))
+
+
+def assert_int_bounds(codec, data, scales, pages, values, page_size: int = 16) -> None:
+    """Each stored element within half its page's scale step; each row read back in the model's
+    basis within sqrt(head_dim) half-steps (in L2) of the value written."""
+    n, hd = values.shape[0], values.shape[-1]
+    half_step = token_scales(scales, pages, page_size, n) / 2  # [T, kvh, 1]
+    stored = read_tokens(codec, data, scales, pages, n, rotated=True)
+    assert ((stored - stored_basis(codec, values)).abs() <= half_step).all()
+    out = read_tokens(codec, data, scales, pages, n)
+    clipped = values.clamp(-ROTATE_LIMIT, ROTATE_LIMIT)
+    row_err = (out - clipped).norm(dim=-1, keepdim=True)
+    assert (row_err <= hd**0.5 * half_step * (1 + 1e-5) + 1e-6 * clipped.norm(dim=-1, keepdim=True)).all()
 
 
 def token_scales(scales: torch.Tensor, page_ids: torch.Tensor, page_size: int, num_tokens: int):
@@ -129,13 +154,35 @@ def test_fp8_calibrated_scale_uses_the_full_range():
 
 @pytest.mark.parametrize("name", INTS)
 @pytest.mark.parametrize("magnitude", [1e-3, 1.0, 50.0])
-def test_int_error_within_half_a_scale_step(name, magnitude):
-    codec = codec_for(name)
+@pytest.mark.parametrize("hadamard", [True, False])
+def test_int_error_within_half_a_scale_step(name, magnitude, hadamard):
+    codec = replace(codec_for(name), hadamard=hadamard)
     values = random_values(45, magnitude=magnitude)
     data, scales, pages = write_pages(codec, values)
-    out = read_tokens(codec, data, scales, pages, 45)
-    step = token_scales(scales, pages, 16, 45)
-    assert ((out - values).abs() <= step / 2).all()
+    assert_int_bounds(codec, data, scales, pages, values)
+    if not hadamard:  # unrotated, the per-element bound holds in the model's basis too
+        step = token_scales(scales, pages, 16, 45)
+        assert ((read_tokens(codec, data, scales, pages, 45) - values).abs() <= step / 2).all()
+
+
+def test_hadamard_rotation_is_an_involution_that_keeps_dot_products():
+    x, y = random_values(8, 2, 64, seed=1), random_values(8, 2, 64, seed=2)
+    assert torch.allclose(hadamard_rotate(hadamard_rotate(x)), x, atol=1e-6)
+    assert torch.allclose((hadamard_rotate(x) * hadamard_rotate(y)).sum(-1), (x * y).sum(-1), atol=1e-5)
+    odd = random_values(3, 1, 80)  # 80 = 5 blocks of 16
+    assert torch.allclose(hadamard_rotate(hadamard_rotate(odd)), odd, atol=1e-6)
+
+
+def test_rotation_spreads_an_outlier_channel():
+    """Why int codecs rotate: one big K channel sets the page scale for all 64 channels unrotated."""
+    values = random_values(16, 1, 64)
+    values[..., 7] *= 20
+    errors = {}
+    for hadamard in (False, True):
+        codec = replace(codec_for("int4"), hadamard=hadamard)
+        data, scales, pages = write_pages(codec, values)
+        errors[hadamard] = (read_tokens(codec, data, scales, pages, 16) - values).pow(2).mean()
+    assert errors[True] < 0.5 * errors[False]
 
 
 @pytest.mark.parametrize("name", INTS)
@@ -144,7 +191,7 @@ def test_int_scale_is_the_smallest_power_of_two_that_covers_the_page(name):
     levels = 2 ** (codec.kv_dtype.bits - 1)
     values = random_values(32, magnitude=7.0)
     data, scales, pages = write_pages(codec, values)
-    amax = values.abs().view(2, 16, 3, 64).amax(dim=(1, 3))  # [pages, kvh]
+    amax = stored_basis(codec, values).abs().view(2, 16, 3, 64).amax(dim=(1, 3))  # [pages, kvh]
     s = scales[pages]
     assert (amax < levels * s).all() and (amax >= levels * s / 2).all()
     assert torch.equal(torch.log2(s), torch.log2(s).round())  # powers of two
@@ -193,11 +240,11 @@ def test_no_nan_or_inf_on_extreme_values(name, case):
     assert torch.isfinite(out).all()
     assert torch.isfinite(scales).all()
     if isinstance(codec, IntCodec):
-        assert ((out - values).abs() <= token_scales(scales, pages, 16, 20) / 2).all()
+        assert_int_bounds(codec, data, scales, pages, values)
     if case == "zeros" and not isinstance(codec, IntCodec):
         assert (out == 0).all()
     if case == "zeros" and isinstance(codec, IntCodec):
-        assert out.abs().max() <= 2.0**-120  # the smallest scale: half of it, for mid-rise codes
+        assert out.abs().max() <= 2.0**-116  # mid-rise codes: half the smallest scale, rotated back
 
 
 @pytest.mark.parametrize("name", ["fp16", "fp8_e4m3", "fp8_e5m2"])
@@ -219,7 +266,7 @@ def test_single_outlier_costs_only_its_own_page_and_head():
     err = (out - values).abs()
     assert err[16:].max() < 0.05  # page 2 untouched
     assert err[:16, [0, 2]].max() < 0.05  # other heads of page 1 untouched
-    assert scales[1, 1] == 2.0**7  # 1e4 < 128 * 128
+    assert_int_bounds(codec, data, scales, pages, values)
 
 
 # -- write history never changes a page --------------------------------------------------------------
@@ -284,7 +331,7 @@ def test_write_read_property(name, page_size, kvh, hd, num_tokens, exponent, gro
     assert torch.isfinite(out).all()
     err = (out - values).abs()
     if isinstance(codec, IntCodec):
-        assert (err <= token_scales(scales, pages, page_size, num_tokens) / 2).all()
+        assert_int_bounds(codec, data, scales, pages, values, page_size)
     elif isinstance(codec, Fp8Codec):
         clipped = values.clamp(-codec.fp8_max, codec.fp8_max)
         bound = FP8_REL[name] * clipped.abs() + FP8_SUBNORMAL_HALF_STEP[name]

@@ -149,12 +149,10 @@ def test_read_write_pages_round_trip(loaded):
     assert torch.equal(runner.kv[:, :, 5], runner.kv[:, :, 3]) and torch.equal(runner.kv[:, :, 2], runner.kv[:, :, 1])
 
 
-def test_kv_cache_bytes_and_unsupported_dtypes(loaded):
+def test_kv_cache_bytes(loaded):
     assert small_runner(loaded).kv_cache_bytes() == 6 * 2 * 30 * 4 * 3 * 64 * 4
     fp16 = ModelRunner(loaded, 6, 4, KV_DTYPES["fp16"])
     assert fp16.kv_cache_bytes() == 6 * 2 * 30 * 4 * 3 * 64 * 2
-    with pytest.raises(NotImplementedError):
-        ModelRunner(loaded, 6, 4, KV_DTYPES["int8"])
 
 
 def test_page_copies_apply_before_compute(loaded):

@@ -97,3 +97,11 @@ def client(server):
     from openai import OpenAI
 
     return OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=300, max_retries=0)
+
+
+@pytest.fixture(autouse=True)
+def no_pages_left_in_use(request):
+    """After every test that used the real engine: no request left, no page in use."""
+    yield
+    if "async_engine" in request.fixturenames:
+        wait_no_pages_in_use(request.getfixturevalue("async_engine"))

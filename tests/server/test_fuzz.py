@@ -8,7 +8,7 @@ import json
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tests.server.conftest import wait_no_pages_in_use
@@ -20,41 +20,62 @@ junk = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats
 # any text, sometimes with a lone surrogate (JSON can carry one as \ud800)
 text = st.one_of(st.text(max_size=40),
                  st.tuples(st.text(max_size=8), st.characters(categories=["Cs"])).map("".join))
-small_tokens = st.one_of(st.integers(1, 4), junk)  # a valid max_tokens is small: no long runs
-token_ids = st.lists(st.integers(-3, 50000), min_size=0, max_size=12)
+token_ids = st.lists(st.integers(0, 49151), min_size=1, max_size=12)
 
+# values a client may well send (some still invalid: empty prompts, odd stop strings, ...);
+# a valid max_tokens is small, so no example runs long
 common = {
-    "max_tokens": small_tokens,
-    "temperature": st.one_of(st.floats(-1, 3), junk),
-    "top_p": st.one_of(st.floats(-0.5, 1.5), junk),
-    "top_k": st.one_of(st.integers(-2, 100), junk),
-    "n": st.one_of(st.integers(-1, 20), junk),
-    "seed": st.one_of(st.integers(-2**64, 2**64), junk),
-    "stop": st.one_of(text, st.lists(text, max_size=3), junk),
-    "stream": st.one_of(st.booleans(), junk),
-    "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": st.booleans()}), junk),
-    "user": st.one_of(text, junk),
-    "cache_salt": st.one_of(text, junk),
-    "ignore_eos": st.one_of(st.booleans(), junk),
-    "presence_penalty": st.one_of(st.just(0), junk),
-    "model": st.one_of(st.just("MODEL"), text, junk),
+    "model": st.just("MODEL"),
+    "max_tokens": st.integers(1, 4),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.01, 1),
+    "top_k": st.integers(-1, 100),
+    "n": st.integers(1, 3),
+    "seed": st.integers(-2**63, 2**63 - 1),
+    "stop": st.one_of(text, st.lists(text, max_size=3)),
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "user": text,
+    "cache_salt": text,
+    "ignore_eos": st.booleans(),
+    "presence_penalty": st.just(0),
 }
-completion_body = st.fixed_dictionaries(
-    {"prompt": st.one_of(text, token_ids, st.lists(text, max_size=3), st.lists(token_ids, max_size=2),
-                         junk)},
-    optional={**common, "logprobs": st.one_of(st.integers(-1, 25), junk),
-              "echo": st.one_of(st.booleans(), junk), "best_of": junk, "suffix": junk})
+completion_fields = {**common, "logprobs": st.integers(0, 5), "echo": st.just(False)}
+chat_fields = {**common, "logprobs": st.booleans(), "top_logprobs": st.integers(0, 5),
+               "max_completion_tokens": st.integers(1, 4)}
 message = st.fixed_dictionaries(
-    {"role": st.one_of(st.sampled_from(["system", "user", "assistant", "developer"]), junk),
+    {"role": st.sampled_from(["system", "user", "assistant", "developer"]),
      "content": st.one_of(text, st.lists(st.fixed_dictionaries({"type": st.just("text"),
-                                                                "text": text}), max_size=2),
-                          junk)})
-# chat without max_tokens would run to max_model_len; the generated body always bounds it
+                                                                "text": text}), max_size=2))})
+
+
+def mutated(body: dict, fields: list[str]):
+    """The body as it is, or with one field (present or not) set to junk, or one field dropped."""
+    return st.one_of(
+        st.just(body),
+        st.tuples(st.sampled_from(fields), junk).map(lambda kv: {**body, kv[0]: kv[1]}),
+        st.sampled_from(sorted(body)).map(lambda k: {f: v for f, v in body.items() if f != k}))
+
+
+
+
+def short(body: dict) -> bool:
+    """No example may ask for a long generation (a junk integer can be a valid max_tokens)."""
+    limits = [body.get("max_tokens"), body.get("max_completion_tokens")]
+    return not any(type(v) is int and 4 < v <= 4096 for v in limits)
+
+
+completion_body = st.fixed_dictionaries(
+    {"prompt": st.one_of(text, token_ids, st.lists(text, min_size=1, max_size=3),
+                         st.lists(token_ids, min_size=1, max_size=2))},
+    optional=completion_fields,
+).flatmap(lambda b: mutated(b, ["prompt", *completion_fields])).filter(short)
+# chat without a token limit would run to max_model_len: the body always keeps one
 chat_body = st.fixed_dictionaries(
-    {"messages": st.one_of(st.lists(message, max_size=3), junk),
-     "max_completion_tokens": st.one_of(st.integers(1, 4), junk.filter(lambda v: v is not None))},
-    optional={**common, "logprobs": st.one_of(st.booleans(), junk),
-              "top_logprobs": st.one_of(st.integers(-1, 25), junk)})
+    {"messages": st.lists(message, max_size=3), "max_tokens": st.integers(1, 4)},
+    optional={k: v for k, v in chat_fields.items() if k != "max_tokens"},
+).flatmap(lambda b: mutated(b, ["messages", *chat_fields])).filter(short).filter(
+    lambda b: type(b.get("max_tokens")) is int or type(b.get("max_completion_tokens")) is int)
 
 
 def check(server, model_name: str, path: str, payload) -> None:
@@ -65,27 +86,28 @@ def check(server, model_name: str, path: str, payload) -> None:
         response = http.post(server.url + path, content=content,
                              headers={"content-type": "application/json"})
     assert response.status_code < 500, (payload, response.text)
+    event(f"status {response.status_code}")
     if response.status_code >= 400:
         error = response.json()["error"]
         assert isinstance(error["message"], str) and error["type"], response.text
     elif response.headers["content-type"].startswith("text/event-stream"):
         events = [line for line in response.text.splitlines() if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]", response.text
-        for event in events[:-1]:
-            assert "error" not in json.loads(event[6:]), event
+        for line in events[:-1]:
+            assert "error" not in json.loads(line[6:]), line
     else:
         assert response.json()["choices"], response.text
 
 
 @pytest.mark.slow
-@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
 @given(payload=completion_body)
 def test_fuzz_completions(server, model_name, payload):
     check(server, model_name, "/v1/completions", payload)
 
 
 @pytest.mark.slow
-@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
 @given(payload=chat_body)
 def test_fuzz_chat(server, model_name, payload):
     check(server, model_name, "/v1/chat/completions", payload)

@@ -81,3 +81,19 @@ def test_dashboard_stats_agree_with_metrics(server, async_engine):
     assert len(pages) == stats["num_pages_total"] + 1 and pages[0] == "4"  # page 0: the null page
     assert set(pages[1:]) <= {"0", "1"}  # idle: every page free or cached idle
     assert pages.count("1") == stats["num_pages_cached"]
+
+
+def test_grafana_dashboard_queries_only_exported_names(server):
+    """deploy/grafana/kvserve.json plots the same metrics (no typo'd name shows an empty panel)."""
+    import json
+    import re
+    from pathlib import Path
+
+    dashboard = json.loads((Path(__file__).parents[2] / "deploy/grafana/kvserve.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"kvserve:[a-z0-9_]+", e)}
+    exported = set(scrape(server.url)) | {
+        f"{name[:-len('_count')]}_bucket" for name in scrape(server.url) if name.endswith("_count")}
+    assert used and used <= exported, used - exported
+    assert {"kvserve:prefix_cache_hits_total", "kvserve:time_to_first_token_seconds_bucket",
+            "kvserve:kv_cache_usage_perc"} <= used

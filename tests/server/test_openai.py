@@ -256,3 +256,16 @@ def test_each_api_key_is_its_own_cache_namespace(keyed_servers, model_name, asyn
     cached(shared, "key-a")
     assert cached(shared, "key-b") > 550  # --shared-cache-namespace: one cache for all keys
     wait_no_pages_in_use(async_engine)
+
+
+def test_streamed_choices_of_n_equal_the_whole_ones(client, model_name):
+    kwargs = dict(model=model_name, max_tokens=6, temperature=1.0, seed=99, n=2,
+                  messages=[{"role": "user", "content": "Name a colour."}],
+                  extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    for choice in whole.choices:
+        text = "".join(c.choices[0].delta.content or "" for c in chunks
+                       if c.choices and c.choices[0].index == choice.index)
+        assert text == choice.message.content
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].choices[0].finish_reason

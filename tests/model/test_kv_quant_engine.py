@@ -1,0 +1,107 @@
+"""Quantized KV caches inside the engine: the pool holds 2x (fp8, int8) and ~4x (int4) the tokens of
+fp16 in the same memory, and prefix-cache hits, preemption and swap never change a dtype's greedy
+outputs (the run with hits is compared with the same dtype without them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve import SamplingParams
+from kvserve.config import KV_DTYPES, kv_bytes_per_page
+from kvserve.tools.evalkv import CORPUS_PATH
+from tests.conftest import make_llm
+
+QUANTIZED = ["fp8_e4m3", "fp8_e5m2", "int8", "int4"]
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+SMALL = dict(kv_cache_memory="24MiB", max_model_len=1024)
+
+
+@pytest.fixture(scope="module")
+def corpus_ids() -> list[int]:
+    from kvserve.model.gguf_loader import bundled_model_path, load_gguf
+
+    text = CORPUS_PATH.read_text()[:40_000]
+    return load_gguf(bundled_model_path()).tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def shared_prefix_prompts(ids: list[int]) -> list[list[int]]:
+    """A 300-token prefix (18 pages and 12 tokens: the match ends inside a page, so the radix hit
+    copies that page) with two different endings, then the first prompt again."""
+    prefix = ids[:300]
+    first, second = prefix + ids[2000:2030], prefix + ids[3000:3030]
+    return [first, second, first]
+
+
+def _greedy(llm, prompts: list[list[int]]) -> list[list[int]]:
+    """One request at a time, so later prompts find the earlier ones' pages cached."""
+    return [llm.generate({"prompt_token_ids": p}, GREEDY)[0].outputs[0].token_ids for p in prompts]
+
+
+@pytest.mark.parametrize("kv_dtype", QUANTIZED)
+def test_pool_holds_more_tokens_at_the_same_memory(kv_dtype):
+    tokens = {d: make_llm(kv_cache_dtype=d, kv_cache_memory="256MiB", max_model_len=1024).stats()["pool_tokens"]
+              for d in ("fp16", kv_dtype)}
+    ratio = tokens[kv_dtype] / tokens["fp16"]
+    if kv_dtype == "int4":
+        assert ratio >= 3.5, tokens
+    else:  # int8 pays 12 bytes of scales per 3,072 of codes, per page and layer
+        assert 1.98 <= ratio <= 2.01, tokens
+
+
+@pytest.mark.parametrize("kv_dtype", QUANTIZED)
+def test_prefix_hits_do_not_change_greedy_outputs(kv_dtype, corpus_ids):
+    prompts = shared_prefix_prompts(corpus_ids)
+    cached = make_llm(kv_cache_dtype=kv_dtype, prefix_cache="radix", **SMALL)
+    with_hits = _greedy(cached, prompts)
+    without = _greedy(make_llm(kv_cache_dtype=kv_dtype, prefix_cache="off", **SMALL), prompts)
+    # both hits happened; int8/int4 hits stop at a page boundary (288 of 300, 320 of 329 tokens)
+    assert cached.stats()["prefix_cache_hits"] >= 288 + 320
+    assert with_hits == without
+    assert with_hits[0] == with_hits[2]
+
+
+def test_page_scaled_dtypes_hit_whole_pages_only():
+    """A partial page holds another request's tokens, and with int8/int4 they set its scale: those
+    hits end on a page boundary. fp8's per-tensor scale keeps token-granular hits."""
+    from kvserve.cache.manager import KVCacheManager
+
+    prompt, other = list(range(100, 140)), list(range(100, 130)) + [7] * 10
+    for partial_page_hits, expected in ((True, 30), (False, 16)):
+        manager = KVCacheManager(16, 16, "radix", partial_page_hits=partial_page_hits)
+        manager.allocate("a", prompt, "", manager.lookup(prompt), len(prompt))
+        manager.commit("a", prompt, len(prompt))
+        manager.free("a")
+        assert manager.lookup(other).num_tokens == expected
+    for kv_dtype, partial in (("fp8_e4m3", True), ("int8", False), ("int4", False)):
+        assert make_llm(kv_cache_dtype=kv_dtype, **SMALL).engine.manager.partial_page_hits is partial
+
+
+@pytest.mark.parametrize("kv_dtype", QUANTIZED)
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_does_not_change_greedy_outputs(kv_dtype, mode, corpus_ids):
+    """Three 330-token requests (21 pages each) in a pool of 44 pages: two are admitted, and their
+    decode runs out of pages and preempts one of them."""
+    prompts = [corpus_ids[i * 400:i * 400 + 330] for i in range(3)]
+    page_bytes = kv_bytes_per_page(30, 3, 64, 16, KV_DTYPES[kv_dtype])  # SmolLM2's shape
+    tight = make_llm(kv_cache_dtype=kv_dtype, prefix_cache="off", preemption_mode=mode,
+                     kv_cache_memory=page_bytes * 45, max_model_len=512)
+    roomy = make_llm(kv_cache_dtype=kv_dtype, prefix_cache="off", **SMALL)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    under_pressure = [o.outputs[0].token_ids for o in tight.generate(
+        [{"prompt_token_ids": p} for p in prompts], params)]
+    assert tight.stats()["num_preemptions"] > 0
+    alone = [o.outputs[0].token_ids for o in roomy.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    assert under_pressure == alone
+
+
+@pytest.mark.parametrize("kv_dtype", QUANTIZED)
+def test_page_payloads_round_trip_through_a_host_tier(kv_dtype, corpus_ids):
+    """Swap and tiers move pages as runner payloads: codes and scales come back bit for bit."""
+    llm = make_llm(kv_cache_dtype=kv_dtype, prefix_cache="radix", **SMALL)
+    llm.generate({"prompt_token_ids": corpus_ids[:64]}, SamplingParams(max_tokens=1))
+    runner = llm.engine.runner
+    payload = runner.read_pages([1, 2, 3])
+    assert payload.shape[0] == 3 and payload[0].numel() * payload.element_size() == runner.page_bytes
+    runner.write_pages([7, 8, 9], payload)
+    assert torch.equal(runner.read_pages([7, 8, 9]), payload)

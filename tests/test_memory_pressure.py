@@ -1,0 +1,117 @@
+"""Memory pressure and forks on the real model: preemption by recompute or swap leaves greedy outputs
+unchanged; n > 1 shares the prompt's pages; beam search equals transformers'; aborts in every state
+free every page and every host-tier page."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve import BeamSearchParams, SamplingParams
+from kvserve.config import kv_bytes_per_page, resolve_kv_dtype
+from tests.conftest import make_llm
+
+GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)
+
+
+def _prompts(n: int) -> list[list[int]]:
+    return [[1 + (i * 37 + j * 11) % 5000 for j in range(40 + i % 7)] for i in range(n)]
+
+
+def _pool_memory(num_pages: int, page_size: int = 16) -> int:
+    from kvserve.model.gguf_loader import bundled_model_path, load_gguf
+
+    model = load_gguf(bundled_model_path()).config
+    return num_pages * kv_bytes_per_page(model.num_layers, model.num_kv_heads, model.head_dim,
+                                         page_size, resolve_kv_dtype("auto", "float32"))
+
+
+def _run(llm, prompts):
+    return [o.outputs[0].token_ids for o in
+            llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def unconstrained():
+    prompts = _prompts(32)
+    llm = make_llm(prefix_cache="off")
+    return prompts, _run(llm, prompts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_quarter_of_the_pool_still_gives_identical_outputs(mode, unconstrained):
+    prompts, expected = unconstrained
+    needed_pages = sum(-(-(len(p) + 32) // 16) for p in prompts)  # what all 32 need at once
+    llm = make_llm(prefix_cache="off", kv_cache_memory=_pool_memory(needed_pages // 4 + 1),
+                   max_model_len=128, preemption_mode=mode, swap_space="1GiB")
+    assert _run(llm, prompts) == expected
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0
+    if mode == "swap":
+        assert stats["num_swapped_in_pages"] > 0
+    assert stats["num_requests_swapped"] == 0 and llm.engine.host_tier.num_pages == 0
+
+
+def test_n_samples_share_the_prompt_pages_and_equal_seeded_single_runs():
+    llm = make_llm(prefix_cache="off")
+    prompt = {"prompt_token_ids": [1 + (j * 13) % 3000 for j in range(1000)]}
+    peaks = {}
+    for n in (1, 4):
+        engine = llm.engine
+        rid = engine.add_request(prompt, SamplingParams(n=n, max_tokens=8, temperature=0.9, seed=7))
+        peak, final = 0, None
+        while final is None:
+            for output in engine.step():
+                if output.request_id == rid and output.finished:
+                    final = output
+            peak = max(peak, engine.manager.num_used_pages)
+        peaks[n] = peak
+        assert len(final.outputs) == n
+        samples = [c.token_ids for c in final.outputs]
+    assert peaks[4] <= 1.3 * peaks[1], peaks
+    for i, sample in enumerate(samples):
+        single = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0.9, seed=7 + i))[0]
+        assert single.outputs[0].token_ids == sample
+    assert len({tuple(s) for s in samples}) > 1, "different seeds should give different samples"
+
+
+@pytest.mark.slow
+def test_beam_search_equals_transformers(hf_model):
+    import torch
+
+    llm = make_llm(prefix_cache="radix")
+    tokenizer = llm.get_tokenizer()
+    texts = ["The capital of France is", "def add(a, b):", "Once upon a time",
+             "The three primary colours are", "In 1969, astronauts"]
+    for text in texts:
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        ours = llm.beam_search({"prompt_token_ids": ids}, BeamSearchParams(beam_width=4, max_tokens=12))[0]
+        with torch.inference_mode():
+            theirs = hf_model.generate(torch.tensor([ids]), num_beams=4, do_sample=False,
+                                       max_new_tokens=12, length_penalty=1.0, early_stopping=False,
+                                       attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+        best = theirs[0, len(ids):].tolist()
+        eos = llm.engine.loaded.eos_token_id
+        assert ours.beams[0].token_ids == [t for t in best if t != eos] + (
+            [eos] if eos in best else []), text
+
+
+def test_aborts_in_every_state_leave_no_page_behind():
+    llm = make_llm(prefix_cache="off", kv_cache_memory=_pool_memory(12), max_model_len=128,
+                   preemption_mode="swap", swap_space="1GiB", max_num_batched_tokens=64)
+    engine = llm.engine
+    ids = [engine.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=64, ignore_eos=True))
+           for p in _prompts(8)]
+    seen = set()
+    for _ in range(200):
+        engine.step()
+        states = {r.status.value for r in engine.scheduler.requests.values()}
+        seen |= states
+        if {"running", "waiting", "swapped"} <= states:
+            break
+    assert {"running", "waiting", "swapped"} <= seen, seen
+    for rid in ids:
+        engine.abort(rid)
+    assert engine.manager.num_used_pages == 0
+    assert engine.host_tier.num_pages == 0
+    assert not engine.has_unfinished()

@@ -1,0 +1,141 @@
+"""`kvserve bench`: the figures, ratios and agreement from per-request results; workload resolution;
+and tiny end-to-end runs (kvserve alone, and beside transformers) with stable JSON keys and a PNG."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvserve.cli import main
+from kvserve.config import ConfigError
+from kvserve.tools.bench import (ENGINE_KEYS, RATIO_KEYS, agreement, load_workload, percentile, plot, ratios,
+                                 shared_prefix_len, summarize, workloads_dir)
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+REPORT_KEYS = {"schema_version", "workload", "machine", "engine_args", "engines", "ratios", "greedy_agreement"}
+
+
+def raw_result(ttfts, cached, wall=10.0, tokens=4):
+    requests = [{"output_token_ids": list(range(tokens)), "ttft_s": t, "e2e_s": t + 0.1 * (tokens - 1),
+                 "cached_tokens": c} for t, c in zip(ttfts, cached)]
+    return {"requests": requests, "wall_s": wall, "prompt_tokens": 100, "prefix_hit_rate": 0.5,
+            "peak_rss_bytes": 2**30, "kv_bytes": 2**20, "kv_bytes_used_peak": 2**19, "load_s": 1.0, "threads": 2}
+
+
+def tiny_trace(tmp_path, num_requests=3, max_tokens=3):
+    prefix = list(range(400, 440))  # 40 shared tokens, then 8 distinct ones per request
+    lines = [{"id": f"t{i}", "prompt_token_ids": prefix + list(range(1000 + 10 * i, 1008 + 10 * i)),
+              "max_tokens": max_tokens} for i in range(num_requests)]
+    path = tmp_path / "tiny.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_percentile_interpolates_like_numpy():
+    np = pytest.importorskip("numpy")
+    values = [0.3, 1.0, 0.1, 7.5, 2.0, 2.2]
+    for q in (0, 50, 95, 100):
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    assert percentile([], 50) is None
+
+
+def test_summary_has_the_stable_keys_and_splits_cached_from_cold():
+    fig = summarize(raw_result([1.0, 0.2, 0.3, 0.4], [0, 32, 32, 32], wall=8.0))
+    assert tuple(fig) == ENGINE_KEYS
+    assert fig["output_tokens"] == 16 and fig["output_tokens_per_s"] == pytest.approx(2.0)
+    assert fig["total_tokens_per_s"] == pytest.approx(116 / 8)
+    assert fig["tpot_s"] == pytest.approx(0.1)
+    assert (fig["num_cached_requests"], fig["num_cold_requests"]) == (3, 1)
+    assert fig["ttft_cold_p95_s"] == 1.0 and fig["ttft_cached_p95_s"] == pytest.approx(0.39)
+    assert fig["ttft_cached_over_cold_p95"] == pytest.approx(0.39)
+
+
+def test_ratios_are_kvserve_over_peer_with_speedup():
+    ours, peer = summarize(raw_result([1, 2], [0, 5], wall=5.0)), summarize(raw_result([2, 4], [0, 0], wall=20.0))
+    peer["prefix_hit_rate"] = 0.0
+    r = ratios(ours, peer)
+    assert set(r) == set(RATIO_KEYS) | {"speedup"}
+    assert r["wall_s"] == pytest.approx(0.25) and r["speedup"] == pytest.approx(4.0)
+    assert r["output_tokens_per_s"] == pytest.approx(4.0) and r["ttft_p50_s"] == pytest.approx(0.5)
+    assert r["prefix_hit_rate"] is None  # no ratio against zero
+
+
+def test_agreement_counts_identical_requests():
+    a = agreement([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]])
+    assert (a["identical_requests"], a["fraction"]) == (1, 0.5)
+    assert a["mean_common_prefix_frac"] == pytest.approx((1 + 1 / 3) / 2)
+
+
+def test_workloads_resolve_to_token_ids(tmp_path):
+    rag = load_workload("rag", limit=5, max_tokens=7)
+    assert len(rag.token_ids) == 5 and rag.max_tokens == [7] * 5 and rag.source.startswith("generated:rag")
+    trace = load_workload(str(tiny_trace(tmp_path)))
+    assert trace.max_tokens == [3, 3, 3] and shared_prefix_len(trace.token_ids) == 40
+    assert trace.describe()["shared_prefix_tokens"] == 40
+    with pytest.raises(ConfigError, match="unknown workload"):
+        load_workload("nope")
+    with pytest.raises(ConfigError, match="--limit"):
+        load_workload("rag", limit=0)
+
+
+@pytest.mark.skipif(not (workloads_dir() / "w1.jsonl").is_file(), reason="../shared/workloads/w1.jsonl absent")
+def test_w1_is_the_shared_file():
+    w1 = load_workload("w1", limit=2, max_tokens=4)
+    assert w1.source.endswith("w1.jsonl") and w1.request_ids == ["w1-00", "w1-01"]
+    assert shared_prefix_len(w1.token_ids) > 1000 and w1.max_tokens == [4, 4]
+
+
+def test_missing_llama_cpp_is_one_line(capsys):
+    pytest.importorskip("matplotlib")
+    try:
+        import llama_cpp  # noqa: F401
+        pytest.skip("llama-cpp-python is installed")
+    except ImportError:
+        pass
+    assert main(["bench", "--vs", "llama-cpp", "--limit", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "llama-cpp-python" in err and "\n" not in err
+
+
+def test_plot_writes_a_png(tmp_path):
+    ours, peer = summarize(raw_result([1, 2], [0, 5])), summarize(raw_result([2, 4], [0, 0]))
+    report = {"workload": {"name": "tiny", "num_requests": 2}, "machine": {"load_avg_before": [0.5, 0, 0]},
+              "engines": {"kvserve": ours, "transformers": peer}}
+    plot(report, str(tmp_path / "out.png"))
+    assert (tmp_path / "out.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+@pytest.mark.slow
+def test_tiny_run_beside_transformers(tmp_path, capsys):
+    out = tmp_path / "bench.png"
+    assert main(["bench", "--workload", str(tiny_trace(tmp_path)), "--vs", "transformers", "--json",
+                 "--plot", str(out), "--kv-cache-memory", "64MiB", "--max-model-len", "256"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report) == REPORT_KEYS
+    peers = ["transformers", "transformers+prompt-cache"]
+    assert list(report["engines"]) == ["kvserve", *peers]
+    for fig in report["engines"].values():
+        assert tuple(fig) == ENGINE_KEYS
+        assert fig["output_tokens"] == 9 and fig["wall_s"] > 0 and len(fig["ttft_s"]) == 3
+        assert fig["peak_rss_bytes"] > 0 and fig["kv_bytes"] > 0
+    for name in peers:
+        assert set(report["ratios"][name]) == set(RATIO_KEYS) | {"speedup"}
+        ratio = report["ratios"][name]["wall_s"]
+        assert ratio == pytest.approx(report["engines"]["kvserve"]["wall_s"] / report["engines"][name]["wall_s"])
+        assert report["greedy_agreement"][name]["fraction"] == 1.0  # float32 greedy: same tokens
+    assert report["engines"]["transformers+prompt-cache"]["cached_prompt_tokens"] == 3 * 40
+    assert out.read_bytes()[:8] == PNG_SIGNATURE
+
+
+@pytest.mark.slow
+def test_tiny_run_alone_prints_the_table(tmp_path, capsys):
+    assert main(["bench", "--workload", str(tiny_trace(tmp_path, 2, 2)), "--vs", "none",
+                 "--kv-cache-memory", "64MiB", "--max-model-len", "256"]) == 0
+    text = capsys.readouterr().out
+    assert "wall time" in text and "TTFT p95" in text and "kvserve" in text
+    assert main(["bench", "--workload", str(tiny_trace(tmp_path, 2, 2)), "--vs", "none", "--json",
+                 "--kv-cache-memory", "64MiB", "--max-model-len", "256"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert list(report["engines"]) == ["kvserve"] and report["ratios"] == {} and report["greedy_agreement"] == {}
+    assert report["engines"]["kvserve"]["num_cached_requests"] >= 1  # the second request hits the prefix

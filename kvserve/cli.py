@@ -27,6 +27,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--swap-space", default=ENGINE_DEFAULTS.swap_space)
     group.add_argument("--device", default=ENGINE_DEFAULTS.device)
     group.add_argument("--dtype", default=ENGINE_DEFAULTS.dtype, choices=["float32", "bfloat16", "float16"])
+    group.add_argument("--redis-url", default=None,
+                       help="share KV pages with other instances through Redis, e.g. "
+                            "redis://127.0.0.1:6379/0 (timeouts: ?socket_timeout=0.1)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -35,7 +38,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 preemption_mode=args.preemption_mode, swap_space=args.swap_space,
-                device=args.device, dtype=args.dtype)
+                device=args.device, dtype=args.dtype, redis_url=getattr(args, "redis_url", None))
 
 
 def main_generate(args: argparse.Namespace) -> int:
@@ -50,6 +53,7 @@ def main_generate(args: argparse.Namespace) -> int:
         output = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
     else:
         output = llm.generate(args.prompt, params)[0]
+    llm.engine.close()  # with --redis-url: the new pages reach Redis before the process ends
     print(output.outputs[0].text)
     return 0
 
@@ -100,13 +104,19 @@ def _tool_registrars() -> list[Callable[[argparse._SubParsersAction], None]]:
         server.add_serve_arguments(p)
         p.set_defaults(func=server.main_serve)
 
+    def proxy(sub):
+        from kvserve.server import proxy
+        p = sub.add_parser("proxy", help="OpenAI-compatible front for disaggregated prefill/decode")
+        proxy.add_proxy_arguments(p)
+        p.set_defaults(func=proxy.main_proxy)
+
     def bench(sub):
         from kvserve.tools import bench
         p = sub.add_parser("bench", help="benchmark a workload through kvserve and a peer, side by side")
         bench.add_bench_arguments(p)
         p.set_defaults(func=bench.main_bench)
 
-    return [plan, cost, simulate, serve, bench]
+    return [plan, cost, simulate, serve, proxy, bench]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -134,6 +134,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     redis_url: str | None = None
+    role: str = "both"  # both | prefill (compute prompts, publish their pages) | decode
 
     def __post_init__(self) -> None:
         if not (1 <= self.page_size <= 256) or self.page_size & (self.page_size - 1):
@@ -157,3 +158,14 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"--max-model-len must be at least 1, got {self.max_model_len}")
+        if self.role not in ("both", "prefill", "decode"):
+            raise ConfigError(f"--role must be both, prefill or decode, got {self.role!r}")
+        if self.role != "both" and not self.redis_url:
+            raise ConfigError(f"--role {self.role} shares pages through Redis; add --redis-url")
+        if self.redis_url:
+            if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+                raise ConfigError(f"--redis-url must start with redis://, rediss:// or unix://, "
+                                  f"got {self.redis_url!r}")
+            if self.prefix_cache == PrefixCachePolicy.OFF.value:
+                raise ConfigError("--redis-url shares prefix-cache pages; use --prefix-cache radix "
+                                  "or hash with it")

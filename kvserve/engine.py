@@ -3,6 +3,8 @@ time; LLM is the synchronous batch API of DESIGN.md §4.
 
 One step: scheduler.schedule() -> SchedulerOutput -> runner.execute() -> sampled tokens ->
 scheduler.update() (counters, commits to the prefix cache, stop rules, freeing) -> RequestOutputs.
+With `redis_url`, pages loaded from the Redis tier are written before the compute, and the pages
+committed in the step are read right after it and handed to the tier's background writer.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any, Iterable
 
 from kvserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from kvserve.cache.manager import KVCacheManager
+from kvserve.cache.redis_tier import RedisTier
 from kvserve.cache.tiers import HostTier
 from kvserve.config import (CacheConfig, ConfigError, EngineConfig, PrefixCachePolicy,
                             kv_bytes_per_page, parse_bytes, resolve_kv_dtype)
@@ -61,14 +64,33 @@ class LLMEngine:
         self.runner = ModelRunner(self.loaded, self.cache_config.num_pages, config.page_size,
                                   self.cache_config.kv_dtype, device=config.device, dtype=config.dtype)
         self.host_tier = HostTier(parse_bytes(config.swap_space), self.runner.page_bytes)
+        self.redis_tier = self._redis_tier() if config.redis_url else None
+        self._committed: list[tuple[bytes, int]] = []  # (page hash, page id) committed this step
+        if self.redis_tier is not None:
+            self.manager.on_commit = self._committed.extend
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, preemption_mode=config.preemption_mode,
-                                   host_tier=self.host_tier)
+                                   host_tier=self.host_tier, remote=self.redis_tier)
         self._ids = itertools.count()
         self._prompts: dict[str, str | None] = {}
         self._stop_text: dict[str, str] = {}  # request id -> output text cut at its stop string
         self._groups: dict[str, list[Request]] = {}  # request id -> its n samples (n > 1), in order
         self._group_of: dict[str, str] = {}  # sample id -> request id
+
+    def _redis_tier(self) -> RedisTier:
+        """Keyed by what makes two instances' pages interchangeable: model file, KV dtype (and the
+        compute dtype when it differs: it changes the numbers stored), page size."""
+        kv_dtype = self.cache_config.kv_dtype.name
+        if kv_dtype != resolve_kv_dtype("auto", self.config.dtype).name:
+            kv_dtype += "+" + self.config.dtype
+        return RedisTier(self.config.redis_url, fingerprint=self.loaded.fingerprint,
+                         kv_dtype=kv_dtype, page_size=self.config.page_size,
+                         page_bytes=self.runner.page_bytes)
+
+    def close(self) -> None:
+        """Write what the Redis tier still has queued and close its connections."""
+        if self.redis_tier is not None:
+            self.redis_tier.close()
 
     # -- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -92,6 +114,8 @@ class LLMEngine:
         """Validate and queue one request. Bad input raises ValueError; nothing is queued then."""
         params = params or SamplingParams()
         params.validate()
+        if self.config.role == "prefill":  # compute the prompt and its first token, publish, done
+            params = replace(params, max_tokens=1)
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n={params.n} is over --max-num-seqs {self.config.max_num_seqs}")
         text, token_ids = self.tokenize(prompt)
@@ -142,6 +166,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
+        self._committed.clear()  # a failed step's commits name pages that may be reused now
         out = self.scheduler.schedule()
         if not out.seqs:
             if self.scheduler.has_unfinished() and not self.scheduler.running:
@@ -151,9 +176,13 @@ class LLMEngine:
             self.host_tier.fill_swap(request_id, self.runner.read_pages(pages))
         for request_id, pages in out.swap_in:
             self.runner.write_pages(pages, self.host_tier.take_swap(request_id))
+        if out.remote_loads:
+            _write_page_bytes(self.runner, out.remote_loads)
         sampled = self.runner.execute(out)
         now = time.monotonic()
         changed = self.scheduler.update(out, sampled, now)
+        if self.redis_tier is not None:
+            self._publish_committed()
         for request in changed:
             if request.sampling_params.stop and not request.status.is_finished:
                 self._check_stop_strings(request, now)
@@ -162,6 +191,23 @@ class LLMEngine:
             output = self._output(request)
             outputs.setdefault(output.request_id, output)
         return list(outputs.values())
+
+    def _publish_committed(self) -> None:
+        """Offer the pages committed in this step that Redis does not hold yet, read now while they
+        hold this step's K/V (a finished request's pages are freed but not reused before the next
+        schedule). A prefill instance writes them before its reply: its decode instance reads them
+        next; others queue them for the background writer and never wait."""
+        committed = dict(self._committed)  # by hash: one page per content
+        self._committed.clear()
+        tier = self.redis_tier
+        new = [(h, page) for h, page in committed.items() if not tier.is_known(h)]
+        if not new or not tier.available():
+            return
+        items = list(zip([h for h, _ in new], _read_page_bytes(self.runner, [p for _, p in new])))
+        if self.config.role == "prefill":
+            tier.put_many(items)
+        else:
+            tier.offer(items)
 
     def _check_stop_strings(self, request: Request, now: float) -> None:
         text = self.decode(request.output_token_ids)
@@ -226,7 +272,35 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             pool_tokens=(self.cache_config.num_pages - 1) * self.config.page_size,
         )
+        if self.redis_tier is not None:
+            stats.update(self.redis_tier.engine_stats())
         return stats
+
+
+def _read_page_bytes(runner: ModelRunner, page_ids: list[int]) -> list[Any]:
+    """Each page's K/V (all layers, scales included) as a flat uint8 array of runner.page_bytes.
+    (Tensor <-> bytes for the Redis tier; it belongs in ModelRunner once model/ is free to edit.)"""
+    import torch
+
+    data = runner.read_pages(page_ids)  # [n, ...] a copy: later steps cannot change it
+    return list(data.reshape(len(page_ids), -1).view(torch.uint8).numpy())
+
+
+def _write_page_bytes(runner: ModelRunner, loads: list[tuple[int, Any]]) -> None:
+    """Inverse of _read_page_bytes: (page_id, bytes) pairs into the KV cache."""
+    import numpy as np
+    import torch
+
+    from kvserve.model.runner import FLOAT_KV_DTYPES
+
+    buf = np.empty((len(loads), runner.page_bytes), np.uint8)
+    for row, (_, payload) in zip(buf, loads):
+        row[:] = np.frombuffer(payload, np.uint8)
+    data = torch.from_numpy(buf)  # quantized dtypes: codes then scales, as read_pages gives them
+    if runner.kv_dtype.name in FLOAT_KV_DTYPES:
+        kv = runner.kv  # [num_layers, 2, num_pages, page_size, kv_heads, head_dim]
+        data = data.view(kv.dtype).view(len(loads), *kv.shape[:2], *kv.shape[3:])
+    runner.write_pages([page for page, _ in loads], data)
 
 
 class LLM:

@@ -6,6 +6,8 @@ chunks, a prefix-cache hit simply starts the counter further along, and a reques
 recompute starts again from zero (or from its cached prefix). Running requests are served first, in
 admission order; when a running request needs a page and none is free, the most recently admitted
 request is preempted. Then waiting requests are admitted while pages, sequence slots and budget last.
+With a remote tier (Redis), an admitted request whose local hit stops short also gets the following
+full pages the tier holds: loaded into fresh pages before the step computes, counted as cached.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 from kvserve.cache.manager import PrefixHit
 from kvserve.config import PreemptionMode, PrefixCachePolicy
@@ -54,6 +56,8 @@ class SchedulerOutput:
     # (already freed, so not reused before this step's compute), swap_in writes into new pages
     swap_out: list[tuple[str, list[int]]] = field(default_factory=list)
     swap_in: list[tuple[str, list[int]]] = field(default_factory=list)
+    # (page_id, payload) from the remote tier, written by the engine before the copies and compute
+    remote_loads: list[tuple[int, Any]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +71,12 @@ class Sampled(Protocol):
 
 
 @dataclass(slots=True)
+class RemoteTier(Protocol):
+    def fetch(self, token_ids: list[int], namespace: str, start_page: int,
+              max_pages: int) -> list[Any]: ...
+
+
+@dataclass(slots=True)
 class SchedulerStats:
     num_preemptions: int = 0
     prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission only)
@@ -77,13 +87,15 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, preemption_mode: str = "recompute",
-                 host_tier: HostTier | None = None, admission_age_bound_s: float = 10.0) -> None:
+                 host_tier: HostTier | None = None, admission_age_bound_s: float = 10.0,
+                 remote: RemoteTier | None = None) -> None:
         self.manager = manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.preemption_mode = PreemptionMode(preemption_mode)
         self.host_tier = host_tier
+        self.remote = remote  # pages shared across instances (RedisTier), asked once per admission
         self.admission_age_bound_s = admission_age_bound_s
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the tail is preempted first
@@ -173,23 +185,51 @@ class Scheduler:
             if request.fork_children and hit.num_tokens >= request.num_prompt_tokens - 1:
                 keep = request.num_prompt_tokens - 2  # leave a token to compute before the fork
                 hit = PrefixHit(hit.pages[:-(-keep // self.manager.page_size)], keep)
-            end = hit.num_tokens + self._chunk(request, hit.num_tokens, budget)
+            hit, loads = self._remote_pages(request, hit, budget)
+            num_hit = hit.num_tokens
+            start = num_hit + len(loads) * self.manager.page_size
+            end = start + self._chunk(request, start, budget)
             copies = self.manager.allocate(request.request_id, request.token_ids, request.namespace,
                                            hit, end)
             if copies is None:
                 break  # not enough pages now; nobody behind it overtakes it
-            num_new = min(end - hit.num_tokens, budget)  # allocate may have shrunk a stale hit
+            if loads and hit.num_tokens == num_hit:  # (a stale hit that shrank drops the loads)
+                pages = self.manager.commit_loaded(request.request_id, request.token_ids, len(loads))
+                out.remote_loads.extend(zip(pages, loads))
+            else:
+                start = hit.num_tokens
+            num_new = min(end - start, budget)  # allocate may have shrunk a stale hit
             self.waiting.remove(request)
             if request.num_preemptions == 0:
-                request.num_cached_tokens = hit.num_tokens
+                request.num_cached_tokens = start
                 self.stats.prompt_tokens += request.num_prompt_tokens
-                self.stats.cached_prompt_tokens += min(hit.num_tokens, request.num_prompt_tokens)
-            request.num_computed_tokens = hit.num_tokens
+                self.stats.cached_prompt_tokens += min(start, request.num_prompt_tokens)
+            request.num_computed_tokens = start
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.page_copies.extend(copies)
             out.seqs.append(self._seq(request, num_new))
             budget -= num_new
+
+    def _remote_pages(self, request: Request, hit: PrefixHit, budget: int) -> tuple[PrefixHit, list]:
+        """Ask the remote tier for the full pages after the local hit (at most as many as surely fit
+        with this step's chunk, so the allocation after this query succeeds: one query per
+        admission). A partial local hit is cut to its page boundary if the tier has the page."""
+        if self.remote is None:
+            return hit, []
+        ps = self.manager.page_size
+        first = hit.num_tokens // ps
+        limit = request.num_tokens - (2 if request.fork_children else 1)  # as _admit cuts hits
+        free = self.manager.num_free_pages - len(hit.pages)
+        rest = -(-(request.num_tokens - first * ps) // ps)  # pages from the hit's boundary on
+        room = free if rest <= free else free - -(-budget // ps)  # loads + this step's chunk fit
+        max_pages = min(limit // ps - first, room)
+        if max_pages <= 0:
+            return hit, []
+        loads = self.remote.fetch(request.token_ids, request.namespace, first, max_pages)
+        if loads and hit.num_tokens % ps:
+            hit = PrefixHit(hit.pages[:first], first * ps)
+        return hit, loads
 
     def _fork(self, parent: Request) -> None:
         for child in parent.fork_children:

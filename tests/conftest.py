@@ -23,6 +23,16 @@ def make_llm(**kwargs):
     return llm
 
 
+def pool_memory(num_pages: int, page_size: int = 16, kv_cache_dtype: str = "auto") -> int:
+    """The kv_cache_memory that gives exactly `num_pages` pages (page 0 included) to the bundled model."""
+    from kvserve.config import kv_bytes_per_page, resolve_kv_dtype
+    from kvserve.model.gguf_loader import bundled_model_path, load_gguf
+
+    model = load_gguf(bundled_model_path()).config
+    return num_pages * kv_bytes_per_page(model.num_layers, model.num_kv_heads, model.head_dim,
+                                         page_size, resolve_kv_dtype(kv_cache_dtype, "float32"))
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_pages():
     yield

@@ -7,22 +7,13 @@ from __future__ import annotations
 import pytest
 
 from kvserve import BeamSearchParams, SamplingParams
-from kvserve.config import kv_bytes_per_page, resolve_kv_dtype
-from tests.conftest import make_llm
+from tests.conftest import make_llm, pool_memory
 
 GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)
 
 
 def _prompts(n: int) -> list[list[int]]:
     return [[1 + (i * 37 + j * 11) % 5000 for j in range(40 + i % 7)] for i in range(n)]
-
-
-def _pool_memory(num_pages: int, page_size: int = 16) -> int:
-    from kvserve.model.gguf_loader import bundled_model_path, load_gguf
-
-    model = load_gguf(bundled_model_path()).config
-    return num_pages * kv_bytes_per_page(model.num_layers, model.num_kv_heads, model.head_dim,
-                                         page_size, resolve_kv_dtype("auto", "float32"))
 
 
 def _run(llm, prompts):
@@ -42,7 +33,7 @@ def unconstrained():
 def test_a_quarter_of_the_pool_still_gives_identical_outputs(mode, unconstrained):
     prompts, expected = unconstrained
     needed_pages = sum(-(-(len(p) + 32) // 16) for p in prompts)  # what all 32 need at once
-    llm = make_llm(prefix_cache="off", kv_cache_memory=_pool_memory(needed_pages // 4 + 1),
+    llm = make_llm(prefix_cache="off", kv_cache_memory=pool_memory(needed_pages // 4 + 1),
                    max_model_len=128, preemption_mode=mode, swap_space="1GiB")
     assert _run(llm, prompts) == expected
     stats = llm.stats()
@@ -97,7 +88,7 @@ def test_beam_search_equals_transformers(hf_model):
 
 
 def test_aborts_in_every_state_leave_no_page_behind():
-    llm = make_llm(prefix_cache="off", kv_cache_memory=_pool_memory(12), max_model_len=128,
+    llm = make_llm(prefix_cache="off", kv_cache_memory=pool_memory(12), max_model_len=128,
                    preemption_mode="swap", swap_space="1GiB", max_num_batched_tokens=64)
     engine = llm.engine
     ids = [engine.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=64, ignore_eos=True))

@@ -11,12 +11,14 @@ A sequence's life, as the scheduler drives it each step:
     ... the runner applies `copies` in order, then computes positions num_computed..end-1 ...
     commit(id, tokens, num_computed)              index the pages that are now full (radix may swap a
                                                   page for an identical cached one: re-read block_table)
+                                                  and tell `on_commit` (a shared tier) about them
     free(id)                                      pages back, tail first; cached ones stay reusable
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.cache.hashing import page_hash
@@ -74,6 +76,9 @@ class KVCacheManager:
         self._seqs: dict[str, _Seq] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # called with the (page_hash, page_id) of the pages each commit indexes (the engine offers
+        # them to the Redis tier)
+        self.on_commit: Callable[[list[tuple[bytes, int]]], None] | None = None
 
     # -- admission -----------------------------------------------------------------------------
     def lookup(self, token_ids: list[int], namespace: str = "") -> PrefixHit:
@@ -172,6 +177,22 @@ class KVCacheManager:
         end = self.index.insert(token_ids, seq.namespace, seq.block_table, seq.page_hashes, start, end)
         seq.committed_token_ids.extend(token_ids[start * ps:end * ps])
         seq.num_committed_pages = end
+        if self.on_commit is not None and end > start:
+            self.on_commit(list(zip(seq.page_hashes[start:end], seq.block_table[start:end])))
+
+    def commit_loaded(self, seq_id: str, token_ids: list[int], num_pages: int) -> list[int]:
+        """Right after allocate: the sequence's next `num_pages` pages (after its cached ones) get
+        their K/V from a remote tier instead of being computed. Counts them as prefix-cache hits,
+        commits them, and returns the page ids to fill, in order (the engine writes them before
+        this step computes). The sequence has then computed (cached + loaded pages) * page_size tokens."""
+        seq = self._seq(seq_id)
+        start = seq.num_committed_pages
+        assert len(seq.block_table) >= start + num_pages, "allocate did not cover the loaded pages"
+        pages = seq.block_table[start:start + num_pages]
+        self.prefix_cache_hits += num_pages * self.page_size
+        # (radix may swap a page for an identical cached one here: then its fill is just unused)
+        self.commit(seq_id, token_ids, (start + num_pages) * self.page_size)
+        return pages
 
     def _extend_hashes(self, seq: _Seq, token_ids: list[int], num_pages: int) -> None:
         ps = self.page_size

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvserve.model.kv_quant import QuantizedKV
+from kvserve.model.kv_quant import QuantizedKV, write_kv_pair
 
 
 # --- KV codec hook: identity for float caches (plain tensors); fp8/int8/int4 caches are
@@ -123,8 +123,7 @@ def write_kv(
 ) -> None:
     """Store k, v [T, kv_heads, head_dim] at their slots of the caches [pages, page_size, kv_heads, head_dim]."""
     if isinstance(k_cache, QuantizedKV):
-        k_cache.write(k, slot_mapping)
-        v_cache.write(v, slot_mapping)
+        write_kv_pair(k_cache, v_cache, k, v, slot_mapping)
         return
     kvh, hd = k_cache.shape[-2:]
     k_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, quantize_kv(k, k_cache))

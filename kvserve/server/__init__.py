@@ -21,8 +21,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="let all API keys share one prefix cache")
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients send (default: the model's own name)")
-    parser.add_argument("--redis-url", default=None,
-                        help="the shared KV tier, e.g. redis://127.0.0.1:6379/0")
+    parser.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
+                        help="disaggregated serving behind `kvserve proxy`: prefill computes each "
+                             "prompt and publishes its pages to --redis-url, decode loads them")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
     add_engine_arguments(parser)

@@ -202,11 +202,14 @@ def serve(args: argparse.Namespace) -> int:
     from kvserve.cli import engine_kwargs
     from kvserve.config import EngineConfig
 
-    engine = LLMEngine(EngineConfig(model=args.model, redis_url=args.redis_url, **engine_kwargs(args)))
+    engine = LLMEngine(EngineConfig(model=args.model, role=args.role, **engine_kwargs(args)))
     app = build_app(engine, model_name=args.served_model_name, api_keys=args.api_key,
                     shared_cache_namespace=args.shared_cache_namespace,
                     extra_model_names=[args.model] if args.model else None)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.close()
     return 0
 
 

@@ -3,7 +3,8 @@ by side with their ratios (kvserve / peer) and the greedy agreement of the outpu
 
     workload (w1 file, a generated mix, a trace) -> token ids + max_tokens per request (tokenized once)
       -> one spawned process per engine (its own peak RSS, no shared thread pools or caches):
-           kvserve                    every request added at t=0 to LLMEngine, step() until all finish
+           kvserve                    requests added to LLMEngine as they arrive (all at t=0 unless
+                                      --request-rate), step() until all finish
            transformers               sequential generate(), same GGUF, float32, greedy, EOS ignored
            transformers+prompt-cache  the same, with the shared prefix's KV computed once and
                                       copy.deepcopy'd into each request (transformers' documented reuse)
@@ -12,9 +13,10 @@ by side with their ratios (kvserve / peer) and the greedy agreement of the outpu
       -> figures, ratios, agreement -> a table, --json, --plot PNG
 
 Every engine gets the same ids and generates exactly max_tokens (EOS ignored, never masked), so
-tokens/s compare like with like and greedy outputs can be compared token by token. TTFT counts from
-submission at t=0: a sequential peer's later requests wait behind earlier ones, as behind one server.
-Model loading and a short warm-up are outside the timed part.
+tokens/s compare like with like and greedy outputs can be compared token by token. TTFT counts from a
+request's submission: a sequential peer's later requests wait behind earlier ones, as behind one server
+(and with all requests at t=0, kvserve's cached requests wait behind the cold one that computes the
+shared prefix; --request-rate spaces them). Model loading and a short warm-up are outside the timed part.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class RunSpec:
     model_path: str
     token_ids: list[list[int]]
     max_tokens: list[int]
+    arrivals: list[float]  # seconds after t0 at which each request is submitted
     engine_kwargs: dict = field(default_factory=dict)
     threads: int | None = None
 
@@ -124,11 +127,17 @@ class _Reporter:
     def phase(self, name: str) -> None:
         self.queue.put(("phase", name))
 
-    def tokens(self, done: int, force: bool = False) -> None:
+    def tokens(self, done: int) -> None:
         now = time.monotonic()
-        if force or now - self.last > 0.1:
+        if now - self.last > 0.1:
             self.last = now
             self.queue.put(("tokens", done))
+
+
+def _wait_until(t: float) -> None:
+    delay = t - time.monotonic()
+    if delay > 0:
+        time.sleep(delay)
 
 
 def _worker(spec: RunSpec, queue) -> None:
@@ -164,11 +173,16 @@ def _run_kvserve(spec: RunSpec, report: _Reporter) -> dict:
     engine.manager.reset_prefix_cache()
     before, generated = engine.stats(), engine.scheduler.stats.generation_tokens
     report.phase("running")
+    pending = list(zip(spec.arrivals, spec.token_ids, spec.max_tokens))[::-1]  # arrivals ascend: pop() next
+    ids, done, peak_pages = [], {}, 0
     t0 = time.monotonic()
-    ids = [engine.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
-           for p, m in zip(spec.token_ids, spec.max_tokens)]
-    done, peak_pages = {}, 0
-    while len(done) < len(ids):
+    while pending or len(done) < len(ids):
+        if pending and not engine.has_unfinished():
+            _wait_until(t0 + pending[-1][0])
+        while pending and time.monotonic() >= t0 + pending[-1][0]:  # submit what has arrived
+            _, prompt, max_tokens = pending.pop()
+            ids.append(engine.add_request({"prompt_token_ids": prompt},
+                                          SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
@@ -252,11 +266,12 @@ def _run_transformers(spec: RunSpec, report: _Reporter) -> dict:
             result = model(torch.tensor([spec.token_ids[0][:prefix_len]]), use_cache=True, logits_to_keep=1,
                            **{cache_arg: prefix})
             prefix = result.past_key_values if getattr(result, "past_key_values", None) is not None else prefix
-        for ids, max_tokens in zip(spec.token_ids, spec.max_tokens):
+        for ids, max_tokens, arrival in zip(spec.token_ids, spec.max_tokens, spec.arrivals):
+            _wait_until(t0 + arrival)
             streamer = FirstToken(on_token)
             new = generate(ids, max_tokens, streamer, None if prefix is None else copy.deepcopy(prefix))
-            requests.append({"output_token_ids": new, "ttft_s": streamer.first - t0,
-                             "e2e_s": time.monotonic() - t0, "cached_tokens": prefix_len})
+            requests.append({"output_token_ids": new, "ttft_s": streamer.first - t0 - arrival,
+                             "e2e_s": time.monotonic() - t0 - arrival, "cached_tokens": prefix_len})
     wall = time.monotonic() - t0
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -299,11 +314,12 @@ def _run_llama_cpp(spec: RunSpec, report: _Reporter) -> dict:
         report.tokens(done)
 
     t0 = time.monotonic()
-    for ids, max_tokens in zip(spec.token_ids, spec.max_tokens):
+    for ids, max_tokens, arrival in zip(spec.token_ids, spec.max_tokens, spec.arrivals):
+        _wait_until(t0 + arrival)
         cached = min(_common_prefix(list(llm.input_ids[: llm.n_tokens]), ids), len(ids) - 1)
         new, first = generate(ids, max_tokens, on_token)
-        requests.append({"output_token_ids": new, "ttft_s": first - t0, "e2e_s": time.monotonic() - t0,
-                         "cached_tokens": max(cached, 0)})
+        requests.append({"output_token_ids": new, "ttft_s": first - t0 - arrival,
+                         "e2e_s": time.monotonic() - t0 - arrival, "cached_tokens": max(cached, 0)})
     wall = time.monotonic() - t0
     meta = llm.metadata
     arch = meta.get("general.architecture", "llama")
@@ -426,16 +442,19 @@ def run_bench(args: argparse.Namespace, progress_console=None) -> dict:
         raise ConfigError(f"--transformers-modes is a comma list of {', '.join(TRANSFORMERS_MODES)}")
     workload = load_workload(args.workload, args.limit, args.max_tokens, args.seed, args.model)
     model_path = resolve_model_path(args.model)
+    if args.request_rate is not None and args.request_rate <= 0:
+        raise ConfigError(f"--request-rate must be > 0 requests/s, got {args.request_rate}")
+    arrivals = [i / args.request_rate if args.request_rate else 0.0 for i in range(len(workload.token_ids))]
     engines = ["kvserve"] + {"transformers": [TRANSFORMERS_MODES[m] for m in modes], "llama-cpp": ["llama-cpp"],
                              "none": []}[args.vs]
-    report = {"schema_version": 1, "workload": workload.describe(), "machine": _machine(args.threads),
+    report = {"schema_version": 1, "workload": {**workload.describe(), "request_rate": args.request_rate}, "machine": _machine(args.threads),
               "engine_args": {"model": model_path, **kwargs}, "engines": {}, "ratios": {}, "greedy_agreement": {}}
     outputs = {}
     with _progress(progress_console) as bar:
         for name in engines:
-            spec = RunSpec(name, model_path, workload.token_ids, workload.max_tokens, kwargs, args.threads)
+            spec = RunSpec(name, model_path, workload.token_ids, workload.max_tokens, arrivals, kwargs, args.threads)
             raw = run_engine(spec, bar(name, sum(workload.max_tokens)))
-            raw["prompt_tokens"] = workload.describe()["prompt_tokens"]
+            raw["prompt_tokens"] = report["workload"]["prompt_tokens"]
             outputs[name] = [r["output_token_ids"] for r in raw["requests"]]
             report["engines"][name] = summarize(raw)
     report["machine"]["load_avg_after"] = list(os.getloadavg())
@@ -531,14 +550,15 @@ def plot(report: dict, path: str) -> None:
     engines = report["engines"]
     names = list(engines)
     colors = [f"C{i}" for i in range(len(names))]
-    fig = plt.figure(figsize=(14, 8))
-    grid = fig.add_gridspec(2, 3)
+    fig = plt.figure(figsize=(16, 8))
+    grid = fig.add_gridspec(2, 4)
     bars = [("wall time (s, lower is better)", [("wall", "wall_s")]),
-            ("tokens/s (higher is better)", [("output", "output_tokens_per_s"), ("total", "total_tokens_per_s")]),
+            ("output tokens/s (higher is better)", [("output", "output_tokens_per_s")]),
+            ("total tokens/s (higher is better)", [("prompt + output", "total_tokens_per_s")]),
             ("TTFT (s, lower is better)", [("p50", "ttft_p50_s"), ("p95", "ttft_p95_s")])]
+    width = 0.8 / len(names)
     for col, (title, groups) in enumerate(bars):
         ax = fig.add_subplot(grid[0, col])
-        width = 0.8 / len(names)
         for i, name in enumerate(names):
             xs = [g + i * width for g in range(len(groups))]
             ys = [engines[name][key] or 0 for _, key in groups]
@@ -546,26 +566,27 @@ def plot(report: dict, path: str) -> None:
             for x, y in zip(xs, ys):
                 ax.annotate(f"{y:.3g}", (x, y), ha="center", va="bottom", fontsize=8)
         ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], [g for g, _ in groups])
-        ax.set_title(title)
-    fig.axes[0].legend(fontsize=8)
-    ax = fig.add_subplot(grid[1, :2])
+        ax.set_title(title, fontsize=10)
+        ax.margins(y=0.12)
+    fig.legend(*fig.axes[0].get_legend_handles_labels(), loc="upper right", fontsize=9)
+    ax = fig.add_subplot(grid[1, :3])
     for i, name in enumerate(names):
         xs = sorted(engines[name]["ttft_s"])
-        ax.step(xs, [(k + 1) / len(xs) for k in range(len(xs))], where="post", color=colors[i], label=name)
+        ax.step([xs[0]] + xs, [0] + [(k + 1) / len(xs) for k in range(len(xs))], where="post", color=colors[i],
+                label=name)
     ax.set_xscale("log")
-    ax.set_xlabel("TTFT (s), from submission of all requests at t=0")
+    ax.set_xlabel("TTFT (s), from each request's submission")
     ax.set_ylabel("fraction of requests")
     ax.set_title("TTFT distribution (CDF)")
-    ax.legend(fontsize=8)
-    ax = fig.add_subplot(grid[1, 2])
-    ax.boxplot([engines[n]["ttft_s"] for n in names], showfliers=True)
+    ax = fig.add_subplot(grid[1, 3])
+    ax.boxplot([engines[n]["ttft_s"] for n in names])
     ax.set_xticks(range(1, len(names) + 1), names, rotation=15, fontsize=8)
     ax.set_yscale("log")
     ax.set_title("TTFT per request (s)")
     w = report["workload"]
     fig.suptitle(f"kvserve bench: {w['name']}, {w['num_requests']} requests; load avg "
                  f"{report['machine']['load_avg_before'][0]:.1f}")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.86, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
@@ -586,6 +607,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transformers-modes", default="generate,prompt-cache",
                         help="comma list: generate (plain sequential), prompt-cache (shared prefix computed once, "
                              "deep-copied per request); default both")
+    parser.add_argument("--request-rate", type=float, default=None,
+                        help="submit request i at i / RATE seconds (default: all at t=0); TTFT counts from "
+                             "each request's own submission")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per engine (default: usable cores)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--plot", default=None, metavar="OUT.png", help="draw the bars and TTFT distributions")

@@ -2,10 +2,10 @@
 public-domain text shipped with the package (kvserve/data/corpus.txt: Jane Austen, *Persuasion*, 1818).
 
 For each context length C, the first C corpus tokens (from --offset) run through the model with a
-full-precision (fp32) KV cache, and the model then generates 128 tokens greedily. Then, for each KV
-dtype, the same C + 128 tokens run teacher-forced through the model with that cache (in prefill
-chunks, as the engine computes them: K/V are quantized on write and every later query reads them
-back dequantized), and the next-token distributions are compared with fp32's:
+full-precision (fp32) KV cache, and the model then generates 128 tokens greedily (decode steps).
+Then, for each KV dtype, the same C + 128 tokens run teacher-forced through the model with that
+cache (in prefill chunks, as the engine computes them: K/V are quantized on write and every later
+query reads them back dequantized), and the next-token distributions are compared with fp32's:
 
     perplexity   exp(mean NLL of the C - 1 corpus next tokens), and its drift from fp32 in %
     mean KL      mean over those positions of KL(p_fp32 || p_dtype), in nats
@@ -111,15 +111,20 @@ def _forward(runner, token_ids: list[int], start: int = 0):
     return torch.cat(hidden)
 
 
-def _greedy(runner, prompt: list[int], num_tokens: int) -> list[int]:
-    """Greedy continuation with the runner's cache: prefill, then one decode step per token."""
-    hidden = _forward(runner, prompt)[-1:]
+def _greedy(runner, prompt: list[int], num_tokens: int):
+    """Greedy continuation with the runner's cache: prefill, then one decode step per token.
+    Returns (the tokens, hidden states [len(prompt) + num_tokens - 1, hidden] of every position
+    but the last generated one)."""
+    import torch
+
+    hidden = [_forward(runner, prompt)]
     out: list[int] = []
-    while True:
-        out.append(int(runner.model.compute_logits(hidden).argmax(-1)))
+    while num_tokens:
+        out.append(int(runner.model.compute_logits(hidden[-1][-1:]).argmax(-1)))
         if len(out) == num_tokens:
-            return out
-        hidden = _forward(runner, out[-1:], start=len(prompt) + len(out) - 1)
+            break
+        hidden.append(_forward(runner, out[-1:], start=len(prompt) + len(out) - 1))
+    return out, torch.cat(hidden)
 
 
 def _log_probs(model, hidden):
@@ -178,11 +183,11 @@ def evaluate(loaded, token_ids: list[int], contexts: list[int], dtypes: list[str
         total = context + greedy_tokens
         t0 = time.monotonic()
         ref_runner = _runner(loaded, REFERENCE, total, page_size)
-        generated = _greedy(ref_runner, window, greedy_tokens) if greedy_tokens else []
+        generated, ref_hidden = _greedy(ref_runner, window, greedy_tokens)
         amax = _cache_amax(ref_runner, context)
         sequence = window + generated
         targets = sequence[1:]
-        ref_logp = None  # [total - 1, vocab] float32, kept for this context's dtypes
+        ref_logp = _log_probs(ref_runner.model, ref_hidden[:len(targets)])  # [total - 1, vocab]
         for name in dtypes:
             started = time.monotonic()
             scale = 1.0
@@ -192,9 +197,10 @@ def evaluate(loaded, token_ids: list[int], contexts: list[int], dtypes: list[str
                                              "fp8_e5m2": torch.float8_e5m2}[name])
             elif name.startswith("fp8"):
                 scale = float(fp8_scale)
-            hidden = _forward(_runner(loaded, name, total, page_size, scale), sequence)[:-1]
-            if ref_logp is None:
-                ref_logp = _log_probs(ref_runner.model, hidden)
+            if name == REFERENCE:  # the greedy run above: prefill, then decode steps
+                hidden = ref_hidden
+            else:  # teacher-forced through this dtype's cache
+                hidden = _forward(_runner(loaded, name, total, page_size, scale), sequence)[:-1]
             nll, kl, agree = _compare(ref_runner.model, ref_logp, hidden, targets, context - 1)
             pool = pool_tokens_for(memory, page_bytes[name], page_size)
             rows.append(EvalRow(

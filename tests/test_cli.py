@@ -22,7 +22,7 @@ def test_unknown_model_is_one_line_on_stderr(capsys):
 def test_context_that_cannot_fit_is_one_line(capsys):
     assert main(["generate", "hi", "--kv-cache-memory", "4MiB", "--max-model-len", "4096"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "--kv-cache-memory" in err and "4096" in err and "\n" not in err
+    assert "--kv-cache-memory" in err and "4,096" in err and "\n" not in err
 
 
 def test_bad_flag_values_are_one_line(capsys):

@@ -146,5 +146,5 @@ def test_context_that_cannot_fit_stops_start_up_with_both_numbers():
     with pytest.raises(ConfigError) as err:
         make_llm(kv_cache_memory="8MiB", max_model_len=8192)
     message = str(err.value)
-    assert "8192" in message and "--kv-cache-memory" in message and "--max-model-len" in message
+    assert "8,192" in message and "--kv-cache-memory" in message and "--max-model-len" in message
     assert "\n" not in message

@@ -29,7 +29,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default=ENGINE_DEFAULTS.dtype, choices=["float32", "bfloat16", "float16"])
     group.add_argument("--redis-url", default=None,
                        help="share KV pages with other instances through Redis, e.g. "
-                            "redis://127.0.0.1:6379/0 (timeouts: ?socket_timeout=0.1)")
+                            "redis://127.0.0.1:6379/0 (0.25 s timeouts; ?socket_timeout=0.1 to change)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -226,6 +226,59 @@ def test_prefill_decode_split_through_the_proxy_matches_one_instance(pair, redis
     decode.close()
 
 
+@pytest.mark.slow
+def test_kvserve_serve_roles_and_kvserve_proxy_as_commands(pair, redis_server, tmp_path):
+    """The same split as users start it: three processes."""
+    import httpx
+    from openai import OpenAI
+
+    from kvserve import SamplingParams
+    from tests.redis_server import free_port
+
+    ports = [free_port() for _ in range(3)]
+    engine = ["--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--log-level", "warning"]
+    commands = [
+        ["serve", "--role", "prefill", "--redis-url", redis_server.url, "--port", str(ports[0]),
+         *engine],
+        ["serve", "--role", "decode", "--redis-url", redis_server.url, "--port", str(ports[1]),
+         *engine],
+        ["proxy", "--prefill", f"http://127.0.0.1:{ports[0]}", "--decode",
+         f"http://127.0.0.1:{ports[1]}", "--port", str(ports[2]), "--log-level", "warning"],
+    ]
+    logs = [open(tmp_path / f"{i}.log", "w+") for i in range(3)]
+    procs = [subprocess.Popen([sys.executable, "-m", "kvserve.cli", *c], stdout=log,
+                              stderr=subprocess.STDOUT) for c, log in zip(commands, logs)]
+    proxy = f"http://127.0.0.1:{ports[2]}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:  # the proxy's /health is 200 once both instances answer theirs
+            assert all(p.poll() is None for p in procs), [
+                (tmp_path / f"{i}.log").read_text()[-2000:] for i in range(3)]
+            try:
+                if httpx.get(proxy + "/health", timeout=10).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the split did not come up"
+            time.sleep(0.5)
+        client = OpenAI(base_url=proxy + "/v1", api_key="unused", timeout=600, max_retries=0)
+        text = "A short story about a lighthouse keeper and the storm. " * 8
+        out = client.completions.create(model=_model(client), prompt=text, max_tokens=10,
+                                        temperature=0)
+        expected = pair[0].generate(text, SamplingParams(max_tokens=10))[0]
+        assert out.choices[0].text == expected.outputs[0].text
+        assert out.usage.prompt_tokens_details.cached_tokens == cacheable(out.usage.prompt_tokens)
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc, log in zip(procs, logs):
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            log.close()
+
+
 def _model(client) -> str:
     return client.models.list().data[0].id
 

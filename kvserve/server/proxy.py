@@ -11,8 +11,6 @@ a request never fails because of the prefill side. With several --prefill / --de
 takes them in turn.
 """
 
-from __future__ import annotations
-
 import argparse
 import contextlib
 import itertools
@@ -38,6 +36,8 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], timeout: float = 600.0):
+    # (imported here so that `kvserve --help` imports no web stack; no `from __future__ import
+    # annotations` in this module: FastAPI must see these local types in the endpoint signatures)
     import httpx
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse

@@ -384,7 +384,8 @@ def summarize(raw: dict) -> dict:
     ttft = [r["ttft_s"] for r in reqs]
     cached = [r["ttft_s"] for r in reqs if r["cached_tokens"] > 0]
     cold = [r["ttft_s"] for r in reqs if r["cached_tokens"] == 0]
-    tpot = [(r["e2e_s"] - r["ttft_s"]) / (len(r["output_token_ids"]) - 1) for r in reqs if len(r["output_token_ids"]) > 1]
+    tpot = [(r["e2e_s"] - r["ttft_s"]) / (len(r["output_token_ids"]) - 1)
+            for r in reqs if len(r["output_token_ids"]) > 1]
     prompt = raw["prompt_tokens"]
     output = sum(len(r["output_token_ids"]) for r in reqs)
     wall = raw["wall_s"]
@@ -440,15 +441,18 @@ def run_bench(args: argparse.Namespace, progress_console=None) -> dict:
     modes = [m.strip() for m in args.transformers_modes.split(",") if m.strip()]
     if args.vs == "transformers" and (not modes or any(m not in TRANSFORMERS_MODES for m in modes)):
         raise ConfigError(f"--transformers-modes is a comma list of {', '.join(TRANSFORMERS_MODES)}")
-    workload = load_workload(args.workload, args.limit, args.max_tokens, args.seed, args.model)
-    model_path = resolve_model_path(args.model)
     if args.request_rate is not None and args.request_rate <= 0:
         raise ConfigError(f"--request-rate must be > 0 requests/s, got {args.request_rate}")
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+    workload = load_workload(args.workload, args.limit, args.max_tokens, args.seed, args.model)
+    model_path = resolve_model_path(args.model)
     arrivals = [i / args.request_rate if args.request_rate else 0.0 for i in range(len(workload.token_ids))]
     engines = ["kvserve"] + {"transformers": [TRANSFORMERS_MODES[m] for m in modes], "llama-cpp": ["llama-cpp"],
                              "none": []}[args.vs]
-    report = {"schema_version": 1, "workload": {**workload.describe(), "request_rate": args.request_rate}, "machine": _machine(args.threads),
-              "engine_args": {"model": model_path, **kwargs}, "engines": {}, "ratios": {}, "greedy_agreement": {}}
+    report = {"schema_version": 1, "workload": {**workload.describe(), "request_rate": args.request_rate},
+              "machine": _machine(args.threads), "engine_args": {"model": model_path, **kwargs},
+              "engines": {}, "ratios": {}, "greedy_agreement": {}}
     outputs = {}
     with _progress(progress_console) as bar:
         for name in engines:
@@ -515,8 +519,8 @@ def render(report: dict, console) -> None:
     from rich.table import Table
 
     w, m = report["workload"], report["machine"]
-    table = Table(title=f"kvserve bench: {w['name']} ({w['num_requests']} requests, {w['prompt_tokens']:,} "
-                        f"prompt tokens, {w['max_tokens']:,} output tokens, shared prefix {w['shared_prefix_tokens']:,})")
+    table = Table(title=f"kvserve bench: {w['name']} ({w['num_requests']} requests, {w['prompt_tokens']:,} prompt "
+                        f"tokens, {w['max_tokens']:,} output tokens, shared prefix {w['shared_prefix_tokens']:,})")
     table.add_column("")
     for name in report["engines"]:
         table.add_column(name, justify="right")

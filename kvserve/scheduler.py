@@ -70,7 +70,6 @@ class Sampled(Protocol):
     top_logprobs: dict[int, float] | None
 
 
-@dataclass(slots=True)
 class RemoteTier(Protocol):
     def fetch(self, token_ids: list[int], namespace: str, start_page: int,
               max_pages: int) -> list[Any]: ...

@@ -116,7 +116,13 @@ def _tool_registrars() -> list[Callable[[argparse._SubParsersAction], None]]:
         bench.add_bench_arguments(p)
         p.set_defaults(func=bench.main_bench)
 
-    return [plan, cost, simulate, serve, proxy, bench]
+    def eval_kv(sub):
+        from kvserve.tools import evalkv
+        p = sub.add_parser("eval-kv", help="quality drift of quantized KV cache dtypes")
+        evalkv.add_evalkv_arguments(p)
+        p.set_defaults(func=evalkv.main_evalkv)
+
+    return [plan, cost, simulate, serve, proxy, bench, eval_kv]
 
 
 def main(argv: list[str] | None = None) -> int:

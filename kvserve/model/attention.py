@@ -141,12 +141,20 @@ def gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.d
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    meta: AttentionMetadata,
 ) -> torch.Tensor:
-    """q [T, heads, head_dim] -> [T, heads, head_dim]; K/V of this step must already be written."""
+    """Write this step's k, v [T, kv_heads, head_dim] into their slots, then attend:
+    q [T, heads, head_dim] -> [T, heads, head_dim]."""
     num_heads, head_dim = q.shape[1:]
     kv_heads = k_cache.shape[2]
     group = num_heads // kv_heads  # query heads sharing one KV head (GQA)
+    # per-page scales: each prefill query must see its own page as decode would (kv_quant.py)
+    page_scaled = isinstance(k_cache, QuantizedKV) and k_cache.page_scaled
+    own_pages = [(k_cache.own_page_views(k[c.row:c.row + c.num_tokens], c.start_pos, c.block_table),
+                  v_cache.own_page_views(v[c.row:c.row + c.num_tokens], c.start_pos, c.block_table))
+                 if page_scaled else None for c in meta.prefills]
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     # int KV is stored Hadamard-rotated (kv_quant.py): (Hq).(Hk) = q.k, and sum p (Hv) = H out
     rotated = isinstance(k_cache, QuantizedKV) and k_cache.codec.rotates
     if rotated:
@@ -157,18 +165,43 @@ def paged_attention(
     if b:
         # query head h uses KV head h // group, so the group becomes SDPA's query-length axis
         qd = q.index_select(0, meta.decode_rows).view(b, kv_heads, group, head_dim)  # [B, kvh, G, hd]
-        k = gather_pages(k_cache, meta.decode_block_tables, q.dtype).transpose(1, 2)  # [B, kvh, L, hd]
-        v = gather_pages(v_cache, meta.decode_block_tables, q.dtype).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask)  # [B, kvh, G, hd]
+        kd = gather_pages(k_cache, meta.decode_block_tables, q.dtype).transpose(1, 2)  # [B, kvh, L, hd]
+        vd = gather_pages(v_cache, meta.decode_block_tables, q.dtype).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)  # [B, kvh, G, hd]
         out.index_copy_(0, meta.decode_rows, o.reshape(b, num_heads, head_dim))
 
-    for chunk in meta.prefills:
+    for chunk, own in zip(meta.prefills, own_pages):
         n, ctx = chunk.num_tokens, chunk.context_len
-        qp = q[chunk.row : chunk.row + n].transpose(0, 1)[None]  # [1, heads, n, hd]
-        k = gather_pages(k_cache, chunk.block_table[None], q.dtype)[:, :ctx].transpose(1, 2)  # [1, kvh, ctx, hd]
-        v = gather_pages(v_cache, chunk.block_table[None], q.dtype)[:, :ctx].transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            qp, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, enable_gqa=True
-        )  # [1, heads, n, hd]
-        out[chunk.row : chunk.row + n] = o[0].transpose(0, 1)
+        qp = q[chunk.row : chunk.row + n].transpose(0, 1)  # [heads, n, hd]
+        kp = gather_pages(k_cache, chunk.block_table[None], q.dtype)[0, :ctx].transpose(0, 1)  # [kvh, ctx, hd]
+        vp = gather_pages(v_cache, chunk.block_table[None], q.dtype)[0, :ctx].transpose(0, 1)
+        if own is None:
+            o = F.scaled_dot_product_attention(
+                qp[None], kp[None], vp[None], attn_mask=chunk.mask, is_causal=chunk.mask is None,
+                enable_gqa=True)[0]  # [heads, n, hd]
+        else:
+            o = _attend_with_own_pages(qp, kp, vp, *(x.to(q.dtype) for x in own), chunk.start_pos,
+                                       meta.page_size)
+        out[chunk.row : chunk.row + n] = o.transpose(0, 1)
     return v_cache.codec.rotate_rows(out) if rotated else out
+
+
+def _attend_with_own_pages(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_own: torch.Tensor,
+                           v_own: torch.Tensor, start_pos: int, page_size: int) -> torch.Tensor:
+    """Causal attention of q [heads, n, hd] at positions start_pos.. over the pages before each
+    query's own page, from k, v [kvh, ctx, hd], plus its own page from k_own, v_own
+    [n, page_size, kvh, hd] (that page's rows up to the query, as decode saw them) -> [heads, n, hd]."""
+    heads, n, hd = q.shape
+    kv_heads, ctx = k.shape[:2]
+    qg = q.reshape(kv_heads, heads // kv_heads, n, hd) * hd**-0.5  # [kvh, G, n, hd]
+    positions = start_pos + torch.arange(n, device=q.device)  # [n]
+    own_start = positions - positions % page_size
+    earlier = torch.arange(ctx, device=q.device)[None, :] < own_start[:, None]  # [n, ctx]
+    upto = torch.arange(page_size, device=q.device)[None, :] <= (positions % page_size)[:, None]
+    scores = torch.cat([
+        (qg @ k[:, None].transpose(-1, -2)).masked_fill(~earlier, float("-inf")),  # [kvh, G, n, ctx]
+        torch.einsum("kgnd,nokd->kgno", qg, k_own).masked_fill(~upto, float("-inf")),  # [.., page_size]
+    ], dim=-1)
+    probs = scores.softmax(dim=-1)
+    out = probs[..., :ctx] @ v[:, None] + torch.einsum("kgno,nokd->kgnd", probs[..., ctx:], v_own)
+    return out.reshape(heads, n, hd)

@@ -35,13 +35,14 @@ unspecified). The price: a power-of-two scale is up to 2x (on average ~1.4x) coa
 amax / 127, about half a bit. A write at offset 0 of a page starts that page afresh (its old
 contents belong to a freed request).
 
-What per-page scales cannot give: a token's dequantized value depends on its page-mates (they set
-the scale), including ones written after it. So a query can see a slightly different key when the
-page's later tokens are already written (a long prefill) than when they are not (decode, or a
-prefill chunk that ends mid-page), and a copy of a partly matching page would carry another
-request's tokens into the scale. The engine therefore gives int8/int4 prefix hits whole pages only
-(KVCacheManager(partial_page_hits=False)); recompute after preemption and chunks that end mid-page
-can still move a greedy token in rare near-ties. fp8 (elementwise) has none of this.
+A token's dequantized value depends on its page-mates (they set the scale), including ones written
+after it. In a decode step a query sees its own page holding the tokens up to itself; in a prefill
+chunk the page already holds later tokens too. So that outputs do not depend on how a sequence was
+chunked (prefill, decode, recompute after preemption), attention gives each prefill query its own
+page as decode would have seen it (`causal_page_views`), and the earlier pages, which are full,
+as stored. A copy of a partly matching page would still carry another request's tokens into the
+scale, so the engine gives int8/int4 prefix hits whole pages only
+(KVCacheManager(partial_page_hits=False)). fp8 (elementwise) has none of this.
 """
 
 from __future__ import annotations
@@ -223,6 +224,13 @@ class IntCodec(KVCodec):
         return torch.cat([stored & 15, stored >> 4], dim=-1).to(torch.int16) - 8
 
     # -- write ----------------------------------------------------------------------------------
+    def prepare(self, values: torch.Tensor) -> torch.Tensor:
+        """The float32 rows `write` quantizes: values, Hadamard-rotated when the codec rotates."""
+        x = values.detach().float()
+        if self.hadamard:  # clamp first: a rotated row's max can grow by sqrt(block) <= 2**8
+            x = hadamard_rotate(x.clamp(-ROTATE_LIMIT, ROTATE_LIMIT))
+        return x
+
     def scale_for(self, amax: torch.Tensor) -> torch.Tensor:
         """Smallest power of two s with amax < 2**(bits-1) * s, and at least 2**MIN_SCALE_EXP."""
         # amax = m * 2**e with 0.5 <= m < 1, so amax < 2**e; zero maps to the smallest scale
@@ -234,9 +242,7 @@ class IntCodec(KVCodec):
         """Raise each touched page's scale to cover the new tokens, shift its stored codes down to
         the new scale (exact, see the module docstring), then store the new tokens' codes. Works on
         the [num_pages, kvh] scales in place, token by token, so a decode step costs O(T)."""
-        x = values.detach().float()
-        if self.hadamard:  # clamp first: a rotated row's max can grow by sqrt(block) <= 2**8
-            x = hadamard_rotate(x.clamp(-ROTATE_LIMIT, ROTATE_LIMIT))
+        x = self.prepare(values)
         page_ids = torch.div(slot_mapping, page_size, rounding_mode="floor")  # [T]
         index = page_ids[:, None].expand(-1, x.shape[1])  # [T, kvh]
         # a write at offset 0 starts its page afresh (the old contents belong to a freed request)
@@ -263,6 +269,25 @@ class IntCodec(KVCodec):
         cache.index_copy_(0, pages, self.pack(torch.floor(codes * ratio)))
 
     # -- read -----------------------------------------------------------------------------------
+    def causal_page_views(self, rows: torch.Tensor, row_scales: torch.Tensor, page_size: int,
+                          first_query: int) -> torch.Tensor:
+        """What each query row sees of its own page, as a decode step at that row would: the page's
+        rows up to it, dequantized at the page's scale as of that row.
+
+        rows [L, kvh, hd] are prepared values (or values read back at their scale) of consecutive
+        positions starting at a page boundary; row_scales [L, kvh] the scale each row asks for.
+        Returns [L - first_query, page_size, kvh, hd] float32 for rows first_query.. ; entries past
+        the query's own offset are unspecified. floor(x / s) at the later, coarser scale equals the
+        stored code shifted down (module docstring), so these are exactly the values decode reads."""
+        length, kvh, hd = rows.shape
+        pad = -length % page_size
+        pages = torch.nn.functional.pad(rows, (0, 0, 0, 0, 0, pad)).view(-1, page_size, kvh, hd)
+        running = torch.nn.functional.pad(row_scales, (0, 0, 0, pad)).view(-1, page_size, kvh)
+        running = running.cummax(dim=1).values.view(-1, kvh)[first_query:length]  # [Q, kvh]
+        page_of = torch.arange(first_query, length, device=rows.device) // page_size
+        s = running.double()[:, None, :, None]
+        return ((torch.floor(pages[page_of].double() / s) + 0.5) * s).float()
+
     def decode(self, stored: torch.Tensor, scales: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
         s = scales.index_select(0, page_ids)[:, None, :, None]  # [N, 1, kvh, 1]
         if self.bits == 8:
@@ -289,12 +314,33 @@ class QuantizedKV:
     def head_dim(self) -> int:
         return self.codec.head_dim_of(self.data)
 
+    @property
+    def page_scaled(self) -> bool:
+        """True when a page's scale is shared by its tokens (int8/int4), not fixed (fp8)."""
+        return self.scales.shape[-1] > 0
+
     def write(self, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         self.codec.write(self.data, self.scales, values, slot_mapping, self.data.shape[1])
 
     def read(self, page_ids: torch.Tensor, dtype: torch.dtype | None = None,
              rotated: bool = False) -> torch.Tensor:
         return self.codec.read(self.data, self.scales, page_ids, dtype, rotated)
+
+    def own_page_views(self, new_rows: torch.Tensor, start_pos: int, block_table: torch.Tensor,
+                       ) -> torch.Tensor:
+        """For a prefill chunk whose rows new_rows [n, kvh, hd] go to positions start_pos.., before
+        they are written: what each of its queries sees of its own page (IntCodec.causal_page_views),
+        [n, page_size, kvh, hd] in the stored (rotated) basis."""
+        page_size = self.data.shape[1]
+        lead = start_pos % page_size  # rows of the first page written before this chunk
+        rows = self.codec.prepare(new_rows)
+        row_scales = self.codec.scale_for(rows.abs().amax(dim=-1))
+        if lead:
+            page = block_table[start_pos // page_size:][:1]
+            earlier = self.read(page, torch.float32, rotated=True)[0, :lead]  # at the page's scale
+            rows = torch.cat([earlier, rows])
+            row_scales = torch.cat([self.scales.index_select(0, page).expand(lead, -1), row_scales])
+        return self.codec.causal_page_views(rows, row_scales, page_size, lead)
 
 
 def write_kv_pair(k_cache: QuantizedKV, v_cache: QuantizedKV, k: torch.Tensor, v: torch.Tensor,

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.config import ModelConfig
-from kvserve.model.attention import AttentionMetadata, paged_attention, write_kv
+from kvserve.model.attention import AttentionMetadata, paged_attention
 
 
 class RMSNorm(nn.Module):
@@ -85,8 +85,7 @@ class DecoderLayer(nn.Module):
         qk = apply_rope(qkv[:, : (h_q + h_kv) * hd].view(t, h_q + h_kv, hd), *rope)
         q, k = qk[:, :h_q], qk[:, h_q:]  # [T, H, hd], [T, KVH, hd]
         v = qkv[:, (h_q + h_kv) * hd :].view(t, h_kv, hd)
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        attn = paged_attention(q, k_cache, v_cache, meta)  # [T, H, hd]
+        attn = paged_attention(q, k, v, k_cache, v_cache, meta)  # [T, H, hd]
         h = x + F.linear(attn.reshape(t, q_size), self.o_proj)  # [T, hidden]
 
         gate, up = F.linear(self.post_attention_norm(h), self.gate_up).chunk(2, dim=-1)  # [T, inter] x2

@@ -51,9 +51,8 @@ def test_mixed_batch_matches_dense_attention(page_size):
 
     meta = AttentionMetadata.build([c for c, _ in shapes], [n for _, n in shapes], block_tables, page_size)
     q_all = torch.cat([q for q, *_ in seqs])
-    write_kv(k_cache, v_cache, torch.cat([k[c:] for _, k, _, c in seqs]),
-             torch.cat([v[c:] for _, _, v, c in seqs]), meta.slot_mapping)
-    out = paged_attention(q_all, k_cache, v_cache, meta)
+    out = paged_attention(q_all, torch.cat([k[c:] for _, k, _, c in seqs]),
+                          torch.cat([v[c:] for _, _, v, c in seqs]), k_cache, v_cache, meta)
 
     assert meta.num_decode == 3 and len(meta.prefills) == 3
     row = 0
@@ -67,3 +66,39 @@ def test_slot_mapping_and_positions():
     meta = AttentionMetadata.build([3, 0], [2, 3], [[7, 2], [5, 6]], page_size=4)
     assert meta.positions.tolist() == [3, 4, 0, 1, 2]
     assert meta.slot_mapping.tolist() == [7 * 4 + 3, 2 * 4 + 0, 5 * 4, 5 * 4 + 1, 5 * 4 + 2]
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp8_e4m3", "int8", "int4"])
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_outputs_do_not_depend_on_chunking(kv_dtype, page_size):
+    """A sequence attended as one prefill, in uneven chunks (some ending mid-page), or one decode
+    token at a time gives the same outputs with every KV dtype. int8/int4 pages share a scale that
+    later tokens raise; each prefill query must see its own page as decode saw it, or recompute
+    after preemption would not reproduce what decode computed."""
+    from kvserve.model.kv_quant import QuantizedKV, codec_for
+
+    gen = torch.Generator().manual_seed(page_size)
+    n = 45
+    # later tokens larger, so int page scales rise while pages fill
+    k = torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen) * torch.logspace(-1, 1, n)[:, None, None]
+    v = torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen) * torch.logspace(1, -1, n)[:, None, None]
+    q = torch.randn(n, HEADS, HEAD_DIM, generator=gen)
+    codec = codec_for(kv_dtype)
+    pages = -(-n // page_size)
+    block_table = list(range(pages, 0, -1))  # scattered, reversed page ids
+
+    def run(chunks: list[int]) -> torch.Tensor:
+        (kd, ks), (vd, vs) = (codec.make_cache(pages + 1, page_size, KV_HEADS, HEAD_DIM) for _ in "kv")
+        k_cache = kd if kv_dtype == "fp32" else QuantizedKV(codec, kd, ks)
+        v_cache = vd if kv_dtype == "fp32" else QuantizedKV(codec, vd, vs)
+        outs, start = [], 0
+        for size in chunks:
+            meta = AttentionMetadata.build([start], [size], [block_table], page_size)
+            rows = slice(start, start + size)
+            outs.append(paged_attention(q[rows], k[rows], v[rows], k_cache, v_cache, meta))
+            start += size
+        return torch.cat(outs)
+
+    at_once = run([n])
+    torch.testing.assert_close(run([7, 1, 13, 2, 22]), at_once, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(run([1] * n), at_once, atol=2e-5, rtol=1e-5)

@@ -78,28 +78,47 @@ def test_page_scaled_dtypes_hit_whole_pages_only():
         assert make_llm(kv_cache_dtype=kv_dtype, **SMALL).engine.manager.partial_page_hits is partial
 
 
+def greedy_gaps(llm, prompt: list[int], tokens: list[int]) -> list[float]:
+    """Teacher-forced: at every position, how many nats the token lies below the best next-token
+    log-probability the engine computes for prompt + the tokens before it (0 for a greedy choice)."""
+    gaps = []
+    for i, token in enumerate(tokens):
+        step = llm.generate({"prompt_token_ids": prompt + tokens[:i]},
+                            SamplingParams(max_tokens=1, temperature=0.0, logprobs=5))
+        logprobs = step[0].outputs[0].logprobs[0]
+        gaps.append(max(logprobs.values()) - logprobs.get(token, float("-inf")))
+    return gaps
+
+
 @pytest.mark.parametrize("kv_dtype", QUANTIZED)
 def test_preemption_keeps_greedy_outputs_on_track(kv_dtype, corpus_ids):
     """Three 90-token requests (6 pages each) in a pool of 13 pages: two are admitted, their decode
     runs out of pages and preempts one, by recompute or by swap to the host tier.
 
-    Not token-exact, unlike prefix hits: a different schedule means different batch shapes, whose
-    last-bit float differences in K/V can cross a quantization boundary and, at a near-tie, move a
-    greedy token (seen with every quantized dtype, on requests never preempted too). Swapped pages
-    themselves come back bit for bit (next test). A preempted request resumed from wrong pages
-    would go off track right after resuming, at its 6th token: agreement under 50% catches that."""
-    prompts = [{"prompt_token_ids": corpus_ids[i * 400:i * 400 + 90]} for i in range(3)]
+    Stored pages are a function of their tokens, attention outputs do not depend on chunking
+    (test_attention.py), and swapped pages come back bit for bit (next test). Still not token-exact
+    with quantized KV: a different schedule means different batch shapes, whose last-bit float
+    differences in K/V (~1e-5) can cross a quantization boundary and move logits (by up to ~2
+    nats with int4's 16 levels, measured) and a greedy token with them. So where a run leaves the
+    unconstrained one, its tokens from there on must still be (near-)greedy for their own context,
+    teacher-forced; a request resumed from wrong pages is not (mean gap of several nats)."""
+    prompts = [corpus_ids[i * 400 + 37:i * 400 + 127] for i in range(3)]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    alone = [o.outputs[0].token_ids for o in make_llm(
-        kv_cache_dtype=kv_dtype, prefix_cache="off", **SMALL).generate(prompts, params)]
+    reference = make_llm(kv_cache_dtype=kv_dtype, prefix_cache="radix", **SMALL)
+    alone = [o.outputs[0].token_ids for o in reference.generate(
+        [{"prompt_token_ids": p} for p in prompts], params)]
     page_bytes = kv_bytes_per_page(30, 3, 64, 16, KV_DTYPES[kv_dtype])  # SmolLM2's shape
     for mode in ("recompute", "swap"):
         tight = make_llm(kv_cache_dtype=kv_dtype, prefix_cache="off", preemption_mode=mode,
                          kv_cache_memory=page_bytes * 14, max_model_len=128)
-        under_pressure = [o.outputs[0].token_ids for o in tight.generate(prompts, params)]
+        under_pressure = [o.outputs[0].token_ids for o in tight.generate(
+            [{"prompt_token_ids": p} for p in prompts], params)]
         assert tight.stats()["num_preemptions"] > 0, mode
-        for got, want in zip(under_pressure, alone):
-            assert sum(a == b for a, b in zip(got, want)) >= len(want) / 2, (mode, got, want)
+        for prompt, got, want in zip(prompts, under_pressure, alone):
+            same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
+            if same < len(want):
+                gaps = greedy_gaps(reference, prompt + got[:same], got[same:])
+                assert max(gaps) < 4.0 and sum(gaps) / len(gaps) < 1.0, (mode, same, gaps)
 
 
 @pytest.mark.parametrize("kv_dtype", QUANTIZED)

@@ -3,7 +3,9 @@ time; LLM is the synchronous batch API of DESIGN.md §4.
 
 One step: scheduler.schedule() -> SchedulerOutput -> runner.execute() -> sampled tokens ->
 scheduler.update() (counters, commits to the prefix cache, stop rules, freeing) -> RequestOutputs.
-With `redis_url`, pages loaded from the Redis tier are written before the compute, and the pages
+Cached pages the step evicts are read first and kept in the host tier (offload, `swap_space`
+bytes shared with swap); an admitted request whose local hit stops short gets the following pages
+from the host tier, then from Redis (`redis_url`), written before the compute. With Redis, the pages
 committed in the step are read right after it and handed to the tier's background writer.
 """
 
@@ -17,7 +19,7 @@ from typing import Any, Iterable
 from kvserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from kvserve.cache.manager import KVCacheManager
 from kvserve.cache.redis_tier import RedisTier
-from kvserve.cache.tiers import HostTier
+from kvserve.cache.tiers import HostTier, PageSource, TierChain
 from kvserve.config import (CacheConfig, ConfigError, EngineConfig, PrefixCachePolicy,
                             kv_bytes_per_page, parse_bytes, resolve_kv_dtype)
 from kvserve.model.gguf_loader import LoadedModel, apply_chat_template, load_gguf, resolve_model_path
@@ -68,9 +70,17 @@ class LLMEngine:
         self._committed: list[tuple[bytes, int]] = []  # (page hash, page id) committed this step
         if self.redis_tier is not None:
             self.manager.on_commit = self._committed.extend
+        self._evicted: list[tuple[bytes, int]] = []  # (page hash, page id) evicted this step
+        sources: list[PageSource] = []
+        if self.host_tier.capacity_pages and self.cache_config.prefix_cache is not PrefixCachePolicy.OFF:
+            self.manager.on_evict = lambda page_hash, page_id: self._evicted.append((page_hash, page_id))
+            sources.append(self.host_tier)
+        if self.redis_tier is not None:
+            sources.append(self.redis_tier)
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, preemption_mode=config.preemption_mode,
-                                   host_tier=self.host_tier, remote=self.redis_tier)
+                                   host_tier=self.host_tier,
+                                   remote=TierChain(config.page_size, sources) if sources else None)
         self._ids = itertools.count()
         self._prompts: dict[str, str | None] = {}
         self._stop_text: dict[str, str] = {}  # request id -> output text cut at its stop string
@@ -167,11 +177,14 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         self._committed.clear()  # a failed step's commits name pages that may be reused now
+        self._evicted.clear()
         out = self.scheduler.schedule()
         if not out.seqs:
             if self.scheduler.has_unfinished() and not self.scheduler.running:
                 raise RuntimeError("no request could be scheduled although the pool is empty")
             return []
+        if self._evicted:  # before anything below overwrites the evicted pages
+            self._offload_evicted()
         for request_id, pages in out.swap_out:
             self.host_tier.fill_swap(request_id, self.runner.read_pages(pages))
         for request_id, pages in out.swap_in:
@@ -191,6 +204,13 @@ class LLMEngine:
             output = self._output(request)
             outputs.setdefault(output.request_id, output)
         return list(outputs.values())
+
+    def _offload_evicted(self) -> None:
+        """Keep the pages this step's schedule evicted in the host tier, by page hash."""
+        evicted = dict(self._evicted)
+        self._evicted.clear()
+        for page_hash, payload in zip(evicted, _read_page_bytes(self.runner, list(evicted.values()))):
+            self.host_tier.put(page_hash, payload.copy())  # a row of its own: the tier counts pages
 
     def _publish_committed(self) -> None:
         """Offer the pages committed in this step that Redis does not hold yet, read now while they
@@ -262,6 +282,8 @@ class LLMEngine:
             cpu_cache_usage_perc=self.host_tier.usage(),
             num_swapped_out_pages=self.host_tier.stats.swap_outs,
             num_swapped_in_pages=self.host_tier.stats.swap_ins,
+            num_offloaded_pages=self.host_tier.stats.offloads,
+            cpu_prefix_cache_hits=self.host_tier.stats.offload_hits * self.config.page_size,
             num_preemptions=sched.num_preemptions,
             prompt_tokens=sched.prompt_tokens,
             prompt_tokens_cached=sched.cached_prompt_tokens,

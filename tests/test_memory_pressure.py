@@ -106,3 +106,28 @@ def test_aborts_in_every_state_leave_no_page_behind():
     assert engine.manager.num_used_pages == 0
     assert engine.host_tier.num_pages == 0
     assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("policy", ["radix", "hash"])
+def test_evicted_prefix_pages_load_back_from_the_host_tier(policy):
+    """A 300-token prompt (18 full pages) is cached, then a foreign prompt in a 29-page pool evicts
+    most of it. With a host tier the evicted pages were offloaded and the prompt's second run loads
+    them back (cached tokens 288 of 300); without one (swap_space=0) only what stayed in the pool
+    hits. Outputs equal the cold run's either way."""
+    prompt = [1 + (j * 7) % 4000 for j in range(300)]
+    foreign = [2 + (j * 13) % 4000 for j in range(300)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    results = {}
+    for swap_space in ("0", "64MiB"):
+        llm = make_llm(prefix_cache=policy, kv_cache_memory=pool_memory(30), max_model_len=320,
+                       swap_space=swap_space)
+        cold, _, warm = (llm.generate({"prompt_token_ids": p}, params)[0]
+                         for p in (prompt, foreign, prompt))
+        assert cold.num_cached_tokens == 0 and llm.stats()["num_evictions"] >= 9
+        assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+        results[swap_space] = warm.num_cached_tokens, llm.stats()
+    local_only, no_tier = results["0"]
+    assert local_only < 200 and no_tier["cpu_prefix_cache_hits"] == 0
+    with_tier, stats = results["64MiB"]
+    assert with_tier == 288 and stats["cpu_prefix_cache_hits"] == 288 - local_only
+    assert stats["num_offloaded_pages"] >= 9 and stats["cpu_cache_usage_perc"] > 0

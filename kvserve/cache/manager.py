@@ -79,6 +79,11 @@ class KVCacheManager:
         # called with the (page_hash, page_id) of the pages each commit indexes (the engine offers
         # them to the Redis tier)
         self.on_commit: Callable[[list[tuple[bytes, int]]], None] | None = None
+        # called with (page_hash, page_id) of each cached page evicted for reuse, before anything
+        # overwrites it (the engine offloads it to the host tier)
+        self.on_evict: Callable[[bytes, int], None] | None = None
+        self._hash_of_cached: dict[int, bytes] = {}  # cached page -> its chained hash
+        self.pool.on_evicted = self._evicted
 
     # -- admission -----------------------------------------------------------------------------
     def lookup(self, token_ids: list[int], namespace: str = "") -> PrefixHit:
@@ -175,6 +180,9 @@ class KVCacheManager:
         token_ids = list(token_ids)
         self._extend_hashes(seq, token_ids, end)
         end = self.index.insert(token_ids, seq.namespace, seq.block_table, seq.page_hashes, start, end)
+        for page, h in zip(seq.block_table[start:end], seq.page_hashes[start:end]):
+            if self.pool.is_cached(page):  # (a duplicate of a page cached before stays uncached)
+                self._hash_of_cached[page] = h
         seq.committed_token_ids.extend(token_ids[start * ps:end * ps])
         seq.num_committed_pages = end
         if self.on_commit is not None and end > start:
@@ -199,6 +207,11 @@ class KVCacheManager:
         for i in range(len(seq.page_hashes), num_pages):
             parent = seq.page_hashes[-1] if seq.page_hashes else None
             seq.page_hashes.append(page_hash(parent, token_ids[i * ps:(i + 1) * ps], seq.namespace))
+
+    def _evicted(self, page_id: int) -> None:
+        page_hash_ = self._hash_of_cached.pop(page_id, None)
+        if page_hash_ is not None and self.on_evict is not None:
+            self.on_evict(page_hash_, page_id)
 
     def free(self, seq_id: str) -> None:
         """Release the sequence's pages, tail first, so its last pages are the first evicted."""
@@ -279,6 +292,7 @@ class KVCacheManager:
             return False
         if self.index is not None:
             self.index.clear()
+        self._hash_of_cached.clear()
         return True
 
     def check_invariants(self) -> None:
@@ -294,6 +308,8 @@ class KVCacheManager:
             assert self.pool.num_cached == 0
             return
         self.index.check_invariants()
+        cached = {page for page in range(1, self.num_pages) if self.pool.is_cached(page)}
+        assert set(self._hash_of_cached) == cached, "an evicted page would be offloaded without its hash"
         ps = self.page_size
         for seq_id, seq in self._seqs.items():
             assert len(seq.committed_token_ids) == seq.num_committed_pages * ps

@@ -15,6 +15,7 @@ the listener's choice (the radix index picks its LRU leaf); without one, the LRU
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from typing import Protocol
 
 NULL_PAGE = 0
@@ -44,6 +45,7 @@ class PagePool:
         self._free: deque[int] = deque(range(1, num_pages))
         self._idle: OrderedDict[int, None] = OrderedDict()
         self.listener: PoolListener | None = None
+        self.on_evicted: Callable[[int], None] | None = None  # after the index dropped the page
         self.num_evictions = 0
 
     # -- counts --------------------------------------------------------------------------------
@@ -102,6 +104,8 @@ class PagePool:
             self._cached[page] = False
             self._num_cached -= 1
             self.num_evictions += 1
+            if self.on_evicted is not None:
+                self.on_evicted(page)
         self._ref[page] = 1
         return page
 

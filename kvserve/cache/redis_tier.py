@@ -39,7 +39,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvserve.cache.hashing import page_hashes
+from kvserve.cache.tiers import TierChain
 
 log = logging.getLogger("kvserve.redis")
 
@@ -120,11 +120,7 @@ class RedisTier:
               max_pages: int) -> list[memoryview]:
         """Payloads of full pages start_page, start_page + 1, ... of `token_ids` (at most
         `max_pages`), up to the first one Redis does not hold (or holds damaged)."""
-        if max_pages <= 0:
-            return []
-        end = start_page + max_pages
-        hashes = page_hashes(token_ids[:end * self.page_size], self.page_size, namespace)
-        return self.get_pages(hashes[start_page:])
+        return TierChain(self.page_size, [self]).fetch(token_ids, namespace, start_page, max_pages)
 
     def get_pages(self, hashes: list[bytes]) -> list[memoryview]:
         """Payloads of the leading run of `hashes` that Redis holds, valid."""

@@ -1,20 +1,47 @@
 """Tiers below the device page pool. `HostTier` keeps page payloads in CPU memory for two uses: swap
 (a preempted request's pages, pinned until it resumes) and offload (evicted prefix-cache pages by page
-hash, least recently used dropped first). Payloads are opaque here: the runner makes and reads them."""
+hash, least recently used dropped first). `TierChain` is where an admitted request's pages after its
+local hit are looked for: the host tier first, then Redis. Payloads are opaque here: the engine makes
+and reads them."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvserve.cache.hashing import page_hashes
 
-class Tier(Protocol):
+
+class PageSource(Protocol):
     """A store of page payloads keyed by page hash (HostTier, RedisTier)."""
 
-    def get(self, page_hash: bytes) -> Any | None: ...
-    def put(self, page_hash: bytes, payload: Any) -> bool: ...
-    def contains(self, page_hash: bytes) -> bool: ...
+    def get_pages(self, hashes: list[bytes]) -> list[Any]:
+        """Payloads of the leading run of `hashes` the store holds."""
+
+
+@dataclass
+class TierChain:
+    """Page sources asked in order, each for the pages the ones before it lacked."""
+
+    page_size: int
+    sources: list[PageSource]
+
+    def fetch(self, token_ids: Sequence[int], namespace: str, start_page: int,
+              max_pages: int) -> list[Any]:
+        """Payloads of full pages start_page, start_page + 1, ... of `token_ids` (at most
+        `max_pages`), up to the first one no source holds."""
+        if max_pages <= 0:
+            return []
+        end = start_page + max_pages
+        hashes = page_hashes(token_ids[:end * self.page_size], self.page_size, namespace)[start_page:]
+        found: list[Any] = []
+        for source in self.sources:
+            if len(found) == len(hashes):
+                break
+            found += source.get_pages(hashes[len(found):])
+        return found
 
 
 @dataclass(slots=True)
@@ -93,6 +120,15 @@ class HostTier:
             self.offloaded.move_to_end(page_hash)
             self.stats.offload_hits += 1
         return payload
+
+    def get_pages(self, hashes: list[bytes]) -> list[Any]:
+        found = []
+        for page_hash in hashes:
+            payload = self.get(page_hash)
+            if payload is None:
+                break
+            found.append(payload)
+        return found
 
     def contains(self, page_hash: bytes) -> bool:
         return page_hash in self.offloaded

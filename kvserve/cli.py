@@ -4,8 +4,8 @@ User mistakes end as one line on stderr (`kvserve: error: ...`) and exit status 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from typing import Callable
 
 from kvserve.config import ConfigError, EngineConfig
 
@@ -74,55 +74,29 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(gen)
     gen.set_defaults(func=main_generate)
 
-    for register in _tool_registrars():
-        register(sub)
+    _add_tools(sub)
     return parser
 
 
-def _tool_registrars() -> list[Callable[[argparse._SubParsersAction], None]]:
-    def plan(sub):
-        from kvserve.tools import planner
-        p = sub.add_parser("plan", help="KV cache capacity planning for a model")
-        planner.add_plan_arguments(p)
-        p.set_defaults(func=planner.main_plan)
+# subcommand -> (module, help); each module has add_<x>_arguments(parser) and main_<x>(args)
+_TOOLS = {
+    "plan": ("kvserve.tools.planner", "plan", "KV cache capacity planning for a model"),
+    "cost": ("kvserve.tools.pricing", "cost", "provider prompt-cache cost with and without caching"),
+    "simulate": ("kvserve.tools.simulate", "simulate",
+                 "replay a trace through the prefix cache: hit rates and diagnosis"),
+    "serve": ("kvserve.server", "serve", "the OpenAI-compatible HTTP server, /metrics and /dashboard"),
+    "proxy": ("kvserve.server.proxy", "proxy", "OpenAI-compatible front for disaggregated prefill/decode"),
+    "bench": ("kvserve.tools.bench", "bench", "benchmark a workload through kvserve and a peer, side by side"),
+    "eval-kv": ("kvserve.tools.evalkv", "evalkv", "quality drift of quantized KV cache dtypes"),
+}
 
-    def cost(sub):
-        from kvserve.tools import pricing
-        p = sub.add_parser("cost", help="provider prompt-cache cost with and without caching")
-        pricing.add_cost_arguments(p)
-        p.set_defaults(func=pricing.main_cost)
 
-    def simulate(sub):
-        from kvserve.tools import simulate
-        p = sub.add_parser("simulate", help="replay a trace through the prefix cache: hit rates and diagnosis")
-        simulate.add_simulate_arguments(p)
-        p.set_defaults(func=simulate.main_simulate)
-
-    def serve(sub):
-        from kvserve import server
-        p = sub.add_parser("serve", help="the OpenAI-compatible HTTP server, /metrics and /dashboard")
-        server.add_serve_arguments(p)
-        p.set_defaults(func=server.main_serve)
-
-    def proxy(sub):
-        from kvserve.server import proxy
-        p = sub.add_parser("proxy", help="OpenAI-compatible front for disaggregated prefill/decode")
-        proxy.add_proxy_arguments(p)
-        p.set_defaults(func=proxy.main_proxy)
-
-    def bench(sub):
-        from kvserve.tools import bench
-        p = sub.add_parser("bench", help="benchmark a workload through kvserve and a peer, side by side")
-        bench.add_bench_arguments(p)
-        p.set_defaults(func=bench.main_bench)
-
-    def eval_kv(sub):
-        from kvserve.tools import evalkv
-        p = sub.add_parser("eval-kv", help="quality drift of quantized KV cache dtypes")
-        evalkv.add_evalkv_arguments(p)
-        p.set_defaults(func=evalkv.main_evalkv)
-
-    return [plan, cost, simulate, serve, proxy, bench, eval_kv]
+def _add_tools(sub: argparse._SubParsersAction) -> None:
+    for command, (module_name, stem, help_text) in _TOOLS.items():
+        module = importlib.import_module(module_name)
+        parser = sub.add_parser(command, help=help_text)
+        getattr(module, f"add_{stem}_arguments")(parser)
+        parser.set_defaults(func=getattr(module, f"main_{stem}"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,6 +2,10 @@
 pages of each sequence's block table. Decode tokens (one query each) are batched into one gather and
 one SDPA call; prefill chunks run one SDPA call per sequence with a causal mask offset.
 
+When the decode rows' block tables start with the same pages (a shared system prompt), those pages
+are read once for the whole batch and attended with one matmul per KV head; only the rest of each
+table is gathered per sequence, and one softmax spans both parts (cascade attention).
+
 Cache layout, per layer, for K and for V (slot = page_id * page_size + offset):
 
     cache[num_pages, page_size, num_kv_heads, head_dim]
@@ -56,7 +60,8 @@ class AttentionMetadata:
     positions: torch.Tensor  # [T] int64, position of each query token
     slot_mapping: torch.Tensor  # [T] int64, cache slot each new K/V row is written to
     decode_rows: torch.Tensor  # [B] int64, rows of the single-token sequences in the flat batch
-    decode_block_tables: torch.Tensor  # [B, P] int64, padded with the null page 0
+    decode_shared_pages: torch.Tensor  # [S] int64, leading pages every decode row's table starts with
+    decode_block_tables: torch.Tensor  # [B, P] int64, the pages after those, padded with null page 0
     decode_mask: torch.Tensor  # [B, 1, 1, P * page_size] bool, True where position < context_len
     prefills: list[PrefillChunk]
 
@@ -95,9 +100,15 @@ class AttentionMetadata:
         decode = [i for i, n in enumerate(query_lens) if n == 1]
         decode_idx = torch.tensor(decode, dtype=torch.int64, device=device)
         decode_width = max((num_pages[i] for i in decode), default=0)
-        decode_block_tables = padded[decode_idx, :decode_width]  # [B, P]
+        num_shared = 0
+        if len(decode) > 1:  # full pages before every row's own page, the same in every table
+            limit = min(start_positions[i] for i in decode) // page_size
+            same = (padded[decode_idx, :limit] == padded[decode_idx[:1], :limit]).all(dim=0)
+            num_shared = int(same.cumprod(dim=0).sum())
+        decode_shared_pages = padded[decode_idx[:1], :num_shared].reshape(-1)  # [S]
+        decode_block_tables = padded[decode_idx, num_shared:decode_width]  # [B, P]
         context_lens = (starts + lens)[decode_idx]  # [B]
-        span = torch.arange(decode_width * page_size, device=device)
+        span = torch.arange(num_shared * page_size, decode_width * page_size, device=device)
         decode_mask = (span[None, :] < context_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
 
         prefills = []
@@ -111,8 +122,8 @@ class AttentionMetadata:
                 ctx = torch.arange(start + n, device=device)
                 mask = ctx[None, :] <= (start + torch.arange(n, device=device))[:, None]
             prefills.append(PrefillChunk(rows[i], n, start, padded[i, : num_pages[i]], mask))
-        return cls(page_size, positions, slot_mapping, first_row[decode_idx], decode_block_tables,
-                   decode_mask, prefills)
+        return cls(page_size, positions, slot_mapping, first_row[decode_idx], decode_shared_pages,
+                   decode_block_tables, decode_mask, prefills)
 
 
 # --- the two operations -------------------------------------------------------------------------
@@ -165,9 +176,17 @@ def paged_attention(
     if b:
         # query head h uses KV head h // group, so the group becomes SDPA's query-length axis
         qd = q.index_select(0, meta.decode_rows).view(b, kv_heads, group, head_dim)  # [B, kvh, G, hd]
-        kd = gather_pages(k_cache, meta.decode_block_tables, q.dtype).transpose(1, 2)  # [B, kvh, L, hd]
-        vd = gather_pages(v_cache, meta.decode_block_tables, q.dtype).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)  # [B, kvh, G, hd]
+        kd = gather_pages(k_cache, meta.decode_block_tables, q.dtype)  # [B, L, kvh, hd]
+        vd = gather_pages(v_cache, meta.decode_block_tables, q.dtype)
+        shared = meta.decode_shared_pages
+        if shared.numel():
+            ks = gather_pages(k_cache, shared[None], q.dtype)[0].transpose(0, 1)  # [kvh, S * ps, hd]
+            vs = gather_pages(v_cache, shared[None], q.dtype)[0].transpose(0, 1)
+            o = _attend_shared_and_own(qd.permute(1, 2, 0, 3), ks, vs, None, kd, vd,
+                                       meta.decode_mask[:, 0, 0]).permute(2, 0, 1, 3)  # [B, kvh, G, hd]
+        else:
+            o = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2),
+                                               attn_mask=meta.decode_mask)  # [B, kvh, G, hd]
         out.index_copy_(0, meta.decode_rows, o.reshape(b, num_heads, head_dim))
 
     for chunk, own in zip(meta.prefills, own_pages):
@@ -179,29 +198,30 @@ def paged_attention(
             o = F.scaled_dot_product_attention(
                 qp[None], kp[None], vp[None], attn_mask=chunk.mask, is_causal=chunk.mask is None,
                 enable_gqa=True)[0]  # [heads, n, hd]
-        else:
-            o = _attend_with_own_pages(qp, kp, vp, *(x.to(q.dtype) for x in own), chunk.start_pos,
-                                       meta.page_size)
+        else:  # each query sees the pages before its own page as stored, its own page as decode did
+            positions = chunk.start_pos + torch.arange(n, device=q.device)  # [n]
+            own_start = positions - positions % meta.page_size
+            earlier = torch.arange(ctx, device=q.device)[None, :] < own_start[:, None]  # [n, ctx]
+            upto = torch.arange(meta.page_size, device=q.device)[None, :] <= (positions - own_start)[:, None]
+            o = _attend_shared_and_own(qp.reshape(kv_heads, group, n, head_dim), kp, vp, earlier,
+                                       *(x.to(q.dtype) for x in own), upto).reshape(num_heads, n, head_dim)
         out[chunk.row : chunk.row + n] = o.transpose(0, 1)
     return v_cache.codec.rotate_rows(out) if rotated else out
 
 
-def _attend_with_own_pages(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_own: torch.Tensor,
-                           v_own: torch.Tensor, start_pos: int, page_size: int) -> torch.Tensor:
-    """Causal attention of q [heads, n, hd] at positions start_pos.. over the pages before each
-    query's own page, from k, v [kvh, ctx, hd], plus its own page from k_own, v_own
-    [n, page_size, kvh, hd] (that page's rows up to the query, as decode saw them) -> [heads, n, hd]."""
-    heads, n, hd = q.shape
-    kv_heads, ctx = k.shape[:2]
-    qg = q.reshape(kv_heads, heads // kv_heads, n, hd) * hd**-0.5  # [kvh, G, n, hd]
-    positions = start_pos + torch.arange(n, device=q.device)  # [n]
-    own_start = positions - positions % page_size
-    earlier = torch.arange(ctx, device=q.device)[None, :] < own_start[:, None]  # [n, ctx]
-    upto = torch.arange(page_size, device=q.device)[None, :] <= (positions % page_size)[:, None]
-    scores = torch.cat([
-        (qg @ k[:, None].transpose(-1, -2)).masked_fill(~earlier, float("-inf")),  # [kvh, G, n, ctx]
-        torch.einsum("kgnd,nokd->kgno", qg, k_own).masked_fill(~upto, float("-inf")),  # [.., page_size]
-    ], dim=-1)
-    probs = scores.softmax(dim=-1)
-    out = probs[..., :ctx] @ v[:, None] + torch.einsum("kgno,nokd->kgnd", probs[..., ctx:], v_own)
-    return out.reshape(heads, n, hd)
+def _attend_shared_and_own(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+    k_own: torch.Tensor, v_own: torch.Tensor, own_mask: torch.Tensor,
+) -> torch.Tensor:
+    """One softmax over two key sets: k, v [kvh, L, hd], the same for all n queries (a shared prefix,
+    attended with one matmul per KV head), and k_own, v_own [n, M, kvh, hd], each query's own keys.
+    q [kvh, G, n, hd] (G query heads per KV head); mask [n, L] / own_mask [n, M] bool, True = attend
+    (None: all of k). -> [kvh, G, n, hd]."""
+    q = q * q.shape[-1] ** -0.5
+    shared = q @ k[:, None].transpose(-1, -2)  # [kvh, G, n, L]
+    if mask is not None:
+        shared = shared.masked_fill(~mask, float("-inf"))
+    own = torch.einsum("kgnd,nmkd->kgnm", q, k_own).masked_fill(~own_mask, float("-inf"))  # [kvh, G, n, M]
+    probs = torch.cat([shared, own], dim=-1).softmax(dim=-1)
+    length = k.shape[1]
+    return probs[..., :length] @ v[:, None] + torch.einsum("kgnm,nmkd->kgnd", probs[..., length:], v_own)

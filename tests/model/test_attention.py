@@ -102,3 +102,45 @@ def test_outputs_do_not_depend_on_chunking(kv_dtype, page_size):
     at_once = run([n])
     torch.testing.assert_close(run([7, 1, 13, 2, 22]), at_once, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(run([1] * n), at_once, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_decode_rows_sharing_leading_pages_match_dense_attention(page_size):
+    """Decode rows whose block tables start with the same pages (a shared prompt, then each its own
+    suffix) are attended with the shared pages read once; outputs equal dense attention, also for a
+    row whose context ends right after the shared pages and next to a prefill in the same step."""
+    gen = torch.Generator().manual_seed(100 + page_size)
+    shared_len = 3 * page_size + (page_size > 1)  # the last shared-prefix page is partly shared
+    suffixes = [5, 0, 17, 2 * page_size]
+    total_pages = 64 + sum(-(-(shared_len + s + 1) // page_size) for s in suffixes)
+    pages = list(range(1, total_pages))
+    random.Random(page_size).shuffle(pages)
+    k_cache = torch.zeros(total_pages, page_size, KV_HEADS, HEAD_DIM)
+    v_cache = torch.zeros_like(k_cache)
+    prefix_k = torch.randn(shared_len, KV_HEADS, HEAD_DIM, generator=gen)
+    prefix_v = torch.randn(shared_len, KV_HEADS, HEAD_DIM, generator=gen)
+    shared_pages = [pages.pop() for _ in range(shared_len // page_size)]  # full pages only are shared
+    rows = []
+    for suffix in suffixes:
+        ctx = shared_len + suffix + 1
+        k = torch.cat([prefix_k, torch.randn(ctx - shared_len, KV_HEADS, HEAD_DIM, generator=gen)])
+        v = torch.cat([prefix_v, torch.randn(ctx - shared_len, KV_HEADS, HEAD_DIM, generator=gen)])
+        bt = shared_pages + [pages.pop() for _ in range(-(-ctx // page_size) - len(shared_pages))]
+        meta = AttentionMetadata.build([0], [ctx - 1], [bt], page_size)
+        paged_attention(torch.zeros(ctx - 1, HEADS, HEAD_DIM), k[:-1], v[:-1], k_cache, v_cache, meta)
+        rows.append((torch.randn(1, HEADS, HEAD_DIM, generator=gen), k, v, bt))
+    prompt_k, prompt_v = (torch.randn(9, KV_HEADS, HEAD_DIM, generator=gen) for _ in "kv")
+    prompt_q = torch.randn(9, HEADS, HEAD_DIM, generator=gen)
+    prompt_bt = [pages.pop() for _ in range(-(-9 // page_size))]
+
+    meta = AttentionMetadata.build([k.shape[0] - 1 for _, k, _, _ in rows] + [0], [1] * len(rows) + [9],
+                                   [bt for *_, bt in rows] + [prompt_bt], page_size)
+    assert meta.decode_shared_pages.tolist() == shared_pages
+    out = paged_attention(torch.cat([q for q, *_ in rows] + [prompt_q]),
+                          torch.cat([k[-1:] for _, k, _, _ in rows] + [prompt_k]),
+                          torch.cat([v[-1:] for _, _, v, _ in rows] + [prompt_v]), k_cache, v_cache, meta)
+    for i, (q, k, v, _) in enumerate(rows):
+        torch.testing.assert_close(out[i:i + 1], dense_reference(q, k, v, k.shape[0] - 1),
+                                   atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[len(rows):], dense_reference(prompt_q, prompt_k, prompt_v, 0),
+                               atol=1e-5, rtol=1e-5)

@@ -27,6 +27,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--swap-space", default=ENGINE_DEFAULTS.swap_space)
     group.add_argument("--device", default=ENGINE_DEFAULTS.device)
     group.add_argument("--dtype", default=ENGINE_DEFAULTS.dtype, choices=["float32", "bfloat16", "float16"])
+    group.add_argument("--calculate-kv-scales", action="store_true",
+                       help="fp8 KV cache: set the per-tensor scale from a calibration pass at start-up "
+                            "(default: scale 1.0)")
     group.add_argument("--redis-url", default=None,
                        help="share KV pages with other instances through Redis, e.g. "
                             "redis://127.0.0.1:6379/0 (0.25 s timeouts; ?socket_timeout=0.1 to change)")
@@ -38,7 +41,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 preemption_mode=args.preemption_mode, swap_space=args.swap_space,
-                device=args.device, dtype=args.dtype, redis_url=getattr(args, "redis_url", None))
+                device=args.device, dtype=args.dtype, redis_url=getattr(args, "redis_url", None),
+                calculate_kv_scales=getattr(args, "calculate_kv_scales", False))
 
 
 def main_generate(args: argparse.Namespace) -> int:

@@ -134,6 +134,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     redis_url: str | None = None
+    calculate_kv_scales: bool = False  # fp8 KV: per-tensor scale from a start-up calibration pass
     role: str = "both"  # both | prefill (compute prompts, publish their pages) | decode
 
     def __post_init__(self) -> None:

@@ -63,8 +63,14 @@ class LLMEngine:
         self.manager = KVCacheManager(
             self.cache_config.num_pages, config.page_size, self.cache_config.prefix_cache,
             partial_page_hits=not self.cache_config.kv_dtype.scale_bytes_per_page_head)
+        self.fp8_scale = 1.0
+        if config.calculate_kv_scales and self.cache_config.kv_dtype.name.startswith("fp8"):
+            from kvserve.tools.evalkv import calibrate_fp8_scale
+
+            self.fp8_scale = calibrate_fp8_scale(self.loaded, self.cache_config.kv_dtype.name, config.page_size)
         self.runner = ModelRunner(self.loaded, self.cache_config.num_pages, config.page_size,
-                                  self.cache_config.kv_dtype, device=config.device, dtype=config.dtype)
+                                  self.cache_config.kv_dtype, device=config.device, dtype=config.dtype,
+                                  fp8_scale=self.fp8_scale)
         self.host_tier = HostTier(parse_bytes(config.swap_space), self.runner.page_bytes)
         self.redis_tier = self._redis_tier() if config.redis_url else None
         self._committed: list[tuple[bytes, int]] = []  # (page hash, page id) committed this step
@@ -290,6 +296,7 @@ class LLMEngine:
             generation_tokens=sched.generation_tokens,
             page_size=self.config.page_size,
             kv_cache_dtype=self.cache_config.kv_dtype.name,
+            kv_fp8_scale=self.fp8_scale,
             kv_cache_bytes=self.runner.kv_cache_bytes(),
             max_model_len=self.max_model_len,
             pool_tokens=(self.cache_config.num_pages - 1) * self.config.page_size,

@@ -217,11 +217,14 @@ def _attend_shared_and_own(
     attended with one matmul per KV head), and k_own, v_own [n, M, kvh, hd], each query's own keys.
     q [kvh, G, n, hd] (G query heads per KV head); mask [n, L] / own_mask [n, M] bool, True = attend
     (None: all of k). -> [kvh, G, n, hd]."""
-    q = q * q.shape[-1] ** -0.5
-    shared = q @ k[:, None].transpose(-1, -2)  # [kvh, G, n, L]
+    kv_heads, group, n, head_dim = q.shape
+    length = k.shape[1]
+    q = q * head_dim**-0.5
+    # the G query heads of a KV head as rows of one matmul (no broadcast copy of k per head)
+    shared = (q.reshape(kv_heads, group * n, head_dim) @ k.transpose(1, 2)).view(kv_heads, group, n, length)
     if mask is not None:
         shared = shared.masked_fill(~mask, float("-inf"))
     own = torch.einsum("kgnd,nmkd->kgnm", q, k_own).masked_fill(~own_mask, float("-inf"))  # [kvh, G, n, M]
     probs = torch.cat([shared, own], dim=-1).softmax(dim=-1)
-    length = k.shape[1]
-    return probs[..., :length] @ v[:, None] + torch.einsum("kgnm,nmkd->kgnd", probs[..., length:], v_own)
+    out = (probs[..., :length].reshape(kv_heads, group * n, length) @ v).view(kv_heads, group, n, head_dim)
+    return out + torch.einsum("kgnm,nmkd->kgnd", probs[..., length:], v_own)

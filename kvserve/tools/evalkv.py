@@ -28,6 +28,7 @@ from kvserve.config import KV_DTYPES, ConfigError, kv_bytes_per_page, parse_byte
 from kvserve.tools.planner import parse_tokens, pool_tokens_for
 
 CORPUS_PATH = Path(__file__).resolve().parents[1] / "data" / "corpus.txt"
+CALIBRATION_TOKENS = 512  # corpus tokens of the engine's fp8 calibration pass (--calculate-kv-scales)
 REFERENCE = "fp32"
 DEFAULT_DTYPES = "fp8_e4m3,fp8_e5m2,int8,int4"
 DEFAULT_CONTEXTS = "512,2048"
@@ -109,6 +110,19 @@ def _forward(runner, token_ids: list[int], start: int = 0):
             ids = torch.tensor(chunk, dtype=torch.int64, device=runner.device)
             hidden.append(runner.model(ids, meta.positions, runner.kv_caches, meta))
     return torch.cat(hidden)
+
+
+def calibrate_fp8_scale(loaded, kv_dtype: str, page_size: int = 16,
+                        num_tokens: int = CALIBRATION_TOKENS) -> float:
+    """The per-tensor fp8 scale of a start-up calibration pass: the largest |K| or |V| the model
+    writes for the first `num_tokens` tokens of the bundled corpus, over the fp8 format's maximum."""
+    from kvserve.model.kv_quant import codec_for, fp8_scale_for
+
+    text = CORPUS_PATH.read_text()[:num_tokens * 8]
+    ids = loaded.tokenizer.encode(text, add_special_tokens=False).ids[:num_tokens]
+    runner = _runner(loaded, REFERENCE, len(ids), page_size)
+    _forward(runner, ids)
+    return fp8_scale_for(_cache_amax(runner, len(ids)), codec_for(kv_dtype).storage_dtype)
 
 
 def _greedy(runner, prompt: list[int], num_tokens: int):

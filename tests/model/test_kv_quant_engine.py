@@ -131,3 +131,19 @@ def test_page_payloads_round_trip_through_a_host_tier(kv_dtype, corpus_ids):
     assert payload.shape[0] == 3 and payload[0].numel() * payload.element_size() == runner.page_bytes
     runner.write_pages([7, 8, 9], payload)
     assert torch.equal(runner.read_pages([7, 8, 9]), payload)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_calculate_kv_scales_sets_the_fp8_scale_from_a_calibration_pass(kv_dtype, corpus_ids):
+    """--calculate-kv-scales: scale = the largest |K|/|V| of a 512-token corpus pass over the fp8
+    maximum (so the calibrated values span the format, none saturates); the default stays 1.0."""
+    from kvserve.tools.evalkv import calibrate_fp8_scale
+
+    calibrated = make_llm(kv_cache_dtype=kv_dtype, calculate_kv_scales=True, **SMALL)
+    scale = calibrated.stats()["kv_fp8_scale"]
+    fp8_max = torch.finfo(calibrated.engine.runner.codec.storage_dtype).max
+    assert scale == calibrate_fp8_scale(calibrated.engine.loaded, kv_dtype) != 1.0
+    assert 1.0 < scale * fp8_max < 1e4  # the amax of real K/V: a few to a few hundred
+    assert make_llm(kv_cache_dtype=kv_dtype, **SMALL).stats()["kv_fp8_scale"] == 1.0
+    out = calibrated.generate({"prompt_token_ids": corpus_ids[:200]}, GREEDY)[0]
+    assert len(out.outputs[0].token_ids) == GREEDY.max_tokens

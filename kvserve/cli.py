@@ -7,43 +7,8 @@ import argparse
 import importlib
 import sys
 
-from kvserve.config import ConfigError, EngineConfig
-
-ENGINE_DEFAULTS = EngineConfig()
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags shared by serve, generate and bench (DESIGN.md §4)."""
-    group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=None, help="a .gguf path (default: bundled SmolLM2-135M-Instruct)")
-    group.add_argument("--page-size", type=int, default=ENGINE_DEFAULTS.page_size)
-    group.add_argument("--prefix-cache", default=ENGINE_DEFAULTS.prefix_cache, choices=["radix", "hash", "off"])
-    group.add_argument("--kv-cache-dtype", default=ENGINE_DEFAULTS.kv_cache_dtype)
-    group.add_argument("--kv-cache-memory", default=ENGINE_DEFAULTS.kv_cache_memory)
-    group.add_argument("--max-num-seqs", type=int, default=ENGINE_DEFAULTS.max_num_seqs)
-    group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--max-num-batched-tokens", type=int, default=ENGINE_DEFAULTS.max_num_batched_tokens)
-    group.add_argument("--preemption-mode", default=ENGINE_DEFAULTS.preemption_mode, choices=["recompute", "swap"])
-    group.add_argument("--swap-space", default=ENGINE_DEFAULTS.swap_space)
-    group.add_argument("--device", default=ENGINE_DEFAULTS.device)
-    group.add_argument("--dtype", default=ENGINE_DEFAULTS.dtype, choices=["float32", "bfloat16", "float16"])
-    group.add_argument("--calculate-kv-scales", action="store_true",
-                       help="fp8 KV cache: set the per-tensor scale from a calibration pass at start-up "
-                            "(default: scale 1.0)")
-    group.add_argument("--redis-url", default=None,
-                       help="share KV pages with other instances through Redis, e.g. "
-                            "redis://127.0.0.1:6379/0 (0.25 s timeouts; ?socket_timeout=0.1 to change)")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(page_size=args.page_size, prefix_cache=args.prefix_cache,
-                kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
-                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                preemption_mode=args.preemption_mode, swap_space=args.swap_space,
-                device=args.device, dtype=args.dtype, redis_url=getattr(args, "redis_url", None),
-                calculate_kv_scales=getattr(args, "calculate_kv_scales", False))
-
+from kvserve.config import ConfigError
+from kvserve.engine_args import add_engine_arguments, engine_kwargs
 
 def main_generate(args: argparse.Namespace) -> int:
     from kvserve.engine import LLM

@@ -9,6 +9,10 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass
+from pathlib import Path
+
+# public-domain text shipped with the package: `kvserve eval-kv` and the fp8 calibration pass read it
+CORPUS_PATH = Path(__file__).resolve().parent / "data" / "corpus.txt"
 
 
 class ConfigError(ValueError):

@@ -23,7 +23,7 @@ from kvserve.cache.tiers import HostTier, PageSource, TierChain
 from kvserve.config import (CacheConfig, ConfigError, EngineConfig, PrefixCachePolicy,
                             kv_bytes_per_page, parse_bytes, resolve_kv_dtype)
 from kvserve.model.gguf_loader import LoadedModel, apply_chat_template, load_gguf, resolve_model_path
-from kvserve.model.runner import ModelRunner
+from kvserve.model.runner import ModelRunner, calibrate_fp8_scale
 from kvserve.request import (CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus,
                              SamplingParams)
 from kvserve.scheduler import Scheduler
@@ -65,8 +65,6 @@ class LLMEngine:
             partial_page_hits=not self.cache_config.kv_dtype.scale_bytes_per_page_head)
         self.fp8_scale = 1.0
         if config.calculate_kv_scales and self.cache_config.kv_dtype.name.startswith("fp8"):
-            from kvserve.tools.evalkv import calibrate_fp8_scale
-
             self.fp8_scale = calibrate_fp8_scale(self.loaded, self.cache_config.kv_dtype.name, config.page_size)
         self.runner = ModelRunner(self.loaded, self.cache_config.num_pages, config.page_size,
                                   self.cache_config.kv_dtype, device=config.device, dtype=config.dtype,

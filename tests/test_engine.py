@@ -64,7 +64,7 @@ def test_continuous_batch_with_chunked_prefill_equals_transformers(page_size, pr
         assert tokens == hf_reference(prompt, NEW_TOKENS), f"prompt of {len(prompt)} tokens"
 
 
-@pytest.mark.parametrize("page_size", [1, 16, 128])
+@pytest.mark.parametrize("page_size", [16])  # the batched test above covers 1 and 128
 def test_one_request_at_a_time_equals_transformers(page_size, prompts, hf_reference):
     llm = make_llm(page_size=page_size, prefix_cache="off")
     for prompt in prompts:

@@ -19,16 +19,18 @@ import os
 
 import torch
 
-from kvserve.config import KVDtype
+from kvserve.config import CORPUS_PATH, KV_DTYPES, KVDtype
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.gguf_loader import LoadedModel
-from kvserve.model.kv_quant import QuantizedKV, codec_for
+from kvserve.model.kv_quant import QuantizedKV, codec_for, fp8_scale_for
 from kvserve.model.llama import LlamaModel
 from kvserve.model.sampler import SampledToken, sample
 from kvserve.scheduler import SchedulerOutput
 
 MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 FLOAT_KV_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+SEQUENCE_CHUNK = 512  # forward_sequence's tokens per pass: bounds attention scores' memory
+CALIBRATION_TOKENS = 512  # corpus tokens of the fp8 calibration pass (--calculate-kv-scales)
 
 
 @functools.cache
@@ -134,6 +136,24 @@ class ModelRunner:
         self._kv_bytes.index_copy_(2, ids, codes.to(self.device).movedim(0, 2))
         self.kv_scales.index_copy_(2, ids, scales.to(self.device).movedim(0, 2))
 
+    def forward_sequence(self, token_ids: list[int], start: int = 0) -> torch.Tensor:
+        """Compute token_ids at positions start.. of one sequence whose pages are 1, 2, ... (no
+        scheduler: eval-kv and calibration) -> final hidden states [len(token_ids), hidden]."""
+        ps = self.page_size
+        block_table = list(range(1, -(-(start + len(token_ids)) // ps) + 1))
+        hidden = []
+        with torch.inference_mode():
+            for i in range(0, len(token_ids), SEQUENCE_CHUNK):
+                chunk = token_ids[i:i + SEQUENCE_CHUNK]
+                meta = AttentionMetadata.build([start + i], [len(chunk)], [block_table], ps, self.device)
+                ids = torch.tensor(chunk, dtype=torch.int64, device=self.device)
+                hidden.append(self.model(ids, meta.positions, self.kv_caches, meta))
+        return torch.cat(hidden)
+
+    def kv_amax(self, num_tokens: int) -> float:
+        """Largest |K| or |V| in pages 1.. of a float KV cache after forward_sequence(num_tokens)."""
+        return float(self.kv[:, :, 1:-(-num_tokens // self.page_size) + 1].abs().max())
+
     @property
     def page_bytes(self) -> int:
         """Bytes of one page across all layers, K and V, scales included (= config.kv_bytes_per_page)."""
@@ -141,3 +161,14 @@ class ModelRunner:
 
     def kv_cache_bytes(self) -> int:
         return self.kv.nbytes + self.kv_scales.nbytes
+
+
+def calibrate_fp8_scale(loaded: LoadedModel, kv_dtype: str, page_size: int = 16,
+                        num_tokens: int = CALIBRATION_TOKENS) -> float:
+    """The per-tensor fp8 scale of a start-up calibration pass: the largest |K| or |V| the model
+    writes for the first `num_tokens` tokens of the bundled corpus, over the fp8 format's maximum."""
+    text = CORPUS_PATH.read_text()[:num_tokens * 8]
+    ids = loaded.tokenizer.encode(text, add_special_tokens=False).ids[:num_tokens]
+    runner = ModelRunner(loaded, -(-len(ids) // page_size) + 1, page_size, KV_DTYPES["fp32"])
+    runner.forward_sequence(ids)
+    return fp8_scale_for(runner.kv_amax(len(ids)), codec_for(kv_dtype).storage_dtype)

@@ -10,7 +10,7 @@ import argparse
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvserve.cli import add_engine_arguments
+    from kvserve.engine_args import add_engine_arguments
 
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)

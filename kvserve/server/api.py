@@ -199,7 +199,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from kvserve.cli import engine_kwargs
+    from kvserve.engine_args import engine_kwargs
     from kvserve.config import EngineConfig
 
     engine = LLMEngine(EngineConfig(model=args.model, role=args.role, **engine_kwargs(args)))

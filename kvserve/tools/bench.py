@@ -427,7 +427,7 @@ def _machine(threads: int | None) -> dict:
 
 
 def run_bench(args: argparse.Namespace, progress_console=None) -> dict:
-    from kvserve.cli import engine_kwargs
+    from kvserve.engine_args import engine_kwargs
     from kvserve.model.gguf_loader import resolve_model_path
 
     kwargs = engine_kwargs(args)
@@ -597,7 +597,7 @@ def plot(report: dict, path: str) -> None:
 
 # -- CLI -----------------------------------------------------------------------------------------------
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvserve.cli import add_engine_arguments
+    from kvserve.engine_args import add_engine_arguments
 
     parser.add_argument("--workload", default="w1",
                         help=f"w1 (../shared/workloads/w1.jsonl), a generated mix ({', '.join(GENERATORS)}) "

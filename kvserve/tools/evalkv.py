@@ -24,15 +24,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvserve.config import KV_DTYPES, ConfigError, kv_bytes_per_page, parse_bytes
+from kvserve.config import CORPUS_PATH, KV_DTYPES, ConfigError, kv_bytes_per_page, parse_bytes
 from kvserve.tools.planner import parse_tokens, pool_tokens_for
 
-CORPUS_PATH = Path(__file__).resolve().parents[1] / "data" / "corpus.txt"
-CALIBRATION_TOKENS = 512  # corpus tokens of the engine's fp8 calibration pass (--calculate-kv-scales)
 REFERENCE = "fp32"
 DEFAULT_DTYPES = "fp8_e4m3,fp8_e5m2,int8,int4"
 DEFAULT_CONTEXTS = "512,2048"
-PREFILL_CHUNK = 512  # tokens per forward pass: bounds the attention scores' memory at long contexts
 LOGIT_BLOCK = 256  # rows of [vocab] logits materialized at once
 
 
@@ -93,51 +90,19 @@ def _runner(loaded, kv_dtype: str, num_tokens: int, page_size: int, fp8_scale: f
     return ModelRunner(loaded, num_pages, page_size, KV_DTYPES[kv_dtype], fp8_scale=fp8_scale)
 
 
-def _forward(runner, token_ids: list[int], start: int = 0):
-    """Compute token_ids at positions start.. on one sequence whose pages are 1, 2, ...; returns the
-    final hidden states [len(token_ids), hidden]."""
-    import torch
-
-    from kvserve.model.attention import AttentionMetadata
-
-    ps = runner.page_size
-    block_table = list(range(1, -(-(start + len(token_ids)) // ps) + 1))
-    hidden = []
-    with torch.inference_mode():
-        for i in range(0, len(token_ids), PREFILL_CHUNK):
-            chunk = token_ids[i:i + PREFILL_CHUNK]
-            meta = AttentionMetadata.build([start + i], [len(chunk)], [block_table], ps, runner.device)
-            ids = torch.tensor(chunk, dtype=torch.int64, device=runner.device)
-            hidden.append(runner.model(ids, meta.positions, runner.kv_caches, meta))
-    return torch.cat(hidden)
-
-
-def calibrate_fp8_scale(loaded, kv_dtype: str, page_size: int = 16,
-                        num_tokens: int = CALIBRATION_TOKENS) -> float:
-    """The per-tensor fp8 scale of a start-up calibration pass: the largest |K| or |V| the model
-    writes for the first `num_tokens` tokens of the bundled corpus, over the fp8 format's maximum."""
-    from kvserve.model.kv_quant import codec_for, fp8_scale_for
-
-    text = CORPUS_PATH.read_text()[:num_tokens * 8]
-    ids = loaded.tokenizer.encode(text, add_special_tokens=False).ids[:num_tokens]
-    runner = _runner(loaded, REFERENCE, len(ids), page_size)
-    _forward(runner, ids)
-    return fp8_scale_for(_cache_amax(runner, len(ids)), codec_for(kv_dtype).storage_dtype)
-
-
 def _greedy(runner, prompt: list[int], num_tokens: int):
     """Greedy continuation with the runner's cache: prefill, then one decode step per token.
     Returns (the tokens, hidden states [len(prompt) + num_tokens - 1, hidden] of every position
     but the last generated one)."""
     import torch
 
-    hidden = [_forward(runner, prompt)]
+    hidden = [runner.forward_sequence(prompt)]
     out: list[int] = []
     while num_tokens:
         out.append(int(runner.model.compute_logits(hidden[-1][-1:]).argmax(-1)))
         if len(out) == num_tokens:
             break
-        hidden.append(_forward(runner, out[-1:], start=len(prompt) + len(out) - 1))
+        hidden.append(runner.forward_sequence(out[-1:], start=len(prompt) + len(out) - 1))
     return out, torch.cat(hidden)
 
 
@@ -173,12 +138,6 @@ def _compare(model, ref_logp, hidden, targets: list[int], num_scored: int) -> tu
     return nll / num_scored, kl / num_scored, agree
 
 
-def _cache_amax(runner, num_tokens: int) -> float:
-    """Largest |K| or |V| in an fp32 runner's pages 1.. after num_tokens tokens."""
-    pages = -(-num_tokens // runner.page_size)
-    return float(runner.kv[:, :, 1:pages + 1].abs().max())
-
-
 def evaluate(loaded, token_ids: list[int], contexts: list[int], dtypes: list[str], greedy_tokens: int,
              page_size: int, memory: int, fp8_scale: str = "1.0", offset: int = 0,
              progress=None) -> list[EvalRow]:
@@ -198,7 +157,7 @@ def evaluate(loaded, token_ids: list[int], contexts: list[int], dtypes: list[str
         t0 = time.monotonic()
         ref_runner = _runner(loaded, REFERENCE, total, page_size)
         generated, ref_hidden = _greedy(ref_runner, window, greedy_tokens)
-        amax = _cache_amax(ref_runner, context)
+        amax = ref_runner.kv_amax(context)
         sequence = window + generated
         targets = sequence[1:]
         ref_logp = _log_probs(ref_runner.model, ref_hidden[:len(targets)])  # [total - 1, vocab]
@@ -214,7 +173,7 @@ def evaluate(loaded, token_ids: list[int], contexts: list[int], dtypes: list[str
             if name == REFERENCE:  # the greedy run above: prefill, then decode steps
                 hidden = ref_hidden
             else:  # teacher-forced through this dtype's cache
-                hidden = _forward(_runner(loaded, name, total, page_size, scale), sequence)[:-1]
+                hidden = _runner(loaded, name, total, page_size, scale).forward_sequence(sequence)[:-1]
             nll, kl, agree = _compare(ref_runner.model, ref_logp, hidden, targets, context - 1)
             pool = pool_tokens_for(memory, page_bytes[name], page_size)
             rows.append(EvalRow(

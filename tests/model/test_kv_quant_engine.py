@@ -10,7 +10,7 @@ import torch
 
 from kvserve import SamplingParams
 from kvserve.config import KV_DTYPES, kv_bytes_per_page
-from kvserve.tools.evalkv import CORPUS_PATH
+from kvserve.config import CORPUS_PATH
 from tests.conftest import make_llm
 
 QUANTIZED = ["fp8_e4m3", "fp8_e5m2", "int8", "int4"]
@@ -137,7 +137,7 @@ def test_page_payloads_round_trip_through_a_host_tier(kv_dtype, corpus_ids):
 def test_calculate_kv_scales_sets_the_fp8_scale_from_a_calibration_pass(kv_dtype, corpus_ids):
     """--calculate-kv-scales: scale = the largest |K|/|V| of a 512-token corpus pass over the fp8
     maximum (so the calibrated values span the format, none saturates); the default stays 1.0."""
-    from kvserve.tools.evalkv import calibrate_fp8_scale
+    from kvserve.model.runner import calibrate_fp8_scale
 
     calibrated = make_llm(kv_cache_dtype=kv_dtype, calculate_kv_scales=True, **SMALL)
     scale = calibrated.stats()["kv_fp8_scale"]

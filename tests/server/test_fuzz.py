@@ -100,14 +100,14 @@ def check(server, model_name: str, path: str, payload) -> None:
 
 
 @pytest.mark.slow
-@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
 @given(payload=completion_body)
 def test_fuzz_completions(server, model_name, payload):
     check(server, model_name, "/v1/completions", payload)
 
 
 @pytest.mark.slow
-@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
 @given(payload=chat_body)
 def test_fuzz_chat(server, model_name, payload):
     check(server, model_name, "/v1/chat/completions", payload)

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from kvserve.config import ConfigError
-from kvserve.tools.evalkv import CORPUS_PATH, add_evalkv_arguments, main_evalkv, run_evalkv
+from kvserve.config import CORPUS_PATH, ConfigError
+from kvserve.tools.evalkv import add_evalkv_arguments, main_evalkv, run_evalkv
 
 
 def parse(*argv: str) -> argparse.Namespace:

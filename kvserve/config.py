@@ -174,3 +174,31 @@ class EngineConfig:
             if self.prefix_cache == PrefixCachePolicy.OFF.value:
                 raise ConfigError("--redis-url shares prefix-cache pages; use --prefix-cache radix "
                                   "or hash with it")
+
+
+# -- pool capacity: the engine's start-up check and `kvserve plan` share these -----------------------
+
+def pool_tokens_for(kv_cache_memory_bytes: int, bytes_per_page: int, page_size: int) -> int:
+    """Tokens the page pool holds: whole pages in the budget, less the reserved null page 0."""
+    return max(0, kv_cache_memory_bytes // bytes_per_page - 1) * page_size
+
+
+def format_bytes(num: float) -> str:
+    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if num >= size:
+            return f"{num / size:.2f}".rstrip("0").rstrip(".") + f" {unit}"
+    return f"{num:.0f} B"
+
+
+def format_number(num: float) -> str:
+    return f"{num:,.0f}" if float(num).is_integer() else f"{num:,.2f}"
+
+
+def capacity_error_message(max_model_len: int, pool_tokens: int, kv_cache_memory_bytes: int,
+                           bytes_per_token: float) -> str:
+    """The engine's one-line start-up error when one sequence of max_model_len tokens cannot fit."""
+    return (f"max_model_len {max_model_len:,} tokens does not fit in the KV cache: --kv-cache-memory "
+            f"{format_bytes(kv_cache_memory_bytes)} holds {pool_tokens:,} tokens at {format_number(bytes_per_token)} "
+            f"bytes per token, and {max_model_len:,} tokens need about "
+            f"{format_bytes(max_model_len * bytes_per_token)}; raise --kv-cache-memory or lower "
+            f"--max-model-len to {pool_tokens:,} or less")

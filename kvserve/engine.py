@@ -20,14 +20,13 @@ from kvserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from kvserve.cache.manager import KVCacheManager
 from kvserve.cache.redis_tier import RedisTier
 from kvserve.cache.tiers import HostTier, PageSource, TierChain
-from kvserve.config import (CacheConfig, ConfigError, EngineConfig, PrefixCachePolicy,
-                            kv_bytes_per_page, parse_bytes, resolve_kv_dtype)
+from kvserve.config import (CacheConfig, ConfigError, EngineConfig, PrefixCachePolicy, capacity_error_message,
+                            kv_bytes_per_page, parse_bytes, pool_tokens_for, resolve_kv_dtype)
 from kvserve.model.gguf_loader import LoadedModel, apply_chat_template, load_gguf, resolve_model_path
 from kvserve.model.runner import ModelRunner, calibrate_fp8_scale
 from kvserve.request import (CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus,
                              SamplingParams)
 from kvserve.scheduler import Scheduler
-from kvserve.tools.planner import capacity_error_message, pool_tokens_for
 
 Prompt = str | dict[str, Any] | list[int]
 

@@ -24,8 +24,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvserve.config import CORPUS_PATH, KV_DTYPES, ConfigError, kv_bytes_per_page, parse_bytes
-from kvserve.tools.planner import parse_tokens, pool_tokens_for
+from kvserve.config import CORPUS_PATH, KV_DTYPES, ConfigError, kv_bytes_per_page, parse_bytes, pool_tokens_for
+from kvserve.tools.planner import parse_tokens
 
 REFERENCE = "fp32"
 DEFAULT_DTYPES = "fp8_e4m3,fp8_e5m2,int8,int4"

@@ -1,9 +1,8 @@
 """`kvserve plan`: how much KV cache a model needs, and whether it fits, before the server starts.
 
 All byte counts come from `kvserve.config.kv_bytes_per_page`, the function the engine sizes its page
-pool with, so the planner and the engine never disagree. `capacity_error_message` is the engine's
-start-up error text; it stays dependency-free because the engine imports it (rich and gguf are
-imported lazily, inside the functions that need them).
+pool with, and `config.capacity_error_message` is the engine's start-up error text, so the planner
+and the engine never disagree (rich and gguf are imported lazily, inside the functions that need them).
 """
 
 from __future__ import annotations
@@ -15,7 +14,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvserve.config import KV_DTYPES, ConfigError, EngineConfig, ModelConfig, kv_bytes_per_page, parse_bytes
+from kvserve.config import (KV_DTYPES, ConfigError, EngineConfig, ModelConfig, capacity_error_message,
+                            format_bytes, format_number, kv_bytes_per_page, parse_bytes, pool_tokens_for)
 
 GIB = 1024**3
 CONTEXT_STEPS = (2048, 8192, 32768, 131072)
@@ -141,32 +141,6 @@ def kv_cache_bytes(cfg: ModelConfig, kv_dtype: str, context: int, concurrency: i
     return math.ceil(context / page_size) * per_page * concurrency
 
 
-def pool_tokens_for(kv_cache_memory_bytes: int, bytes_per_page: int, page_size: int) -> int:
-    """Tokens the page pool holds: whole pages in the budget, less the reserved null page 0."""
-    return max(0, kv_cache_memory_bytes // bytes_per_page - 1) * page_size
-
-
-def _fmt_bytes(num: float) -> str:
-    for unit, size in (("TiB", 1024**4), ("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
-        if num >= size:
-            return f"{num / size:.2f}".rstrip("0").rstrip(".") + f" {unit}"
-    return f"{num:.0f} B"
-
-
-def _fmt_num(num: float) -> str:
-    return f"{num:,.0f}" if float(num).is_integer() else f"{num:,.2f}"
-
-
-def capacity_error_message(max_model_len: int, pool_tokens: int, kv_cache_memory_bytes: int,
-                           bytes_per_token: float) -> str:
-    """The engine's one-line start-up error when one sequence of max_model_len tokens cannot fit."""
-    return (f"max_model_len {max_model_len:,} tokens does not fit in the KV cache: --kv-cache-memory "
-            f"{_fmt_bytes(kv_cache_memory_bytes)} holds {pool_tokens:,} tokens at {_fmt_num(bytes_per_token)} "
-            f"bytes per token, and {max_model_len:,} tokens need about "
-            f"{_fmt_bytes(max_model_len * bytes_per_token)}; raise --kv-cache-memory or lower "
-            f"--max-model-len to {pool_tokens:,} or less")
-
-
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="preset (" + ", ".join(PRESETS) + "), config.json or .gguf")
     parser.add_argument("--context", default=None, help="tokens per request, e.g. 32768 or 32k (default: model max)")
@@ -278,7 +252,7 @@ def _gqa_note(cfg: ModelConfig, fp16_token: float, mha_token: float) -> str:
         return f"MHA: each of the {cfg.num_heads} query heads keeps its own K/V head, so there is no GQA saving."
     ratio = cfg.num_heads / cfg.num_kv_heads
     return (f"GQA: {cfg.num_heads} query heads share {cfg.num_kv_heads} KV heads ({ratio:g}:1), so fp16 KV is "
-            f"{_fmt_num(fp16_token)} bytes/token instead of {_fmt_num(mha_token)} with full multi-head attention "
+            f"{format_number(fp16_token)} bytes/token instead of {format_number(mha_token)} with full multi-head attention "
             f"({1 - fp16_token / mha_token:.0%} less).")
 
 
@@ -296,21 +270,21 @@ def render_plan(result: dict, console) -> None:
     console.print(f"[bold]{m['name']}[/] ({m['source']}): {m['num_layers']} layers, {m['num_heads']} heads, "
                   f"{m['num_kv_heads']} KV heads, head_dim {m['head_dim']}, max context "
                   f"{m['max_position_embeddings']:,}, {m['num_params'] / 1e9:.2f}B params, weights "
-                  f"{_fmt_bytes(m['weights_bytes'])} ({m['weights_dtype']})")
+                  f"{format_bytes(m['weights_bytes'])} ({m['weights_dtype']})")
     console.print(result["gqa"]["note"])
     per_token = Table(title="KV bytes per token")
     for col in ("kv dtype", "bytes/token", f"bytes/page of {result['page_size']}", "vs fp16"):
         per_token.add_column(col, justify="right")
     for name, value in result["bytes_per_token"].items():
-        per_token.add_row(name, _fmt_num(value), f"{value * result['page_size']:,.0f}",
+        per_token.add_row(name, format_number(value), f"{value * result['page_size']:,.0f}",
                           f"{value / result['bytes_per_token']['fp16']:.3f}x")
     console.print(per_token)
     console.print("(int8/int4 pages carry one float32 scale per KV head per layer for K and V; "
                   "bytes/token spreads them over the page)")
-    pool_note = f"{_fmt_bytes(result['kv_budget_bytes'])} KV budget from {result['kv_budget_source']}"
+    pool_note = f"{format_bytes(result['kv_budget_bytes'])} KV budget from {result['kv_budget_source']}"
     console.print(f"KV cache for context x concurrency, in GiB; green fits the {pool_note}, red does not")
     for d in result["dtypes"]:
-        table = Table(title=f"{d['kv_dtype']}: {_fmt_num(d['bytes_per_token'])} bytes/token")
+        table = Table(title=f"{d['kv_dtype']}: {format_number(d['bytes_per_token'])} bytes/token")
         table.add_column("context", justify="right")
         for n in result["concurrencies"]:
             table.add_column(f"x{n}", justify="right")
@@ -322,9 +296,9 @@ def render_plan(result: dict, console) -> None:
             table.add_row(f"{row['context']:,}", *cells)
         console.print(table)
     if (mem := result["memory"]) is not None:
-        console.print(f"--memory {_fmt_bytes(mem['budget_bytes'])}: weights {_fmt_bytes(mem['weights_bytes'])} + "
+        console.print(f"--memory {format_bytes(mem['budget_bytes'])}: weights {format_bytes(mem['weights_bytes'])} + "
                       f"{mem['overhead_fraction']:.0%} kept for activations and runtime "
-                      f"({_fmt_bytes(mem['overhead_bytes'])}) leaves {_fmt_bytes(mem['kv_budget_bytes'])} for KV"
+                      f"({format_bytes(mem['overhead_bytes'])}) leaves {format_bytes(mem['kv_budget_bytes'])} for KV"
                       + ("" if mem["weights_fit"] else " [red](the weights alone do not fit)[/]"))
     if result["context_beyond_model_max"]:
         console.print(f"[yellow]--context {result['context']:,} is beyond the model's "

@@ -19,7 +19,7 @@ from typing import Any, Iterable
 from kvserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from kvserve.cache.manager import KVCacheManager
 from kvserve.cache.redis_tier import RedisTier
-from kvserve.cache.tiers import HostTier, PageSource, TierChain
+from kvserve.cache.tiers import HostTier, Tier, TierChain
 from kvserve.config import (CacheConfig, ConfigError, EngineConfig, PrefixCachePolicy, capacity_error_message,
                             kv_bytes_per_page, parse_bytes, pool_tokens_for, resolve_kv_dtype)
 from kvserve.model.gguf_loader import LoadedModel, apply_chat_template, load_gguf, resolve_model_path
@@ -74,16 +74,16 @@ class LLMEngine:
         if self.redis_tier is not None:
             self.manager.on_commit = self._committed.extend
         self._evicted: list[tuple[bytes, int]] = []  # (page hash, page id) evicted this step
-        sources: list[PageSource] = []
+        tiers: list[Tier] = []
         if self.host_tier.capacity_pages and self.cache_config.prefix_cache is not PrefixCachePolicy.OFF:
             self.manager.on_evict = lambda page_hash, page_id: self._evicted.append((page_hash, page_id))
-            sources.append(self.host_tier)
+            tiers.append(self.host_tier)
         if self.redis_tier is not None:
-            sources.append(self.redis_tier)
+            tiers.append(self.redis_tier)
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, preemption_mode=config.preemption_mode,
                                    host_tier=self.host_tier,
-                                   remote=TierChain(config.page_size, sources) if sources else None)
+                                   remote=TierChain(config.page_size, tiers) if tiers else None)
         self._ids = itertools.count()
         self._prompts: dict[str, str | None] = {}
         self._stop_text: dict[str, str] = {}  # request id -> output text cut at its stop string

@@ -6,8 +6,9 @@ chunks, a prefix-cache hit simply starts the counter further along, and a reques
 recompute starts again from zero (or from its cached prefix). Running requests are served first, in
 admission order; when a running request needs a page and none is free, the most recently admitted
 request is preempted. Then waiting requests are admitted while pages, sequence slots and budget last.
-With a remote tier (Redis), an admitted request whose local hit stops short also gets the following
-full pages the tier holds: loaded into fresh pages before the step computes, counted as cached.
+With tiers below the pool (the host tier's offloaded pages, Redis), an admitted request whose local
+hit stops short also gets the following full pages they hold: loaded into fresh pages before the step
+computes, counted as cached.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.preemption_mode = PreemptionMode(preemption_mode)
         self.host_tier = host_tier
-        self.remote = remote  # pages shared across instances (RedisTier), asked once per admission
+        self.remote = remote  # pages below the pool (TierChain: host tier, Redis), asked once per admission
         self.admission_age_bound_s = admission_age_bound_s
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the tail is preempted first

@@ -14,8 +14,12 @@ from typing import Any, Protocol
 from kvserve.cache.hashing import page_hashes
 
 
-class PageSource(Protocol):
+class Tier(Protocol):
     """A store of page payloads keyed by page hash (HostTier, RedisTier)."""
+
+    def get(self, page_hash: bytes) -> Any | None: ...
+    def put(self, page_hash: bytes, payload: Any) -> bool: ...
+    def contains(self, page_hash: bytes) -> bool: ...
 
     def get_pages(self, hashes: list[bytes]) -> list[Any]:
         """Payloads of the leading run of `hashes` the store holds."""
@@ -23,10 +27,10 @@ class PageSource(Protocol):
 
 @dataclass
 class TierChain:
-    """Page sources asked in order, each for the pages the ones before it lacked."""
+    """Tiers asked in order, each for the pages the ones before it lacked."""
 
     page_size: int
-    sources: list[PageSource]
+    tiers: list[Tier]
 
     def fetch(self, token_ids: Sequence[int], namespace: str, start_page: int,
               max_pages: int) -> list[Any]:
@@ -37,10 +41,10 @@ class TierChain:
         end = start_page + max_pages
         hashes = page_hashes(token_ids[:end * self.page_size], self.page_size, namespace)[start_page:]
         found: list[Any] = []
-        for source in self.sources:
+        for tier in self.tiers:
             if len(found) == len(hashes):
                 break
-            found += source.get_pages(hashes[len(found):])
+            found += tier.get_pages(hashes[len(found):])
         return found
 
 

@@ -193,7 +193,7 @@ class LLMEngine:
         for request_id, pages in out.swap_in:
             self.runner.write_pages(pages, self.host_tier.take_swap(request_id))
         if out.remote_loads:
-            _write_page_bytes(self.runner, out.remote_loads)
+            self.runner.write_page_bytes(out.remote_loads)
         sampled = self.runner.execute(out)
         now = time.monotonic()
         changed = self.scheduler.update(out, sampled, now)
@@ -212,7 +212,7 @@ class LLMEngine:
         """Keep the pages this step's schedule evicted in the host tier, by page hash."""
         evicted = dict(self._evicted)
         self._evicted.clear()
-        for page_hash, payload in zip(evicted, _read_page_bytes(self.runner, list(evicted.values()))):
+        for page_hash, payload in zip(evicted, self.runner.read_page_bytes(list(evicted.values()))):
             self.host_tier.put(page_hash, payload.copy())  # a row of its own: the tier counts pages
 
     def _publish_committed(self) -> None:
@@ -226,7 +226,7 @@ class LLMEngine:
         new = [(h, page) for h, page in committed.items() if not tier.is_known(h)]
         if not new or not tier.available():
             return
-        items = list(zip([h for h, _ in new], _read_page_bytes(self.runner, [p for _, p in new])))
+        items = list(zip([h for h, _ in new], self.runner.read_page_bytes([p for _, p in new])))
         if self.config.role == "prefill":
             tier.put_many(items)
         else:
@@ -301,32 +301,6 @@ class LLMEngine:
         if self.redis_tier is not None:
             stats.update(self.redis_tier.engine_stats())
         return stats
-
-
-def _read_page_bytes(runner: ModelRunner, page_ids: list[int]) -> list[Any]:
-    """Each page's K/V (all layers, scales included) as a flat uint8 array of runner.page_bytes.
-    (Tensor <-> bytes for the Redis tier; it belongs in ModelRunner once model/ is free to edit.)"""
-    import torch
-
-    data = runner.read_pages(page_ids)  # [n, ...] a copy: later steps cannot change it
-    return list(data.reshape(len(page_ids), -1).view(torch.uint8).numpy())
-
-
-def _write_page_bytes(runner: ModelRunner, loads: list[tuple[int, Any]]) -> None:
-    """Inverse of _read_page_bytes: (page_id, bytes) pairs into the KV cache."""
-    import numpy as np
-    import torch
-
-    from kvserve.model.runner import FLOAT_KV_DTYPES
-
-    buf = np.empty((len(loads), runner.page_bytes), np.uint8)
-    for row, (_, payload) in zip(buf, loads):
-        row[:] = np.frombuffer(payload, np.uint8)
-    data = torch.from_numpy(buf)  # quantized dtypes: codes then scales, as read_pages gives them
-    if runner.kv_dtype.name in FLOAT_KV_DTYPES:
-        kv = runner.kv  # [num_layers, 2, num_pages, page_size, kv_heads, head_dim]
-        data = data.view(kv.dtype).view(len(loads), *kv.shape[:2], *kv.shape[3:])
-    runner.write_pages([page for page, _ in loads], data)
 
 
 class LLM:

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any
 
+import numpy as np
 import torch
 
 from kvserve.config import CORPUS_PATH, KV_DTYPES, KVDtype
@@ -136,6 +138,30 @@ class ModelRunner:
         self._kv_bytes.index_copy_(2, ids, codes.to(self.device).movedim(0, 2))
         self.kv_scales.index_copy_(2, ids, scales.to(self.device).movedim(0, 2))
 
+    def read_page_bytes(self, page_ids: list[int]) -> list[np.ndarray]:
+        """Each page's K/V (all layers, scales included) as a flat uint8 array of page_bytes, for
+        the host and Redis tiers. The arrays are views of one fresh buffer: later steps cannot
+        change them."""
+        data = self.read_pages(page_ids)
+        return list(data.reshape(len(page_ids), -1).view(torch.uint8).numpy())
+
+    def write_page_bytes(self, loads: list[tuple[int, Any]]) -> None:
+        """Inverse of read_page_bytes: (page_id, bytes-like payload) pairs into the KV cache."""
+        buf = np.empty((len(loads), self.page_bytes), np.uint8)
+        for row, (_, payload) in zip(buf, loads):
+            row[:] = np.frombuffer(payload, np.uint8)
+        data = torch.from_numpy(buf)  # quantized dtypes: codes then scales, as read_pages gives them
+        if self.kv_dtype.name in FLOAT_KV_DTYPES:
+            data = data.view(self.kv.dtype).view(len(loads), *self.kv.shape[:2], *self.kv.shape[3:])
+        self.write_pages([page for page, _ in loads], data)
+
+    @classmethod
+    def for_one_sequence(cls, loaded: LoadedModel, kv_dtype: str, num_tokens: int, page_size: int,
+                         fp8_scale: float = 1.0) -> ModelRunner:
+        """A runner whose pool holds exactly one sequence of num_tokens (for forward_sequence)."""
+        return cls(loaded, -(-num_tokens // page_size) + 1, page_size, KV_DTYPES[kv_dtype],
+                   fp8_scale=fp8_scale)
+
     def forward_sequence(self, token_ids: list[int], start: int = 0) -> torch.Tensor:
         """Compute token_ids at positions start.. of one sequence whose pages are 1, 2, ... (no
         scheduler: eval-kv and calibration) -> final hidden states [len(token_ids), hidden]."""
@@ -169,6 +195,6 @@ def calibrate_fp8_scale(loaded: LoadedModel, kv_dtype: str, page_size: int = 16,
     writes for the first `num_tokens` tokens of the bundled corpus, over the fp8 format's maximum."""
     text = CORPUS_PATH.read_text()[:num_tokens * 8]
     ids = loaded.tokenizer.encode(text, add_special_tokens=False).ids[:num_tokens]
-    runner = ModelRunner(loaded, -(-len(ids) // page_size) + 1, page_size, KV_DTYPES["fp32"])
+    runner = ModelRunner.for_one_sequence(loaded, "fp32", len(ids), page_size)
     runner.forward_sequence(ids)
     return fp8_scale_for(runner.kv_amax(len(ids)), codec_for(kv_dtype).storage_dtype)

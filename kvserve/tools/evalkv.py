@@ -83,13 +83,6 @@ def _contexts(value: str) -> list[int]:
 
 # -- the model side (torch) ------------------------------------------------------------------------
 
-def _runner(loaded, kv_dtype: str, num_tokens: int, page_size: int, fp8_scale: float = 1.0):
-    from kvserve.model.runner import ModelRunner
-
-    num_pages = -(-num_tokens // page_size) + 1  # + the null page 0
-    return ModelRunner(loaded, num_pages, page_size, KV_DTYPES[kv_dtype], fp8_scale=fp8_scale)
-
-
 def _greedy(runner, prompt: list[int], num_tokens: int):
     """Greedy continuation with the runner's cache: prefill, then one decode step per token.
     Returns (the tokens, hidden states [len(prompt) + num_tokens - 1, hidden] of every position
@@ -141,7 +134,8 @@ def _compare(model, ref_logp, hidden, targets: list[int], num_scored: int) -> tu
 def evaluate(loaded, token_ids: list[int], contexts: list[int], dtypes: list[str], greedy_tokens: int,
              page_size: int, memory: int, fp8_scale: str = "1.0", offset: int = 0,
              progress=None) -> list[EvalRow]:
-    from kvserve.model.kv_quant import fp8_scale_for
+    from kvserve.model.kv_quant import codec_for, fp8_scale_for
+    from kvserve.model.runner import ModelRunner
 
     cfg = loaded.config
     page_bytes = {n: kv_bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size, KV_DTYPES[n])
@@ -155,7 +149,7 @@ def evaluate(loaded, token_ids: list[int], contexts: list[int], dtypes: list[str
         window = token_ids[offset:offset + context]
         total = context + greedy_tokens
         t0 = time.monotonic()
-        ref_runner = _runner(loaded, REFERENCE, total, page_size)
+        ref_runner = ModelRunner.for_one_sequence(loaded, REFERENCE, total, page_size)
         generated, ref_hidden = _greedy(ref_runner, window, greedy_tokens)
         amax = ref_runner.kv_amax(context)
         sequence = window + generated
@@ -165,15 +159,14 @@ def evaluate(loaded, token_ids: list[int], contexts: list[int], dtypes: list[str
             started = time.monotonic()
             scale = 1.0
             if name.startswith("fp8") and fp8_scale == "calibrate":
-                import torch
-                scale = fp8_scale_for(amax, {"fp8_e4m3": torch.float8_e4m3fn,
-                                             "fp8_e5m2": torch.float8_e5m2}[name])
+                scale = fp8_scale_for(amax, codec_for(name).storage_dtype)
             elif name.startswith("fp8"):
                 scale = float(fp8_scale)
             if name == REFERENCE:  # the greedy run above: prefill, then decode steps
                 hidden = ref_hidden
             else:  # teacher-forced through this dtype's cache
-                hidden = _runner(loaded, name, total, page_size, scale).forward_sequence(sequence)[:-1]
+                hidden = ModelRunner.for_one_sequence(loaded, name, total, page_size,
+                                                      scale).forward_sequence(sequence)[:-1]
             nll, kl, agree = _compare(ref_runner.model, ref_logp, hidden, targets, context - 1)
             pool = pool_tokens_for(memory, page_bytes[name], page_size)
             rows.append(EvalRow(

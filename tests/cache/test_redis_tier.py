@@ -152,12 +152,18 @@ def test_a_full_redis_is_counted_and_never_raises(tmp_path):
 
 
 # -- faults --------------------------------------------------------------------------------------
-def test_a_hung_redis_costs_one_timeout_then_the_tier_backs_off_longer_and_longer():
+@pytest.fixture
+def hung_url():
+    """A loopback server that accepts connections (backlog) but never answers: a hung Redis."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
-    listener.listen(8)  # accepts connections (backlog) but never answers
-    url = f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
-    t = make_tier(url, timeout_s=0.1, backoff_s=0.5)
+    listener.listen(8)
+    yield f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
+    listener.close()
+
+
+def test_a_hung_redis_costs_one_timeout_then_the_tier_backs_off_longer_and_longer(hung_url):
+    t = make_tier(hung_url, timeout_s=0.1, backoff_s=0.5)
     try:
         started = time.monotonic()
         assert t.fetch(TOKENS, "", 0, 4) == []
@@ -177,21 +183,16 @@ def test_a_hung_redis_costs_one_timeout_then_the_tier_backs_off_longer_and_longe
         assert t.fetch(TOKENS, "", 0, 4) == [] and t.stats.errors == 3
     finally:
         t.close()
-        listener.close()
 
 
-def test_url_query_sets_the_timeout():
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(8)
-    t = make_tier(f"redis://127.0.0.1:{listener.getsockname()[1]}/0?socket_timeout=0.3")
+def test_url_query_sets_the_timeout(hung_url):
+    t = make_tier(hung_url + "?socket_timeout=0.3")
     try:
         started = time.monotonic()
         assert t.get(chain()[0]) is None
         assert time.monotonic() - started >= 0.29
     finally:
         t.close()
-        listener.close()
 
 
 def test_redis_down_is_a_miss_and_the_tier_reconnects_when_it_returns(tmp_path):

@@ -8,7 +8,10 @@ __all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "RequestOut
 
 def __getattr__(name: str):
     # The engine pulls in torch; import it only when asked so the cache layer and tools stay light.
-    if name in ("LLM", "LLMEngine"):
-        from kvserve import engine
-        return getattr(engine, name)
+    if name == "LLM":
+        from kvserve.llm import LLM
+        return LLM
+    if name == "LLMEngine":
+        from kvserve.engine import LLMEngine
+        return LLMEngine
     raise AttributeError(name)

@@ -11,7 +11,7 @@ from kvserve.config import ConfigError
 from kvserve.engine_args import add_engine_arguments, engine_kwargs
 
 def main_generate(args: argparse.Namespace) -> int:
-    from kvserve.engine import LLM
+    from kvserve.llm import LLM
     from kvserve.request import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,

@@ -45,6 +45,10 @@ class _Seq:
     committed_token_ids: list[int] = field(default_factory=list)  # their tokens (for checks)
 
 
+# page states of KVCacheManager.page_states(), one character per page
+PAGE_FREE, PAGE_CACHED, PAGE_USED, PAGE_SHARED, PAGE_NULL = "0", "1", "2", "3", "4"
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -285,6 +289,15 @@ class KVCacheManager:
             "prefix_cache_hits": self.prefix_cache_hits,
             "num_evictions": self.pool.num_evictions,
         }
+
+    def page_states(self) -> str:
+        """One character per page: PAGE_NULL, then PAGE_SHARED / PAGE_USED / PAGE_CACHED / PAGE_FREE."""
+        states = [PAGE_NULL]
+        for page_id in range(1, self.num_pages):
+            refs = self.pool.ref(page_id)
+            states.append(PAGE_SHARED if refs > 1 else PAGE_USED if refs == 1
+                          else PAGE_CACHED if self.pool.is_cached(page_id) else PAGE_FREE)
+        return "".join(states)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached page; refused (False) while sequences hold pages, as in vLLM."""

@@ -24,7 +24,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException
 
 from kvserve import server as server_cli
-from kvserve.engine import AsyncEngine, LLMEngine
+from kvserve.async_engine import AsyncEngine
+from kvserve.engine import LLMEngine
 from kvserve.metrics import CONTENT_TYPE, EngineMetrics, hit_rate
 from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from kvserve.server.serving import OpenAIServing

@@ -19,7 +19,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from kvserve.engine import AsyncEngine, EngineDeadError, RequestStream
+from kvserve.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from kvserve.request import RequestOutput, SamplingParams
 from kvserve.server import render
 from kvserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,

@@ -68,8 +68,9 @@ def wait_no_pages_in_use(async_engine, timeout: float = 60) -> None:
 
 @pytest.fixture(scope="session")
 def async_engine():
+    from kvserve.async_engine import AsyncEngine
     from kvserve.config import EngineConfig
-    from kvserve.engine import AsyncEngine, LLMEngine
+    from kvserve.engine import LLMEngine
 
     engine = AsyncEngine(LLMEngine(EngineConfig(**SMALL_ENGINE))).start()
     yield engine

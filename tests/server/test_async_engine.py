@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvserve.engine import AsyncEngine, EngineDeadError
+from kvserve.async_engine import AsyncEngine, EngineDeadError
 from kvserve.request import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
 
 

@@ -1,0 +1,66 @@
+"""The one boundary between the scheduler (which decides) and the model runner (which executes):
+SchedulerOutput holds each scheduled sequence's slice of the step and the page moves to apply before
+computing it; StepResult carries the sampled tokens and the page payloads read back. Torch-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.request import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One request's share of a step: compute `token_ids` at positions start_pos.. using the pages
+    of `block_table` (which covers at least start_pos + len(token_ids) positions)."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    need_sample: bool  # the chunk ends at the last known token: sample the next one
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    num_output_tokens: int = 0  # tokens generated so far; with a seed, makes sampling reproducible
+
+
+@dataclass(slots=True)
+class PageOps:
+    """Page moves of one step, applied by the runner in this order before it computes:
+
+    1. saves:  read these pages' K/V (pages freed or evicted this step, and committed pages a tier
+               wants); nothing below has written them yet. Payloads come back in StepResult.saved.
+    2. loads:  write (page_id, payload) into pages (swap-in, load-back from a tier).
+    3. copies: copy page src -> dst (copy-on-write, partial prefix hits).
+    """
+
+    saves: list[int] = field(default_factory=list)
+    loads: list[tuple[int, Any]] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.saves or self.loads or self.copies)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    page_ops: PageOps = field(default_factory=PageOps)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None = None  # log-softmax of the raw logits at the chosen token
+    top_logprobs: dict[int, float] | None = None  # the `logprobs` most likely alternatives
+
+
+@dataclass(slots=True)
+class StepResult:
+    sampled: list[SampledToken | None] = field(default_factory=list)  # aligned with seqs
+    saved: list[Any] = field(default_factory=list)  # payloads of page_ops.saves, in order

@@ -110,7 +110,7 @@ class AsyncEngine:
             try:
                 for (prompt, params, _), stream in zip(items, streams):
                     self.engine.add_request(prompt, params, request_id=stream.request_id,
-                                            namespace=namespace)
+                                            tenant=namespace)
                     added.append(stream.request_id)
             except Exception:
                 for request_id in added:

@@ -29,12 +29,13 @@ class PageOps:
     """Page moves of one step, applied by the runner in this order before it computes:
 
     1. saves:  read these pages' K/V (pages freed or evicted this step, and committed pages a tier
-               wants); nothing below has written them yet. Payloads come back in StepResult.saved.
+               wants); nothing below has written them yet. Payloads come back in StepResult.saved;
+               each save's second item says where the cache layer sends it (opaque here).
     2. loads:  write (page_id, payload) into pages (swap-in, load-back from a tier).
     3. copies: copy page src -> dst (copy-on-write, partial prefix hits).
     """
 
-    saves: list[int] = field(default_factory=list)
+    saves: list[tuple[int, Any]] = field(default_factory=list)
     loads: list[tuple[int, Any]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
 

@@ -115,10 +115,18 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
+    """The page pool as the engine sizes it; the KV dtype is resolved here once."""
+
     page_size: int
     num_pages: int  # including the reserved null page 0
     kv_dtype: KVDtype
     prefix_cache: PrefixCachePolicy = PrefixCachePolicy.RADIX
+
+    @property
+    def partial_page_hits(self) -> bool:
+        """False for KV dtypes with per-page scales (int8/int4): a page's scale depends on all its
+        tokens, so a copied partial page would carry another request's tokens into its numbers."""
+        return not self.kv_dtype.scale_bytes_per_page_head
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,3 +210,24 @@ def capacity_error_message(max_model_len: int, pool_tokens: int, kv_cache_memory
             f"bytes per token, and {max_model_len:,} tokens need about "
             f"{format_bytes(max_model_len * bytes_per_token)}; raise --kv-cache-memory or lower "
             f"--max-model-len to {pool_tokens:,} or less")
+
+
+def plan_cache(config: EngineConfig, model: ModelConfig) -> tuple[CacheConfig, int]:
+    """Page count from the memory budget, and the start-up capacity check. Returns (cache config,
+    max_model_len)."""
+    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, config.dtype)
+    page_bytes = kv_bytes_per_page(model.num_layers, model.num_kv_heads, model.head_dim,
+                                   config.page_size, kv_dtype)
+    memory = parse_bytes(config.kv_cache_memory)
+    num_pages = memory // page_bytes  # page 0, the null page, is inside the budget
+    pool_tokens = pool_tokens_for(memory, page_bytes, config.page_size)
+    max_model_len = config.max_model_len or model.max_position_embeddings
+    if max_model_len > model.max_position_embeddings:
+        raise ConfigError(f"--max-model-len {max_model_len} is over the model's context "
+                          f"{model.max_position_embeddings}; lower --max-model-len")
+    if max_model_len > pool_tokens:
+        raise ConfigError(capacity_error_message(max_model_len, pool_tokens, memory,
+                                                 page_bytes / config.page_size))
+    cache = CacheConfig(page_size=config.page_size, num_pages=num_pages, kv_dtype=kv_dtype,
+                        prefix_cache=PrefixCachePolicy(config.prefix_cache))
+    return cache, max_model_len

@@ -6,9 +6,9 @@ chunks, a prefix-cache hit simply starts the counter further along, and a reques
 recompute starts again from zero (or from its cached prefix). Running requests are served first, in
 admission order; when a running request needs a page and none is free, the most recently admitted
 request is preempted. Then waiting requests are admitted while pages, sequence slots and budget last.
-With tiers below the pool (the host tier's offloaded pages, Redis), an admitted request whose local
-hit stops short also gets the following full pages they hold: loaded into fresh pages before the step
-computes, counted as cached.
+The scheduler sees pages only through KVCacheManager: tier pages after a pool hit
+(`extend_from_tiers`), swap-out and swap-in are the manager's; the page moves it decides travel in
+SchedulerOutput.page_ops for the runner to apply.
 """
 
 from __future__ import annotations
@@ -16,64 +16,16 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Protocol
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
-from kvserve.cache.manager import PrefixHit
+from kvserve.batch import SampledToken, ScheduledSeq, SchedulerOutput
+from kvserve.cache.hashing import common_prefix_len
+from kvserve.cache.manager import KVCacheManager, PrefixHit
 from kvserve.config import PreemptionMode, PrefixCachePolicy
 from kvserve.request import Request, RequestStatus
 
-if TYPE_CHECKING:
-    from kvserve.cache.manager import KVCacheManager
-    from kvserve.cache.tiers import HostTier
-
 ADMISSION_SCAN_LIMIT = 256  # waiting requests looked at per step for cache-aware ordering
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    """One request's share of a step: compute `token_ids` at positions start_pos.. using the pages
-    of `block_table` (which covers at least start_pos + len(token_ids) positions)."""
-
-    request_id: str
-    token_ids: list[int]
-    start_pos: int
-    block_table: list[int]
-    need_sample: bool  # the chunk ends at the last known token: sample the next one
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    num_output_tokens: int = 0  # tokens generated so far; with seed, makes sampling reproducible
-    logprobs: int | None = None
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    seqs: list[ScheduledSeq] = field(default_factory=list)
-    page_copies: list[tuple[int, int]] = field(default_factory=list)  # (src_page, dst_page), before compute
-    preempted: list[str] = field(default_factory=list)
-    # host tier moves, applied by the engine before the copies: swap_out reads the listed pages
-    # (already freed, so not reused before this step's compute), swap_in writes into new pages
-    swap_out: list[tuple[str, list[int]]] = field(default_factory=list)
-    swap_in: list[tuple[str, list[int]]] = field(default_factory=list)
-    # (page_id, payload) from the remote tier, written by the engine before the copies and compute
-    remote_loads: list[tuple[int, Any]] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
-
-
-class Sampled(Protocol):
-    token_id: int
-    logprob: float | None
-    top_logprobs: dict[int, float] | None
-
-
-class RemoteTier(Protocol):
-    def fetch(self, token_ids: list[int], namespace: str, start_page: int,
-              max_pages: int) -> list[Any]: ...
 
 
 @dataclass(slots=True)
@@ -87,15 +39,13 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, preemption_mode: str = "recompute",
-                 host_tier: HostTier | None = None, admission_age_bound_s: float = 10.0,
-                 remote: RemoteTier | None = None) -> None:
+                 admission_age_bound_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.manager = manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.preemption_mode = PreemptionMode(preemption_mode)
-        self.host_tier = host_tier
-        self.remote = remote  # pages below the pool (TierChain: host tier, Redis), asked once per admission
+        self.clock = clock  # admission aging; the simulator passes its virtual clock
         self.admission_age_bound_s = admission_age_bound_s
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the tail is preempted first
@@ -161,12 +111,13 @@ class Scheduler:
                 copies = self.manager.append(request.request_id, request.num_computed_tokens, end)
             if copies is None:
                 break  # the request preempted itself: nobody after it is left
-            out.page_copies.extend(copies)
+            out.page_ops.copies.extend(copies)
             out.seqs.append(self._seq(request, num_new))
             budget -= num_new
             index += 1
         if not preempted and not self.swapped:
             self._admit(out, budget)
+        out.page_ops.saves, out.page_ops.loads = self.manager.take_page_moves()
         return out
 
     def _chunk(self, request: Request, start: int, budget: int) -> int:
@@ -185,20 +136,16 @@ class Scheduler:
             if request.fork_children and hit.num_tokens >= request.num_prompt_tokens - 1:
                 keep = request.num_prompt_tokens - 2  # leave a token to compute before the fork
                 hit = PrefixHit(hit.pages[:-(-keep // self.manager.page_size)], keep)
-            hit, loads = self._remote_pages(request, hit, budget)
-            num_hit = hit.num_tokens
-            start = num_hit + len(loads) * self.manager.page_size
+            limit = request.num_tokens - (2 if request.fork_children else 1)  # as the cut above
+            hit = self.manager.extend_from_tiers(request.token_ids, request.namespace, hit, limit, budget)
+            start = hit.num_cached_tokens
             end = start + self._chunk(request, start, budget)
             copies = self.manager.allocate(request.request_id, request.token_ids, request.namespace,
                                            hit, end)
             if copies is None:
                 break  # not enough pages now; nobody behind it overtakes it
-            if loads and hit.num_tokens == num_hit:  # (a stale hit that shrank drops the loads)
-                pages = self.manager.commit_loaded(request.request_id, request.token_ids, len(loads))
-                out.remote_loads.extend(zip(pages, loads))
-            else:
-                start = hit.num_tokens
-            num_new = min(end - start, budget)  # allocate may have shrunk a stale hit
+            start = hit.num_cached_tokens  # allocate may have shrunk a stale hit
+            num_new = min(end - start, budget)
             self.waiting.remove(request)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = start
@@ -207,29 +154,9 @@ class Scheduler:
             request.num_computed_tokens = start
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.page_copies.extend(copies)
+            out.page_ops.copies.extend(copies)
             out.seqs.append(self._seq(request, num_new))
             budget -= num_new
-
-    def _remote_pages(self, request: Request, hit: PrefixHit, budget: int) -> tuple[PrefixHit, list]:
-        """Ask the remote tier for the full pages after the local hit (at most as many as surely fit
-        with this step's chunk, so the allocation after this query succeeds: one query per
-        admission). A partial local hit is cut to its page boundary if the tier has the page."""
-        if self.remote is None:
-            return hit, []
-        ps = self.manager.page_size
-        first = hit.num_tokens // ps
-        limit = request.num_tokens - (2 if request.fork_children else 1)  # as _admit cuts hits
-        free = self.manager.num_free_pages - len(hit.pages)
-        rest = -(-(request.num_tokens - first * ps) // ps)  # pages from the hit's boundary on
-        room = free if rest <= free else free - -(-budget // ps)  # loads + this step's chunk fit
-        max_pages = min(limit // ps - first, room)
-        if max_pages <= 0:
-            return hit, []
-        loads = self.remote.fetch(request.token_ids, request.namespace, first, max_pages)
-        if loads and hit.num_tokens % ps:
-            hit = PrefixHit(hit.pages[:first], first * ps)
-        return hit, loads
 
     def _fork(self, parent: Request) -> None:
         for child in parent.fork_children:
@@ -249,7 +176,7 @@ class Scheduler:
             for request in list(self.waiting):
                 yield request, self.manager.lookup(request.token_ids, request.namespace)
             return
-        now = time.monotonic()
+        now = self.clock()
         candidates = list(itertools.islice(self.waiting, ADMISSION_SCAN_LIMIT))
         hits = {r.request_id: self.manager.lookup(r.token_ids, r.namespace) for r in candidates}
 
@@ -269,45 +196,36 @@ class Scheduler:
         for other in self.running:
             if other.num_computed_tokens >= other.num_prompt_tokens or other.namespace != request.namespace:
                 continue  # only requests still computing their prompt will commit new prefix pages
-            common = _common_prefix_len(request.token_ids, other.prompt_token_ids)
+            common = common_prefix_len(request.token_ids, other.prompt_token_ids)
             if common - hit.num_tokens >= page_size:
                 return True
         return False
 
     def _seq(self, request: Request, num_new: int) -> ScheduledSeq:
         start = request.num_computed_tokens
-        params = request.sampling_params
         return ScheduledSeq(
             request_id=request.request_id,
             token_ids=request.token_ids[start:start + num_new],
             start_pos=start,
             block_table=self.manager.block_table(request.request_id),
             need_sample=start + num_new == request.num_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            seed=params.seed,
+            sampling_params=request.sampling_params,
             num_output_tokens=request.num_output_tokens,
-            logprobs=params.logprobs,
         )
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Swap the pages to the host tier when asked and there is room; otherwise recompute: drop the
         pages (full ones stay in the prefix cache) and requeue the request at the front."""
         self.running.remove(request)
-        table = self.manager.block_table(request.request_id)
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         out.preempted.append(request.request_id)
-        swap = (self.preemption_mode is PreemptionMode.SWAP and self.host_tier is not None
-                and not request.fork_children
-                and self.host_tier.reserve_swap(request.request_id, len(table)))
-        self.manager.free(request.request_id)
-        if swap:
-            out.swap_out.append((request.request_id, table))
+        if (self.preemption_mode is PreemptionMode.SWAP and not request.fork_children
+                and self.manager.swap_out(request.request_id)):
             request.status = RequestStatus.SWAPPED
             self.swapped.append(request)
             return
+        self.manager.free(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
@@ -317,19 +235,17 @@ class Scheduler:
         every running request's next token (so they are not swapped straight out again)."""
         while self.swapped and len(self.running) < self.max_num_seqs:
             request = self.swapped[0]
-            num_pages = len(self.host_tier.swapped[request.request_id])
+            num_pages = self.manager.num_swapped_pages(request.request_id)
             if self.manager.num_free_pages < num_pages + len(self.running) + 1:
                 return
-            pages = self.manager.allocate_pages(request.request_id, request.namespace, num_pages)
-            if pages is None:
+            if not self.manager.swap_in(request.request_id, request.namespace):
                 return
             self.swapped.popleft()
-            out.swap_in.append((request.request_id, pages))
             request.status = RequestStatus.RUNNING
             self.running.append(request)
 
     # -- results -------------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: list[Sampled | None], now: float) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: list[SampledToken | None], now: float) -> list[Request]:
         """Advance counters, append sampled tokens, apply length/EOS rules, free finished requests.
         Returns the requests that got a new token (finished ones included)."""
         changed: list[Request] = []
@@ -376,24 +292,17 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.SWAPPED:
             self.swapped.remove(request)
-            self.host_tier.drop_swap(request.request_id)
+            self.manager.drop_swap(request.request_id)
         elif request in self.waiting:
             self.waiting.remove(request)
         for child in request.fork_children:  # never forked: they end with their parent
             child.status = status
-            child.finish_time = time.monotonic() if now is None else now
+            child.finish_time = self.clock() if now is None else now
             self.requests.pop(child.request_id, None)
         request.fork_children = []
         if self.manager.has_seq(request.request_id):
             self.manager.free(request.request_id)
         request.status = status
-        request.finish_time = time.monotonic() if now is None else now
+        request.finish_time = self.clock() if now is None else now
         del self.requests[request.request_id]
 
-
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

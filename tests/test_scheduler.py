@@ -12,10 +12,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvserve.batch import PageOps, SchedulerOutput, StepResult
 from kvserve.cache.manager import KVCacheManager
+from kvserve.cache.offload import Offloader
 from kvserve.cache.tiers import HostTier
 from kvserve.request import Request, SamplingParams
-from kvserve.scheduler import Scheduler, SchedulerOutput
+from kvserve.scheduler import Scheduler
 
 VOCAB = 1000
 
@@ -36,14 +38,17 @@ class FakeRunner:
         self.page_size = page_size
         self.pages = [[-1] * page_size for _ in range(num_pages)]
 
-    def execute(self, out: SchedulerOutput, host: HostTier) -> list[FakeSample | None]:
-        for request_id, pages in out.swap_out:  # the engine's order: swap out, swap in, copies
-            host.fill_swap(request_id, [list(self.pages[p]) for p in pages])
-        for request_id, pages in out.swap_in:
-            for page, content in zip(pages, host.take_swap(request_id)):
-                self.pages[page] = list(content)
-        for src, dst in out.page_copies:
+    def apply_page_ops(self, ops: PageOps) -> list[list[int]]:
+        """The real runner's order: saves (read), loads, copies."""
+        saved = [list(self.pages[page]) for page, _ in ops.saves]
+        for page, content in ops.loads:
+            self.pages[page] = list(content)
+        for src, dst in ops.copies:
             self.pages[dst] = list(self.pages[src])
+        return saved
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        saved = self.apply_page_ops(out.page_ops)
         results: list[FakeSample | None] = []
         for seq in out.seqs:
             assert 0 not in seq.block_table, "the null page was handed out"
@@ -57,7 +62,19 @@ class FakeRunner:
             context = [self.pages[seq.block_table[p // self.page_size]][p % self.page_size]
                        for p in range(end)]
             results.append(FakeSample(next_token(context)))
-        return results
+        return StepResult(results, saved)
+
+
+def finish_step(scheduler: Scheduler, runner: FakeRunner, out: SchedulerOutput, now: float) -> None:
+    """The rest of an engine step after schedule(), as LLMEngine.step does it: execute (page moves
+    first), hand the saved payloads to the cache layer, update, flush the pages committed for a
+    shared tier."""
+    result = runner.execute(out)
+    scheduler.manager.complete(out.page_ops.saves, result.saved)
+    scheduler.update(out, result.sampled, now)
+    saves, loads = scheduler.manager.take_page_moves()
+    assert not loads, "update loads nothing"
+    scheduler.manager.complete(saves, runner.apply_page_ops(PageOps(saves)))
 
 
 @dataclass
@@ -81,10 +98,10 @@ def reference(prompt: list[int], max_tokens: int) -> list[int]:
 def run(prompts: list[list[int]], max_tokens: int, *, num_pages: int, page_size: int,
         policy: str, budget: int, max_num_seqs: int = 8, namespaces: list[str] | None = None,
         preemption_mode: str = "recompute", swap_pages: int = 64, n: int = 1):
-    manager = KVCacheManager(num_pages, page_size, policy)
     host = HostTier(capacity_bytes=swap_pages, page_bytes=1)
+    manager = KVCacheManager(num_pages, page_size, policy, offload=Offloader(page_size, host))
     scheduler = Scheduler(manager, max_num_seqs, budget, max_model_len=10_000,
-                          preemption_mode=preemption_mode, host_tier=host)
+                          preemption_mode=preemption_mode)
     runner = FakeRunner(num_pages, page_size)
     requests = []
     for i, prompt in enumerate(prompts):
@@ -100,7 +117,7 @@ def run(prompts: list[list[int]], max_tokens: int, *, num_pages: int, page_size:
         peak = max(peak, manager.num_used_pages)
         assert out.seqs, "no progress"
         assert out.num_tokens <= budget
-        scheduler.update(out, runner.execute(out, host), now=float(steps))
+        finish_step(scheduler, runner, out, now=float(steps))
         manager.check_invariants()
         steps += 1
         assert steps < 10_000
@@ -144,7 +161,7 @@ def test_swap_preemption_restores_pages_and_gives_the_reference():
     requests, _, scheduler = run(prompts, 40, num_pages=16, page_size=8, policy="off", budget=64,
                                  preemption_mode="swap")
     assert scheduler.stats.num_preemptions > 0
-    assert scheduler.host_tier.stats.swap_ins > 0
+    assert scheduler.manager.offload.host.stats.swap_ins > 0
     for request, prompt in zip(requests, prompts):
         assert request.output_token_ids == reference(prompt, 40)
 
@@ -153,7 +170,7 @@ def test_swap_space_full_falls_back_to_recompute():
     prompts = shared_prefix_prompts(6, 8, 8)
     requests, _, scheduler = run(prompts, 40, num_pages=16, page_size=8, policy="off", budget=64,
                                  preemption_mode="swap", swap_pages=0)
-    assert scheduler.stats.num_preemptions > 0 and scheduler.host_tier.stats.swap_outs == 0
+    assert scheduler.stats.num_preemptions > 0 and scheduler.manager.offload.host.stats.swap_outs == 0
     for request, prompt in zip(requests, prompts):
         assert request.output_token_ids == reference(prompt, 40)
 

@@ -1,4 +1,4 @@
-"""The scheduler with a remote tier, driven with no model (the fake runner of test_scheduler.py): two
+"""The scheduler with a shared tier, driven with no model (the fake runner of test_scheduler.py): two
 instances share pages through a dict keyed by page hash, as they do through Redis. Loaded pages must
 give the reference outputs, count as cached, and the tier is asked once per admission."""
 
@@ -10,26 +10,28 @@ from hypothesis import strategies as st
 
 from kvserve.cache.hashing import page_hashes
 from kvserve.cache.manager import KVCacheManager
+from kvserve.cache.offload import Offloader
 from kvserve.cache.tiers import HostTier
 from kvserve.request import Request, SamplingParams
-from kvserve.scheduler import Scheduler, SchedulerOutput
-from tests.test_scheduler import FakeRunner, reference, shared_prefix_prompts
+from kvserve.scheduler import Scheduler
+from tests.test_scheduler import FakeRunner, finish_step, reference, shared_prefix_prompts
 
 
 class DictRemote:
-    """A remote tier in a dict: page hash -> the page's content (token ids, as FakeRunner stores)."""
+    """A shared tier in a dict: page hash -> the page's content (token ids, as FakeRunner stores)."""
 
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
         self.pages: dict[bytes, list[int]] = {}
-        self.calls: list[tuple[tuple[int, ...], int, int]] = []  # (tokens, start_page, max_pages)
-        self.free_pages = None  # () -> the asking instance's free pages, to check max_pages
+        self.calls: list[tuple[tuple[int, ...], int, int]] = []  # (tokens, start_page, num_pages)
+        self.asked: list[list[bytes]] = []  # the hashes of each call
+        self.prompts: list[tuple[list[int], str]] = []  # (tokens, namespace) of requests sent, to name calls
+        self.free_pages = None  # () -> the asking instance's free pages, to check the query's size
 
-    def fetch(self, token_ids, namespace, start_page, max_pages):
-        self.calls.append((tuple(token_ids), start_page, max_pages))
-        assert self.free_pages is None or max_pages <= self.free_pages()
-        hashes = page_hashes(token_ids[:(start_page + max_pages) * self.page_size], self.page_size,
-                             namespace)[start_page:]
+    def get_pages(self, hashes: list[bytes]) -> list[list[int]]:
+        assert self.free_pages is None or len(hashes) <= self.free_pages()
+        self.calls.append(self._describe(hashes))
+        self.asked.append(list(hashes))
         found = []
         for h in hashes:
             if h not in self.pages:
@@ -37,12 +39,30 @@ class DictRemote:
             found.append(list(self.pages[h]))
         return found
 
+    def _describe(self, hashes: list[bytes]) -> tuple[tuple[int, ...], int, int]:
+        for tokens, namespace in reversed(self.prompts):
+            chain = page_hashes(tokens, self.page_size, namespace)
+            if hashes[0] in chain:
+                start = chain.index(hashes[0])
+                if chain[start:start + len(hashes)] == hashes:
+                    return tuple(tokens), start, len(hashes)
+        raise AssertionError("the tier was asked for pages of no request")
 
-class RemoteRunner(FakeRunner):
-    def execute(self, out: SchedulerOutput, host: HostTier):
-        for page, content in out.remote_loads:  # the engine writes loads before copies and compute
-            self.pages[page] = list(content)
-        return super().execute(out, host)
+    def is_known(self, page_hash: bytes) -> bool:
+        return page_hash in self.pages
+
+    def available(self) -> bool:
+        return True
+
+    def put_many(self, items) -> int:
+        for h, content in items:
+            self.pages.setdefault(h, list(content))
+        return len(items)
+
+    offer = put_many
+
+    def engine_stats(self) -> dict[str, int]:
+        return {}
 
 
 class Instance:
@@ -52,14 +72,16 @@ class Instance:
                  max_num_seqs: int = 8, preemption_mode: str = "recompute") -> None:
         ps = remote.page_size
         self.remote = remote
-        self.manager = KVCacheManager(num_pages, ps, policy)
         self.host = HostTier(capacity_bytes=64, page_bytes=1)
+        self.manager = KVCacheManager(num_pages, ps, policy,
+                                      offload=Offloader(ps, self.host, shared=remote, publish_sync=True))
         self.scheduler = Scheduler(self.manager, max_num_seqs, budget, max_model_len=10_000,
-                                   preemption_mode=preemption_mode, host_tier=self.host,
-                                   remote=remote)
-        self.runner = RemoteRunner(num_pages, ps)
-        self.committed: list[tuple[bytes, int]] = []
-        self.manager.on_commit = self.committed.extend
+                                   preemption_mode=preemption_mode)
+        self.runner = FakeRunner(num_pages, ps)
+
+    def add(self, request: Request) -> None:
+        self.remote.prompts.append((request.prompt_token_ids, request.namespace))
+        self.scheduler.add(request)
 
     def run(self, prompts: list[list[int]], max_tokens: int, n: int = 1) -> list[Request]:
         requests = []
@@ -67,20 +89,19 @@ class Instance:
             params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
             samples = [Request(f"r{i}#{k}", prompt, params) for k in range(n)]
             samples[0].fork_children = samples[1:]
-            self.scheduler.add(samples[0])
+            self.add(samples[0])
             requests.extend(samples)
         steps, calls_before = 0, len(self.remote.calls)
         self.remote.free_pages = lambda: self.manager.num_free_pages
         while self.scheduler.has_unfinished():
-            self.committed.clear()
             num_calls = len(self.remote.calls)
             out = self.scheduler.schedule()
             assert out.seqs, "no progress"
-            for tokens, _, _ in self.remote.calls[num_calls:]:  # asked only when admitting
-                assert any(tuple(r.token_ids) == tokens for r in self.scheduler.running)
-            self.scheduler.update(out, self.runner.execute(out, self.host), now=float(steps))
-            for h, page in self.committed:  # what the engine offers to Redis after the step
-                self.remote.pages.setdefault(h, list(self.runner.pages[page]))
+            for hashes in self.remote.asked[num_calls:]:  # asked only when admitting
+                assert any(_is_run_of(hashes, page_hashes(r.token_ids, self.remote.page_size,
+                                                          r.namespace))
+                           for r in self.scheduler.running)
+            finish_step(self.scheduler, self.runner, out, now=float(steps))
             self.manager.check_invariants()
             steps += 1
             assert steps < 10_000
@@ -89,6 +110,10 @@ class Instance:
         assert len(self.remote.calls) - calls_before <= admissions  # never per waiting step
         self.remote.free_pages = None
         return requests
+
+
+def _is_run_of(hashes: list[bytes], chain: list[bytes]) -> bool:
+    return hashes[0] in chain and chain[chain.index(hashes[0]):][:len(hashes)] == hashes
 
 
 def cacheable(num_tokens: int, page_size: int) -> int:
@@ -152,13 +177,9 @@ def test_namespaces_stay_apart_in_the_remote():
     prompt = list(range(1, 30))
     a = Instance(remote, num_pages=64)
     request = Request("r", prompt, SamplingParams(max_tokens=2, ignore_eos=True), namespace="t1")
-    a.scheduler.add(request)
+    a.add(request)
     while a.scheduler.has_unfinished():
-        a.committed.clear()
-        out = a.scheduler.schedule()
-        a.scheduler.update(out, a.runner.execute(out, a.host), now=0.0)
-        for h, page in a.committed:
-            remote.pages.setdefault(h, list(a.runner.pages[page]))
+        finish_step(a.scheduler, a.runner, a.scheduler.schedule(), now=0.0)
     (other,) = Instance(remote, num_pages=64).run([prompt], 2)  # namespace ""
     assert other.num_cached_tokens == 0
 

@@ -36,3 +36,19 @@ def page_hashes(token_ids: Sequence[int], page_size: int, namespace: str,
         parent = page_hash(parent, token_ids[page * page_size:(page + 1) * page_size], namespace)
         hashes.append(parent)
     return hashes
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def namespace(tenant: str, cache_salt: str | None) -> str:
+    """The prefix-cache namespace of a request: its tenant (API key's namespace) and its
+    `cache_salt`. Equal tokens in different namespaces never share pages."""
+    salt = cache_salt or ""
+    return f"{tenant}\x00{salt}" if tenant else salt

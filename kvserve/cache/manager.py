@@ -11,21 +11,26 @@ A sequence's life, as the scheduler drives it each step:
     ... the runner applies `copies` in order, then computes positions num_computed..end-1 ...
     commit(id, tokens, num_computed)              index the pages that are now full (radix may swap a
                                                   page for an identical cached one: re-read block_table)
-                                                  and tell `on_commit` (a shared tier) about them
     free(id)                                      pages back, tail first; cached ones stay reusable
+
+Pages below the pool (swap, offload, load-back, publish) are decided here too, through the
+Offloader: `extend_from_tiers` adds tier pages to a hit, `swap_out`/`swap_in` move a preempted
+sequence, evictions and commits are offered to the tiers. Each step's page moves are handed over by
+`take_page_moves()` and the payloads the runner read come back through `complete()`.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.cache.hashing import page_hash
+from kvserve.cache.offload import Offloader, SaveTarget
 from kvserve.cache.pages import NULL_PAGE, PagePool
 from kvserve.cache.prefix_hash import HashPrefixIndex
 from kvserve.cache.prefix_radix import RadixPrefixIndex
-from kvserve.config import ConfigError, PrefixCachePolicy
+from kvserve.config import CacheConfig, ConfigError, PrefixCachePolicy
 
 
 @dataclass(slots=True)
@@ -34,6 +39,16 @@ class PrefixHit:
     num_tokens: int = 0  # cached tokens; the scheduler sets num_computed_tokens = num_tokens
     # If num_tokens % page_size != 0 the LAST page is a partial hit: only its first
     # num_tokens % page_size tokens match; allocate() copies it into a fresh page instead of sharing it.
+    # Full pages after the pool's hit that tiers below the pool hold (the local hit then ends on a
+    # page boundary): their payloads are loaded into fresh pages instead of being computed.
+    loads: list[Any] = field(default_factory=list)
+    load_sources: list[str] = field(default_factory=list)  # "host" | "redis", one per load
+    num_loaded_tokens: int = 0
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens the request does not compute: the pool's hit plus the loaded pages."""
+        return self.num_tokens + self.num_loaded_tokens
 
 
 @dataclass(slots=True)
@@ -56,7 +71,7 @@ def _cdiv(a: int, b: int) -> int:
 class KVCacheManager:
     def __init__(self, num_pages: int, page_size: int,
                  policy: PrefixCachePolicy | str = PrefixCachePolicy.RADIX,
-                 partial_page_hits: bool = True) -> None:
+                 partial_page_hits: bool = True, offload: Offloader | None = None) -> None:
         if page_size < 1:
             raise ConfigError(f"page_size must be at least 1, got {page_size}")
         if num_pages < 2:
@@ -67,10 +82,7 @@ class KVCacheManager:
             raise ConfigError(f"prefix cache policy must be radix, hash or off, got {policy!r}") from None
         self.num_pages = num_pages
         self.page_size = page_size
-        # False for KV dtypes with per-page scales (int8/int4): a page's scale depends on all its
-        # tokens, so a copied partial page would carry the other request's tokens into this one's
-        # numbers; hits then end on a page boundary and the rest of that page is recomputed.
-        self.partial_page_hits = partial_page_hits
+        self.partial_page_hits = partial_page_hits  # see CacheConfig.partial_page_hits
         self.pool = PagePool(num_pages)
         self.index: HashPrefixIndex | RadixPrefixIndex | None = None
         if self.policy is PrefixCachePolicy.HASH:
@@ -80,14 +92,14 @@ class KVCacheManager:
         self._seqs: dict[str, _Seq] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        # called with the (page_hash, page_id) of the pages each commit indexes (the engine offers
-        # them to the Redis tier)
-        self.on_commit: Callable[[list[tuple[bytes, int]]], None] | None = None
-        # called with (page_hash, page_id) of each cached page evicted for reuse, before anything
-        # overwrites it (the engine offloads it to the host tier)
-        self.on_evict: Callable[[bytes, int], None] | None = None
+        self.offload = offload or Offloader(page_size)
         self._hash_of_cached: dict[int, bytes] = {}  # cached page -> its chained hash
         self.pool.on_evicted = self._evicted
+
+    @classmethod
+    def from_config(cls, config: CacheConfig, offload: Offloader | None = None) -> KVCacheManager:
+        return cls(config.num_pages, config.page_size, config.prefix_cache,
+                   partial_page_hits=config.partial_page_hits, offload=offload)
 
     # -- admission -----------------------------------------------------------------------------
     def lookup(self, token_ids: list[int], namespace: str = "") -> PrefixHit:
@@ -106,11 +118,12 @@ class KVCacheManager:
         """Admit a sequence whose first hit.num_tokens tokens are cached and cover `num_tokens`
         positions. Returns the (src, dst) page copies to apply before computing, or None with nothing
         changed when pages are short. The hit is re-checked against the index: if some of its pages
-        were evicted since lookup, `hit` is shrunk in place, so read hit.num_tokens afterwards."""
+        were evicted since lookup, `hit` is shrunk in place (and its tier loads dropped), so read
+        hit.num_cached_tokens afterwards. Tier loads are committed and queued as page moves."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already has pages")
-        if num_tokens <= hit.num_tokens:
-            raise ValueError(f"num_tokens ({num_tokens}) must exceed the hit ({hit.num_tokens} tokens)")
+        if num_tokens <= hit.num_cached_tokens:
+            raise ValueError(f"num_tokens ({num_tokens}) must exceed the hit ({hit.num_cached_tokens} tokens)")
         ps = self.page_size
         token_ids = list(token_ids)
         fresh = self.lookup(token_ids, namespace)
@@ -138,8 +151,42 @@ class KVCacheManager:
         self._seqs[seq_id] = seq
         self.prefix_cache_queries += len(token_ids)
         self.prefix_cache_hits += num_hit
+        if num_hit < hit.num_tokens:  # a stale hit: the loads no longer follow it
+            hit.loads, hit.load_sources, hit.num_loaded_tokens = [], [], 0
         hit.pages, hit.num_tokens = pages, num_hit
+        if hit.loads:
+            self._load_from_tiers(seq_id, token_ids, hit)
         return copies
+
+    def extend_from_tiers(self, token_ids: list[int], namespace: str, hit: PrefixHit,
+                          max_tokens: int, budget: int) -> PrefixHit:
+        """Add to a pool hit the full pages after it that the tiers hold, asked once per admission:
+        at most up to `max_tokens` and as many as surely fit with this step's chunk of `budget`
+        tokens, so the allocation that follows succeeds. A partial pool hit is cut to its page
+        boundary if the tiers have that page."""
+        if not self.offload.has_tiers or self.index is None:
+            return hit
+        ps = self.page_size
+        first = hit.num_tokens // ps
+        free = self.num_free_pages - len(hit.pages)
+        rest = _cdiv(len(token_ids) - first * ps, ps)  # pages from the hit's boundary on
+        room = free if rest <= free else free - _cdiv(budget, ps)  # loads + this step's chunk fit
+        found = self.offload.fetch(token_ids, namespace, first, min(max_tokens // ps - first, room))
+        if not found.payloads:
+            return hit
+        return PrefixHit(hit.pages[:first], first * ps, found.payloads, found.sources,
+                         len(found.payloads) * ps)
+
+    def _load_from_tiers(self, seq_id: str, token_ids: list[int], hit: PrefixHit) -> None:
+        """The sequence's pages after its pool hit get their K/V from the tiers: counted as hits,
+        committed, and queued as loads (the runner writes them before this step computes)."""
+        seq = self._seqs[seq_id]
+        start, num_pages = seq.num_committed_pages, len(hit.loads)
+        pages = seq.block_table[start:start + num_pages]
+        self.prefix_cache_hits += hit.num_loaded_tokens
+        # (radix may swap a page for an identical cached one here: then its load is just unused)
+        self.commit(seq_id, token_ids, (start + num_pages) * self.page_size)
+        self.offload.load(pages, hit.loads)
 
     # -- running -------------------------------------------------------------------------------
     def append(self, seq_id: str, num_computed_tokens: int, num_tokens: int) -> list[tuple[int, int]] | None:
@@ -189,22 +236,7 @@ class KVCacheManager:
                 self._hash_of_cached[page] = h
         seq.committed_token_ids.extend(token_ids[start * ps:end * ps])
         seq.num_committed_pages = end
-        if self.on_commit is not None and end > start:
-            self.on_commit(list(zip(seq.page_hashes[start:end], seq.block_table[start:end])))
-
-    def commit_loaded(self, seq_id: str, token_ids: list[int], num_pages: int) -> list[int]:
-        """Right after allocate: the sequence's next `num_pages` pages (after its cached ones) get
-        their K/V from a remote tier instead of being computed. Counts them as prefix-cache hits,
-        commits them, and returns the page ids to fill, in order (the engine writes them before
-        this step computes). The sequence has then computed (cached + loaded pages) * page_size tokens."""
-        seq = self._seq(seq_id)
-        start = seq.num_committed_pages
-        assert len(seq.block_table) >= start + num_pages, "allocate did not cover the loaded pages"
-        pages = seq.block_table[start:start + num_pages]
-        self.prefix_cache_hits += num_pages * self.page_size
-        # (radix may swap a page for an identical cached one here: then its fill is just unused)
-        self.commit(seq_id, token_ids, (start + num_pages) * self.page_size)
-        return pages
+        self.offload.committed(list(zip(seq.page_hashes[start:end], seq.block_table[start:end])))
 
     def _extend_hashes(self, seq: _Seq, token_ids: list[int], num_pages: int) -> None:
         ps = self.page_size
@@ -214,8 +246,8 @@ class KVCacheManager:
 
     def _evicted(self, page_id: int) -> None:
         page_hash_ = self._hash_of_cached.pop(page_id, None)
-        if page_hash_ is not None and self.on_evict is not None:
-            self.on_evict(page_hash_, page_id)
+        if page_hash_ is not None:
+            self.offload.evicted(page_hash_, page_id)
 
     def free(self, seq_id: str) -> None:
         """Release the sequence's pages, tail first, so its last pages are the first evicted."""
@@ -236,17 +268,49 @@ class KVCacheManager:
                                     parent.num_committed_pages, list(parent.page_hashes),
                                     list(parent.committed_token_ids))
 
+    # -- swap: a preempted sequence's pages to the host tier and back ---------------------------
+    def swap_out(self, seq_id: str) -> bool:
+        """Move the sequence's pages to the host tier (read before this step writes anything) and
+        free them. False, with nothing changed, when the host tier has no room."""
+        if not self.offload.swap_out(seq_id, self._seq(seq_id).block_table):
+            return False
+        self.free(seq_id)
+        return True
+
+    def num_swapped_pages(self, seq_id: str) -> int:
+        return self.offload.num_swapped_pages(seq_id)
+
+    def swap_in(self, seq_id: str, namespace: str) -> bool:
+        """Fresh pages for a swapped-out sequence, filled from the host tier before this step
+        computes; no prefix lookup, nothing counted (the pages are committed again as the sequence
+        goes on). False, with nothing changed, if pages are short."""
+        pages = self.allocate_pages(seq_id, namespace, self.offload.num_swapped_pages(seq_id))
+        if pages is None:
+            return False
+        self.offload.swap_in(seq_id, pages)
+        return True
+
     def allocate_pages(self, seq_id: str, namespace: str, num_pages: int) -> list[int] | None:
-        """Fresh pages for a sequence whose contents come from elsewhere (swap-in from the host tier):
-        no prefix lookup, nothing counted; the pages are committed again as the sequence goes on
-        (radix then swaps any whose content is cached for the cached page). None, with nothing
-        changed, if pages are short."""
+        """Fresh pages for a sequence whose contents come from elsewhere; None if pages are short."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already has pages")
         pages = self.pool.allocate(num_pages)
         if pages is not None:
             self._seqs[seq_id] = _Seq(namespace, list(pages))
         return pages
+
+    def drop_swap(self, seq_id: str) -> None:
+        self.offload.drop_swap(seq_id)
+
+    # -- page moves of the step ----------------------------------------------------------------
+    def take_page_moves(self) -> tuple[list[tuple[int, SaveTarget]], list[tuple[int, Any]]]:
+        """The saves and loads decided since the last call (see batch.PageOps)."""
+        return self.offload.take()
+
+    def complete(self, saves: list[tuple[int, SaveTarget]], payloads: list[Any]) -> None:
+        """The runner read `saves`: hand the payloads to the tiers."""
+        if saves:
+            self.offload.deliver(saves, payloads)
 
     def block_table(self, seq_id: str) -> list[int]:
         return list(self._seq(seq_id).block_table)
@@ -288,6 +352,7 @@ class KVCacheManager:
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
             "num_evictions": self.pool.num_evictions,
+            **self.offload.stats(),
         }
 
     def page_states(self) -> str:

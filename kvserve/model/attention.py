@@ -1,5 +1,6 @@
 """Paged attention on plain torch: write each step's K/V into cache slots, then attend over the
-pages of each sequence's block table. Decode tokens (one query each) are batched into one gather and
+pages of each sequence's block table. K/V go through the layer's codec (kv_quant.PagedKV: identity
+for float dtypes, quantize on write / dequantize on read for fp8, int8, int4), so there is one path. Decode tokens (one query each) are batched into one gather and
 one SDPA call; prefill chunks run one SDPA call per sequence with a causal mask offset.
 
 When the decode rows' block tables start with the same pages (a shared system prompt), those pages
@@ -19,20 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvserve.model.kv_quant import QuantizedKV, write_kv_pair
-
-
-# --- KV codec hook: identity for float caches (plain tensors); fp8/int8/int4 caches are
-# kv_quant.QuantizedKV objects, which quantize on write and dequantize on read. ------------------
-
-def quantize_kv(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """New K or V rows [N, kv_heads, head_dim] -> the cache's storage format."""
-    return x.to(cache.dtype)
-
-
-def dequantize_kv(stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Gathered cache pages [..., page_size, kv_heads, head_dim] -> compute dtype."""
-    return stored.to(dtype)
+from kvserve.model.kv_quant import PagedKV, write_kv_pair
 
 
 # --- per-step metadata --------------------------------------------------------------------------
@@ -128,31 +116,15 @@ class AttentionMetadata:
 
 # --- the two operations -------------------------------------------------------------------------
 
-def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Store k, v [T, kv_heads, head_dim] at their slots of the caches [pages, page_size, kv_heads, head_dim]."""
-    if isinstance(k_cache, QuantizedKV):
-        write_kv_pair(k_cache, v_cache, k, v, slot_mapping)
-        return
-    kvh, hd = k_cache.shape[-2:]
-    k_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, quantize_kv(k, k_cache))
-    v_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, quantize_kv(v, v_cache))
-
-
-def gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """cache [pages, page_size, kvh, hd], block_tables [B, P] -> [B, P * page_size, kvh, hd]."""
+def gather_pages(cache: PagedKV, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """block_tables [B, P] -> [B, P * page_size, kvh, hd] values; rotated as stored (a rotating
+    codec's queries and outputs are rotated to match in paged_attention)."""
     b, p = block_tables.shape
-    if isinstance(cache, QuantizedKV):
-        # rotated as stored: paged_attention rotates the queries and outputs to match
-        return cache.read(block_tables, dtype, rotated=True).view(b, p * cache.shape[1], *cache.shape[2:])
-    stored = cache.index_select(0, block_tables.reshape(-1))  # [B*P, page_size, kvh, hd]
-    return dequantize_kv(stored, dtype).view(b, p * cache.shape[1], *cache.shape[2:])
+    return cache.read(block_tables, dtype, rotated=True).view(b, p * cache.shape[1], *cache.shape[2:])
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: PagedKV, v_cache: PagedKV,
     meta: AttentionMetadata,
 ) -> torch.Tensor:
     """Write this step's k, v [T, kv_heads, head_dim] into their slots, then attend:
@@ -161,13 +133,12 @@ def paged_attention(
     kv_heads = k_cache.shape[2]
     group = num_heads // kv_heads  # query heads sharing one KV head (GQA)
     # per-page scales: each prefill query must see its own page as decode would (kv_quant.py)
-    page_scaled = isinstance(k_cache, QuantizedKV) and k_cache.page_scaled
     own_pages = [(k_cache.own_page_views(k[c.row:c.row + c.num_tokens], c.start_pos, c.block_table),
                   v_cache.own_page_views(v[c.row:c.row + c.num_tokens], c.start_pos, c.block_table))
-                 if page_scaled else None for c in meta.prefills]
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+                 if k_cache.page_scaled else None for c in meta.prefills]
+    write_kv_pair(k_cache, v_cache, k, v, meta.slot_mapping)
     # int KV is stored Hadamard-rotated (kv_quant.py): (Hq).(Hk) = q.k, and sum p (Hv) = H out
-    rotated = isinstance(k_cache, QuantizedKV) and k_cache.codec.rotates
+    rotated = k_cache.codec.rotates
     if rotated:
         q = k_cache.codec.rotate_rows(q)
     out = torch.empty_like(q)

@@ -1,16 +1,15 @@
 """KV cache codecs: how K and V rows are stored in their pages (quantize on write) and turned back
 into compute-dtype values when attention reads the pages (dequantize on read).
 
-One codec per `kv_cache_dtype`; the runner makes one `(data, scales)` pair per layer for K and one
-for V with `codec.make_cache`, attention calls `codec.write` and `codec.read`:
+One codec per `kv_cache_dtype` (float dtypes: a plain cast); attention writes and reads through it:
 
     data   [num_pages, page_size, num_kv_heads, head_dim]        fp32/fp16/bf16/fp8 elements, or int8
            [num_pages, page_size, num_kv_heads, head_dim // 2]   int4: two codes per uint8
     scales [num_pages, num_kv_heads] float32                     int8/int4: one scale per page per head
            [num_pages, 0]                                        float codecs: empty, zero bytes
 
-so page copies, swaps and tier transfers move `data[p]` and `scales[p]` alike, whatever the dtype,
-and `bytes_per_page` (data + scales of one page) is exactly `config.kv_bytes_per_page` per layer.
+so page moves carry `data[p]` and `scales[p]` alike, and `bytes_per_page` (data + scales of one page)
+is exactly `config.kv_bytes_per_page` per layer.
 
 fp8 (e4m3, e5m2) uses one per-tensor scale, a float fixed at start-up (1.0, or amax / fp8 max from a
 calibration pass); values beyond the fp8 range saturate instead of turning into NaN.
@@ -40,9 +39,8 @@ after it. In a decode step a query sees its own page holding the tokens up to it
 chunk the page already holds later tokens too. So that outputs do not depend on how a sequence was
 chunked (prefill, decode, recompute after preemption), attention gives each prefill query its own
 page as decode would have seen it (`causal_page_views`), and the earlier pages, which are full,
-as stored. A copy of a partly matching page would still carry another request's tokens into the
-scale, so the engine gives int8/int4 prefix hits whole pages only
-(KVCacheManager(partial_page_hits=False)). fp8 (elementwise) has none of this.
+as stored. A partly matching page would carry another request's tokens into the scale, so int8/int4
+prefix hits are whole pages (CacheConfig.partial_page_hits). fp8 (elementwise) has none of this.
 """
 
 from __future__ import annotations
@@ -53,6 +51,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvserve.config import KV_DTYPES, KVDtype
+from kvserve.model.hadamard import hadamard_rotate
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _FLOAT_STORAGE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -297,9 +296,9 @@ class IntCodec(KVCodec):
 
 
 @dataclass(slots=True)
-class QuantizedKV:
-    """One layer's K (or V) cache behind a codec, as attention sees it: `shape` is the logical
-    [num_pages, page_size, num_kv_heads, head_dim] whatever the storage."""
+class PagedKV:
+    """One layer's K (or V) cache behind its codec (identity for float dtypes), as attention sees
+    it: `shape` is the logical [num_pages, page_size, num_kv_heads, head_dim] whatever the storage."""
 
     codec: KVCodec
     data: torch.Tensor
@@ -343,7 +342,7 @@ class QuantizedKV:
         return self.codec.causal_page_views(rows, row_scales, page_size, lead)
 
 
-def write_kv_pair(k_cache: QuantizedKV, v_cache: QuantizedKV, k: torch.Tensor, v: torch.Tensor,
+def write_kv_pair(k_cache: PagedKV, v_cache: PagedKV, k: torch.Tensor, v: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
     """Write one layer's K and V rows. When the two caches are the halves of one tensor (the
     runner's [layers, 2, pages, ...] layout), one codec call covers both: V's page p is page
@@ -365,28 +364,6 @@ def _joined(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor | None:
             and second.storage_offset() == first.storage_offset() + first.numel()):
         return None
     return first.as_strided((2 * first.shape[0], *first.shape[1:]), first.stride(), first.storage_offset())
-
-
-def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
-    """x [..., hd] times the normalized Hadamard matrix H (block-diagonal, in blocks of the largest
-    power of two dividing hd). H is symmetric and orthogonal, so this is its own inverse and keeps
-    dot products: (H q) . (H k) = q . k. One matmul; its row results do not depend on how many rows
-    it gets (the token-by-token tests pin that down), so stored pages stay history-free."""
-    hd = x.shape[-1]
-    block = hd & -hd
-    if block < 2:
-        return x
-    h = _hadamard_matrix(block, x.device).to(x.dtype)
-    return (x.reshape(-1, block) @ h).view(x.shape)
-
-
-@functools.lru_cache(maxsize=16)
-def _hadamard_matrix(block: int, device: torch.device) -> torch.Tensor:
-    """The normalized block x block Hadamard matrix (Sylvester's construction): entries +-1/sqrt(block)."""
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < block:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h / block**0.5).float().to(device)
 
 
 def codec_for(kv_dtype: KVDtype | str, model_dtype: torch.dtype | str = torch.float32,

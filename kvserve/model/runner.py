@@ -1,5 +1,6 @@
-"""ModelRunner: owns the model and the paged KV tensors, and turns one SchedulerOutput into tokens:
-page copies -> flat batch tensors + attention metadata -> decoder -> logits for sampled rows -> sampler.
+"""ModelRunner: owns the model and the paged KV tensors, and turns one SchedulerOutput into a
+StepResult: page moves (saves, loads, copies) -> flat batch tensors + attention metadata -> decoder ->
+logits for sampled rows -> sampler.
 
 All layers' caches live in one tensor, so page copies and tier transfers are one indexing op:
 
@@ -7,9 +8,9 @@ All layers' caches live in one tensor, so page copies and tier transfers are one
     layer l uses kv[l, 0] as K cache and kv[l, 1] as V cache
 
 Quantized KV dtypes (fp8, int8, int4) store codes in `kv` (int4: head_dim / 2 bytes) plus
-`kv_scales[num_layers, 2, num_pages, n]` (int8/int4: n = num_kv_heads; fp8: n = 0), made by the
-codec of kvserve/model/kv_quant.py; each layer then gets QuantizedKV views that attention writes and
-reads through.
+`kv_scales[num_layers, 2, num_pages, n]` (int8/int4: n = num_kv_heads; float and fp8: n = 0), made by
+the codec of kvserve/model/kv_quant.py; each layer gets PagedKV views that attention writes and reads
+through, whatever the dtype. A page's payload for the tiers is its bytes: codes, then scales.
 """
 
 from __future__ import annotations
@@ -24,13 +25,12 @@ import torch
 from kvserve.config import CORPUS_PATH, KV_DTYPES, KVDtype
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.gguf_loader import LoadedModel
-from kvserve.model.kv_quant import QuantizedKV, codec_for, fp8_scale_for
+from kvserve.model.kv_quant import PagedKV, codec_for, fp8_scale_for
 from kvserve.model.llama import LlamaModel
-from kvserve.model.sampler import SampledToken, sample
-from kvserve.scheduler import SchedulerOutput
+from kvserve.batch import PageOps, SampledToken, SchedulerOutput, StepResult
+from kvserve.model.sampler import sample
 
 MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-FLOAT_KV_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SEQUENCE_CHUNK = 512  # forward_sequence's tokens per pass: bounds attention scores' memory
 CALIBRATION_TOKENS = 512  # corpus tokens of the fp8 calibration pass (--calculate-kv-scales)
 
@@ -67,22 +67,29 @@ class ModelRunner:
         self.codec = codec_for(kv_dtype, MODEL_DTYPES[dtype], fp8_scale=fp8_scale)
         self.kv, self.kv_scales = self.codec.make_cache(
             num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, self.device, num_layers=cfg.num_layers)
-        if kv_dtype.name in FLOAT_KV_DTYPES:  # plain tensors: attention casts them itself
-            self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
-        else:
-            self.kv_caches = [tuple(QuantizedKV(self.codec, self.kv[i, j], self.kv_scales[i, j])
-                                    for j in (0, 1)) for i in range(cfg.num_layers)]
+        self.kv_caches = [tuple(PagedKV(self.codec, self.kv[i, j], self.kv_scales[i, j]) for j in (0, 1))
+                          for i in range(cfg.num_layers)]
         # fp8 tensors have no index_copy_ kernel: page copies move their bytes
         self._kv_bytes = self.kv.view(torch.uint8) if self.kv.dtype in (
             torch.float8_e4m3fn, torch.float8_e5m2) else self.kv
 
-    def execute(self, out: SchedulerOutput) -> list[SampledToken | None]:
-        """Run one step; the result is aligned with out.seqs (None where need_sample is False)."""
-        if out.page_copies:
-            self.copy_pages(out.page_copies)
-        seqs = out.seqs
-        if not seqs:
-            return []
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Apply the step's page moves, then run its sequences; `sampled` is aligned with out.seqs
+        (None where need_sample is False)."""
+        saved = self.apply_page_ops(out.page_ops)
+        return StepResult(self._run(out.seqs) if out.seqs else [], saved)
+
+    def apply_page_ops(self, ops: PageOps) -> list[np.ndarray]:
+        """Saves (read first: nothing has written those pages yet), then loads, then copies.
+        Returns the saved pages' payloads, in order."""
+        saved = self.read_page_bytes([page for page, _ in ops.saves]) if ops.saves else []
+        if ops.loads:
+            self.write_page_bytes(ops.loads)
+        if ops.copies:
+            self.copy_pages(ops.copies)
+        return saved
+
+    def _run(self, seqs: list) -> list[SampledToken | None]:
         query_lens = [len(s.token_ids) for s in seqs]
         assert min(query_lens) > 0, "a scheduled sequence has no tokens"
         meta = AttentionMetadata.build(
@@ -115,45 +122,34 @@ class ModelRunner:
         self.kv_scales.index_copy_(2, dst, self.kv_scales.index_select(2, src))
 
     def read_pages(self, page_ids: list[int]) -> torch.Tensor:
-        """-> CPU tensor [n, num_layers, 2, page_size, kv_heads, head_dim]; row i holds page_ids[i]
-        (`out[i].numpy().tobytes()` is that page's bytes for a host or Redis tier). Quantized KV
-        dtypes: uint8 [n, page_bytes], each row the page's codes then its scales."""
+        """-> CPU uint8 tensor [n, page_bytes]; row i holds page page_ids[i] across all layers, K and
+        V: its codes, then its scales (none for float dtypes)."""
         ids = torch.tensor(page_ids, dtype=torch.int64, device=self.device)
-        data = self._kv_bytes.index_select(2, ids).movedim(2, 0).contiguous().cpu()
-        if self.kv_dtype.name in FLOAT_KV_DTYPES:
-            return data
-        scales = self.kv_scales.index_select(2, ids).movedim(2, 0).contiguous().cpu()
         n = len(page_ids)
+        data = self._kv_bytes.index_select(2, ids).movedim(2, 0).contiguous().cpu()
+        scales = self.kv_scales.index_select(2, ids).movedim(2, 0).contiguous().cpu()
         return torch.cat([data.view(torch.uint8).reshape(n, -1), scales.view(torch.uint8).reshape(n, -1)], 1)
 
     def write_pages(self, page_ids: list[int], data: torch.Tensor) -> None:
-        """Inverse of read_pages: data [n, num_layers, 2, page_size, kv_heads, head_dim]."""
+        """Inverse of read_pages: data uint8 [n, page_bytes]."""
         ids = torch.tensor(page_ids, dtype=torch.int64, device=self.device)
-        if self.kv_dtype.name in FLOAT_KV_DTYPES:
-            self.kv.index_copy_(2, ids, data.to(self.device, self.kv.dtype).movedim(0, 2))
-            return
         n, split = len(page_ids), self.kv[:, :, 0].nbytes
-        codes = data[:, :split].reshape(n, *self._kv_bytes[:, :, 0].shape).view(self._kv_bytes.dtype)
+        codes = data[:, :split].contiguous().view(self._kv_bytes.dtype).reshape(n, *self._kv_bytes[:, :, 0].shape)
         scales = data[:, split:].contiguous().view(torch.float32).reshape(n, *self.kv_scales[:, :, 0].shape)
         self._kv_bytes.index_copy_(2, ids, codes.to(self.device).movedim(0, 2))
         self.kv_scales.index_copy_(2, ids, scales.to(self.device).movedim(0, 2))
 
     def read_page_bytes(self, page_ids: list[int]) -> list[np.ndarray]:
-        """Each page's K/V (all layers, scales included) as a flat uint8 array of page_bytes, for
-        the host and Redis tiers. The arrays are views of one fresh buffer: later steps cannot
-        change them."""
-        data = self.read_pages(page_ids)
-        return list(data.reshape(len(page_ids), -1).view(torch.uint8).numpy())
+        """Each page's bytes (read_pages) as a flat uint8 array, for the host and Redis tiers. The
+        arrays are views of one fresh buffer: later steps cannot change them."""
+        return list(self.read_pages(page_ids).numpy())
 
     def write_page_bytes(self, loads: list[tuple[int, Any]]) -> None:
         """Inverse of read_page_bytes: (page_id, bytes-like payload) pairs into the KV cache."""
         buf = np.empty((len(loads), self.page_bytes), np.uint8)
         for row, (_, payload) in zip(buf, loads):
             row[:] = np.frombuffer(payload, np.uint8)
-        data = torch.from_numpy(buf)  # quantized dtypes: codes then scales, as read_pages gives them
-        if self.kv_dtype.name in FLOAT_KV_DTYPES:
-            data = data.view(self.kv.dtype).view(len(loads), *self.kv.shape[:2], *self.kv.shape[3:])
-        self.write_pages([page for page, _ in loads], data)
+        self.write_pages([page for page, _ in loads], torch.from_numpy(buf))
 
     @classmethod
     def for_one_sequence(cls, loaded: LoadedModel, kv_dtype: str, num_tokens: int, page_size: int,

@@ -6,20 +6,12 @@ recomputing a preempted request gives the same tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from kvserve.scheduler import ScheduledSeq
+from kvserve.batch import SampledToken, ScheduledSeq
 
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads consecutive token counts over the seed space
-
-
-@dataclass(slots=True)
-class SampledToken:
-    token_id: int
-    logprob: float | None = None  # log-softmax of the raw logits at the chosen token
-    top_logprobs: dict[int, float] | None = None  # the `logprobs` most likely alternatives
 
 
 def _generator(seed: int, num_output_tokens: int, device: torch.device) -> torch.Generator:
@@ -49,37 +41,38 @@ def sample(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> list[SampledTo
     """logits [N, V] float32, one row per sequence in `seqs` -> one SampledToken per row."""
     n, device = logits.shape[0], logits.device
     chosen = logits.argmax(dim=-1)  # [N] greedy for every row; sampled rows overwrite below
+    params = [s.sampling_params for s in seqs]
 
-    rows = [i for i, s in enumerate(seqs) if s.temperature > 0]
+    rows = [i for i, p in enumerate(params) if p.temperature > 0]
     if rows:
         idx = torch.tensor(rows, device=device)
-        temps = torch.tensor([seqs[i].temperature for i in rows], device=device)
+        temps = torch.tensor([params[i].temperature for i in rows], device=device)
         scaled = logits.index_select(0, idx) / temps[:, None]  # [R, V]
-        if any(seqs[i].top_k > 0 or seqs[i].top_p < 1.0 for i in rows):
-            top_k = torch.tensor([seqs[i].top_k for i in rows], device=device)
-            top_p = torch.tensor([seqs[i].top_p for i in rows], device=device, dtype=scaled.dtype)
+        if any(params[i].top_k > 0 or params[i].top_p < 1.0 for i in rows):
+            top_k = torch.tensor([params[i].top_k for i in rows], device=device)
+            top_p = torch.tensor([params[i].top_p for i in rows], device=device, dtype=scaled.dtype)
             scaled = _filter(scaled, top_k, top_p)
         probs = scaled.softmax(dim=-1)
         # exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one draw per row
         noise = torch.empty_like(probs).exponential_()
         for r, i in enumerate(rows):
-            if seqs[i].seed is not None:
-                g = _generator(seqs[i].seed, seqs[i].num_output_tokens, device)
+            if params[i].seed is not None:
+                g = _generator(params[i].seed, seqs[i].num_output_tokens, device)
                 noise[r].exponential_(generator=g)
         chosen[idx] = (probs / noise.clamp_min_(1e-30)).argmax(dim=-1)  # no 0/0 on masked tokens
 
     chosen_list = chosen.tolist()
     out = [SampledToken(t) for t in chosen_list]
-    want = [i for i, s in enumerate(seqs) if s.logprobs is not None]
+    want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if want:
         idx = torch.tensor(want, device=device)
         logp = torch.log_softmax(logits.index_select(0, idx).float(), dim=-1)  # [W, V]
         picked = logp.gather(1, chosen[idx][:, None])[:, 0].tolist()
-        k = max(seqs[i].logprobs for i in want)
+        k = max(params[i].logprobs for i in want)
         top_vals, top_ids = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
         top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
         for r, i in enumerate(want):
-            kk = seqs[i].logprobs
+            kk = params[i].logprobs
             out[i].logprob = picked[r]
             out[i].top_logprobs = dict(zip(top_ids[r][:kk], top_vals[r][:kk]))
     assert len(out) == n

@@ -23,7 +23,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from kvserve import server as server_cli
 from kvserve.async_engine import AsyncEngine
 from kvserve.engine import LLMEngine
 from kvserve.metrics import CONTENT_TYPE, EngineMetrics, hit_rate
@@ -214,4 +213,3 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-add_serve_arguments, main_serve = server_cli.add_serve_arguments, server_cli.main_serve

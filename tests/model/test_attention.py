@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from kvserve.model.attention import AttentionMetadata, paged_attention, write_kv
+from kvserve.model.attention import AttentionMetadata, paged_attention
+from kvserve.model.kv_quant import PagedKV, codec_for, write_kv_pair
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 16
 
@@ -33,8 +34,9 @@ def test_mixed_batch_matches_dense_attention(page_size):
     num_pages = 1 + sum(-(-(c + n) // page_size) for c, n in shapes)
     pages = list(range(1, num_pages))
     random.Random(page_size).shuffle(pages)
-    k_cache = torch.zeros(num_pages, page_size, KV_HEADS, HEAD_DIM)
-    v_cache = torch.zeros_like(k_cache)
+    codec = codec_for("fp32")
+    k_cache, v_cache = (PagedKV(codec, *codec.make_cache(num_pages, page_size, KV_HEADS, HEAD_DIM))
+                        for _ in range(2))
 
     seqs, block_tables = [], []
     for cached, new in shapes:
@@ -45,7 +47,7 @@ def test_mixed_batch_matches_dense_attention(page_size):
         bt = [pages.pop() for _ in range(-(-total // page_size))]
         if cached:  # the earlier context is already in the cache
             meta = AttentionMetadata.build([0], [cached], [bt], page_size)
-            write_kv(k_cache, v_cache, k[:cached], v[:cached], meta.slot_mapping)
+            write_kv_pair(k_cache, v_cache, k[:cached], v[:cached], meta.slot_mapping)
         seqs.append((q, k, v, cached))
         block_tables.append(bt + [0] * 2)  # tables may be longer than needed
 
@@ -75,7 +77,6 @@ def test_outputs_do_not_depend_on_chunking(kv_dtype, page_size):
     token at a time gives the same outputs with every KV dtype. int8/int4 pages share a scale that
     later tokens raise; each prefill query must see its own page as decode saw it, or recompute
     after preemption would not reproduce what decode computed."""
-    from kvserve.model.kv_quant import QuantizedKV, codec_for
 
     gen = torch.Generator().manual_seed(page_size)
     n = 45
@@ -89,8 +90,7 @@ def test_outputs_do_not_depend_on_chunking(kv_dtype, page_size):
 
     def run(chunks: list[int]) -> torch.Tensor:
         (kd, ks), (vd, vs) = (codec.make_cache(pages + 1, page_size, KV_HEADS, HEAD_DIM) for _ in "kv")
-        k_cache = kd if kv_dtype == "fp32" else QuantizedKV(codec, kd, ks)
-        v_cache = vd if kv_dtype == "fp32" else QuantizedKV(codec, vd, vs)
+        k_cache, v_cache = PagedKV(codec, kd, ks), PagedKV(codec, vd, vs)
         outs, start = [], 0
         for size in chunks:
             meta = AttentionMetadata.build([start], [size], [block_table], page_size)
@@ -115,8 +115,9 @@ def test_decode_rows_sharing_leading_pages_match_dense_attention(page_size):
     total_pages = 64 + sum(-(-(shared_len + s + 1) // page_size) for s in suffixes)
     pages = list(range(1, total_pages))
     random.Random(page_size).shuffle(pages)
-    k_cache = torch.zeros(total_pages, page_size, KV_HEADS, HEAD_DIM)
-    v_cache = torch.zeros_like(k_cache)
+    codec = codec_for("fp32")
+    k_cache, v_cache = (PagedKV(codec, *codec.make_cache(total_pages, page_size, KV_HEADS, HEAD_DIM))
+                        for _ in range(2))
     prefix_k = torch.randn(shared_len, KV_HEADS, HEAD_DIM, generator=gen)
     prefix_v = torch.randn(shared_len, KV_HEADS, HEAD_DIM, generator=gen)
     shared_pages = [pages.pop() for _ in range(shared_len // page_size)]  # full pages only are shared

@@ -13,7 +13,7 @@ import torch
 from kvserve.config import KV_DTYPES
 from kvserve.model.gguf_loader import bundled_model_path, load_gguf
 from kvserve.model.runner import ModelRunner
-from kvserve.scheduler import ScheduledSeq, SchedulerOutput
+from kvserve.batch import PageOps, ScheduledSeq, SchedulerOutput, StepResult
 
 NEW_TOKENS = 48
 CHUNK = 256
@@ -59,7 +59,7 @@ def generate(runner: ModelRunner, prompts: list[list[int]], batched: bool, seed:
                 "r", s.tokens[s.num_computed:end], s.num_computed, list(s.block_table),
                 need_sample=end == len(s.tokens),
             )))
-        results = runner.execute(SchedulerOutput([sch for _, sch in scheduled]))
+        results = runner.execute(SchedulerOutput([sch for _, sch in scheduled])).sampled
         for (s, sch), sampled in zip(scheduled, results):
             s.num_computed += len(sch.token_ids)
             assert (sampled is not None) == sch.need_sample
@@ -142,9 +142,9 @@ def test_copy_pages_copies_every_layer_k_and_v(loaded):
 def test_read_write_pages_round_trip(loaded):
     runner = small_runner(loaded)
     data = runner.read_pages([3, 1])
-    assert data.shape == (2, 30, 2, 4, 3, 64)
-    assert torch.equal(data[0, 7, 1], runner.kv_caches[7][1][3])  # layer 7, V, page 3
-    assert data[0].numpy().nbytes == runner.page_bytes == 2 * 30 * 4 * 3 * 64 * 4
+    assert data.shape == (2, runner.page_bytes) and runner.page_bytes == 2 * 30 * 4 * 3 * 64 * 4
+    as_floats = data.view(torch.float32).view(2, 30, 2, 4, 3, 64)
+    assert torch.equal(as_floats[0, 7, 1], runner.kv_caches[7][1].data[3])  # layer 7, V, page 3
     runner.write_pages([5, 2], data)
     assert torch.equal(runner.kv[:, :, 5], runner.kv[:, :, 3]) and torch.equal(runner.kv[:, :, 2], runner.kv[:, :, 1])
 
@@ -159,5 +159,5 @@ def test_page_copies_apply_before_compute(loaded):
     """A step whose only work is a page copy still copies; a step with sequences sees the copy."""
     runner = small_runner(loaded)
     before = runner.kv.clone()
-    assert runner.execute(SchedulerOutput([], page_copies=[(1, 2)])) == []
+    assert runner.execute(SchedulerOutput([], PageOps(copies=[(1, 2)]))) == StepResult()
     assert torch.equal(runner.kv[:, :, 2], before[:, :, 1])

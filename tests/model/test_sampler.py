@@ -7,12 +7,13 @@ import math
 
 import torch
 
+from kvserve.batch import ScheduledSeq
 from kvserve.model.sampler import sample
-from kvserve.scheduler import ScheduledSeq
+from kvserve.request import SamplingParams
 
 
-def seq(**kw) -> ScheduledSeq:
-    return ScheduledSeq("r", [0], 0, [1], True, **kw)
+def seq(num_output_tokens: int = 0, **params) -> ScheduledSeq:
+    return ScheduledSeq("r", [0], 0, [1], True, SamplingParams(**params), num_output_tokens)
 
 
 def logits_rows(n: int = 4, vocab: int = 100, seed: int = 0) -> torch.Tensor:

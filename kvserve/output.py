@@ -1,0 +1,74 @@
+"""OutputProcessor: turns the engine's Requests into RequestOutputs. It groups the n samples of one
+user request, cuts text at stop strings (which need detokenized text, so the scheduler cannot apply
+them) and detokenizes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvserve.request import CompletionOutput, Request, RequestMetrics, RequestOutput
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._prompts: dict[str, str | None] = {}  # request id -> prompt text (None: token ids)
+        self._stop_text: dict[str, str] = {}  # sample id -> output text cut at its stop string
+        self._groups: dict[str, list[Request]] = {}  # request id -> its n samples (n > 1), in order
+        self._group_of: dict[str, str] = {}  # sample id -> request id
+
+    def add(self, request_id: str, prompt: str | None, samples: list[Request]) -> None:
+        self._prompts[request_id] = prompt
+        if len(samples) > 1:
+            self._groups[request_id] = samples
+            self._group_of.update((s.request_id, request_id) for s in samples)
+
+    def is_known(self, request_id: str) -> bool:
+        return request_id in self._groups
+
+    def samples(self, request_id: str) -> list[Request] | None:
+        """The n samples of a request with n > 1; None otherwise."""
+        return self._groups.get(request_id)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def hits_stop_string(self, request: Request) -> bool:
+        """True (and the text is cut there) when the output contains one of the request's stop strings."""
+        text = self.decode(request.output_token_ids)
+        cuts = [text.find(s) for s in request.sampling_params.stop or [] if s and s in text]
+        if cuts:
+            self._stop_text[request.request_id] = text[:min(cuts)]
+        return bool(cuts)
+
+    def output(self, request: Request) -> RequestOutput:
+        """The RequestOutput of the user's request this sample belongs to (all n samples). The
+        group's bookkeeping is dropped once every sample finished."""
+        group_id = self._group_of.get(request.request_id)
+        samples = self._groups[group_id] if group_id else [request]
+        first = samples[0]
+        finished = all(s.status.is_finished for s in samples)
+        completions = [self._completion(i, s, finished) for i, s in enumerate(samples)]
+        rid = first.request_id
+        prompt = self._prompts.pop(rid, None) if finished else self._prompts.get(rid)
+        if finished and group_id:
+            del self._groups[group_id]
+            for s in samples:
+                self._group_of.pop(s.request_id, None)
+        first_token = min((s.first_token_time for s in samples if s.first_token_time), default=None)
+        last = max((s.finish_time or 0.0 for s in samples), default=None) if finished else None
+        return RequestOutput(
+            request_id=rid, prompt=prompt, prompt_token_ids=first.prompt_token_ids,
+            outputs=completions, finished=finished, num_cached_tokens=first.num_cached_tokens,
+            metrics=RequestMetrics(first.arrival_time, first_token, last))
+
+    def _completion(self, index: int, request: Request, group_finished: bool) -> CompletionOutput:
+        done = request.status.is_finished
+        text = (self._stop_text.pop(request.request_id, None) if group_finished
+                else self._stop_text.get(request.request_id))
+        if text is None:
+            text = self.decode(request.output_token_ids)
+        return CompletionOutput(
+            index=index, token_ids=list(request.output_token_ids), text=text,
+            finish_reason=request.status.value if done else None,
+            logprobs=list(request.logprobs) if request.sampling_params.logprobs is not None else None)

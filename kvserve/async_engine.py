@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from kvserve.engine import LLMEngine, Prompt
-from kvserve.request import RequestOutput, SamplingParams
+from kvserve.request import CacheLease, RequestOutput, SamplingParams
 
 log = logging.getLogger("kvserve.async_engine")
 
@@ -91,13 +91,16 @@ class AsyncEngine:
 
     # -- requests ------------------------------------------------------------------------------
     async def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                          request_id: str | None = None, namespace: str = "") -> RequestStream:
+                          request_id: str | None = None, namespace: str = "",
+                          leases: list[CacheLease] | None = None) -> RequestStream:
         """Queue a request; raises the engine's ValueError for bad input. Iterate the returned
-        stream for outputs; `abort(stream.request_id)` if you stop before it finishes."""
-        return (await self.add_requests([(prompt, params, request_id)], namespace))[0]
+        stream for outputs; `abort(stream.request_id)` if you stop before it finishes. `leases`:
+        cache breakpoints (granted when the prompt is computed; see RequestOutput.lease_usage)."""
+        return (await self.add_requests([(prompt, params, request_id)], namespace, leases))[0]
 
     async def add_requests(self, items: list[tuple[Prompt, SamplingParams | None, str | None]],
-                           namespace: str = "") -> list[RequestStream]:
+                           namespace: str = "", leases: list[CacheLease] | None = None
+                           ) -> list[RequestStream]:
         """Queue several requests in one trip to the engine thread, all or none: if one is bad,
         none stays queued and its ValueError is raised."""
         if not self.is_running:
@@ -110,7 +113,7 @@ class AsyncEngine:
             try:
                 for (prompt, params, _), stream in zip(items, streams):
                     self.engine.add_request(prompt, params, request_id=stream.request_id,
-                                            tenant=namespace)
+                                            tenant=namespace, leases=leases)
                     added.append(stream.request_id)
             except Exception:
                 for request_id in added:

@@ -121,6 +121,7 @@ class CacheConfig:
     num_pages: int  # including the reserved null page 0
     kv_dtype: KVDtype
     prefix_cache: PrefixCachePolicy = PrefixCachePolicy.RADIX
+    max_leased_fraction: float = 0.5  # of the pool's pages, at most, held by cache leases
 
     @property
     def partial_page_hits(self) -> bool:
@@ -148,6 +149,9 @@ class EngineConfig:
     redis_url: str | None = None
     calculate_kv_scales: bool = False  # fp8 KV: per-tensor scale from a start-up calibration pass
     role: str = "both"  # both | prefill (compute prompts, publish their pages) | decode
+    min_cacheable_tokens: int = 1024  # cache breakpoints on shorter prefixes get no lease
+    max_leased_fraction: float = 0.5
+    lease_ttl_scale: float = 1.0  # multiplies lease TTLs (tests scale 5 minutes down to seconds)
 
     def __post_init__(self) -> None:
         if not (1 <= self.page_size <= 256) or self.page_size & (self.page_size - 1):
@@ -171,6 +175,10 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"--max-model-len must be at least 1, got {self.max_model_len}")
+        if not 0.0 <= self.max_leased_fraction <= 0.9:
+            raise ConfigError(f"--max-leased-fraction must be in [0, 0.9], got {self.max_leased_fraction}")
+        if self.min_cacheable_tokens < 0 or self.lease_ttl_scale <= 0:
+            raise ConfigError("--min-cacheable-tokens must be >= 0 and --lease-ttl-scale > 0")
         if self.role not in ("both", "prefill", "decode"):
             raise ConfigError(f"--role must be both, prefill or decode, got {self.role!r}")
         if self.role != "both" and not self.redis_url:
@@ -229,5 +237,6 @@ def plan_cache(config: EngineConfig, model: ModelConfig) -> tuple[CacheConfig, i
         raise ConfigError(capacity_error_message(max_model_len, pool_tokens, memory,
                                                  page_bytes / config.page_size))
     cache = CacheConfig(page_size=config.page_size, num_pages=num_pages, kv_dtype=kv_dtype,
-                        prefix_cache=PrefixCachePolicy(config.prefix_cache))
+                        prefix_cache=PrefixCachePolicy(config.prefix_cache),
+                        max_leased_fraction=config.max_leased_fraction)
     return cache, max_model_len

@@ -25,10 +25,11 @@ from kvserve.cache.offload import Offloader
 from kvserve.cache.redis_tier import RedisTier
 from kvserve.cache.tiers import HostTier
 from kvserve.config import MODEL_DTYPE_TO_KV, EngineConfig, PrefixCachePolicy, parse_bytes, plan_cache
+from kvserve.lease_usage import grant_leases
 from kvserve.model.gguf_loader import apply_chat_template, load_gguf, resolve_model_path
 from kvserve.model.runner import ModelRunner, calibrate_fp8_scale
 from kvserve.output import OutputProcessor
-from kvserve.request import Request, RequestOutput, RequestStatus, SamplingParams
+from kvserve.request import CacheLease, LeaseInfo, Request, RequestOutput, RequestStatus, SamplingParams
 from kvserve.scheduler import Scheduler
 
 Prompt = str | dict[str, Any] | list[int]
@@ -92,7 +93,8 @@ class LLMEngine:
         return apply_chat_template(self.loaded.chat_template, messages, add_generation_prompt=True)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, tenant: str = "") -> str:
+                    request_id: str | None = None, tenant: str = "",
+                    leases: list[CacheLease] | None = None) -> str:
         """Validate and queue one request. Bad input raises ValueError; nothing is queued then."""
         params = params or SamplingParams()
         params.validate()
@@ -108,10 +110,12 @@ class LLMEngine:
         samples = [
             Request(request_id=request_id if i == 0 else f"{request_id}#{i}", prompt_token_ids=token_ids,
                     sampling_params=replace(params, seed=None if params.seed is None else params.seed + i),
-                    eos_token_id=self.loaded.eos_token_id, namespace=namespace(tenant, params.cache_salt))
+                    eos_token_id=self.loaded.eos_token_id, namespace=namespace(tenant, params.cache_salt),
+                    tenant=tenant)
             for i in range(params.n)]
         request = samples[0]
         request.fork_children = samples[1:]
+        request.leases = list(leases or [])
         self.outputs.add(request_id, text, samples)
         self.scheduler.add(request)
         return request_id
@@ -143,6 +147,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
+        self.manager.expire_leases()
         out = self.scheduler.schedule()
         if not out.seqs:
             if self.scheduler.has_unfinished() and not self.scheduler.running:
@@ -153,6 +158,10 @@ class LLMEngine:
         self.manager.complete(out.page_ops.saves, result.saved)
         now = time.monotonic()
         changed = self.scheduler.update(out, result.sampled, now)
+        for request in changed:  # the prompt is computed and committed: its breakpoints can lease
+            if request.leases and request.lease_usage is None:
+                request.lease_usage = grant_leases(self.manager, request, self.config.min_cacheable_tokens,
+                                                   self.config.lease_ttl_scale)
         self._flush_page_moves()
         for request in changed:
             if request.sampling_params.stop and not request.status.is_finished:
@@ -178,7 +187,25 @@ class LLMEngine:
     def decode(self, token_ids: list[int]) -> str:
         return self.outputs.decode(token_ids)
 
+    # -- leases by id (named caches) -----------------------------------------------------------
+    def lease_info(self, tenant: str, lease_id: str) -> LeaseInfo | None:
+        lease = self.manager.leases.leases.get(lease_id)
+        if lease is None or lease.owner != tenant:
+            return None
+        return LeaseInfo(lease.lease_id, lease.num_tokens,
+                         time.time() + lease.expires_at - self.manager.clock())
+
+    def extend_lease(self, tenant: str, lease_id: str, ttl_s: float) -> LeaseInfo | None:
+        if self.lease_info(tenant, lease_id) is None:
+            return None
+        self.manager.leases.extend(lease_id, ttl_s * self.config.lease_ttl_scale, self.manager.clock())
+        return self.lease_info(tenant, lease_id)
+
+    def release_lease(self, tenant: str, lease_id: str) -> bool:
+        return self.lease_info(tenant, lease_id) is not None and self.manager.leases.release(lease_id)
+
     def stats(self) -> dict[str, Any]:
+        self.manager.expire_leases()  # (idle servers publish stats: expiries show without traffic)
         stats = self.manager.stats()
         sched = self.scheduler.stats
         stats.update(

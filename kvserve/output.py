@@ -60,7 +60,7 @@ class OutputProcessor:
         return RequestOutput(
             request_id=rid, prompt=prompt, prompt_token_ids=first.prompt_token_ids,
             outputs=completions, finished=finished, num_cached_tokens=first.num_cached_tokens,
-            metrics=RequestMetrics(first.arrival_time, first_token, last))
+            metrics=RequestMetrics(first.arrival_time, first_token, last), lease_usage=first.lease_usage)
 
     def _completion(self, index: int, request: Request, group_finished: bool) -> CompletionOutput:
         done = request.status.is_finished

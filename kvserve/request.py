@@ -62,6 +62,33 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass(slots=True)
+class CacheLease:
+    """A cache breakpoint (Anthropic's `cache_control`, `kv_retention`, a named cache): keep the
+    prompt's first `num_tokens` cached for `ttl_s` seconds after its last read."""
+
+    num_tokens: int
+    ttl_s: float
+    label: str = "5m"  # "5m" | "1h": how usage reports the tokens it wrote
+
+
+@dataclass(slots=True)
+class LeaseUsage:
+    """What a request's breakpoints did, in Anthropic's terms."""
+
+    cache_read_tokens: int = 0  # cached tokens up to the last breakpoint that could be cached
+    cache_creation_tokens: dict[str, int] = field(default_factory=dict)  # by label: tokens newly leased
+    refused: str | None = None  # why a breakpoint got no lease (LeaseRefusal), if one did not
+    lease_ids: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class LeaseInfo:
+    lease_id: str
+    num_tokens: int
+    expires_at: float  # unix time
+
+
+@dataclass(slots=True)
 class Request:
     """One sequence in the engine. `token_ids` = prompt + generated; the model has computed KV for
     the first `num_computed_tokens` of them, held in the pages of `block_table`."""
@@ -70,7 +97,8 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: int | None = None
-    namespace: str = ""
+    namespace: str = ""  # prefix-cache namespace: cache.hashing.namespace(tenant, cache_salt)
+    tenant: str = ""
     arrival_time: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -84,6 +112,8 @@ class Request:
     # n > 1: the other samples wait here until this request has computed all but its last prompt
     # token, then fork its pages (shared by ref count, copied on first write)
     fork_children: list[Request] = field(default_factory=list)
+    leases: list[CacheLease] = field(default_factory=list)  # granted once the prompt is computed
+    lease_usage: LeaseUsage | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -139,3 +169,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    lease_usage: LeaseUsage | None = None

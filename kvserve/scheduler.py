@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from kvserve.batch import SampledToken, ScheduledSeq, SchedulerOutput
 from kvserve.cache.hashing import common_prefix_len
-from kvserve.cache.manager import KVCacheManager, PrefixHit
+from kvserve.cache.manager import KVCacheManager
+from kvserve.cache.sequence import PrefixHit
 from kvserve.config import PreemptionMode, PrefixCachePolicy
 from kvserve.request import Request, RequestStatus
 
@@ -142,6 +143,9 @@ class Scheduler:
             end = start + self._chunk(request, start, budget)
             copies = self.manager.allocate(request.request_id, request.token_ids, request.namespace,
                                            hit, end)
+            while copies is None and not self.running and self.manager.make_room():
+                copies = self.manager.allocate(request.request_id, request.token_ids,
+                                               request.namespace, hit, end)  # leases gave way
             if copies is None:
                 break  # not enough pages now; nobody behind it overtakes it
             start = hit.num_cached_tokens  # allocate may have shrunk a stale hit

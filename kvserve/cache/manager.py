@@ -21,57 +21,30 @@ sequence, evictions and commits are offered to the tiers. Each step's page moves
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
+import time
+from collections.abc import Callable
 from typing import Any
 
 from kvserve.cache.hashing import page_hash
+from kvserve.cache.invariants import check_manager_invariants
+from kvserve.cache.leases import Lease, LeaseRefusal, LeaseTable
 from kvserve.cache.offload import Offloader, SaveTarget
-from kvserve.cache.pages import NULL_PAGE, PagePool
+from kvserve.cache.pages import PagePool
 from kvserve.cache.prefix_hash import HashPrefixIndex
 from kvserve.cache.prefix_radix import RadixPrefixIndex
+from kvserve.cache.sequence import PrefixHit, SeqPages, cdiv
 from kvserve.config import CacheConfig, ConfigError, PrefixCachePolicy
-
-
-@dataclass(slots=True)
-class PrefixHit:
-    pages: list[int] = field(default_factory=list)  # cached pages covering the hit, in order
-    num_tokens: int = 0  # cached tokens; the scheduler sets num_computed_tokens = num_tokens
-    # If num_tokens % page_size != 0 the LAST page is a partial hit: only its first
-    # num_tokens % page_size tokens match; allocate() copies it into a fresh page instead of sharing it.
-    # Full pages after the pool's hit that tiers below the pool hold (the local hit then ends on a
-    # page boundary): their payloads are loaded into fresh pages instead of being computed.
-    loads: list[Any] = field(default_factory=list)
-    load_sources: list[str] = field(default_factory=list)  # "host" | "redis", one per load
-    num_loaded_tokens: int = 0
-
-    @property
-    def num_cached_tokens(self) -> int:
-        """Tokens the request does not compute: the pool's hit plus the loaded pages."""
-        return self.num_tokens + self.num_loaded_tokens
-
-
-@dataclass(slots=True)
-class _Seq:
-    namespace: str
-    block_table: list[int]
-    num_committed_pages: int = 0  # pages 0..n-1 are full of computed tokens and were offered to the index
-    page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the committed pages
-    committed_token_ids: list[int] = field(default_factory=list)  # their tokens (for checks)
 
 
 # page states of KVCacheManager.page_states(), one character per page
 PAGE_FREE, PAGE_CACHED, PAGE_USED, PAGE_SHARED, PAGE_NULL = "0", "1", "2", "3", "4"
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class KVCacheManager:
     def __init__(self, num_pages: int, page_size: int,
                  policy: PrefixCachePolicy | str = PrefixCachePolicy.RADIX,
-                 partial_page_hits: bool = True, offload: Offloader | None = None) -> None:
+                 partial_page_hits: bool = True, offload: Offloader | None = None,
+                 max_leased_fraction: float = 0.5, clock: Callable[[], float] = time.monotonic) -> None:
         if page_size < 1:
             raise ConfigError(f"page_size must be at least 1, got {page_size}")
         if num_pages < 2:
@@ -89,17 +62,20 @@ class KVCacheManager:
             self.index = HashPrefixIndex(self.pool, page_size)
         elif self.policy is PrefixCachePolicy.RADIX:
             self.index = RadixPrefixIndex(self.pool, page_size)
-        self._seqs: dict[str, _Seq] = {}
+        self._seqs: dict[str, SeqPages] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.offload = offload or Offloader(page_size)
+        self.leases = LeaseTable(self.pool, max_leased_fraction)
+        self.clock = clock  # lease expiry; the simulator passes its virtual clock
         self._hash_of_cached: dict[int, bytes] = {}  # cached page -> its chained hash
         self.pool.on_evicted = self._evicted
 
     @classmethod
     def from_config(cls, config: CacheConfig, offload: Offloader | None = None) -> KVCacheManager:
         return cls(config.num_pages, config.page_size, config.prefix_cache,
-                   partial_page_hits=config.partial_page_hits, offload=offload)
+                   partial_page_hits=config.partial_page_hits, offload=offload,
+                   max_leased_fraction=config.max_leased_fraction)
 
     # -- admission -----------------------------------------------------------------------------
     def lookup(self, token_ids: list[int], namespace: str = "") -> PrefixHit:
@@ -111,7 +87,7 @@ class KVCacheManager:
         num_tokens = min(num_tokens, len(token_ids) - 1)
         if not self.partial_page_hits:
             num_tokens -= num_tokens % self.page_size
-        return PrefixHit(pages[:_cdiv(num_tokens, self.page_size)], num_tokens)
+        return PrefixHit(pages[:cdiv(num_tokens, self.page_size)], num_tokens)
 
     def allocate(self, seq_id: str, token_ids: list[int], namespace: str, hit: PrefixHit,
                  num_tokens: int) -> list[tuple[int, int]] | None:
@@ -128,10 +104,10 @@ class KVCacheManager:
         token_ids = list(token_ids)
         fresh = self.lookup(token_ids, namespace)
         num_hit = min(hit.num_tokens, fresh.num_tokens)
-        pages = fresh.pages[:_cdiv(num_hit, ps)]
+        pages = fresh.pages[:cdiv(num_hit, ps)]
         num_full = num_hit // ps
         shared, partial = pages[:num_full], pages[num_full:]  # partial: [] or [page to copy]
-        num_new = _cdiv(num_tokens, ps) - num_full
+        num_new = cdiv(num_tokens, ps) - num_full
         num_idle_hit = sum(1 for page in pages if self.pool.ref(page) == 0)  # not reclaimable now
         if num_new > self.pool.num_free - num_idle_hit:
             return None
@@ -142,12 +118,13 @@ class KVCacheManager:
         copies = [(partial[0], new_pages[0])] if partial else []
         for page in partial:
             self.pool.decref(page)
-        seq = _Seq(namespace, shared + new_pages, num_committed_pages=num_full,
+        seq = SeqPages(namespace, shared + new_pages, num_committed_pages=num_full,
                    committed_token_ids=token_ids[:num_full * ps])
         if self.index is not None:
             self._extend_hashes(seq, token_ids, num_full)
             if num_full:
                 self.index.on_hit(token_ids, namespace, num_full)
+            self.leases.touch(namespace, pages, self.clock())  # a read refreshes the leases it covers
         self._seqs[seq_id] = seq
         self.prefix_cache_queries += len(token_ids)
         self.prefix_cache_hits += num_hit
@@ -169,8 +146,8 @@ class KVCacheManager:
         ps = self.page_size
         first = hit.num_tokens // ps
         free = self.num_free_pages - len(hit.pages)
-        rest = _cdiv(len(token_ids) - first * ps, ps)  # pages from the hit's boundary on
-        room = free if rest <= free else free - _cdiv(budget, ps)  # loads + this step's chunk fit
+        rest = cdiv(len(token_ids) - first * ps, ps)  # pages from the hit's boundary on
+        room = free if rest <= free else free - cdiv(budget, ps)  # loads + this step's chunk fit
         found = self.offload.fetch(token_ids, namespace, first, min(max_tokens // ps - first, room))
         if not found.payloads:
             return hit
@@ -199,7 +176,7 @@ class KVCacheManager:
             raise ValueError(f"sequence {seq_id!r}: positions below {seq.num_committed_pages * ps} "
                              f"are committed to the prefix cache and cannot be recomputed")
         table = seq.block_table
-        end_page = _cdiv(num_tokens, ps)
+        end_page = cdiv(num_tokens, ps)
         num_grow = max(0, end_page - len(table))
         cow = []
         if num_tokens > num_computed_tokens:
@@ -238,7 +215,7 @@ class KVCacheManager:
         seq.num_committed_pages = end
         self.offload.committed(list(zip(seq.page_hashes[start:end], seq.block_table[start:end])))
 
-    def _extend_hashes(self, seq: _Seq, token_ids: list[int], num_pages: int) -> None:
+    def _extend_hashes(self, seq: SeqPages, token_ids: list[int], num_pages: int) -> None:
         ps = self.page_size
         for i in range(len(seq.page_hashes), num_pages):
             parent = seq.page_hashes[-1] if seq.page_hashes else None
@@ -264,7 +241,7 @@ class KVCacheManager:
             raise ValueError(f"sequence {child_id!r} already has pages")
         for page in parent.block_table:
             self.pool.incref(page)
-        self._seqs[child_id] = _Seq(parent.namespace, list(parent.block_table),
+        self._seqs[child_id] = SeqPages(parent.namespace, list(parent.block_table),
                                     parent.num_committed_pages, list(parent.page_hashes),
                                     list(parent.committed_token_ids))
 
@@ -296,7 +273,7 @@ class KVCacheManager:
             raise ValueError(f"sequence {seq_id!r} already has pages")
         pages = self.pool.allocate(num_pages)
         if pages is not None:
-            self._seqs[seq_id] = _Seq(namespace, list(pages))
+            self._seqs[seq_id] = SeqPages(namespace, list(pages))
         return pages
 
     def drop_swap(self, seq_id: str) -> None:
@@ -322,7 +299,7 @@ class KVCacheManager:
         """Chained hashes of the sequence's committed pages (for tiers); empty with policy off."""
         return list(self._seq(seq_id).page_hashes)
 
-    def _seq(self, seq_id: str) -> _Seq:
+    def _seq(self, seq_id: str) -> SeqPages:
         seq = self._seqs.get(seq_id)
         if seq is None:
             raise ValueError(f"unknown sequence {seq_id!r}")
@@ -336,10 +313,33 @@ class KVCacheManager:
 
     @property
     def num_used_pages(self) -> int:
-        return self.pool.num_used
+        """Pages sequences hold (pages only leases hold are not counted)."""
+        refs = self.leases.page_refs()
+        return self.pool.num_used - sum(1 for page, n in refs.items() if self.pool.ref(page) == n)
 
     def usage(self) -> float:
-        return self.pool.num_used / self.pool.num_usable
+        return self.num_used_pages / self.pool.num_usable
+
+    # -- leases ----------------------------------------------------------------------------------
+    def lease_prefix(self, token_ids: list[int], namespace: str, num_tokens: int, ttl_s: float,
+                     label: str = "5m", owner: str = "") -> Lease | str:
+        """Lease the cached pages covering the first `num_tokens` of `token_ids` (the page holding
+        the last of them too, when it is full and cached). Returns the lease or a LeaseRefusal."""
+        if self.index is None:
+            return LeaseRefusal.PREFIX_CACHE_OFF
+        pages, matched = self.index.match(list(token_ids), namespace)
+        wanted = min(cdiv(num_tokens, self.page_size), len(token_ids) // self.page_size)
+        if wanted == 0 or matched // self.page_size < wanted:
+            self.leases.stats.refusals += 1
+            return LeaseRefusal.NOT_CACHED
+        return self.leases.grant(namespace, pages[:wanted], num_tokens, ttl_s, self.clock(), label, owner)
+
+    def expire_leases(self) -> int:
+        return self.leases.expire(self.clock())
+
+    def make_room(self) -> bool:
+        """Break the lease closest to expiry; False when there is none (nothing else can free pages)."""
+        return self.leases.break_oldest()
 
     def stats(self) -> dict:
         return {
@@ -353,6 +353,7 @@ class KVCacheManager:
             "prefix_cache_hits": self.prefix_cache_hits,
             "num_evictions": self.pool.num_evictions,
             **self.offload.stats(),
+            **self.leases.stats_dict(),
         }
 
     def page_states(self) -> str:
@@ -374,27 +375,4 @@ class KVCacheManager:
         return True
 
     def check_invariants(self) -> None:
-        """Every page is exactly one of free / cached idle / used; refs equal block-table occurrences;
-        every indexed page a sequence committed holds the tokens the sequence committed there."""
-        self.pool.check_invariants()
-        occurrences = Counter(page for seq in self._seqs.values() for page in seq.block_table)
-        assert NULL_PAGE not in occurrences, "the null page is in a block table"
-        for page in range(1, self.num_pages):
-            assert self.pool.ref(page) == occurrences[page], (
-                f"page {page}: ref {self.pool.ref(page)} but {occurrences[page]} block-table entries")
-        if self.index is None:
-            assert self.pool.num_cached == 0
-            return
-        self.index.check_invariants()
-        cached = {page for page in range(1, self.num_pages) if self.pool.is_cached(page)}
-        assert set(self._hash_of_cached) == cached, "an evicted page would be offloaded without its hash"
-        ps = self.page_size
-        for seq_id, seq in self._seqs.items():
-            assert len(seq.committed_token_ids) == seq.num_committed_pages * ps
-            assert len(seq.page_hashes) >= seq.num_committed_pages
-            for i in range(seq.num_committed_pages):
-                tokens = self.index.page_tokens(seq.block_table[i])
-                expected = tuple(seq.committed_token_ids[i * ps:(i + 1) * ps])
-                if isinstance(self.index, RadixPrefixIndex):
-                    assert tokens is not None, f"{seq_id}: committed page {i} is not in the tree"
-                assert tokens is None or tokens == expected, f"{seq_id}: page {i} holds other tokens"
+        check_manager_invariants(self)

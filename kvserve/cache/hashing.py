@@ -36,3 +36,19 @@ def page_hashes(token_ids: Sequence[int], page_size: int, namespace: str,
         parent = page_hash(parent, token_ids[page * page_size:(page + 1) * page_size], namespace)
         hashes.append(parent)
     return hashes
+
+
+def namespace(tenant: str, salt: str | None) -> str:
+    """A request's cache namespace from its tenant (e.g. an API key's namespace; "" for none) and its
+    `cache_salt`. The tenant comes first, NUL-separated, so no salt can pose as another tenant."""
+    salt = salt or ""
+    return f"{tenant}\x00{salt}" if tenant else salt
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Number of leading tokens `a` and `b` share."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

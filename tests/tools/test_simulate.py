@@ -74,7 +74,8 @@ def brute_force_ideals(requests: list[SimRequest], page_size: int) -> dict[str, 
         longest = max(shared, default=0)
         token += min(longest, n - 1)
         hashed += min(longest // page_size * page_size, n - 1)
-        filled = [(len(q.token_ids) + q.num_generated) // page_size * page_size for q in earlier]
+        # the server computes the prompt and every generated token but the last (sampled, never fed back)
+        filled = [(len(q.token_ids) + max(0, q.num_generated - 1)) // page_size * page_size for q in earlier]
         radix += min(max((min(s, f) for s, f in zip(shared, filled)), default=0), n - 1)
         total += n
     return {"token": token / total, "hash": hashed / total, "radix": radix / total}
@@ -238,8 +239,8 @@ def test_full_page_differences_are_reported_as_eviction_order():
 def test_json_keys_are_stable(capsys):
     result = json.loads(run_cli(capsys, "w1", "-n", "12", "--page-size", "16,64", "--capacity-tokens",
                                 "8k,unbounded", "--json"))
-    assert list(result) == ["trace", "service_model", "ideal_hit_rate", "runs", "comparisons", "diagnosis",
-                            "recommendation", ]
+    assert list(result) == ["trace", "service_model", "scheduler", "ideal_hit_rate", "runs", "comparisons",
+                            "diagnosis", "recommendation"]
     assert len(result["runs"]) == 2 * 2 * 2 and len(result["comparisons"]) == 4
     assert set(result["runs"][0]) >= {"policy", "page_size", "capacity_tokens", "hit_rate", "attainable_hit_rate",
                                       "prefix_cache_queries", "prefix_cache_hits", "num_evictions",

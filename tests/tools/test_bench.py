@@ -12,7 +12,7 @@ from kvserve.cli import main
 from kvserve.config import ConfigError
 from kvserve.tools.bench import (ENGINE_KEYS, RATIO_KEYS, agreement, load_workload, percentile, plot, ratios,
                                  shared_prefix_len, summarize, workloads_dir)
-from kvserve.tools.bench.http_client import _counts
+from kvserve.tools.bench.http_client import token_counts
 from kvserve.tools.bench.http_mode import kvserve_label_for, llama_server_context, pass_labels
 from kvserve.tools.bench.servers import llama_server_path
 
@@ -158,10 +158,10 @@ def test_summary_takes_the_servers_token_count_and_unknown_cache():
 
 def test_token_counts_come_from_usage_then_llama_cpp_timings():
     usage = {"completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 40}}
-    assert _counts(usage, None, 3) == (4, 40)
-    assert _counts({"completion_tokens": 4}, {"cache_n": 12, "predicted_n": 4}, 3) == (4, 12)
-    assert _counts(None, {"cache_n": 0, "predicted_n": 5}, 3) == (5, 0)
-    assert _counts(None, None, 3) == (3, None)
+    assert token_counts(usage, None, 3) == (4, 40)
+    assert token_counts({"completion_tokens": 4}, {"cache_n": 12, "predicted_n": 4}, 3) == (4, 12)
+    assert token_counts(None, {"cache_n": 0, "predicted_n": 5}, 3) == (5, 0)
+    assert token_counts(None, None, 3) == (3, None)
 
 
 def test_passes_are_labelled_cold_then_warm_and_compared_pass_by_pass():

@@ -123,6 +123,17 @@ def test_reported_ideals_match_the_brute_force_ones():
     assert attainable == pytest.approx({"hash": brute["hash"], "radix": brute["radix"]}, abs=1e-12)
 
 
+def test_namespaces_are_the_servers_tenant_then_salt():
+    tokens = list(range(100, 164))
+    trace = [TraceRequest("plain", tokens, None), TraceRequest("salted", tokens, None, cache_salt="s"),
+             TraceRequest("tenant", tokens, None, tenant="acme"),
+             TraceRequest("both", tokens, None, cache_salt="s", tenant="acme"),
+             TraceRequest("salted-again", tokens, None, cache_salt="s")]
+    requests = prepare(trace, [r.prompt_token_ids for r in trace])
+    assert [r.namespace for r in requests] == ["", "s", "acme\x00", "acme\x00s", "s"]  # engine.add_request's rule
+    assert replay(requests, "radix", 16, check_invariants=True).prefix_cache_hits == 63  # only salted-again
+
+
 def test_namespaces_never_share():
     tokens = list(range(100, 164))
     requests = [SimRequest("a", tokens, "tenant-a"), SimRequest("b", tokens, "tenant-b"),

@@ -84,12 +84,12 @@ async def _one(client, target: HttpTarget, ids: list[int], max_tokens: int) -> d
     end = time.monotonic()
     if first is None:
         raise HttpBenchError(f"{target.name} streamed no tokens for a request")
-    num_output, cached = _counts(usage, timings, num_chunks)
+    num_output, cached = token_counts(usage, timings, num_chunks)
     return {"ttft_s": first - start, "e2e_s": end - start, "num_output_tokens": num_output,
             "cached_tokens": cached, "text": "".join(text)}
 
 
-def _counts(usage: dict | None, timings: dict | None, num_chunks: int) -> tuple[int, int | None]:
+def token_counts(usage: dict | None, timings: dict | None, num_chunks: int) -> tuple[int, int | None]:
     """(output tokens, cached prompt tokens): OpenAI usage first, then llama.cpp's timings; without
     either, one token per streamed chunk and the cache unknown."""
     if usage and usage.get("completion_tokens") is not None:

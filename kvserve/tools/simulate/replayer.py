@@ -22,11 +22,12 @@ from kvserve.batch import SampledToken
 from kvserve.cache.manager import KVCacheManager
 from kvserve.config import EngineConfig
 from kvserve.request import Request, SamplingParams
-from kvserve.scheduler import ADMISSION_SCAN_LIMIT, Scheduler
+from kvserve.scheduler import Scheduler
 from kvserve.tools.simulate.requests import SimRequest, pages_needed, unbounded_pages
 
 GENERATED_ID_BASE = 1 << 40  # synthetic generated-token ids: above any vocabulary, unique per request
 _ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
+_SCAN_LIMIT = 256  # waiting requests checked per step, as the scheduler's admission scan
 
 
 @dataclass(slots=True)
@@ -48,7 +49,7 @@ class SchedulerLimits:
 
     max_num_seqs: int = _ENGINE_DEFAULTS["max_num_seqs"]
     max_num_batched_tokens: int = _ENGINE_DEFAULTS["max_num_batched_tokens"]
-    admission_age_bound_s: float = 10.0
+    admission_age_bound_s: float = 10.0  # the Scheduler's default
 
 
 @dataclass(slots=True)
@@ -123,7 +124,7 @@ class _Replay:
     def run(self) -> None:
         pending = deque(self.requests)
         sequential = bool(self.requests) and self.requests[0].arrival is None
-        max_steps = 4 * sum(len(r.token_ids) + r.num_generated for r in self.requests) + 100
+        max_steps = 100 * sum(len(r.token_ids) + r.num_generated for r in self.requests) + 1000
         while pending or self.scheduler.has_unfinished():
             if sequential and not self.scheduler.has_unfinished():
                 self._add(pending.popleft())
@@ -141,8 +142,8 @@ class _Replay:
             self.unservable.append(r.id)  # larger than the whole pool
             return
         params = SamplingParams(max_tokens=max(1, r.num_generated), ignore_eos=True)
-        self.scheduler.add(Request(r.id, list(r.token_ids), params, namespace=r.namespace,
-                                   arrival_time=self.clock.now))
+        self.scheduler.add(Request(request_id=r.id, prompt_token_ids=list(r.token_ids), sampling_params=params,
+                                   namespace=r.namespace, arrival_time=self.clock.now))
 
     def _step(self) -> None:
         scheduler = self.scheduler
@@ -189,7 +190,7 @@ class _Replay:
         if budget <= 0 or num_seqs >= self.limits.max_num_seqs:
             return
         for i, request in enumerate(self.scheduler.waiting):
-            if i == ADMISSION_SCAN_LIMIT:
+            if i == _SCAN_LIMIT:
                 break
             if request.request_id not in self.waited and self._first_chunk_is_short(request, budget)[0]:
                 self.waited.add(request.request_id)

@@ -47,6 +47,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--llama-server", default=None, metavar="PATH",
                         help="llama-server binary (default: $KVSERVE_LLAMA_SERVER, else "
                              "../shared/peers/llama.cpp/llama-server)")
+    parser.add_argument("--llama-server-context", type=int, default=None, metavar="TOKENS",
+                        help="llama-server -c, shared by its --parallel slots (default: slots x the longest "
+                             "request, rounded up to 256)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per engine (default: usable cores)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--plot", default=None, metavar="OUT.png", help="draw the bars and TTFT distributions")
@@ -69,6 +72,8 @@ def _check(args: argparse.Namespace) -> tuple[list[str], bool]:
         raise ConfigError(f"--threads must be >= 1, got {args.threads}")
     if args.concurrency is not None and args.concurrency < 1:
         raise ConfigError(f"--concurrency must be >= 1 streaming clients, got {args.concurrency}")
+    if args.llama_server_context is not None and args.llama_server_context < 1:
+        raise ConfigError(f"--llama-server-context must be >= 1 token, got {args.llama_server_context}")
     if args.passes < 1:
         raise ConfigError(f"--passes must be >= 1, got {args.passes}")
     http = args.concurrency is not None or args.vs == "llama-server"
@@ -153,7 +158,7 @@ def _run_over_http(report: dict, args, workload, model_path: str, kwargs: dict, 
         for server in servers:
             update = bar(server, sum(workload.max_tokens) * args.passes)
             runs = run_http(server, model_path, workload.token_ids, workload.max_tokens, concurrency, args.passes,
-                            kwargs, args.threads, binary, update)
+                            kwargs, args.threads, binary, update, args.llama_server_context)
             for label, raw in runs.items():
                 raw["prompt_tokens"] = report["workload"]["prompt_tokens"]
                 report["engines"][label] = summarize(raw)

@@ -30,7 +30,7 @@ def llama_server_context(token_ids: list[list[int]], max_tokens: list[int], para
 
 def run_http(engine: str, model_path: str, token_ids: list[list[int]], max_tokens: list[int], concurrency: int,
              passes: int, engine_kwargs: dict, threads: int | None, llama_server_binary: Path,
-             progress=None) -> dict[str, dict]:
+             progress=None, llama_server_context_tokens: int | None = None) -> dict[str, dict]:
     """Raw results per pass label: {"wall_s", "requests", "peak_rss_bytes", "load_s", "threads", ...}.
     `progress(phase, tokens_done)` as in-process engines report."""
     num_threads = threads or len(os.sched_getaffinity(0))
@@ -38,7 +38,7 @@ def run_http(engine: str, model_path: str, token_ids: list[list[int]], max_token
     if engine == "kvserve":
         server = kvserve_server(model_path, engine_kwargs, threads)
     else:
-        context = llama_server_context(token_ids, max_tokens, concurrency)
+        context = llama_server_context_tokens or llama_server_context(token_ids, max_tokens, concurrency)
         server = llama_server(llama_server_binary, model_path, concurrency, context, num_threads)
         extra = {"context_tokens": context, "parallel": concurrency}
     target = HttpTarget(engine, "", SERVED_MODEL_NAME, EXTRA_BODY[engine])

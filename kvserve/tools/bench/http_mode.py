@@ -11,7 +11,6 @@ from kvserve.tools.bench.http_client import HttpTarget, run_pass
 from kvserve.tools.bench.process import WARMUP_IDS
 from kvserve.tools.bench.servers import SERVED_MODEL_NAME, kvserve_server, llama_server
 
-HTTP_PEERS = ("llama-server",)
 # fields each server needs to generate exactly max_tokens greedily, with its prefix cache on
 EXTRA_BODY = {"kvserve": {"ignore_eos": True}, "llama-server": {"ignore_eos": True, "cache_prompt": True}}
 

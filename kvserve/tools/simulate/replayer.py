@@ -163,8 +163,8 @@ class _Replay:
             request = scheduler.requests[seq.request_id]
             if seq.request_id in waiting:  # admitted now: it starts at its prefix hit
                 self.partial += seq.start_pos % self.manager.page_size
-            if seq.start_pos >= request.num_prompt_tokens:
-                num_decode += 1
+            if seq.start_pos >= request.num_prompt_tokens and len(seq.token_ids) == 1:
+                num_decode += 1  # (a recompute after preemption runs at the prefill rate)
             else:
                 num_prompt += len(seq.token_ids)
             sampled.append(SampledToken(self._next_token(request)) if seq.need_sample else None)

@@ -38,17 +38,17 @@ def page_hashes(token_ids: Sequence[int], page_size: int, namespace: str,
     return hashes
 
 
+def namespace(tenant: str, salt: str | None) -> str:
+    """A request's cache namespace from its tenant (e.g. an API key's namespace; "" for none) and its
+    `cache_salt`. The tenant comes first, NUL-separated, so no salt can pose as another tenant."""
+    salt = salt or ""
+    return f"{tenant}\x00{salt}" if tenant else salt
+
+
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences."""
+    """Number of leading tokens `a` and `b` share."""
     n = min(len(a), len(b))
     for i in range(n):
         if a[i] != b[i]:
             return i
     return n
-
-
-def namespace(tenant: str, cache_salt: str | None) -> str:
-    """The prefix-cache namespace of a request: its tenant (API key's namespace) and its
-    `cache_salt`. Equal tokens in different namespaces never share pages."""
-    salt = cache_salt or ""
-    return f"{tenant}\x00{salt}" if tenant else salt

@@ -1,7 +1,8 @@
 """Traces: request streams for the simulator and the benchmarks, loaded from JSON lines or generated.
 
 A trace line (DESIGN.md §4) holds `prompt_token_ids` (ints) or `prompt` (text) and optionally `id`,
-`arrival` (seconds), `max_tokens`, `session` and `cache_salt` (the namespace). `generate_trace` builds
+`arrival` (seconds), `max_tokens`, `session`, `cache_salt` and `tenant` (together the namespace, as
+`cache.hashing.namespace` builds it for the server). `generate_trace` builds
 deterministic synthetic mixes, in token ids drawn from the bundled model's vocabulary, each shaped like
 a workload whose prefix-cache behaviour is well known:
 
@@ -40,6 +41,7 @@ class TraceRequest:
     max_tokens: int | None = None
     session: str | None = None
     cache_salt: str | None = None  # namespace: equal tokens of different salts never share pages
+    tenant: str | None = None  # the server's per-API-key namespace, combined with the salt
 
     def to_json(self) -> dict:
         line: dict = {"id": self.id}
@@ -47,7 +49,7 @@ class TraceRequest:
             line["prompt_token_ids"] = self.prompt_token_ids
         else:
             line["prompt"] = self.prompt
-        for key in ("arrival", "max_tokens", "session", "cache_salt"):
+        for key in ("arrival", "max_tokens", "session", "cache_salt", "tenant"):
             if getattr(self, key) is not None:
                 line[key] = getattr(self, key)
         return line
@@ -89,12 +91,13 @@ def _parse_line(line: str, where: str, number: int) -> TraceRequest:
         raise ConfigError(f"{where}: arrival must be seconds >= 0, got {arrival!r}")
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0):
         raise ConfigError(f"{where}: max_tokens must be an int >= 0, got {max_tokens!r}")
-    session, salt = obj.get("session"), obj.get("cache_salt")
-    if salt is not None and not isinstance(salt, str):
-        raise ConfigError(f"{where}: cache_salt must be a string")
+    session, salt, tenant = obj.get("session"), obj.get("cache_salt"), obj.get("tenant")
+    for key, value in (("cache_salt", salt), ("tenant", tenant)):
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"{where}: {key} must be a string")
     return TraceRequest(id=str(obj.get("id", f"line-{number}")), prompt_token_ids=ids, prompt=text,
                         arrival=None if arrival is None else float(arrival), max_tokens=max_tokens,
-                        session=None if session is None else str(session), cache_salt=salt)
+                        session=None if session is None else str(session), cache_salt=salt, tenant=tenant)
 
 
 def _is_number(value) -> bool:

@@ -1,5 +1,6 @@
 """`kvserve bench`: the figures, ratios and agreement from per-request results; workload resolution;
-and tiny end-to-end runs (kvserve alone, and beside transformers) with stable JSON keys and a PNG."""
+and tiny end-to-end runs (kvserve alone, beside transformers, and over HTTP: kvserve serve with
+concurrent streaming clients, cold and warm passes, beside llama-server) with stable JSON keys and a PNG."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ from kvserve.cli import main
 from kvserve.config import ConfigError
 from kvserve.tools.bench import (ENGINE_KEYS, RATIO_KEYS, agreement, load_workload, percentile, plot, ratios,
                                  shared_prefix_len, summarize, workloads_dir)
+from kvserve.tools.bench.http_client import token_counts
+from kvserve.tools.bench.http_mode import kvserve_label_for, llama_server_context, pass_labels
+from kvserve.tools.bench.servers import llama_server_path
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 REPORT_KEYS = {"schema_version", "workload", "machine", "engine_args", "engines", "ratios", "greedy_agreement"}
+SMALL_POOL = ["--kv-cache-memory", "64MiB", "--max-model-len", "256"]
 
 
 def raw_result(ttfts, cached, wall=10.0, tokens=4):
@@ -139,3 +144,74 @@ def test_tiny_run_alone_prints_the_table(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert list(report["engines"]) == ["kvserve"] and report["ratios"] == {} and report["greedy_agreement"] == {}
     assert report["engines"]["kvserve"]["num_cached_requests"] >= 1  # the second request hits the prefix
+
+
+# -- over HTTP ------------------------------------------------------------------------------------------
+def test_summary_takes_the_servers_token_count_and_unknown_cache():
+    raw = raw_result([1.0, 2.0], [None, None])
+    for r in raw["requests"]:
+        r["num_output_tokens"] = len(r.pop("output_token_ids"))
+    fig = summarize(raw)
+    assert fig["output_tokens"] == 8 and fig["cached_prompt_tokens"] is None
+    assert fig["num_cached_requests"] == fig["num_cold_requests"] == 0  # unknown is neither
+
+
+def test_token_counts_come_from_usage_then_llama_cpp_timings():
+    usage = {"completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 40}}
+    assert token_counts(usage, None, 3) == (4, 40)
+    assert token_counts({"completion_tokens": 4}, {"cache_n": 12, "predicted_n": 4}, 3) == (4, 12)
+    assert token_counts(None, {"cache_n": 0, "predicted_n": 5}, 3) == (5, 0)
+    assert token_counts(None, None, 3) == (3, None)
+
+
+def test_passes_are_labelled_cold_then_warm_and_compared_pass_by_pass():
+    assert pass_labels("kvserve", 1) == ["kvserve"]
+    assert pass_labels("llama-server", 2) == ["llama-server/cold", "llama-server/warm"]
+    assert pass_labels("kvserve", 3) == ["kvserve/cold", "kvserve/warm1", "kvserve/warm2"]
+    assert kvserve_label_for("llama-server/warm") == "kvserve/warm" and kvserve_label_for("llama-server") == "kvserve"
+    assert llama_server_context([[1] * 300, [1] * 10], [64, 64], 4) == 4 * 512  # each slot holds 364 + 16
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--concurrency", "0"], "--concurrency must be >= 1"),
+    (["--passes", "2"], "--passes needs the HTTP bench"),
+    (["--vs", "transformers", "--concurrency", "2"], "--vs transformers runs in process"),
+    (["--concurrency", "2", "--request-rate", "3"], "drop --request-rate"),
+    (["--vs", "llama-server", "--llama-server", "/no/such/llama-server"], "not found at /no/such/llama-server"),
+])
+def test_http_flag_mistakes_are_one_line(tmp_path, capsys, argv, message):
+    assert main(["bench", "--workload", str(tiny_trace(tmp_path)), *argv, *SMALL_POOL]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+
+
+@pytest.mark.slow
+def test_http_cold_and_warm_passes_against_kvserve_serve(tmp_path, capsys):
+    assert main(["bench", "--workload", str(tiny_trace(tmp_path)), "--limit", "2", "--max-tokens", "4",
+                 "--concurrency", "2", "--passes", "2", "--json", *SMALL_POOL]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report) == REPORT_KEYS | {"http"} and report["http"]["concurrency"] == 2
+    assert list(report["engines"]) == ["kvserve/cold", "kvserve/warm"] and report["ratios"] == {}
+    cold, warm = report["engines"].values()
+    for fig in (cold, warm):
+        assert tuple(fig) == ENGINE_KEYS
+        assert fig["output_tokens"] == 8 and len(fig["ttft_s"]) == 2 and fig["wall_s"] > 0
+        assert 0 < fig["ttft_p50_s"] <= fig["ttft_p95_s"] and fig["peak_rss_bytes"] > 0
+    assert warm["cached_prompt_tokens"] == 2 * 47  # every prompt but its last token, from the cold pass
+    assert cold["cached_prompt_tokens"] < warm["cached_prompt_tokens"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not llama_server_path().is_file(), reason="llama-server binary absent "
+                    "(../shared/peers/llama.cpp/llama-server or $KVSERVE_LLAMA_SERVER)")
+def test_http_beside_llama_server(tmp_path, capsys):
+    assert main(["bench", "--workload", str(tiny_trace(tmp_path)), "--limit", "2", "--max-tokens", "4",
+                 "--vs", "llama-server", "--concurrency", "2", "--json", *SMALL_POOL]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert list(report["engines"]) == ["kvserve", "llama-server"]
+    assert report["http"]["llama_server"]["parallel"] == 2
+    peer = report["engines"]["llama-server"]
+    assert peer["output_tokens"] == 8 and len(peer["ttft_s"]) == 2  # ignore_eos: exactly max_tokens
+    ratio = report["ratios"]["llama-server"]
+    assert set(ratio) == set(RATIO_KEYS) | {"speedup"}
+    assert ratio["wall_s"] == pytest.approx(report["engines"]["kvserve"]["wall_s"] / peer["wall_s"])

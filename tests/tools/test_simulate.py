@@ -74,7 +74,8 @@ def brute_force_ideals(requests: list[SimRequest], page_size: int) -> dict[str, 
         longest = max(shared, default=0)
         token += min(longest, n - 1)
         hashed += min(longest // page_size * page_size, n - 1)
-        filled = [(len(q.token_ids) + q.num_generated) // page_size * page_size for q in earlier]
+        # the server computes the prompt and every generated token but the last (sampled, never fed back)
+        filled = [(len(q.token_ids) + max(0, q.num_generated - 1)) // page_size * page_size for q in earlier]
         radix += min(max((min(s, f) for s, f in zip(shared, filled)), default=0), n - 1)
         total += n
     return {"token": token / total, "hash": hashed / total, "radix": radix / total}
@@ -120,6 +121,17 @@ def test_reported_ideals_match_the_brute_force_ones():
     assert result["ideal_hit_rate"] == pytest.approx(brute["token"], abs=1e-12)
     attainable = {r["policy"]: r["attainable_hit_rate"] for r in result["runs"]}
     assert attainable == pytest.approx({"hash": brute["hash"], "radix": brute["radix"]}, abs=1e-12)
+
+
+def test_namespaces_are_the_servers_tenant_then_salt():
+    tokens = list(range(100, 164))
+    trace = [TraceRequest("plain", tokens, None), TraceRequest("salted", tokens, None, cache_salt="s"),
+             TraceRequest("tenant", tokens, None, tenant="acme"),
+             TraceRequest("both", tokens, None, cache_salt="s", tenant="acme"),
+             TraceRequest("salted-again", tokens, None, cache_salt="s")]
+    requests = prepare(trace, [r.prompt_token_ids for r in trace])
+    assert [r.namespace for r in requests] == ["", "s", "acme\x00", "acme\x00s", "s"]  # engine.add_request's rule
+    assert replay(requests, "radix", 16, check_invariants=True).prefix_cache_hits == 63  # only salted-again
 
 
 def test_namespaces_never_share():
@@ -238,8 +250,8 @@ def test_full_page_differences_are_reported_as_eviction_order():
 def test_json_keys_are_stable(capsys):
     result = json.loads(run_cli(capsys, "w1", "-n", "12", "--page-size", "16,64", "--capacity-tokens",
                                 "8k,unbounded", "--json"))
-    assert list(result) == ["trace", "service_model", "ideal_hit_rate", "runs", "comparisons", "diagnosis",
-                            "recommendation", ]
+    assert list(result) == ["trace", "service_model", "scheduler", "ideal_hit_rate", "runs", "comparisons",
+                            "diagnosis", "recommendation"]
     assert len(result["runs"]) == 2 * 2 * 2 and len(result["comparisons"]) == 4
     assert set(result["runs"][0]) >= {"policy", "page_size", "capacity_tokens", "hit_rate", "attainable_hit_rate",
                                       "prefix_cache_queries", "prefix_cache_hits", "num_evictions",

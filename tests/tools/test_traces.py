@@ -108,7 +108,8 @@ def test_unknown_workload_and_empty_count_are_config_errors():
 
 def test_write_then_load_round_trips(tmp_path):
     trace = generate_trace("multiturn", 12, seed=5)
-    trace[0].cache_salt = "tenant-a"
+    trace[0].cache_salt = "salt-a"
+    trace[1].tenant = "acme"
     path = tmp_path / "t.jsonl"
     write_trace(trace, path)
     assert [r.to_json() for r in load_trace(path)] == [r.to_json() for r in trace]
@@ -132,6 +133,8 @@ def test_load_accepts_text_and_defaults(tmp_path):
     ('{"prompt_token_ids": [1, -2]}', "non-negative ints"),
     ('{"prompt_token_ids": [1], "arrival": -1}', "arrival must be seconds >= 0"),
     ('{"prompt_token_ids": [1], "max_tokens": 1.5}', "max_tokens must be an int"),
+    ('{"prompt_token_ids": [1], "cache_salt": 7}', "cache_salt must be a string"),
+    ('{"prompt_token_ids": [1], "tenant": ["a"]}', "tenant must be a string"),
 ])
 def test_bad_lines_are_one_line_config_errors_naming_the_line(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"

@@ -1,0 +1,71 @@
+"""The bench over HTTP: each server (kvserve serve, and llama-server with --vs llama-server) is started
+fresh, answers one short warm-up request, then gets the workload `passes` times from N concurrent
+streaming clients: pass 1 is cold (empty prefix cache), later passes are warm."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from kvserve.tools.bench.http_client import HttpTarget, run_pass
+from kvserve.tools.bench.spec import WARMUP_IDS
+from kvserve.tools.bench.servers import SERVED_MODEL_NAME, kvserve_server, llama_server
+
+# fields each server needs to generate exactly max_tokens greedily, with its prefix cache on
+EXTRA_BODY = {"kvserve": {"ignore_eos": True}, "llama-server": {"ignore_eos": True, "cache_prompt": True}}
+
+
+def pass_labels(engine: str, passes: int) -> list[str]:
+    if passes == 1:
+        return [engine]
+    return [f"{engine}/cold"] + [f"{engine}/warm" + (str(i) if passes > 2 else "") for i in range(1, passes)]
+
+
+def llama_server_context(token_ids: list[list[int]], max_tokens: list[int], parallel: int) -> int:
+    """Total context so that every slot (context / parallel) holds the longest request."""
+    longest = max(len(p) + m for p, m in zip(token_ids, max_tokens)) + 16
+    return parallel * (-(-longest // 256) * 256)
+
+
+def run_http(engine: str, model_path: str, token_ids: list[list[int]], max_tokens: list[int], concurrency: int,
+             passes: int, engine_kwargs: dict, threads: int | None, llama_server_binary: Path,
+             progress=None, llama_server_context_tokens: int | None = None) -> dict[str, dict]:
+    """Raw results per pass label: {"wall_s", "requests", "peak_rss_bytes", "load_s", "threads", ...}.
+    `progress(phase, tokens_done)` as in-process engines report."""
+    num_threads = threads or len(os.sched_getaffinity(0))
+    extra: dict = {}
+    if engine == "kvserve":
+        server = kvserve_server(model_path, engine_kwargs, threads)
+    else:
+        context = llama_server_context_tokens or llama_server_context(token_ids, max_tokens, concurrency)
+        server = llama_server(llama_server_binary, model_path, concurrency, context, num_threads)
+        extra = {"context_tokens": context, "parallel": concurrency}
+    target = HttpTarget(engine, "", SERVED_MODEL_NAME, EXTRA_BODY[engine])
+    total = sum(max_tokens)
+    out: dict[str, dict] = {}
+    if progress:
+        progress("starting", None)
+    with server:
+        target.base_url = server.base_url
+        run_pass(target, [WARMUP_IDS], [4], 1)
+        for index, label in enumerate(pass_labels(engine, passes)):
+            if progress:
+                progress(label, index * total)
+            raw = run_pass(target, token_ids, max_tokens, concurrency,
+                           (lambda done, base=index * total: progress(None, base + done)) if progress else None)
+            cached = [r["cached_tokens"] for r in raw["requests"]]
+            raw.update(peak_rss_bytes=server.peak_rss_bytes(), load_s=server.load_s, threads=num_threads,
+                       kv_bytes=None, kv_bytes_used_peak=None, concurrency=concurrency, **extra,
+                       prefix_hit_rate=None if None in cached else sum(cached) / sum(map(len, token_ids)))
+            out[label] = raw
+    return out
+
+
+def server_of(label: str) -> str:
+    return label.split("/", 1)[0]
+
+
+def kvserve_label_for(peer_label: str) -> str:
+    """The kvserve pass a peer's pass is compared with: the same pass."""
+    return "kvserve" + peer_label[len(server_of(peer_label)):]
+

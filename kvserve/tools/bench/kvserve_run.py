@@ -1,0 +1,49 @@
+"""kvserve in process: the workload's requests added to LLMEngine as they arrive (all at t=0 unless
+--request-rate), step() until all finish."""
+
+from __future__ import annotations
+
+import time
+
+from kvserve.config import EngineConfig
+from kvserve.tools.bench.spec import WARMUP_IDS, Reporter, RunSpec, wait_until
+
+
+def run_kvserve(spec: RunSpec, report: Reporter) -> dict:
+    from kvserve.engine import LLMEngine
+    from kvserve.request import SamplingParams
+
+    start = time.perf_counter()
+    engine = LLMEngine(EngineConfig(model=spec.model_path, **spec.engine_kwargs))
+    load_s = time.perf_counter() - start
+    report.phase("warm-up")
+    engine.add_request({"prompt_token_ids": WARMUP_IDS}, SamplingParams(max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    engine.manager.reset_prefix_cache()
+    before, generated = engine.stats(), engine.scheduler.stats.generation_tokens
+    report.phase("running")
+    pending = list(zip(spec.arrivals, spec.token_ids, spec.max_tokens))[::-1]  # arrivals ascend: pop() next
+    ids, done, peak_pages = [], {}, 0
+    t0 = time.monotonic()
+    while pending or len(done) < len(ids):
+        if pending and not engine.has_unfinished():
+            wait_until(t0 + pending[-1][0])
+        while pending and time.monotonic() >= t0 + pending[-1][0]:  # submit what has arrived
+            _, prompt, max_tokens = pending.pop()
+            ids.append(engine.add_request({"prompt_token_ids": prompt},
+                                          SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        peak_pages = max(peak_pages, engine.manager.num_used_pages)
+        report.tokens(engine.scheduler.stats.generation_tokens - generated)
+    wall = time.monotonic() - t0
+    after = engine.stats()
+    queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
+    requests = [{"output_token_ids": list(o.outputs[0].token_ids), "ttft_s": o.metrics.ttft_s,
+                 "e2e_s": o.metrics.e2e_s, "cached_tokens": o.num_cached_tokens} for o in (done[i] for i in ids)]
+    return {"wall_s": wall, "load_s": load_s, "requests": requests, "kv_bytes": after["kv_cache_bytes"],
+            "kv_bytes_used_peak": peak_pages * engine.runner.page_bytes,
+            "prefix_hit_rate": (after["prefix_cache_hits"] - before["prefix_cache_hits"]) / queries if queries else 0.0}
+

@@ -1,0 +1,45 @@
+"""What an engine process of the bench runs (RunSpec) and how it reports progress (Reporter); shared
+by the process launcher and every engine runner."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+WARMUP_IDS = list(range(1000, 1064))
+
+
+@dataclass(slots=True)
+class RunSpec:
+    """What one engine process runs (pickled to a spawned process)."""
+
+    engine: str
+    model_path: str
+    token_ids: list[list[int]]
+    max_tokens: list[int]
+    arrivals: list[float]  # seconds after t0 at which each request is submitted
+    engine_kwargs: dict = field(default_factory=dict)
+    threads: int | None = None
+
+
+
+class Reporter:
+    """Progress from an engine process to the parent: a phase name, output tokens done (throttled)."""
+
+    def __init__(self, queue) -> None:
+        self.queue, self.last = queue, 0.0
+
+    def phase(self, name: str) -> None:
+        self.queue.put(("phase", name))
+
+    def tokens(self, done: int) -> None:
+        now = time.monotonic()
+        if now - self.last > 0.1:
+            self.last = now
+            self.queue.put(("tokens", done))
+
+
+def wait_until(t: float) -> None:
+    delay = t - time.monotonic()
+    if delay > 0:
+        time.sleep(delay)

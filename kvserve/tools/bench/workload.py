@@ -1,0 +1,67 @@
+"""Bench workloads: the W1 file, a generated mix or a trace file, resolved once to token ids and
+max_tokens per request, so every engine gets the same input."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvserve.cache.hashing import common_prefix_len
+from kvserve.config import ConfigError
+from kvserve.tools.traces import GENERATORS, encode_prompts, generate_trace, load_trace
+
+DEFAULT_MAX_TOKENS = 64
+DEFAULT_NUM_REQUESTS = 32  # generated mixes
+
+
+@dataclass(slots=True)
+class Workload:
+    name: str
+    source: str
+    request_ids: list[str]
+    token_ids: list[list[int]]
+    max_tokens: list[int]
+
+    def describe(self) -> dict:
+        return {"name": self.name, "source": self.source, "num_requests": len(self.token_ids),
+                "prompt_tokens": sum(map(len, self.token_ids)), "max_tokens": sum(self.max_tokens),
+                "shared_prefix_tokens": shared_prefix_len(self.token_ids)}
+
+
+
+
+def shared_prefix_len(token_ids: list[list[int]]) -> int:
+    """Tokens every request starts with."""
+    return min((common_prefix_len(token_ids[0], ids) for ids in token_ids), default=0)
+
+
+def workloads_dir() -> Path:
+    default = Path(__file__).resolve().parents[4] / "shared" / "workloads"  # ../shared from the repo
+    return Path(os.environ.get("KVSERVE_WORKLOADS", default))
+
+
+def load_workload(name: str, limit: int | None = None, max_tokens: int | None = None, seed: int = 0,
+                  model: str | None = None) -> Workload:
+    """w1 -> ../shared/workloads/w1.jsonl (else the generated w1 mix); a mix name; or a trace file."""
+    if limit is not None and limit < 1:
+        raise ConfigError(f"--limit must be >= 1, got {limit}")
+    if max_tokens is not None and max_tokens < 1:
+        raise ConfigError(f"--max-tokens must be >= 1, got {max_tokens}")
+    w1_file = workloads_dir() / "w1.jsonl"
+    if name == "w1" and w1_file.is_file():
+        trace, source = load_trace(w1_file), str(w1_file)
+    elif name in GENERATORS and not Path(name).exists():
+        trace, source = generate_trace(name, limit or DEFAULT_NUM_REQUESTS, seed), f"generated:{name}:{seed}"
+    elif Path(name).is_file():
+        trace, source = load_trace(name), str(Path(name))
+    else:
+        raise ConfigError(f"unknown workload {name!r}; give a trace file or one of {', '.join(GENERATORS)}")
+    trace = trace[:limit] if limit else trace
+    from kvserve.model.gguf_loader import resolve_model_path  # a text trace needs the model's tokenizer
+
+    token_ids = encode_prompts(trace, resolve_model_path(model) if any(r.prompt_token_ids is None for r in trace)
+                               else "none")
+    caps = [max_tokens or r.max_tokens or DEFAULT_MAX_TOKENS for r in trace]
+    return Workload(Path(name).stem if Path(name).is_file() else name, source, [r.id for r in trace], token_ids, caps)
+

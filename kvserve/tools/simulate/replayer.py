@@ -1,0 +1,208 @@
+"""Replay a trace through the server's own `Scheduler` and `KVCacheManager`, with a virtual clock in
+place of the model, so the hit rates reported are the ones the server would get.
+
+One step of the replay is one engine step without the model:
+
+    arrivals up to the clock ─► scheduler.add
+    scheduler.schedule() ─► the clock advances by the service model's time for the step's tokens
+                        ─► scheduler.update(out, sampled, now)   sampled: synthetic ids, unique per
+                                                                 request (never shared), EOS ignored
+
+Without arrivals the trace is replayed one request at a time. Page copies are not applied: there is no
+KV data, only the cache's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field, fields
+
+from kvserve.batch import SampledToken
+from kvserve.cache.manager import KVCacheManager
+from kvserve.config import EngineConfig
+from kvserve.request import Request, SamplingParams
+from kvserve.scheduler import Scheduler
+from kvserve.tools.simulate.requests import SimRequest, pages_needed, unbounded_pages
+
+GENERATED_ID_BASE = 1 << 40  # synthetic generated-token ids: above any vocabulary, unique per request
+_ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
+_SCAN_LIMIT = 256  # waiting requests checked per step, as the scheduler's admission scan
+
+
+@dataclass(slots=True)
+class ServiceModel:
+    """How long a step takes: its prompt tokens at the prefill rate, plus one decode interval when it
+    advances any request past its prompt (a batched decode step)."""
+
+    prefill_tokens_per_s: float = 2000.0
+    decode_tokens_per_s: float = 50.0  # per request
+
+    def step_seconds(self, num_prompt_tokens: int, num_decode_seqs: int) -> float:
+        decode = 1 / self.decode_tokens_per_s if num_decode_seqs else 0.0
+        return num_prompt_tokens / self.prefill_tokens_per_s + decode
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerLimits:
+    """The scheduler's knobs, defaulting to the engine's."""
+
+    max_num_seqs: int = _ENGINE_DEFAULTS["max_num_seqs"]
+    max_num_batched_tokens: int = _ENGINE_DEFAULTS["max_num_batched_tokens"]
+    admission_age_bound_s: float = 10.0  # the Scheduler's default
+
+
+@dataclass(slots=True)
+class VirtualClock:
+    now: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass(slots=True)
+class RunResult:
+    policy: str
+    page_size: int
+    capacity_tokens: int | None  # None: unbounded (no eviction can happen)
+    num_pages: int  # usable pages
+    hit_rate: float
+    attainable_hit_rate: float  # this policy and page size with unbounded capacity, requests one at a time
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    partial_page_hit_tokens: int  # hit tokens inside partly matched last pages (token-granular tails)
+    num_evictions: int
+    peak_pages_used: int
+    peak_tokens_used: int
+    num_requests_served: int
+    num_requests_waited: int  # preempted, or left waiting while the pool could not hold their next chunk
+    unservable_request_ids: list[str] = field(default_factory=list)
+    num_preemptions: int = 0
+    num_steps: int = 0
+    duration_s: float = 0.0  # virtual time from the first arrival to the last finish
+
+
+def replay(requests: list[SimRequest], policy: str, page_size: int, num_pages: int | None = None,
+           service: ServiceModel | None = None, check_invariants: bool = False,
+           limits: SchedulerLimits | None = None) -> RunResult:
+    """Drive a fresh KVCacheManager and Scheduler with the trace; `num_pages` usable pages (None:
+    unbounded)."""
+    capacity = None if num_pages is None else num_pages * page_size
+    num_pages = unbounded_pages(requests, page_size) if num_pages is None else num_pages
+    manager = KVCacheManager(num_pages + 1, page_size, policy)  # + the reserved null page
+    run = _Replay(requests, manager, service or ServiceModel(), limits or SchedulerLimits())
+    run.run()
+    if check_invariants:
+        manager.check_invariants()
+        assert manager.num_used_pages == 0, "pages leaked after the replay"
+    stats = manager.stats()
+    queries, hits = stats["prefix_cache_queries"], stats["prefix_cache_hits"]
+    return RunResult(policy, page_size, capacity, num_pages, hits / queries if queries else 0.0, math.nan,
+                     queries, hits, run.partial, stats["num_evictions"], run.peak, run.peak * page_size,
+                     len(requests) - len(run.unservable), len(run.waited), run.unservable,
+                     run.scheduler.stats.num_preemptions, run.num_steps, run.clock.now - run.start)
+
+
+class _Replay:
+    def __init__(self, requests: list[SimRequest], manager: KVCacheManager, service: ServiceModel,
+                 limits: SchedulerLimits) -> None:
+        self.requests, self.manager, self.service, self.limits = requests, manager, service, limits
+        self.clock = VirtualClock((requests[0].arrival or 0.0) if requests else 0.0)
+        self.start = self.clock.now
+        self.scheduler = Scheduler(
+            manager, max_num_seqs=limits.max_num_seqs, max_num_batched_tokens=limits.max_num_batched_tokens,
+            max_model_len=max((len(r.token_ids) + max(1, r.num_generated) for r in requests), default=2),
+            preemption_mode="recompute", admission_age_bound_s=limits.admission_age_bound_s,
+            clock=self.clock,
+        )
+        self.index = {r.id: i for i, r in enumerate(requests)}
+        self.stride = max((r.num_generated for r in requests), default=0) + 1
+        self.partial = self.peak = self.num_steps = 0
+        self.waited: set[str] = set()
+        self.unservable: list[str] = []
+
+    def run(self) -> None:
+        pending = deque(self.requests)
+        sequential = bool(self.requests) and self.requests[0].arrival is None
+        max_steps = 100 * sum(len(r.token_ids) + r.num_generated for r in self.requests) + 1000
+        while pending or self.scheduler.has_unfinished():
+            if sequential and not self.scheduler.has_unfinished():
+                self._add(pending.popleft())
+            elif not sequential:
+                if not self.scheduler.has_unfinished():
+                    self.clock.now = max(self.clock.now, pending[0].arrival)
+                while pending and pending[0].arrival <= self.clock.now:
+                    self._add(pending.popleft())
+            if self.scheduler.has_unfinished():
+                self._step()
+            assert self.num_steps <= max_steps, "the replay does not progress"
+
+    def _add(self, r: SimRequest) -> None:
+        if pages_needed(r, self.manager.page_size) > self.manager.num_pages - 1:
+            self.unservable.append(r.id)  # larger than the whole pool
+            return
+        params = SamplingParams(max_tokens=max(1, r.num_generated), ignore_eos=True)
+        self.scheduler.add(Request(request_id=r.id, prompt_token_ids=list(r.token_ids), sampling_params=params,
+                                   namespace=r.namespace, arrival_time=self.clock.now))
+
+    def _step(self) -> None:
+        scheduler = self.scheduler
+        waiting = {r.request_id for r in scheduler.waiting}
+        out = scheduler.schedule()
+        self.num_steps += 1
+        self.waited.update(out.preempted)
+        if not out.seqs:
+            if not scheduler.running:
+                self._drop_unadmittable()
+            return
+        self.peak = max(self.peak, self.manager.num_used_pages)
+        self._note_short_of_pages(out.num_tokens, len(out.seqs))
+        num_prompt = num_decode = 0
+        sampled: list[SampledToken | None] = []
+        for seq in out.seqs:
+            request = scheduler.requests[seq.request_id]
+            if seq.request_id in waiting:  # admitted now: it starts at its prefix hit
+                self.partial += seq.start_pos % self.manager.page_size
+            if seq.start_pos >= request.num_prompt_tokens and len(seq.token_ids) == 1:
+                num_decode += 1  # (a recompute after preemption runs at the prefill rate)
+            else:
+                num_prompt += len(seq.token_ids)
+            sampled.append(SampledToken(self._next_token(request)) if seq.need_sample else None)
+        self.clock.now += self.service.step_seconds(num_prompt, num_decode)
+        scheduler.update(out, sampled, self.clock.now)
+
+    def _next_token(self, request: Request) -> int:
+        return GENERATED_ID_BASE + self.index[request.request_id] * self.stride + request.num_output_tokens
+
+    def _first_chunk_is_short(self, request: Request, budget: int) -> tuple[bool, bool]:
+        """(short of pages now, short even with every idle cached page of its hit counted free)."""
+        ps = self.manager.page_size
+        hit = self.manager.lookup(request.token_ids, request.namespace)
+        end = min(request.num_tokens, hit.num_tokens + budget)
+        need = -(-end // ps) - hit.num_tokens // ps
+        idle = sum(1 for page in hit.pages if self.manager.pool.ref(page) == 0)
+        free = self.manager.num_free_pages
+        return need > free, need > free - idle
+
+    def _note_short_of_pages(self, num_tokens: int, num_seqs: int) -> None:
+        """Waiting requests the pool could not hold (their first chunk) while seats and budget were left."""
+        budget = self.limits.max_num_batched_tokens - num_tokens
+        if budget <= 0 or num_seqs >= self.limits.max_num_seqs:
+            return
+        for i, request in enumerate(self.scheduler.waiting):
+            if i == _SCAN_LIMIT:
+                break
+            if request.request_id not in self.waited and self._first_chunk_is_short(request, budget)[0]:
+                self.waited.add(request.request_id)
+
+    def _drop_unadmittable(self) -> None:
+        """Nothing runs and nothing was admitted: the waiting requests whose first chunk cannot get
+        pages even in the empty pool (a reused idle hit page costs one) are unservable here. The engine
+        raises an error in this state; the report counts them."""
+        budget = self.limits.max_num_batched_tokens
+        stuck = [r for r in self.scheduler.waiting if self._first_chunk_is_short(r, budget)[1]]
+        if not stuck:
+            raise RuntimeError("the simulated scheduler admitted nothing although no request runs")
+        for request in stuck:
+            self.scheduler.abort(request.request_id)
+            self.unservable.append(request.request_id)

@@ -1,0 +1,69 @@
+"""`kvserve simulate` and the engine agree: one trace through the simulator and through LLMEngine, with
+the same pool (small enough to evict and preempt), gives the same prefix-cache hit tokens, to the token.
+
+Both drive the same Scheduler and KVCacheManager; the engine computes with the model, the simulator
+with a virtual clock and synthetic output ids. Prompts never extend one another, so the output ids
+(the model's or the simulator's) cannot be hit by a later prompt. Admission aging is off on both
+sides: the engine ages by wall time, which on a busy machine would reorder admissions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvserve.tools.simulate import SchedulerLimits, prepare, replay
+from kvserve.tools.traces import TraceRequest
+from tests.conftest import pool_memory
+
+PAGE_SIZE = 8
+NUM_PAGES = 12  # page 0 included: 11 usable pages for 12 requests of 3-5 pages each
+MAX_TOKENS = 4
+
+
+def shared_prefix_trace() -> list[TraceRequest]:
+    """12 requests at t=0: three prefixes (17, 20, 27 tokens) with 4 distinct suffixes each; one group
+    is split by cache_salt and one request has a tenant, which must keep them apart."""
+    trace = []
+    for g, prefix_len in enumerate((17, 20, 27)):
+        prefix = [1000 + 100 * g + t for t in range(prefix_len)]
+        for i in range(4):
+            suffix = [5000 + 50 * (4 * g + i) + t for t in range(2 + 2 * i)]
+            salt = "s1" if g == 1 and i >= 2 else None
+            tenant = "acme" if g == 2 and i == 3 else None
+            trace.append(TraceRequest(f"g{g}-{i}", prefix + suffix, None, 0.0, MAX_TOKENS, cache_salt=salt,
+                                      tenant=tenant))
+    return trace
+
+
+def run_engine(trace: list[TraceRequest]) -> dict:
+    from kvserve.config import EngineConfig
+    from kvserve.engine import LLMEngine
+    from kvserve.request import SamplingParams
+
+    engine = LLMEngine(EngineConfig(dtype="float32", page_size=PAGE_SIZE, prefix_cache="radix",
+                                    kv_cache_memory=pool_memory(NUM_PAGES, PAGE_SIZE), max_model_len=64,
+                                    swap_space=0))  # no host tier: the simulator models the pool only
+    assert hasattr(engine.scheduler, "admission_age_bound_s")
+    engine.scheduler.admission_age_bound_s = math.inf
+    for r in trace:
+        engine.add_request({"prompt_token_ids": r.prompt_token_ids},
+                           SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, cache_salt=r.cache_salt),
+                           request_id=r.id, namespace=r.tenant or "")
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.manager.num_used_pages == 0
+    return engine.stats()
+
+
+@pytest.mark.slow
+def test_simulator_and_engine_hit_the_same_tokens():
+    trace = shared_prefix_trace()
+    sim = replay(prepare(trace, [r.prompt_token_ids for r in trace]), "radix", PAGE_SIZE, NUM_PAGES - 1,
+                 check_invariants=True, limits=SchedulerLimits(admission_age_bound_s=math.inf))
+    engine = run_engine(trace)
+    assert engine["num_evictions"] > 0 and engine["prefix_cache_hits"] > 0  # the pool is small enough
+    assert sim.num_requests_served == len(trace) and not sim.unservable_request_ids
+    assert (sim.prefix_cache_hits, sim.prefix_cache_queries, sim.num_evictions, sim.num_preemptions) == (
+        engine["prefix_cache_hits"], engine["prefix_cache_queries"], engine["num_evictions"],
+        engine["num_preemptions"])

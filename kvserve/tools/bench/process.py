@@ -13,6 +13,7 @@ import traceback
 from kvserve.config import ConfigError
 from kvserve.tools.bench.spec import Reporter, RunSpec
 
+
 def _runner(engine: str):
     if engine == "kvserve":
         from kvserve.tools.bench.kvserve_run import run_kvserve

@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -242,3 +242,101 @@ class KVEventPublisher:
         self._pub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)
+
+
+# -- the reading side (the router) ---------------------------------------------------------------
+@dataclass(slots=True)
+class WireEvent:
+    """One decoded event; hashes as they came (int, or bytes with hash_format="bytes")."""
+
+    kind: str  # "BlockStored" | "BlockRemoved" | "AllBlocksCleared"
+    hashes: list[int | bytes] = field(default_factory=list)
+    medium: str | None = None
+    parent: int | bytes | None = None
+    token_ids: list[int] = field(default_factory=list)
+
+
+def decode_batch(payload: bytes) -> list[WireEvent]:
+    """The events of one KVEventBatch payload (vLLM's array form); unknown event kinds are skipped."""
+    _, events, *_ = msgpack.unpackb(payload, raw=False)
+    decoded = []
+    for tag, *values in events:
+        values += [None] * 6  # trailing fields with defaults may be omitted
+        if tag == "BlockStored":
+            decoded.append(WireEvent(tag, list(values[0]), values[5], values[1], list(values[2])))
+        elif tag == "BlockRemoved":
+            decoded.append(WireEvent(tag, list(values[0]), values[1]))
+        elif tag == "AllBlocksCleared":
+            decoded.append(WireEvent(tag))
+    return decoded
+
+
+class KVEventSubscriber:
+    """Follows one publisher on a thread: connects, replays everything it buffered (so a late
+    subscriber learns what is already cached), then applies live batches in sequence order,
+    asking the replay socket for the batches it missed. `on_events` gets each batch's events."""
+
+    def __init__(self, endpoint: str, replay_endpoint: str | None,
+                 on_events: Callable[[list[WireEvent]], None], *, topic: str = "",
+                 replay_timeout_s: float = 2.0) -> None:
+        self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
+        self.on_events = on_events
+        self.topic = topic.encode()
+        self.replay_timeout_ms = int(replay_timeout_s * 1000)
+        self.last_seq = -1
+        self.num_batches = self.num_replayed = self.num_missed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvserve-kv-subscriber", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        ctx = zmq.Context.instance()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        try:
+            sub.connect(self.endpoint)
+            self._replay(ctx, 0)
+            while not self._stop.is_set():
+                if not sub.poll(100):
+                    continue
+                frames = sub.recv_multipart()
+                if len(frames) != 3:
+                    continue
+                seq = int.from_bytes(frames[1], "big")
+                if seq > self.last_seq + 1:
+                    self._replay(ctx, self.last_seq + 1)
+                self._take(seq, frames[2])
+        except Exception:  # a bad endpoint or payload: this backend is routed without its events
+            log.exception("KV events subscriber for %s stopped", self.endpoint)
+        finally:
+            sub.close(linger=0)
+
+    def _replay(self, ctx: zmq.Context, start: int) -> None:
+        if self.replay_endpoint is None:
+            return
+        dealer = ctx.socket(zmq.DEALER)
+        try:
+            dealer.connect(self.replay_endpoint)
+            dealer.send_multipart((b"", start.to_bytes(8, "big")))
+            while dealer.poll(self.replay_timeout_ms):
+                frames = dealer.recv_multipart()
+                seq = int.from_bytes(frames[-2], "big", signed=True)
+                if seq == -1:
+                    return
+                self.num_replayed += 1
+                self._take(seq, frames[-1])
+            log.warning("no KV events replay from %s", self.replay_endpoint)
+        finally:
+            dealer.close(linger=0)
+
+    def _take(self, seq: int, payload: bytes) -> None:
+        if seq <= self.last_seq:
+            return  # already applied (a live copy of a replayed batch)
+        self.num_missed += seq - self.last_seq - 1  # lost for good: beyond the replay buffer
+        self.last_seq = seq
+        self.num_batches += 1
+        self.on_events(decode_batch(payload))

@@ -215,3 +215,31 @@ def test_empty_steps_send_nothing_and_sequence_numbers_count_batches(pub):
     sub = Subscriber(pub.endpoint, pub.replay_endpoint)
     sub.replay(1)
     assert sorted(sub.batches) == [1]
+
+
+def test_kvserve_subscriber_learns_the_past_by_replay_then_follows_live(pub):
+    from kvserve.cache.events import KVEventSubscriber
+
+    seen: list = []
+    for i in range(3):
+        pub.publish([stored(i)])
+    pub.flush()
+    sub = KVEventSubscriber(pub.endpoint, pub.replay_endpoint, seen.extend)
+    try:
+        deadline = time.monotonic() + 10
+        i = 3
+        while sub.last_seq < 5 and time.monotonic() < deadline:
+            if i <= 5:
+                pub.publish([stored(i), BlockRemoved(stored(i - 3).page_hashes)])
+                i += 1
+            time.sleep(0.05)
+        assert sub.last_seq == 5 and sub.num_missed == 0 and sub.num_replayed >= 3
+        kinds = [(e.kind, e.hashes) for e in seen]
+        expected = [("BlockStored", [external_hash(stored(j).page_hashes[0])]) for j in range(3)]
+        for j in range(3, 6):
+            expected += [("BlockStored", [external_hash(stored(j).page_hashes[0])]),
+                         ("BlockRemoved", [external_hash(stored(j - 3).page_hashes[0])])]
+        assert kinds == expected
+        assert seen[0].token_ids == stored(0).token_ids and seen[0].medium == "pool"
+    finally:
+        sub.close()

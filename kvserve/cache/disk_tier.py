@@ -27,6 +27,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -96,7 +97,8 @@ class DiskTier:
 
     def __init__(self, path: str | os.PathLike, capacity_bytes: int, page_bytes: int, *,
                  layout: str = "", sealer: PageSealer | None = None,
-                 queue_bytes: int = 64 << 20) -> None:
+                 queue_bytes: int = 64 << 20,
+                 on_evict: Callable[[bytes], None] | None = None) -> None:
         if page_bytes < 1:
             raise ValueError(f"page_bytes must be positive, got {page_bytes}")
         self.page_bytes = page_bytes
@@ -106,6 +108,9 @@ class DiskTier:
         self.sealer: PageSealer = sealer or Blake2bChecksum()
         self.root = Path(path) / hashlib.blake2b(self.layout, digest_size=8).hexdigest()
         self.stats = DiskTierStats()
+        # told (page_hash) of every page that leaves the tier: budget, corruption, write failure
+        # (the KV events' BlockRemoved(medium="disk")); called without the tier's lock held
+        self.on_evict = on_evict
         self._lock = threading.Lock()  # _index, _pending, stats
         self._index: OrderedDict[bytes, None] = OrderedDict()  # pages on disk or queued, LRU first
         self._pending: dict[bytes, bytes] = {}  # queued, not yet on disk
@@ -123,6 +128,11 @@ class DiskTier:
     def file_of(self, page_hash: bytes) -> Path:
         name = page_hash.hex()
         return self.root / name[:2] / (name + SUFFIX)
+
+    def page_hashes(self) -> list[bytes]:
+        """Every page held, least recently used first (e.g. to announce them after a restart)."""
+        with self._lock:
+            return list(self._index)
 
     @property
     def num_pages(self) -> int:
@@ -156,6 +166,7 @@ class DiskTier:
             victims = self._make_room()
         for victim in victims:  # a queued write of a victim sees it gone and skips itself
             self.file_of(victim).unlink(missing_ok=True)
+            self._evicted(victim)
         return True
 
     def get(self, page_hash: bytes) -> bytes | None:
@@ -264,8 +275,17 @@ class DiskTier:
 
     def _forget(self, page_hash: bytes) -> None:
         with self._lock:
-            self._index.pop(page_hash, None)
+            held = self._index.pop(page_hash, False) is not False
             self._pending.pop(page_hash, None)
+        if held:
+            self._evicted(page_hash)
+
+    def _evicted(self, page_hash: bytes) -> None:
+        if self.on_evict is not None:
+            try:
+                self.on_evict(page_hash)
+            except Exception:  # a listener's bug must not break the tier
+                log.exception("disk tier on_evict failed")
 
     def _load_index(self) -> None:
         """Pages already on disk, oldest access first (file mtimes; a hit touches its file). Files of

@@ -48,6 +48,19 @@ def external_hash(page_hash: bytes, hash_format: HashFormat = "int") -> int | by
     return int.from_bytes(page_hash, "big") & ((1 << 64) - 1)
 
 
+def replay_endpoint_for(endpoint: str) -> str:
+    """The replay socket's default address: the events port + 1 (`tcp://h:5557` -> `tcp://h:5558`);
+    a free port when the events port is `*`; `ipc://x` -> `ipc://x-replay`."""
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint.rpartition(":")
+        if port == "*":
+            return endpoint
+        if not port.isdigit():
+            raise ValueError(f"--kv-events-endpoint {endpoint!r}: expected tcp://HOST:PORT")
+        return f"{host}:{int(port) + 1}"
+    return endpoint + "-replay"
+
+
 @dataclass(slots=True)
 class BlockStored:
     page_hashes: list[bytes]

@@ -214,3 +214,17 @@ class DiskTierMachine(RuleBasedStateMachine):
 DiskTierMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=25,
                                              deadline=None)
 test_disk_tier_lru_within_the_budget = DiskTierMachine.TestCase
+
+
+def test_pages_leaving_the_tier_are_reported_for_kv_events(tmp_path):
+    gone: list[bytes] = []
+    t = tier(tmp_path, pages=2, on_evict=gone.append)
+    for i in range(3):
+        t.put(h(i), payload(i))
+    assert gone == [h(0)]  # the budget
+    t.flush()
+    t.file_of(h(1)).write_bytes(b"garbage")
+    assert t.get(h(1)) is None
+    assert gone == [h(0), h(1)]  # corruption
+    assert t.page_hashes() == [h(2)]
+    t.close()

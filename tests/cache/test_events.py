@@ -243,3 +243,13 @@ def test_kvserve_subscriber_learns_the_past_by_replay_then_follows_live(pub):
         assert seen[0].token_ids == stored(0).token_ids and seen[0].medium == "pool"
     finally:
         sub.close()
+
+
+def test_replay_endpoint_defaults_to_the_next_port():
+    from kvserve.cache.events import replay_endpoint_for
+
+    assert replay_endpoint_for("tcp://127.0.0.1:5557") == "tcp://127.0.0.1:5558"
+    assert replay_endpoint_for("tcp://*:*") == "tcp://*:*"
+    assert replay_endpoint_for("ipc:///tmp/kv") == "ipc:///tmp/kv-replay"
+    with pytest.raises(ValueError, match="tcp://HOST:PORT"):
+        replay_endpoint_for("tcp://host")

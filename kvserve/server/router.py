@@ -102,13 +102,16 @@ class Router:
                 prompt = prompt[0]  # several prompts: route by the first
             if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
                 return prompt
-            request = {"prompt": prompt} if isinstance(prompt, str) else None
+            request = ({"prompt": prompt, "add_special_tokens": False} if isinstance(prompt, str)
+                       else None)
         elif path == "/v1/chat/completions":
-            request = {"messages": body.get("messages"), "add_generation_prompt": True}
+            request = {"messages": body.get("messages"), "add_generation_prompt": True,
+                       "add_special_tokens": False}
         else:
             messages = anthropic_to_chat(body)
             request = None if messages is None else {"messages": messages,
-                                                     "add_generation_prompt": True}
+                                                     "add_generation_prompt": True,
+                                                     "add_special_tokens": False}
         if request is None:
             return None
         try:

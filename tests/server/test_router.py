@@ -286,3 +286,69 @@ def test_router_in_front_of_two_kvserve_processes(tmp_path):
         assert metric(text, f'kvserve_router:backend_failures_total{{backend="{urls[0]}"}}') == 1
     finally:
         stop(procs)
+
+
+def serve_has_flag(flag: str) -> bool:
+    out = subprocess.run([sys.executable, "-m", "kvserve.cli", "serve", "--help"],
+                         capture_output=True, text=True, timeout=120)
+    return flag in out.stdout
+
+
+@pytest.mark.slow
+def test_kv_policy_sends_a_known_prefix_where_its_pages_are(tmp_path):
+    """Needs the engine's KV event hooks, `/v1/kv_events_endpoint` and `/tokenize` on the server
+    (docs/scale-out.md): skipped until `kvserve serve` has --kv-events-endpoint."""
+    import httpx
+
+    from tests.redis_server import free_port
+
+    if not serve_has_flag("--kv-events-endpoint"):
+        pytest.skip("kvserve serve has no --kv-events-endpoint yet (the engine hooks)")
+    ports = [free_port() for _ in range(3)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports[:2]]
+    logs = [tmp_path / f"{i}.log" for i in range(3)]
+    procs = [start(["serve", "--port", str(p), "--kv-events-endpoint",
+                    f"tcp://127.0.0.1:{free_port()}", *ENGINE], logs[i])
+             for i, p in enumerate(ports[:2])]
+    try:
+        for url in urls:
+            wait_healthy(url, procs, logs)
+        procs.append(start(["router", "--backend", urls[0], "--backend", urls[1], "--port",
+                            str(ports[2]), "--poll-interval", "0.2", "--log-level", "warning"],
+                           logs[2]))
+        router = f"http://127.0.0.1:{ports[2]}"
+        wait_healthy(router, procs, logs)
+        wait_for(lambda: all(b["page_size"] for b in httpx.get(router + "/router/backends").json()),
+                 timeout=30)
+        system = "You are a careful lighthouse keeper who logs every passing ship. " * 12
+        body = {"messages": [{"role": "system", "content": system},
+                             {"role": "user", "content": "Any ships today?"}],
+                "max_tokens": 3, "temperature": 0}
+
+        def post(extra: dict | None = None) -> dict:
+            response = httpx.post(router + "/v1/chat/completions", json={**body, **(extra or {})},
+                                  timeout=300)
+            assert response.status_code == 200, response.text
+            return response.json()
+
+        first = post()
+        # the first answer's pages reach the router's index through the backend's events
+        wait_for(lambda: max(b["index_pages"] for b in
+                             httpx.get(router + "/router/backends").json()) >= 8, timeout=30)
+        for _ in range(2):  # whichever backend's turn it is, the one holding the prefix wins
+            again = post()
+            assert again["choices"][0]["message"] == first["choices"][0]["message"]
+            cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached >= again["usage"]["prompt_tokens"] - 2 * PAGE
+        salted = post({"cache_salt": "another-tenant"})  # another namespace: nothing cached
+        assert salted["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        text = httpx.get(router + "/metrics").text
+        assert metric(text, "kvserve_router:requests_total") == 4
+        prefix = sum(metric(text, f'kvserve_router:requests_total{{backend="{u}",reason="prefix"}}')
+                     for u in urls)
+        assert prefix == 2
+        predicted = metric(text, "kvserve_router:predicted_cached_tokens_of_reported_total")
+        reported = metric(text, "kvserve_router:reported_cached_tokens_total")
+        assert predicted > 0 and abs(predicted - reported) <= 2 * PAGE
+    finally:
+        stop(procs)

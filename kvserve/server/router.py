@@ -164,10 +164,16 @@ class Router:
         b.hash_format = info.get("hash_format", "int")
         b.namespace_by_api_key = bool(info.get("namespace_by_api_key", False))
         replay = info.get("replay_endpoint")
+        epoch = b.epoch
+
+        def apply(events) -> None:  # (on the subscriber's thread)
+            if b.epoch == epoch:
+                b.apply(events)
+
         self.subscribers[b.url] = KVEventSubscriber(
             events_address(info["endpoint"], b.url),
             events_address(replay, b.url) if replay else None,
-            b.apply, topic=info.get("topic", ""))
+            apply, topic=info.get("topic", ""))
         log.info("following %s's KV events at %s", b.url, info["endpoint"])
 
     def mark_down(self, b: BackendState, why: str) -> None:
@@ -175,9 +181,10 @@ class Router:
             log.warning("backend %s is down (%s); forgetting its pages", b.url, why)
             self.metrics.backend_failures.labels(b.url).inc()
         b.healthy = False
+        b.epoch += 1  # its subscriber's late batches are dropped
         subscriber = self.subscribers.pop(b.url, None)
         if subscriber is not None:  # it may come back as a new process: follow it anew
-            subscriber.close(timeout=0.5)
+            subscriber.close(timeout=0)
         b.forget()
 
     def close(self) -> None:
@@ -220,6 +227,11 @@ def build_router_app(backend_urls: list[str], *, policy: str = "kv",
 
     app = FastAPI(title="kvserve router", lifespan=lifespan)
     app.state.router = router
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, err: Exception):
+        log.exception("unhandled error in the router")
+        return JSONResponse(error_body(f"internal error: {type(err).__name__}", "server_error"), 500)
 
     async def prefill(path: str, body: Any, headers: dict[str, str]) -> None:
         if not prefills or not isinstance(body, dict):
@@ -272,10 +284,10 @@ def build_router_app(backend_urls: list[str], *, policy: str = "kv",
                     raise
                 router.metrics.decided(b.url, reason, predicted)
                 released = True
+                relay = _Relay(response, b, router.metrics, predicted)
                 return StreamingResponse(
-                    _relay(first, chunks, b, router.metrics, predicted), response.status_code,
-                    media_type=kind, headers={"Cache-Control": "no-cache"},
-                    background=BackgroundTask(response.aclose))
+                    relay.chunks(first, chunks), response.status_code, media_type=kind,
+                    headers={"Cache-Control": "no-cache"}, background=BackgroundTask(relay.finish))
             except (httpx.HTTPError, StopAsyncIteration) as err:
                 last_error = f"{b.url}: {err or type(err).__name__}"
                 router.mark_down(b, last_error)
@@ -331,19 +343,28 @@ def build_router_app(backend_urls: list[str], *, policy: str = "kv",
     return app
 
 
-async def _relay(first: bytes, chunks, backend: BackendState, metrics: RouterMetrics,
-                 predicted: int):
-    """Pass an SSE stream through, reading the usage of its last chunks on the way."""
-    tail = b""
-    try:
+class _Relay:
+    """An SSE stream passed through; `finish` (the response's background task, which runs even when
+    the client left before the stream started) closes the backend's answer, releases the backend's
+    in-flight slot and reads the usage from the stream's last chunks."""
+
+    def __init__(self, response, backend: BackendState, metrics: RouterMetrics,
+                 predicted: int) -> None:
+        self.response, self.backend, self.metrics, self.predicted = (response, backend, metrics,
+                                                                     predicted)
+        self.tail = b""
+
+    async def chunks(self, first: bytes, rest):
+        self.tail = first[-65536:]
         yield first
-        tail = first[-65536:]
-        async for chunk in chunks:
+        async for chunk in rest:
+            self.tail = (self.tail + chunk)[-65536:]
             yield chunk
-            tail = (tail + chunk)[-65536:]
-    finally:
-        backend.in_flight -= 1
-        metrics.reported(predicted, reported_cached_tokens(tail, sse=True))
+
+    async def finish(self) -> None:
+        self.backend.in_flight -= 1
+        await self.response.aclose()
+        self.metrics.reported(self.predicted, reported_cached_tokens(self.tail, sse=True))
 
 
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:

@@ -43,6 +43,7 @@ class BackendState:
     page_size: int | None = None  # from its KV events description; None: no events
     hash_format: str = "int"
     namespace_by_api_key: bool = False
+    epoch: int = 0  # bumped when the backend is marked down: older subscriptions are void
     pages: dict[WireHash, set[str]] = field(default_factory=dict)  # page hash -> media holding it
 
     @property

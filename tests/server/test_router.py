@@ -268,8 +268,12 @@ def test_router_in_front_of_two_kvserve_processes(tmp_path):
         assert (httpx.post(router + "/v1/messages", json=body, timeout=300).status_code
                 == httpx.post(urls[0] + "/v1/messages", json=body, timeout=300).status_code)
 
+        bad = httpx.post(router + "/v1/chat/completions", content=b"{not json",
+                         headers={"content-type": "application/json"}, timeout=60)
+        assert bad.status_code == 400 and "error" in bad.json()  # the backend's own answer
+
         text = httpx.get(router + "/metrics").text
-        assert metric(text, "kvserve_router:requests_total") == 3
+        assert metric(text, "kvserve_router:requests_total") == 4
         assert metric(text, "kvserve_router:retries_total") == 0
 
         backends[0].kill()

@@ -16,7 +16,7 @@ from kvserve.cache.events import (MEDIUM_HOST, MEDIUM_REDIS, BlockRemoved, Block
                                   KVEventPublisher, KVEventSubscriber, WireEvent, external_hash)
 from kvserve.cache.hashing import page_hashes
 from kvserve.server.router import Router
-from kvserve.server.router_index import (BackendState, Weights, anthropic_to_chat, events_address,
+from kvserve.server.router_index import (BackendState, anthropic_to_chat, events_address,
                                          parse_load, rank, request_namespace)
 from kvserve.server.router_metrics import reported_cached_tokens
 

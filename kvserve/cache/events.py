@@ -105,43 +105,49 @@ def encode_batch(events: Sequence[Event], ts: float, data_parallel_rank: int = 0
                          use_bin_type=True)
 
 
-@dataclass
 class KVEventBuffer:
     """Collects one engine step's cache changes as events; `drain()` hands them over once per step.
     Consecutive commits of one chain (each page's parent is the previous page) merge into one
-    BlockStored, and consecutive removals of one medium into one BlockRemoved, as vLLM batches them."""
+    BlockStored, and consecutive removals of one medium into one BlockRemoved, as vLLM batches them.
+    Thread-safe: a tier's writer thread may report a page it dropped."""
 
-    page_size: int
-    events: list[Event] = field(default_factory=list)
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self.events: list[Event] = []
+        self._lock = threading.Lock()
 
     def stored(self, page_hash: bytes, parent_hash: bytes | None, token_ids: Sequence[int],
                medium: str = MEDIUM_POOL) -> None:
         """A full page became cached (indexed) in `medium`."""
         if len(token_ids) != self.page_size:
             raise ValueError(f"a stored page holds {self.page_size} tokens, got {len(token_ids)}")
-        last = self.events[-1] if self.events else None
-        if (isinstance(last, BlockStored) and last.medium == medium
-                and last.page_hashes[-1] == parent_hash):
-            last.page_hashes.append(page_hash)
-            last.token_ids.extend(token_ids)
-            return
-        self.events.append(BlockStored([page_hash], parent_hash, list(token_ids), self.page_size,
-                                       medium))
+        with self._lock:
+            last = self.events[-1] if self.events else None
+            if (isinstance(last, BlockStored) and last.medium == medium
+                    and last.page_hashes[-1] == parent_hash):
+                last.page_hashes.append(page_hash)
+                last.token_ids.extend(token_ids)
+                return
+            self.events.append(BlockStored([page_hash], parent_hash, list(token_ids),
+                                           self.page_size, medium))
 
     def removed(self, page_hash: bytes, medium: str = MEDIUM_POOL) -> None:
         """A cached page left `medium` (evicted, dropped, or reused for other tokens)."""
-        last = self.events[-1] if self.events else None
-        if isinstance(last, BlockRemoved) and last.medium == medium:
-            last.page_hashes.append(page_hash)
-            return
-        self.events.append(BlockRemoved([page_hash], medium))
+        with self._lock:
+            last = self.events[-1] if self.events else None
+            if isinstance(last, BlockRemoved) and last.medium == medium:
+                last.page_hashes.append(page_hash)
+                return
+            self.events.append(BlockRemoved([page_hash], medium))
 
     def cleared(self) -> None:
         """Every cached page of every medium is gone (prefix cache reset): earlier events void."""
-        self.events = [AllBlocksCleared()]
+        with self._lock:
+            self.events = [AllBlocksCleared()]
 
     def drain(self) -> list[Event]:
-        events, self.events = self.events, []
+        with self._lock:
+            events, self.events = self.events, []
         return events
 
 

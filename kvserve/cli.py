@@ -55,6 +55,8 @@ _TOOLS = {
                  "replay a trace through the prefix cache: hit rates and diagnosis"),
     "serve": ("kvserve.server", "serve", "the OpenAI-compatible HTTP server, /metrics and /dashboard"),
     "proxy": ("kvserve.server.proxy", "proxy", "OpenAI-compatible front for disaggregated prefill/decode"),
+    "router": ("kvserve.server.router", "router",
+               "one endpoint for several instances, routing each request where its prefix is cached"),
     "bench": ("kvserve.tools.bench", "bench", "benchmark a workload through kvserve and a peer, side by side"),
     "eval-kv": ("kvserve.tools.evalkv", "evalkv", "quality drift of quantized KV cache dtypes"),
 }

@@ -1,0 +1,397 @@
+"""`kvserve router`: one OpenAI/Anthropic endpoint in front of several `kvserve serve` instances that
+sends each request where its prompt's pages already are.
+
+    client -> router: /tokenize on a backend -> page hashes (cache/hashing.py, the request's namespace)
+                      -> rank backends (router_index.rank: cached prefix vs load) -> the best one
+                      (connection lost before the answer starts: mark it down, try the next)
+    backend KV events (ZMQ, vLLM's schema) -> KVEventSubscriber -> BackendState.pages
+    every poll interval: /health, /metrics (running, waiting, KV usage), /v1/kv_events_endpoint
+
+Each backend describes its event stream at `GET /v1/kv_events_endpoint` (docs/scale-out.md), so the
+router needs no flag per backend. A backend that fails a health check or a request is marked down and
+its pages forgotten; when it answers again its stream is followed anew, from a replay of everything
+its publisher still buffers. With `--policy round-robin`, or before a backend's events are known,
+requests go round robin or to the least loaded. With `--prefill URL`, each request is first computed
+by a prefill instance (max_tokens=1, pages to Redis) as `kvserve proxy` does, then routed.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+from typing import Any
+
+from kvserve.cache.events import KVEventSubscriber, external_hash
+from kvserve.cache.hashing import page_hashes
+from kvserve.server.proxy import base_url, prefill_body
+from kvserve.server.router_index import (BackendState, Weights, anthropic_to_chat, events_address,
+                                         parse_load, rank, request_namespace)
+from kvserve.server.router_metrics import RouterMetrics, reported_cached_tokens
+
+log = logging.getLogger("kvserve.router")
+
+FORWARDED_HEADERS = ("authorization", "content-type", "accept", "x-api-key", "anthropic-version",
+                     "anthropic-beta")
+RETRY_STATUSES = (502, 503, 504)  # the backend is going down or its engine died: try another
+
+
+class Router:
+    """Backends, their indexes and subscribers, and the choice for each request."""
+
+    def __init__(self, urls: list[str], policy: str = "kv", weights: Weights = Weights(),
+                 poll_interval_s: float = 0.5) -> None:
+        if not urls:
+            raise ValueError("the router needs at least one --backend URL")
+        if policy not in ("kv", "round-robin"):
+            raise ValueError(f"--policy is kv or round-robin, not {policy!r}")
+        self.backends = [BackendState(base_url(u)) for u in dict.fromkeys(urls)]
+        self.policy, self.weights, self.poll_interval_s = policy, weights, poll_interval_s
+        self.metrics = RouterMetrics()
+        self.subscribers: dict[str, KVEventSubscriber] = {}
+        self._turn = 0
+        self.client = None  # httpx.AsyncClient, set by the app's lifespan
+
+    # -- choosing ---------------------------------------------------------------------------------
+    def candidates(self, hashes: dict[str, list]) -> list[tuple[BackendState, int, str]]:
+        """Backends to try in order, each with its predicted cached pages and the decision's
+        reason. Down backends come last: a stale health check must not fail a request."""
+        start = self._turn
+        self._turn += 1
+        healthy = [b for b in self.backends if b.healthy] or self.backends
+        rest = [b for b in self.backends if b not in healthy]
+        if self.policy == "round-robin":
+            order = healthy[start % len(healthy):] + healthy[:start % len(healthy)]
+            return [(b, 0, "round_robin") for b in order + rest]
+        choices = []
+        for group in (healthy, rest):
+            ranked_by_hash = {}
+            for b in group:
+                ranked_by_hash.setdefault(b.hash_format, []).append(b)
+            # backends compare on their own hash format; usually all share one
+            scored = []
+            for fmt, members in ranked_by_hash.items():
+                scored += rank(members, hashes.get(fmt, []), self.weights, start)
+            scored.sort(key=lambda c: c.cost)
+            for c in scored:
+                choices.append((c.backend, c.matched_pages,
+                                "prefix" if c.matched_pages else "least_loaded"))
+        return choices
+
+    async def prompt_hashes(self, path: str, body: Any, headers: dict[str, str]) -> dict[str, list]:
+        """The request's full-page hashes, per wire format, as the backends hash them; {} when they
+        cannot be known (no backend with events, tokenizing failed, not a text prompt)."""
+        described = [b for b in self.backends if b.healthy and b.page_size]
+        if self.policy != "kv" or not described or not isinstance(body, dict):
+            return {}
+        source = described[self._turn % len(described)]
+        token_ids = await self._token_ids(source, path, body, headers)
+        if token_ids is None:
+            return {}
+        api_key = _bearer(headers) or headers.get("x-api-key")
+        namespace = request_namespace(api_key, body.get("cache_salt"), source.namespace_by_api_key)
+        raw = page_hashes(token_ids, source.page_size, namespace)
+        return {fmt: [external_hash(h, fmt) for h in raw]
+                for fmt in {b.hash_format for b in described}}
+
+    async def _token_ids(self, source: BackendState, path: str, body: dict,
+                         headers: dict[str, str]) -> list[int] | None:
+        if path == "/v1/completions":
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+                prompt = prompt[0]  # several prompts: route by the first
+            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                return prompt
+            request = ({"prompt": prompt, "add_special_tokens": False} if isinstance(prompt, str)
+                       else None)
+        elif path == "/v1/chat/completions":
+            request = {"messages": body.get("messages"), "add_generation_prompt": True,
+                       "add_special_tokens": False}
+        else:
+            messages = anthropic_to_chat(body)
+            request = None if messages is None else {"messages": messages,
+                                                     "add_generation_prompt": True,
+                                                     "add_special_tokens": False}
+        if request is None:
+            return None
+        try:
+            response = await self.client.post(source.url + "/tokenize", json=request,
+                                              headers=headers, timeout=10.0)
+            tokens = response.json().get("tokens") if response.status_code == 200 else None
+        except Exception as err:  # httpx errors, a body that is not JSON
+            log.debug("tokenize on %s failed: %s", source.url, err)
+            tokens = None
+        if not isinstance(tokens, list):
+            self.metrics.tokenize_failures.inc()
+            return None
+        return tokens
+
+    # -- health, load and events ------------------------------------------------------------------
+    async def poll_forever(self) -> None:
+        while True:
+            await asyncio.gather(*(self.poll(b) for b in self.backends))
+            await asyncio.sleep(self.poll_interval_s)
+
+    async def poll(self, b: BackendState) -> None:
+        try:
+            health = await self.client.get(b.url + "/health", timeout=2.0)
+            if health.status_code != 200:
+                raise ConnectionError(f"/health answered {health.status_code}")
+            metrics = await self.client.get(b.url + "/metrics", timeout=2.0)
+            load = parse_load(metrics.text)
+            b.num_running = int(load.get("num_requests_running", 0))
+            b.num_waiting = int(load.get("num_requests_waiting", 0))
+            b.kv_usage = float(load.get("kv_cache_usage_perc", 0.0))
+            if not b.healthy:
+                log.info("backend %s is up", b.url)
+            b.healthy = True
+            if self.policy == "kv" and b.url not in self.subscribers:
+                await self.follow_events(b)
+        except Exception as err:  # down, hung, or not a kvserve
+            self.mark_down(b, str(err))
+        self.metrics.observe_backend(b)
+
+    async def follow_events(self, b: BackendState) -> None:
+        """Learn the backend's event stream from the backend itself and subscribe to it."""
+        response = await self.client.get(b.url + "/v1/kv_events_endpoint", timeout=2.0)
+        if response.status_code != 200:
+            return  # no events (flag not set, or an older server): routed by load
+        info = response.json()
+        if not isinstance(info, dict) or not info.get("endpoint") or not info.get("page_size"):
+            return
+        b.forget()
+        b.page_size = int(info["page_size"])
+        b.hash_format = info.get("hash_format", "int")
+        b.namespace_by_api_key = bool(info.get("namespace_by_api_key", False))
+        replay = info.get("replay_endpoint")
+        epoch = b.epoch
+
+        def apply(events) -> None:  # (on the subscriber's thread)
+            if b.epoch == epoch:
+                b.apply(events)
+
+        self.subscribers[b.url] = KVEventSubscriber(
+            events_address(info["endpoint"], b.url),
+            events_address(replay, b.url) if replay else None,
+            apply, topic=info.get("topic", ""))
+        log.info("following %s's KV events at %s", b.url, info["endpoint"])
+
+    def mark_down(self, b: BackendState, why: str) -> None:
+        if b.healthy:
+            log.warning("backend %s is down (%s); forgetting its pages", b.url, why)
+            self.metrics.backend_failures.labels(b.url).inc()
+        b.healthy = False
+        b.epoch += 1  # its subscriber's late batches are dropped
+        subscriber = self.subscribers.pop(b.url, None)
+        if subscriber is not None:  # it may come back as a new process: follow it anew
+            subscriber.close(timeout=0)
+        b.forget()
+
+    def close(self) -> None:
+        for subscriber in self.subscribers.values():
+            subscriber.close()
+        self.subscribers.clear()
+
+
+def _bearer(headers: dict[str, str]) -> str | None:
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def build_router_app(backend_urls: list[str], *, policy: str = "kv",
+                     prefill_urls: list[str] | None = None, timeout: float = 600.0,
+                     poll_interval_s: float = 0.5, weights: Weights = Weights()):
+    # (no `from __future__ import annotations` here: FastAPI must see the endpoint signatures' types)
+    import httpx
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from starlette.background import BackgroundTask
+
+    from kvserve.server.protocol import error_body
+
+    router = Router(backend_urls, policy, weights, poll_interval_s)
+    prefills = [base_url(u) for u in prefill_urls or []]
+    prefill_turn = [0]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0)) as client:
+            router.client = client
+            await asyncio.gather(*(router.poll(b) for b in router.backends))
+            poller = asyncio.create_task(router.poll_forever())
+            try:
+                yield
+            finally:
+                poller.cancel()
+                router.close()
+
+    app = FastAPI(title="kvserve router", lifespan=lifespan)
+    app.state.router = router
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, err: Exception):
+        log.exception("unhandled error in the router")
+        return JSONResponse(error_body(f"internal error: {type(err).__name__}", "server_error"), 500)
+
+    async def prefill(path: str, body: Any, headers: dict[str, str]) -> None:
+        if not prefills or not isinstance(body, dict):
+            return
+        url = prefills[prefill_turn[0] % len(prefills)] + path
+        prefill_turn[0] += 1
+        try:
+            response = await router.client.post(url, json=prefill_body(body), headers=headers)
+            if response.status_code != 200:
+                log.warning("prefill %s answered %d", url, response.status_code)
+        except httpx.HTTPError as err:
+            log.warning("prefill %s failed (%s); the decode instance computes the prompt", url, err)
+
+    async def forward(path: str, raw: Request):
+        content = await raw.body()
+        headers = {k: v for k, v in raw.headers.items() if k.lower() in FORWARDED_HEADERS}
+        try:
+            body = json.loads(content)
+        except ValueError:
+            body = None  # a backend answers with the right 400
+        hashes = await router.prompt_hashes(path, body, headers)
+        await prefill(path, body, headers)
+        last_error = "no backend"
+        for attempt, (b, matched, reason) in enumerate(router.candidates(hashes)):
+            if attempt:
+                router.metrics.retries.inc()
+            b.in_flight += 1
+            released = False
+            try:
+                response = await router.client.send(
+                    router.client.build_request("POST", b.url + path, content=content,
+                                                headers=headers), stream=True)
+                if response.status_code in RETRY_STATUSES:
+                    await response.aclose()
+                    raise httpx.HTTPError(f"answered {response.status_code}")
+                kind = response.headers.get("content-type", "application/json")
+                predicted = matched * (b.page_size or 0)
+                if not kind.startswith("text/event-stream"):
+                    data = await response.aread()
+                    await response.aclose()
+                    router.metrics.decided(b.url, reason, predicted)
+                    router.metrics.reported(predicted, reported_cached_tokens(data))
+                    return Response(data, response.status_code, media_type=kind)
+                # wait for the first bytes (the first token): a backend dying before that is retried
+                chunks = response.aiter_raw()
+                try:
+                    first = await chunks.__anext__()
+                except BaseException:
+                    await response.aclose()
+                    raise
+                router.metrics.decided(b.url, reason, predicted)
+                released = True
+                relay = _Relay(response, b, router.metrics, predicted)
+                return StreamingResponse(
+                    relay.chunks(first, chunks), response.status_code, media_type=kind,
+                    headers={"Cache-Control": "no-cache"}, background=BackgroundTask(relay.finish))
+            except (httpx.HTTPError, StopAsyncIteration) as err:
+                last_error = f"{b.url}: {err or type(err).__name__}"
+                router.mark_down(b, last_error)
+            finally:
+                if not released:
+                    b.in_flight -= 1
+        return JSONResponse(error_body(f"no backend could answer ({last_error})", "server_error"),
+                            502)
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request):
+        return await forward("/v1/completions", raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request):
+        return await forward("/v1/chat/completions", raw)
+
+    @app.post("/v1/messages")
+    async def messages(raw: Request):
+        return await forward("/v1/messages", raw)
+
+    @app.get("/v1/models")
+    async def models(raw: Request):
+        headers = {k: v for k, v in raw.headers.items() if k.lower() in FORWARDED_HEADERS}
+        for b, _, _ in router.candidates({}):
+            try:
+                response = await router.client.get(b.url + "/v1/models", headers=headers)
+            except httpx.HTTPError as err:
+                router.mark_down(b, str(err))
+                continue
+            return Response(response.content, response.status_code,
+                            media_type=response.headers.get("content-type"))
+        return JSONResponse(error_body("no backend is reachable", "server_error"), 502)
+
+    @app.get("/health")
+    async def health():
+        """200 while at least one backend is healthy."""
+        if any(b.healthy for b in router.backends):
+            return Response(status_code=200)
+        return JSONResponse(error_body("no backend is healthy", "server_error"), 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(router.metrics.render(), media_type=router.metrics.content_type)
+
+    @app.get("/router/backends")
+    async def backends():
+        return [{"url": b.url, "healthy": b.healthy, "num_requests_running": b.num_running,
+                 "num_requests_waiting": b.num_waiting, "kv_cache_usage_perc": b.kv_usage,
+                 "in_flight": b.in_flight, "page_size": b.page_size, "index_pages": len(b.pages)}
+                for b in router.backends]
+
+    return app
+
+
+class _Relay:
+    """An SSE stream passed through; `finish` (the response's background task, which runs even when
+    the client left before the stream started) closes the backend's answer, releases the backend's
+    in-flight slot and reads the usage from the stream's last chunks."""
+
+    def __init__(self, response, backend: BackendState, metrics: RouterMetrics,
+                 predicted: int) -> None:
+        self.response, self.backend, self.metrics, self.predicted = (response, backend, metrics,
+                                                                     predicted)
+        self.tail = b""
+
+    async def chunks(self, first: bytes, rest):
+        self.tail = first[-65536:]
+        yield first
+        async for chunk in rest:
+            self.tail = (self.tail + chunk)[-65536:]
+            yield chunk
+
+    async def finish(self) -> None:
+        self.backend.in_flight -= 1
+        await self.response.aclose()
+        self.metrics.reported(self.predicted, reported_cached_tokens(self.tail, sse=True))
+
+
+def add_router_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", action="append", required=True, metavar="URL",
+                        help="a `kvserve serve` instance (repeat for several)")
+    parser.add_argument("--policy", default="kv", choices=["kv", "round-robin"],
+                        help="kv: by cached prefix against load (needs the backends' "
+                             "--kv-events-endpoint); round-robin: in turn")
+    parser.add_argument("--prefill", action="append", default=[], metavar="URL",
+                        help="a `kvserve serve --role prefill` instance that computes each prompt "
+                             "first (repeat for several); the --backend instances then decode")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds to wait for a backend's answer")
+    parser.add_argument("--poll-interval", type=float, default=0.5,
+                        help="seconds between health and load checks of each backend")
+    parser.add_argument("--log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug"])
+
+
+def main_router(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    if args.poll_interval <= 0:
+        raise ValueError("--poll-interval must be positive")
+    app = build_router_app(args.backend, policy=args.policy, prefill_urls=args.prefill,
+                           timeout=args.timeout, poll_interval_s=args.poll_interval)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

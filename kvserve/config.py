@@ -152,6 +152,9 @@ class EngineConfig:
     min_cacheable_tokens: int = 1024  # cache breakpoints on shorter prefixes get no lease
     max_leased_fraction: float = 0.5
     lease_ttl_scale: float = 1.0  # multiplies lease TTLs (tests scale 5 minutes down to seconds)
+    kv_events_endpoint: str | None = None  # e.g. tcp://127.0.0.1:5557: KV events, vLLM's schema
+    kv_disk_path: str | None = None  # disk tier directory (pages survive restarts)
+    kv_disk_bytes: str | int = "10GiB"
 
     def __post_init__(self) -> None:
         if not (1 <= self.page_size <= 256) or self.page_size & (self.page_size - 1):
@@ -167,6 +170,12 @@ class EngineConfig:
         resolve_kv_dtype(self.kv_cache_dtype, self.dtype)
         parse_bytes(self.kv_cache_memory)
         parse_bytes(self.swap_space)
+        parse_bytes(self.kv_disk_bytes)
+        if self.kv_disk_path and self.prefix_cache == PrefixCachePolicy.OFF.value:
+            raise ConfigError("--kv-disk-path keeps prefix-cache pages; use --prefix-cache radix or hash")
+        if self.kv_events_endpoint and not self.kv_events_endpoint.startswith(("tcp://", "ipc://")):
+            raise ConfigError(f"--kv-events-endpoint must look like tcp://HOST:PORT, "
+                              f"got {self.kv_events_endpoint!r}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

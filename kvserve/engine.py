@@ -19,6 +19,8 @@ from dataclasses import replace
 from typing import Any
 
 from kvserve.batch import PageOps
+from kvserve.cache.disk_tier import DiskTier
+from kvserve.cache.events import KVEventBuffer, KVEventPublisher, replay_endpoint_for
 from kvserve.cache.hashing import namespace
 from kvserve.cache.manager import KVCacheManager
 from kvserve.cache.offload import Offloader
@@ -49,31 +51,51 @@ class LLMEngine:
                                   device=config.device, dtype=config.dtype, fp8_scale=self.fp8_scale)
         self.host_tier = HostTier(parse_bytes(config.swap_space), self.runner.page_bytes)
         self.redis_tier = self._redis_tier() if config.redis_url else None
+        self.disk_tier = self._disk_tier() if config.kv_disk_path else None
+        self.events, self.event_publisher = None, None
+        if config.kv_events_endpoint:
+            self.events = KVEventBuffer(config.page_size)
+            self.event_publisher = KVEventPublisher(config.kv_events_endpoint,
+                                                    replay_endpoint_for(config.kv_events_endpoint))
         offload = Offloader(
-            config.page_size, self.host_tier, shared=self.redis_tier,
+            config.page_size, self.host_tier, shared=self.redis_tier, disk=self.disk_tier,
             offload_evicted=bool(self.host_tier.capacity_pages)
             and self.cache_config.prefix_cache is not PrefixCachePolicy.OFF,
             publish_sync=config.role == "prefill")
-        self.manager = KVCacheManager.from_config(self.cache_config, offload)
+        self.manager = KVCacheManager.from_config(self.cache_config, offload, self.events)
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, preemption_mode=config.preemption_mode)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
-    def _redis_tier(self) -> RedisTier:
-        """Keyed by what makes two instances' pages interchangeable: model file, KV dtype (and the
-        compute dtype when it differs: it changes the numbers stored), page size."""
+    def _page_layout(self) -> str:
+        """What makes two instances' pages interchangeable: KV dtype (and the compute dtype when it
+        differs: it changes the numbers stored)."""
         kv_dtype = self.cache_config.kv_dtype.name
         if kv_dtype != MODEL_DTYPE_TO_KV[self.config.dtype]:
             kv_dtype += "+" + self.config.dtype
+        return kv_dtype
+
+    def _redis_tier(self) -> RedisTier:
+        """Keyed by model file, page layout and page size."""
         return RedisTier(self.config.redis_url, fingerprint=self.loaded.fingerprint,
-                         kv_dtype=kv_dtype, page_size=self.config.page_size,
+                         kv_dtype=self._page_layout(), page_size=self.config.page_size,
                          page_bytes=self.runner.page_bytes)
 
+    def _disk_tier(self) -> DiskTier:
+        layout = f"{self.loaded.fingerprint}:{self._page_layout()}:{self.config.page_size}"
+        return DiskTier(self.config.kv_disk_path, parse_bytes(self.config.kv_disk_bytes),
+                        self.runner.page_bytes, layout=layout)
+
     def close(self) -> None:
-        """Write what the Redis tier still has queued and close its connections."""
+        """Write what the Redis and disk tiers still have queued, close their connections and the
+        KV event sockets."""
         if self.redis_tier is not None:
             self.redis_tier.close()
+        if self.disk_tier is not None:
+            self.disk_tier.close()
+        if self.event_publisher is not None:
+            self.event_publisher.close()
 
     # -- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -163,6 +185,8 @@ class LLMEngine:
                 request.lease_usage = grant_leases(self.manager, request, self.config.min_cacheable_tokens,
                                                    self.config.lease_ttl_scale)
         self._flush_page_moves()
+        if self.event_publisher is not None:
+            self.event_publisher.publish(self.events.drain())
         for request in changed:
             if request.sampling_params.stop and not request.status.is_finished:
                 if self.outputs.hits_stop_string(request):

@@ -31,6 +31,20 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--redis-url", default=None,
                        help="share KV pages with other instances through Redis, e.g. "
                             "redis://127.0.0.1:6379/0 (0.25 s timeouts; ?socket_timeout=0.1 to change)")
+    group.add_argument("--kv-disk-path", default=None, metavar="DIR",
+                       help="disk tier: committed pages are written here by hash and found again "
+                            "after a restart")
+    group.add_argument("--kv-disk-bytes", default=ENGINE_DEFAULTS.kv_disk_bytes,
+                       help="byte budget of the disk tier (LRU within it)")
+    group.add_argument("--kv-events-endpoint", default=None, metavar="tcp://HOST:PORT",
+                       help="publish KV events (vLLM's BlockStored/BlockRemoved schema, msgpack over "
+                            "ZMQ PUB); replay socket on the next port")
+    group.add_argument("--min-cacheable-tokens", type=int, default=ENGINE_DEFAULTS.min_cacheable_tokens,
+                       help="cache breakpoints (cache_control, kv_retention) on shorter prefixes get no lease")
+    group.add_argument("--max-leased-fraction", type=float, default=ENGINE_DEFAULTS.max_leased_fraction,
+                       help="at most this fraction of the KV pages is held by cache leases")
+    group.add_argument("--lease-ttl-scale", type=float, default=ENGINE_DEFAULTS.lease_ttl_scale,
+                       help=argparse.SUPPRESS)  # tests: 5m/1h TTLs in seconds
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -40,4 +54,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 preemption_mode=args.preemption_mode, swap_space=args.swap_space,
                 device=args.device, dtype=args.dtype, redis_url=getattr(args, "redis_url", None),
-                calculate_kv_scales=getattr(args, "calculate_kv_scales", False))
+                calculate_kv_scales=getattr(args, "calculate_kv_scales", False),
+                kv_disk_path=args.kv_disk_path, kv_disk_bytes=args.kv_disk_bytes,
+                kv_events_endpoint=args.kv_events_endpoint, min_cacheable_tokens=args.min_cacheable_tokens,
+                max_leased_fraction=args.max_leased_fraction, lease_ttl_scale=args.lease_ttl_scale)

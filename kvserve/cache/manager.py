@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvserve.cache.hashing import page_hash
 from kvserve.cache.invariants import check_manager_invariants
@@ -35,6 +35,9 @@ from kvserve.cache.prefix_radix import RadixPrefixIndex
 from kvserve.cache.sequence import PrefixHit, SeqPages, cdiv
 from kvserve.config import CacheConfig, ConfigError, PrefixCachePolicy
 
+if TYPE_CHECKING:
+    from kvserve.cache.events import KVEventBuffer
+
 
 # page states of KVCacheManager.page_states(), one character per page
 PAGE_FREE, PAGE_CACHED, PAGE_USED, PAGE_SHARED, PAGE_NULL = "0", "1", "2", "3", "4"
@@ -44,7 +47,8 @@ class KVCacheManager:
     def __init__(self, num_pages: int, page_size: int,
                  policy: PrefixCachePolicy | str = PrefixCachePolicy.RADIX,
                  partial_page_hits: bool = True, offload: Offloader | None = None,
-                 max_leased_fraction: float = 0.5, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_leased_fraction: float = 0.5, clock: Callable[[], float] = time.monotonic,
+                 events: KVEventBuffer | None = None) -> None:
         if page_size < 1:
             raise ConfigError(f"page_size must be at least 1, got {page_size}")
         if num_pages < 2:
@@ -68,14 +72,16 @@ class KVCacheManager:
         self.offload = offload or Offloader(page_size)
         self.leases = LeaseTable(self.pool, max_leased_fraction)
         self.clock = clock  # lease expiry; the simulator passes its virtual clock
+        self.events = events  # KV events (vLLM's schema): pages stored in and removed from the pool
         self._hash_of_cached: dict[int, bytes] = {}  # cached page -> its chained hash
         self.pool.on_evicted = self._evicted
 
     @classmethod
-    def from_config(cls, config: CacheConfig, offload: Offloader | None = None) -> KVCacheManager:
+    def from_config(cls, config: CacheConfig, offload: Offloader | None = None,
+                    events: KVEventBuffer | None = None) -> KVCacheManager:
         return cls(config.num_pages, config.page_size, config.prefix_cache,
                    partial_page_hits=config.partial_page_hits, offload=offload,
-                   max_leased_fraction=config.max_leased_fraction)
+                   max_leased_fraction=config.max_leased_fraction, events=events)
 
     # -- admission -----------------------------------------------------------------------------
     def lookup(self, token_ids: list[int], namespace: str = "") -> PrefixHit:
@@ -208,9 +214,13 @@ class KVCacheManager:
         token_ids = list(token_ids)
         self._extend_hashes(seq, token_ids, end)
         end = self.index.insert(token_ids, seq.namespace, seq.block_table, seq.page_hashes, start, end)
-        for page, h in zip(seq.block_table[start:end], seq.page_hashes[start:end]):
-            if self.pool.is_cached(page):  # (a duplicate of a page cached before stays uncached)
+        for i in range(start, end):
+            page, h = seq.block_table[i], seq.page_hashes[i]
+            # (a duplicate of a page cached before stays uncached; radix may hand back the cached one)
+            if self.pool.is_cached(page) and self._hash_of_cached.get(page) != h:
                 self._hash_of_cached[page] = h
+                if self.events is not None:
+                    self.events.stored(h, seq.page_hashes[i - 1] if i else None, token_ids[i * ps:(i + 1) * ps])
         seq.committed_token_ids.extend(token_ids[start * ps:end * ps])
         seq.num_committed_pages = end
         self.offload.committed(list(zip(seq.page_hashes[start:end], seq.block_table[start:end])))
@@ -225,6 +235,8 @@ class KVCacheManager:
         page_hash_ = self._hash_of_cached.pop(page_id, None)
         if page_hash_ is not None:
             self.offload.evicted(page_hash_, page_id)
+            if self.events is not None:
+                self.events.removed(page_hash_)
 
     def free(self, seq_id: str) -> None:
         """Release the sequence's pages, tail first, so its last pages are the first evicted."""
@@ -372,6 +384,8 @@ class KVCacheManager:
         if self.index is not None:
             self.index.clear()
         self._hash_of_cached.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     def check_invariants(self) -> None:

@@ -7,7 +7,7 @@ the runner reads back to where they belong. Torch-free: payloads are opaque here
     step:      scheduler.schedule() takes the ops into SchedulerOutput.page_ops
                runner.execute() reads `saves` first, writes `loads`, copies, computes
                KVCacheManager.complete(saves, payloads) -> deliver(): swap store, host tier, Redis
-    update:    commit -> committed(): pages a shared tier lacks become saves, flushed after the step
+    update:    commit -> committed(): pages Redis or disk lack become saves, flushed after the step
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ class SaveKind(enum.Enum):
     SWAP = "swap"  # a preempted request's page, pinned in the host tier until it resumes
     OFFLOAD = "offload"  # an evicted prefix page, kept in the host tier by hash
     PUBLISH = "publish"  # a committed page offered to the shared tier
+    DISK = "disk"  # a committed page written through to the disk tier (survives restarts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +59,7 @@ class Offloader:
     page_size: int
     host: HostTier | None = None
     shared: SharedTier | None = None
+    disk: Tier | None = None  # DiskTier: pages by hash on local disk, kept across restarts
     offload_evicted: bool = False  # keep evicted prefix pages in the host tier
     publish_sync: bool = False  # a prefill instance writes pages before it replies
     _saves: list[tuple[int, SaveTarget]] = field(default_factory=list)
@@ -90,17 +92,19 @@ class Offloader:
 
     @property
     def has_tiers(self) -> bool:
-        return self.offload_evicted or self.shared is not None
+        return self.offload_evicted or self.shared is not None or self.disk is not None
 
     def fetch(self, token_ids: Sequence[int], namespace: str, start_page: int, max_pages: int) -> TierLoad:
         """Payloads of full pages start_page, start_page + 1, ... of `token_ids` (at most `max_pages`),
-        up to the first one no tier holds: the host tier first, then the shared tier."""
+        up to the first one no tier holds: the host tier first, then disk, then the shared tier."""
         found = TierLoad()
         if max_pages <= 0 or not self.has_tiers:
             return found
         end = start_page + max_pages
         hashes = page_hashes(token_ids[:end * self.page_size], self.page_size, namespace)[start_page:]
-        for name, tier in (("host", self.host if self.offload_evicted else None), ("redis", self.shared)):
+        tiers = (("host", self.host if self.offload_evicted else None), ("disk", self.disk),
+                 ("redis", self.shared))
+        for name, tier in tiers:
             if tier is None or len(found.payloads) == len(hashes):
                 continue
             pages = tier.get_pages(hashes[len(found.payloads):])
@@ -113,11 +117,13 @@ class Offloader:
 
     # -- publish -------------------------------------------------------------------------------
     def committed(self, items: list[tuple[bytes, int]]) -> None:
-        """Pages just indexed: the shared tier gets those it does not know yet."""
-        if self.shared is None:
-            return
-        self._saves += [(page, SaveTarget(SaveKind.PUBLISH, h)) for h, page in items
-                        if not self.shared.is_known(h)]
+        """Pages just indexed: the shared tier and the disk tier get those they do not hold yet."""
+        if self.shared is not None:
+            self._saves += [(page, SaveTarget(SaveKind.PUBLISH, h)) for h, page in items
+                            if not self.shared.is_known(h)]
+        if self.disk is not None:
+            self._saves += [(page, SaveTarget(SaveKind.DISK, h)) for h, page in items
+                            if not self.disk.contains(h)]
 
     # -- the step boundary ---------------------------------------------------------------------
     def take(self) -> tuple[list[tuple[int, SaveTarget]], list[tuple[int, Any]]]:
@@ -135,6 +141,8 @@ class Offloader:
                 swapped.setdefault(target.key, []).append(payload)
             elif target.kind is SaveKind.OFFLOAD:
                 self.host.put(target.key, payload.copy())  # a row of its own: the tier counts pages
+            elif target.kind is SaveKind.DISK:
+                self.disk.put(target.key, payload)  # (written by the tier's own thread)
             else:
                 publish[target.key] = payload
         for seq_id, pages in swapped.items():
@@ -156,4 +164,8 @@ class Offloader:
                          cpu_prefix_cache_hits=host.offload_hits * self.page_size)
         if self.shared is not None:
             stats.update(self.shared.engine_stats())
+        if self.disk is not None:
+            disk = self.disk.stats
+            stats.update(disk_cache_pages=self.disk.num_pages, disk_cache_hits=disk.hits,
+                         disk_cache_corrupt_pages=disk.corrupt)
         return stats

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException
 from kvserve.async_engine import AsyncEngine
 from kvserve.engine import LLMEngine
 from kvserve.metrics import CONTENT_TYPE, EngineMetrics, hit_rate
+from kvserve.server.kv_routes import kv_routes
 from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from kvserve.server.serving import OpenAIServing
 
@@ -102,6 +103,8 @@ def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
             {"id": name, "object": "model", "created": created, "owned_by": "kvserve",
              "root": names[0], "max_model_len": async_engine.engine.max_model_len}
             for name in names]}
+
+    app.include_router(kv_routes(async_engine, namespace, bool(namespaces) and not shared_cache_namespace))
 
     @app.get("/health")
     async def health():

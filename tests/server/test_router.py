@@ -10,7 +10,6 @@ import sys
 import time
 
 import pytest
-from starlette.requests import Request  # (module level: FastAPI resolves the string annotation here)
 
 from kvserve.cache.events import (MEDIUM_HOST, MEDIUM_REDIS, BlockRemoved, BlockStored,
                                   KVEventPublisher, KVEventSubscriber, WireEvent, external_hash)
@@ -293,22 +292,14 @@ def test_router_in_front_of_two_kvserve_processes(tmp_path):
         stop(procs)
 
 
-def serve_has_flag(flag: str) -> bool:
-    out = subprocess.run([sys.executable, "-m", "kvserve.cli", "serve", "--help"],
-                         capture_output=True, text=True, timeout=120)
-    return flag in out.stdout
-
-
 @pytest.mark.slow
 def test_kv_policy_sends_a_known_prefix_where_its_pages_are(tmp_path):
-    """Needs the engine's KV event hooks, `/v1/kv_events_endpoint` and `/tokenize` on the server
-    (docs/scale-out.md): skipped until `kvserve serve` has --kv-events-endpoint."""
+    """Two backends publishing KV events; the router learns where each prefix's pages are from the
+    events and sends a known prefix to the backend that holds it."""
     import httpx
 
     from tests.redis_server import free_port
 
-    if not serve_has_flag("--kv-events-endpoint"):
-        pytest.skip("kvserve serve has no --kv-events-endpoint yet (the engine hooks)")
     ports = [free_port() for _ in range(3)]
     urls = [f"http://127.0.0.1:{p}" for p in ports[:2]]
     logs = [tmp_path / f"{i}.log" for i in range(3)]
@@ -357,87 +348,6 @@ def test_kv_policy_sends_a_known_prefix_where_its_pages_are(tmp_path):
         assert predicted > 0 and abs(predicted - reported) <= 2 * PAGE
     finally:
         stop(procs)
-
-
-def wired_backend():
-    """A real engine and server with the wiring docs/scale-out.md asks of the engine, done here from
-    the outside (commits -> BlockStored, evictions -> BlockRemoved, one batch per step; the two
-    endpoints the router reads). Parents and token ids are not known from outside the manager, and
-    the router needs neither."""
-    from kvserve.async_engine import AsyncEngine
-    from kvserve.cache.events import KVEventBuffer
-    from kvserve.config import EngineConfig
-    from kvserve.engine import LLMEngine
-    from kvserve.server.api import build_app
-
-    engine = LLMEngine(EngineConfig(kv_cache_memory="64MiB", max_model_len=512))
-    page_size = engine.manager.page_size
-    buffer = KVEventBuffer(page_size)
-    pub = KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
-    engine.manager.on_commit = lambda items: [buffer.stored(h, None, [0] * page_size)
-                                              for h, _ in items]
-    engine.manager.on_evict = lambda h, page_id: buffer.removed(h)
-    async_engine = AsyncEngine(engine, on_step=lambda stats, outputs: pub.publish(buffer.drain()))
-    app = build_app(async_engine)
-
-    async def describe():
-        return {"endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint,
-                "page_size": page_size, "hash_format": "int", "namespace_by_api_key": False}
-
-    async def tokenize(raw: Request):
-        body = await raw.json()
-        text = engine.chat_prompt(body["messages"]) if "messages" in body else body["prompt"]
-        return {"tokens": engine.tokenizer.encode(text, add_special_tokens=False).ids}
-
-    app.add_api_route("/v1/kv_events_endpoint", describe, methods=["GET"])
-    app.add_api_route("/tokenize", tokenize, methods=["POST"])
-    return async_engine, pub, app
-
-
-@pytest.mark.slow
-def test_kv_routing_end_to_end_with_the_hooks_wired_from_outside():
-    """Until the engine publishes events itself (then the test above runs instead): the router's own
-    page hashes (from /tokenize and the request's namespace) meet the engine's, so its prediction
-    equals the cached tokens the backend reports; another cache_salt finds nothing."""
-    import httpx
-
-    from kvserve.server.router import build_router_app
-    from tests.server.conftest import ServerThread
-
-    if serve_has_flag("--kv-events-endpoint"):
-        pytest.skip("the engine publishes KV events itself: see the test above")
-    backends = [wired_backend() for _ in range(2)]
-    try:
-        with ServerThread(backends[0][2]) as s1, ServerThread(backends[1][2]) as s2, \
-                ServerThread(build_router_app([s1.url, s2.url], poll_interval_s=0.2)) as r:
-            wait_for(lambda: all(b["page_size"] for b in
-                                 httpx.get(r.url + "/router/backends").json()), timeout=30)
-            system = "You are a careful lighthouse keeper who logs every passing ship. " * 12
-            body = {"messages": [{"role": "system", "content": system},
-                                 {"role": "user", "content": "Any ships today?"}],
-                    "max_tokens": 3, "temperature": 0}
-            usages = []
-            for extra in ({}, {}, {}, {"cache_salt": "another-tenant"}):
-                out = httpx.post(r.url + "/v1/chat/completions", json={**body, **extra},
-                                 timeout=300).json()
-                usages.append(out["usage"])
-                # this answer's pages reach the router's index before the next request
-                wait_for(lambda: sum(b["index_pages"] for b in
-                                     httpx.get(r.url + "/router/backends").json()) >= 10)
-            cached = [u["prompt_tokens_details"]["cached_tokens"] for u in usages]
-            assert cached[0] == 0 and cached[3] == 0
-            assert cached[1] == cached[2] == cacheable(usages[1]["prompt_tokens"]) > 0
-            text = httpx.get(r.url + "/metrics").text
-            reasons = {reason: sum(metric(text, f'kvserve_router:requests_total{{backend="{u}",'
-                                                f'reason="{reason}"}}') for u in (s1.url, s2.url))
-                       for reason in ("prefix", "least_loaded")}
-            assert reasons == {"prefix": 2, "least_loaded": 2}
-            assert (metric(text, "kvserve_router:predicted_cached_tokens_of_reported_total")
-                    == metric(text, "kvserve_router:reported_cached_tokens_total") == sum(cached))
-    finally:
-        for async_engine, pub, _ in backends:
-            async_engine.shutdown()
-            pub.close()
 
 
 def cacheable(num_tokens: int) -> int:

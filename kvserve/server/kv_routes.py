@@ -1,0 +1,56 @@
+"""HTTP routes about the KV cache itself rather than completions: `POST /tokenize` (vLLM's shape:
+find the token offset of your own text) and `GET /v1/kv_events_endpoint` (where a KV-aware router
+subscribes to this instance's KV events)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
+
+from kvserve.async_engine import AsyncEngine
+from kvserve.server.protocol import ChatCompletionRequest, ChatMessage
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+
+
+def kv_routes(async_engine: AsyncEngine, namespace: Callable[..., Awaitable[str]],
+              namespace_by_api_key: bool) -> APIRouter:
+    router = APIRouter()
+    engine = async_engine.engine
+
+    @router.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, ns: str = Depends(namespace)):
+        """The token ids the completion endpoints give the engine for the same prompt or messages."""
+        if (body.prompt is None) == (body.messages is None):
+            return JSONResponse({"error": {"message": "send exactly one of `prompt` or `messages`",
+                                           "type": "invalid_request_error"}}, 400)
+        try:
+            text = body.prompt if body.messages is None else engine.chat_prompt(
+                ChatCompletionRequest(messages=body.messages).conversation())
+        except ValueError as err:
+            return JSONResponse({"error": {"message": str(err), "type": "invalid_request_error"}}, 400)
+        ids = engine.tokenizer.encode(text, add_special_tokens=body.add_special_tokens).ids
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @router.get("/v1/kv_events_endpoint")
+    async def kv_events_endpoint(ns: str = Depends(namespace)):
+        publisher = engine.event_publisher
+        if publisher is None:
+            return JSONResponse({"error": {"message": "KV events are off; start with --kv-events-endpoint",
+                                           "type": "not_found_error"}}, 404)
+        return {"endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint,
+                "page_size": engine.config.page_size, "hash_format": "int", "topic": "",
+                "namespace_by_api_key": namespace_by_api_key}
+
+    return router
+

@@ -252,7 +252,7 @@ class AsyncEngine:
 
     # -- observability -------------------------------------------------------------------------
     def page_states(self) -> str:
-        """One character per page (PAGE_FREE / PAGE_CACHED / PAGE_USED / PAGE_SHARED / PAGE_NULL).
+        """One character per page (cache.pages.PAGE_*).
         Call it on the engine thread (`call`)."""
         return self.engine.manager.page_states()
 

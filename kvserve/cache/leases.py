@@ -109,6 +109,9 @@ class LeaseTable:
             self.pool.decref(page)
         return True
 
+    def expiring(self, now: float) -> list[Lease]:
+        return [lease for lease in self.leases.values() if lease.expires_at <= now]
+
     def expire(self, now: float) -> int:
         """Release the leases whose TTL ran out; their pages become evictable again."""
         expired = [lid for lid, lease in self.leases.items() if lease.expires_at <= now]

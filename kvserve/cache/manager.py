@@ -25,7 +25,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from kvserve.cache.explain import CacheExplanation, explain
 from kvserve.cache.hashing import page_hash
+from kvserve.cache.history import CacheHistory
 from kvserve.cache.invariants import check_manager_invariants
 from kvserve.cache.leases import Lease, LeaseRefusal, LeaseTable
 from kvserve.cache.offload import Offloader, SaveTarget
@@ -37,10 +39,6 @@ from kvserve.config import CacheConfig, ConfigError, PrefixCachePolicy
 
 if TYPE_CHECKING:
     from kvserve.cache.events import KVEventBuffer
-
-
-# page states of KVCacheManager.page_states(), one character per page
-PAGE_FREE, PAGE_CACHED, PAGE_USED, PAGE_SHARED, PAGE_NULL = "0", "1", "2", "3", "4"
 
 
 class KVCacheManager:
@@ -73,6 +71,7 @@ class KVCacheManager:
         self.leases = LeaseTable(self.pool, max_leased_fraction)
         self.clock = clock  # lease expiry; the simulator passes its virtual clock
         self.events = events  # KV events (vLLM's schema): pages stored in and removed from the pool
+        self.history = CacheHistory(page_size)  # what the pool held, to explain misses
         self._hash_of_cached: dict[int, bytes] = {}  # cached page -> its chained hash
         self.pool.on_evicted = self._evicted
 
@@ -98,10 +97,9 @@ class KVCacheManager:
     def allocate(self, seq_id: str, token_ids: list[int], namespace: str, hit: PrefixHit,
                  num_tokens: int) -> list[tuple[int, int]] | None:
         """Admit a sequence whose first hit.num_tokens tokens are cached and cover `num_tokens`
-        positions. Returns the (src, dst) page copies to apply before computing, or None with nothing
-        changed when pages are short. The hit is re-checked against the index: if some of its pages
-        were evicted since lookup, `hit` is shrunk in place (and its tier loads dropped), so read
-        hit.num_cached_tokens afterwards. Tier loads are committed and queued as page moves."""
+        positions. Returns the (src, dst) page copies to apply first, or None with nothing changed
+        when pages are short. A hit gone stale since lookup is shrunk in place (its tier loads
+        dropped): read hit.num_cached_tokens afterwards. Tier loads are committed and queued."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already has pages")
         if num_tokens <= hit.num_cached_tokens:
@@ -214,13 +212,16 @@ class KVCacheManager:
         token_ids = list(token_ids)
         self._extend_hashes(seq, token_ids, end)
         end = self.index.insert(token_ids, seq.namespace, seq.block_table, seq.page_hashes, start, end)
+        now = self.clock()
         for i in range(start, end):
             page, h = seq.block_table[i], seq.page_hashes[i]
             # (a duplicate of a page cached before stays uncached; radix may hand back the cached one)
             if self.pool.is_cached(page) and self._hash_of_cached.get(page) != h:
                 self._hash_of_cached[page] = h
+                parent = seq.page_hashes[i - 1] if i else None
+                self.history.stored(h, parent, seq.namespace, token_ids[:ps] if i == 0 else None, now)
                 if self.events is not None:
-                    self.events.stored(h, seq.page_hashes[i - 1] if i else None, token_ids[i * ps:(i + 1) * ps])
+                    self.events.stored(h, parent, token_ids[i * ps:(i + 1) * ps])
         seq.committed_token_ids.extend(token_ids[start * ps:end * ps])
         seq.num_committed_pages = end
         self.offload.committed(list(zip(seq.page_hashes[start:end], seq.block_table[start:end])))
@@ -235,6 +236,7 @@ class KVCacheManager:
         page_hash_ = self._hash_of_cached.pop(page_id, None)
         if page_hash_ is not None:
             self.offload.evicted(page_hash_, page_id)
+            self.history.evicted(page_hash_, self.clock())
             if self.events is not None:
                 self.events.removed(page_hash_)
 
@@ -347,7 +349,18 @@ class KVCacheManager:
         return self.leases.grant(namespace, pages[:wanted], num_tokens, ttl_s, self.clock(), label, owner)
 
     def expire_leases(self) -> int:
-        return self.leases.expire(self.clock())
+        now = self.clock()
+        for lease in self.leases.expiring(now):  # remembered, to explain a later miss
+            for page in lease.pages:
+                if page in self._hash_of_cached:
+                    self.history.lease_expired(self._hash_of_cached[page], now)
+        return self.leases.expire(now)
+
+    def explain(self, token_ids: list[int], namespace: str, hit: PrefixHit,
+                below_min_cacheable: int | None = None, min_cacheable_tokens: int = 0) -> CacheExplanation:
+        """Why the request admitted with `hit` computed what it did (cache/explain.py)."""
+        return explain(token_ids, namespace, hit, self.page_size, self.history,
+                       set(self.leases.page_refs()), self.clock(), below_min_cacheable, min_cacheable_tokens)
 
     def make_room(self) -> bool:
         """Break the lease closest to expiry; False when there is none (nothing else can free pages)."""
@@ -369,13 +382,9 @@ class KVCacheManager:
         }
 
     def page_states(self) -> str:
-        """One character per page: PAGE_NULL, then PAGE_SHARED / PAGE_USED / PAGE_CACHED / PAGE_FREE."""
-        states = [PAGE_NULL]
-        for page_id in range(1, self.num_pages):
-            refs = self.pool.ref(page_id)
-            states.append(PAGE_SHARED if refs > 1 else PAGE_USED if refs == 1
-                          else PAGE_CACHED if self.pool.is_cached(page_id) else PAGE_FREE)
-        return "".join(states)
+        """One character per page (pages.PAGE_*); leased pages that no sequence holds are PAGE_LEASED."""
+        refs = self.leases.page_refs()
+        return self.pool.states({page for page, n in refs.items() if self.pool.ref(page) == n})
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached page; refused (False) while sequences hold pages, as in vLLM."""

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 NULL_PAGE = 0
+# page states of PagePool.states(), one character per page (the dashboard's colours)
+PAGE_FREE, PAGE_CACHED, PAGE_USED, PAGE_SHARED, PAGE_NULL, PAGE_LEASED = "0", "1", "2", "3", "4", "5"
 
 
 class PoolListener(Protocol):
@@ -143,6 +145,16 @@ class PagePool:
         if self._ref[page_id] == 0:
             del self._idle[page_id]
             self._free.append(page_id)
+
+    def states(self, leased: set[int] = frozenset()) -> str:
+        """PAGE_NULL, then per page: PAGE_LEASED (in `leased`), PAGE_SHARED (ref > 1), PAGE_USED,
+        PAGE_CACHED (idle but indexed) or PAGE_FREE."""
+        states = [PAGE_NULL]
+        for page_id in range(1, self.num_pages):
+            refs = self._ref[page_id]
+            states.append(PAGE_LEASED if page_id in leased else PAGE_SHARED if refs > 1
+                          else PAGE_USED if refs == 1 else PAGE_CACHED if self._cached[page_id] else PAGE_FREE)
+        return "".join(states)
 
     def check_invariants(self) -> None:
         free = set(self._free)

@@ -1,0 +1,105 @@
+"""Why did this request miss? One explanation per admitted request (`kv_explain: true`): how many
+prompt tokens came from each source, where the prompt left the longest cached prefix of its
+namespace, and the reason the rest was computed. Every reason is decided from facts the cache
+recorded (CacheHistory), never guessed:
+
+    full_hit               everything but the last token (always computed) was cached
+    evicted                the next page was cached once and left (or came back from a tier below)
+    lease_expired          ... it left after a lease on it ran out
+    below_min_cacheable    the request asked to retain a prefix shorter than --min-cacheable-tokens
+    diverged               the cache held a different continuation of the matched prefix
+    other_tenant_or_salt   the same text is cached, but in another namespace (tenant or cache_salt)
+    partial_page           the rest of the match lies in a page the cache does not keep (a partial
+                           last page, or page-granular hits)
+    cold                   nothing of this prompt was ever cached in its namespace
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.cache.hashing import page_hashes
+from kvserve.cache.history import CacheHistory
+from kvserve.cache.sequence import PrefixHit
+
+
+@dataclass(slots=True)
+class CacheExplanation:
+    cached_tokens: int
+    cached_by_source: dict[str, int] = field(default_factory=dict)
+    diverged_at: int | None = None
+    reason: str = "cold"
+    detail: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"cached_tokens": self.cached_tokens, "cached_by_source": dict(self.cached_by_source),
+                "diverged_at": self.diverged_at, "reason": self.reason, "detail": self.detail}
+
+
+def explain(token_ids: Sequence[int], namespace: str, hit: PrefixHit, page_size: int,
+            history: CacheHistory, leased_pages: set[int], now: float,
+            below_min_cacheable: int | None = None, min_cacheable_tokens: int = 0) -> CacheExplanation:
+    """`hit` as allocate() left it (the pool's pages and any tier loads); `below_min_cacheable`: the
+    longest breakpoint the request asked to retain, when all of them were too short."""
+    cached = hit.num_cached_tokens
+    leased = min(sum(page_size for page in hit.pages if page in leased_pages), hit.num_tokens)
+    sources = {"pool": hit.num_tokens - leased, "lease": leased, "host": 0, "disk": 0, "redis": 0}
+    for source in hit.load_sources:
+        sources[source] += page_size
+    out = CacheExplanation(cached, sources)
+    num_tokens = len(token_ids)
+    hashes = page_hashes(token_ids, page_size, namespace)
+    first_missing = cached // page_size  # the page holding the first computed token
+    if hit.loads:
+        names = ", ".join(sorted({s for s in hit.load_sources}))
+        out.reason = "evicted"
+        out.detail = (f"{len(hit.loads)} pages had left the pool and were loaded back from the {names} "
+                      f"tier" + ("" if cached >= num_tokens - 1 else f"; tokens {cached}.. were computed"))
+        out.diverged_at = None if cached >= num_tokens - 1 else cached
+        return out
+    if cached >= num_tokens - 1:
+        out.reason, out.detail = "full_hit", "every prompt token but the last was cached"
+        return out
+    out.diverged_at = cached
+    if below_min_cacheable is not None:
+        out.reason = "below_min_cacheable"
+        out.detail = (f"the prefix to retain ({below_min_cacheable} tokens) is under --min-cacheable-tokens "
+                      f"{min_cacheable_tokens}, so it got no lease")
+        return out
+    record = history.record(hashes[first_missing]) if first_missing < len(hashes) else None
+    if record is not None and record.evicted_at is not None:
+        ago = now - record.evicted_at
+        if record.lease_expired_at is not None and record.lease_expired_at <= record.evicted_at:
+            out.reason = "lease_expired"
+            out.detail = (f"page {first_missing} (tokens {first_missing * page_size}..) was leased; the "
+                          f"lease ran out and the page was evicted {ago:.1f} s ago")
+        else:
+            out.reason = "evicted"
+            out.detail = (f"page {first_missing} (tokens {first_missing * page_size}..) was evicted from the "
+                          f"pool {ago:.1f} s ago and no tier below held it")
+        return out
+    parent = hashes[first_missing - 1] if first_missing else namespace
+    nxt = hashes[first_missing] if first_missing < len(hashes) else None
+    if history.has_other_child(parent, nxt):
+        out.reason = "diverged"
+        out.detail = (f"the prompt leaves the cached prefix at token {cached}: the cache holds another "
+                      f"continuation there")
+        return out
+    others = history.other_namespaces(token_ids, namespace)
+    if cached == 0 and others:
+        out.reason = "other_tenant_or_salt"
+        out.detail = (f"this text is cached in {len(others)} other namespace(s) (another API key or "
+                      f"cache_salt); namespaces never share pages")
+        return out
+    if nxt is None or cached % page_size:
+        out.reason = "partial_page"
+        out.detail = (f"the match ends inside page {first_missing}; only full pages are cached, so tokens "
+                      f"{first_missing * page_size}.. were computed")
+        return out
+    out.diverged_at = None if cached == 0 else cached
+    out.reason = "cold" if cached == 0 else "diverged"
+    out.detail = ("no prefix of this prompt was ever cached in its namespace" if cached == 0
+                  else f"the prompt leaves the cached prefix at token {cached}")
+    return out

@@ -92,15 +92,16 @@ class AsyncEngine:
     # -- requests ------------------------------------------------------------------------------
     async def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                           request_id: str | None = None, namespace: str = "",
-                          leases: list[CacheLease] | None = None) -> RequestStream:
+                          leases: list[CacheLease] | None = None, kv_explain: bool = False
+                          ) -> RequestStream:
         """Queue a request; raises the engine's ValueError for bad input. Iterate the returned
         stream for outputs; `abort(stream.request_id)` if you stop before it finishes. `leases`:
         cache breakpoints (granted when the prompt is computed; see RequestOutput.lease_usage)."""
-        return (await self.add_requests([(prompt, params, request_id)], namespace, leases))[0]
+        return (await self.add_requests([(prompt, params, request_id)], namespace, leases, kv_explain))[0]
 
     async def add_requests(self, items: list[tuple[Prompt, SamplingParams | None, str | None]],
-                           namespace: str = "", leases: list[CacheLease] | None = None
-                           ) -> list[RequestStream]:
+                           namespace: str = "", leases: list[CacheLease] | None = None,
+                           kv_explain: bool = False) -> list[RequestStream]:
         """Queue several requests in one trip to the engine thread, all or none: if one is bad,
         none stays queued and its ValueError is raised."""
         if not self.is_running:
@@ -113,7 +114,7 @@ class AsyncEngine:
             try:
                 for (prompt, params, _), stream in zip(items, streams):
                     self.engine.add_request(prompt, params, request_id=stream.request_id,
-                                            tenant=namespace, leases=leases)
+                                            tenant=namespace, leases=leases, kv_explain=kv_explain)
                     added.append(stream.request_id)
             except Exception:
                 for request_id in added:

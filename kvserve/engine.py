@@ -116,7 +116,7 @@ class LLMEngine:
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, tenant: str = "",
-                    leases: list[CacheLease] | None = None) -> str:
+                    leases: list[CacheLease] | None = None, kv_explain: bool = False) -> str:
         """Validate and queue one request. Bad input raises ValueError; nothing is queued then."""
         params = params or SamplingParams()
         params.validate()
@@ -138,6 +138,9 @@ class LLMEngine:
         request = samples[0]
         request.fork_children = samples[1:]
         request.leases = list(leases or [])
+        request.kv_explain = kv_explain
+        if request.leases and all(b.num_tokens < self.config.min_cacheable_tokens for b in request.leases):
+            request.retention_below_min = max(b.num_tokens for b in request.leases)
         self.outputs.add(request_id, text, samples)
         self.scheduler.add(request)
         return request_id

@@ -60,7 +60,8 @@ class OutputProcessor:
         return RequestOutput(
             request_id=rid, prompt=prompt, prompt_token_ids=first.prompt_token_ids,
             outputs=completions, finished=finished, num_cached_tokens=first.num_cached_tokens,
-            metrics=RequestMetrics(first.arrival_time, first_token, last), lease_usage=first.lease_usage)
+            metrics=RequestMetrics(first.arrival_time, first_token, last), lease_usage=first.lease_usage,
+            kv_cache=first.kv_cache)
 
     def _completion(self, index: int, request: Request, group_finished: bool) -> CompletionOutput:
         done = request.status.is_finished

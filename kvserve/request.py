@@ -114,6 +114,9 @@ class Request:
     fork_children: list[Request] = field(default_factory=list)
     leases: list[CacheLease] = field(default_factory=list)  # granted once the prompt is computed
     lease_usage: LeaseUsage | None = None
+    kv_explain: bool = False  # explain the prefix-cache outcome at first admission (kv_cache)
+    retention_below_min: int | None = None  # longest breakpoint asked, when all were too short
+    kv_cache: dict | None = None  # the explanation (cache.explain.CacheExplanation.as_dict())
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -170,3 +173,4 @@ class RequestOutput:
     num_cached_tokens: int
     metrics: RequestMetrics
     lease_usage: LeaseUsage | None = None
+    kv_cache: dict | None = None  # why the prompt hit or missed the prefix cache (kv_explain)

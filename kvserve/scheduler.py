@@ -27,6 +27,7 @@ from kvserve.config import PreemptionMode, PrefixCachePolicy
 from kvserve.request import Request, RequestStatus
 
 ADMISSION_SCAN_LIMIT = 256  # waiting requests looked at per step for cache-aware ordering
+MAX_PREEMPTIONS = 3  # a request preempted more often than this stops new admissions until it ends
 
 
 @dataclass(slots=True)
@@ -35,18 +36,22 @@ class SchedulerStats:
     prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission only)
     cached_prompt_tokens: int = 0
     generation_tokens: int = 0
+    num_preemption_loop_guards: int = 0  # requests that crossed max_preemptions (admissions held)
 
 
 class Scheduler:
     def __init__(self, manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, preemption_mode: str = "recompute",
-                 admission_age_bound_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 admission_age_bound_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
+                 max_preemptions: int = MAX_PREEMPTIONS) -> None:
         self.manager = manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.preemption_mode = PreemptionMode(preemption_mode)
         self.clock = clock  # admission aging; the simulator passes its virtual clock
+        self.max_preemptions = max_preemptions
+        self.looping: set[str] = set()  # requests preempted past max_preemptions, until they end
         self.admission_age_bound_s = admission_age_bound_s
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the tail is preempted first
@@ -131,6 +136,8 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         for request, hit in self._admission_order():
+            if self.looping and request.request_id not in self.looping:
+                continue  # the preemption-loop guard: nobody new until the looping request ends
             seats = 1 + len(request.fork_children)
             if budget <= 0 or len(self.running) + seats > self.max_num_seqs:
                 break
@@ -152,6 +159,9 @@ class Scheduler:
             num_new = min(end - start, budget)
             self.waiting.remove(request)
             if request.num_preemptions == 0:
+                if request.kv_explain:
+                    request.kv_cache = self.manager.explain(
+                        request.token_ids, request.namespace, hit, request.retention_below_min).as_dict()
                 request.num_cached_tokens = start
                 self.stats.prompt_tokens += request.num_prompt_tokens
                 self.stats.cached_prompt_tokens += min(start, request.num_prompt_tokens)
@@ -223,6 +233,9 @@ class Scheduler:
         self.running.remove(request)
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
+        if request.num_preemptions == self.max_preemptions + 1:  # a preemption loop: let it finish
+            self.looping.add(request.request_id)
+            self.stats.num_preemption_loop_guards += 1
         out.preempted.append(request.request_id)
         if (self.preemption_mode is PreemptionMode.SWAP and not request.fork_children
                 and self.manager.swap_out(request.request_id)):
@@ -292,6 +305,7 @@ class Scheduler:
             self._finish(request, status, now)
 
     def _finish(self, request: Request, status: RequestStatus, now: float | None = None) -> None:
+        self.looping.discard(request.request_id)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.SWAPPED:

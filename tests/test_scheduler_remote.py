@@ -25,7 +25,7 @@ class DictRemote:
         self.pages: dict[bytes, list[int]] = {}
         self.calls: list[tuple[tuple[int, ...], int, int]] = []  # (tokens, start_page, num_pages)
         self.asked: list[list[bytes]] = []  # the hashes of each call
-        self.prompts: list[tuple[list[int], str]] = []  # (tokens, namespace) of requests sent, to name calls
+        self.requests = lambda: []  # () -> the asking instance's requests, to name each call
         self.free_pages = None  # () -> the asking instance's free pages, to check the query's size
 
     def get_pages(self, hashes: list[bytes]) -> list[list[int]]:
@@ -40,8 +40,9 @@ class DictRemote:
         return found
 
     def _describe(self, hashes: list[bytes]) -> tuple[tuple[int, ...], int, int]:
-        for tokens, namespace in reversed(self.prompts):
-            chain = page_hashes(tokens, self.page_size, namespace)
+        for request in self.requests():
+            tokens = request.token_ids
+            chain = page_hashes(tokens, self.page_size, request.namespace)
             if hashes[0] in chain:
                 start = chain.index(hashes[0])
                 if chain[start:start + len(hashes)] == hashes:
@@ -80,7 +81,7 @@ class Instance:
         self.runner = FakeRunner(num_pages, ps)
 
     def add(self, request: Request) -> None:
-        self.remote.prompts.append((request.prompt_token_ids, request.namespace))
+        self.remote.requests = lambda: list(self.scheduler.requests.values())
         self.scheduler.add(request)
 
     def run(self, prompts: list[list[int]], max_tokens: int, n: int = 1) -> list[Request]:

@@ -40,7 +40,7 @@ class CacheExplanation:
 
 def explain(token_ids: Sequence[int], namespace: str, hit: PrefixHit, page_size: int,
             history: CacheHistory, leased_pages: set[int], now: float,
-            below_min_cacheable: int | None = None, min_cacheable_tokens: int = 0) -> CacheExplanation:
+            below_min_cacheable: int | None = None) -> CacheExplanation:
     """`hit` as allocate() left it (the pool's pages and any tier loads); `below_min_cacheable`: the
     longest breakpoint the request asked to retain, when all of them were too short."""
     cached = hit.num_cached_tokens
@@ -65,8 +65,8 @@ def explain(token_ids: Sequence[int], namespace: str, hit: PrefixHit, page_size:
     out.diverged_at = cached
     if below_min_cacheable is not None:
         out.reason = "below_min_cacheable"
-        out.detail = (f"the prefix to retain ({below_min_cacheable} tokens) is under --min-cacheable-tokens "
-                      f"{min_cacheable_tokens}, so it got no lease")
+        out.detail = (f"the prefix to retain ({below_min_cacheable} tokens) is under "
+                      f"--min-cacheable-tokens, so it got no lease and was not kept")
         return out
     record = history.record(hashes[first_missing]) if first_missing < len(hashes) else None
     if record is not None and record.evicted_at is not None:

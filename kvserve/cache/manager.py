@@ -357,10 +357,10 @@ class KVCacheManager:
         return self.leases.expire(now)
 
     def explain(self, token_ids: list[int], namespace: str, hit: PrefixHit,
-                below_min_cacheable: int | None = None, min_cacheable_tokens: int = 0) -> CacheExplanation:
+                below_min_cacheable: int | None = None) -> CacheExplanation:
         """Why the request admitted with `hit` computed what it did (cache/explain.py)."""
         return explain(token_ids, namespace, hit, self.page_size, self.history,
-                       set(self.leases.page_refs()), self.clock(), below_min_cacheable, min_cacheable_tokens)
+                       set(self.leases.page_refs()), self.clock(), below_min_cacheable)
 
     def make_room(self) -> bool:
         """Break the lease closest to expiry; False when there is none (nothing else can free pages)."""

@@ -67,10 +67,18 @@ class Offloader:
 
     # -- swap: a preempted request's pages to the host tier and back ---------------------------
     def swap_out(self, seq_id: str, block_table: list[int]) -> bool:
-        """Reserve host room for the sequence's pages and queue their reads. False: no room."""
+        """Reserve host room for the sequence's pages and queue their reads. False: no room. A page
+        whose load is still queued (swapped in earlier in this same step) keeps that payload
+        instead: the runner would read it before writing it."""
         if self.host is None or not self.host.reserve_swap(seq_id, len(block_table)):
             return False
-        self._saves += [(page, SaveTarget(SaveKind.SWAP, seq_id, i)) for i, page in enumerate(block_table)]
+        queued = dict(self._loads)
+        for i, page in enumerate(block_table):
+            if page in queued:
+                self.host.swapped[seq_id][i] = queued[page]
+            else:
+                self._saves.append((page, SaveTarget(SaveKind.SWAP, seq_id, i)))
+        self._loads = [(page, payload) for page, payload in self._loads if page not in set(block_table)]
         return True
 
     def num_swapped_pages(self, seq_id: str) -> int:
@@ -134,20 +142,17 @@ class Offloader:
 
     def deliver(self, saves: list[tuple[int, SaveTarget]], payloads: list[Any]) -> None:
         """Route the payloads the runner read for `saves` (same order) to their owners."""
-        swapped: dict[str, list[Any]] = {}
         publish: dict[bytes, Any] = {}  # by hash: one page per content
         for (_, target), payload in zip(saves, payloads, strict=True):
             if target.kind is SaveKind.SWAP:
-                swapped.setdefault(target.key, []).append(payload)
+                if target.key in self.host.swapped:  # (not dropped meanwhile)
+                    self.host.swapped[target.key][target.index] = payload
             elif target.kind is SaveKind.OFFLOAD:
                 self.host.put(target.key, payload.copy())  # a row of its own: the tier counts pages
             elif target.kind is SaveKind.DISK:
                 self.disk.put(target.key, payload)  # (written by the tier's own thread)
             else:
                 publish[target.key] = payload
-        for seq_id, pages in swapped.items():
-            if seq_id in self.host.swapped:  # (not dropped meanwhile)
-                self.host.fill_swap(seq_id, pages)
         if publish and self.shared.available():
             items = list(publish.items())
             if self.publish_sync:

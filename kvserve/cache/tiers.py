@@ -95,9 +95,6 @@ class HostTier:
         self.stats.swap_outs += num_pages
         return True
 
-    def fill_swap(self, request_id: str, payloads: list[Any]) -> None:
-        self.swapped[request_id] = payloads
-
     def take_swap(self, request_id: str) -> list[Any]:
         pages = self.swapped.pop(request_id)
         self.stats.swap_ins += len(pages)

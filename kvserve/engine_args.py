@@ -31,9 +31,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--redis-url", default=None,
                        help="share KV pages with other instances through Redis, e.g. "
                             "redis://127.0.0.1:6379/0 (0.25 s timeouts; ?socket_timeout=0.1 to change)")
+    group.add_argument("--kv-tier-secret-file", default=None, metavar="FILE",
+                       help="a secret shared by the instances of one Redis tier: keys become keyed "
+                            "hashes and every value carries a MAC, so no other writer can plant "
+                            "pages (or set $KVSERVE_KV_TIER_SECRET)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
+    """EngineConfig's fields from the flags; also sets the process's tier secret from its file."""
+    configure_tier_secret(args)
     return dict(page_size=args.page_size, prefix_cache=args.prefix_cache,
                 kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
@@ -41,3 +47,13 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 preemption_mode=args.preemption_mode, swap_space=args.swap_space,
                 device=args.device, dtype=args.dtype, redis_url=getattr(args, "redis_url", None),
                 calculate_kv_scales=getattr(args, "calculate_kv_scales", False))
+
+
+def configure_tier_secret(args: argparse.Namespace) -> None:
+    """--kv-tier-secret-file -> the secret every tier of this process signs with (read once here,
+    so it never appears on the command line)."""
+    from kvserve.cache.tier_auth import read_secret_file, set_process_secret
+
+    path = getattr(args, "kv_tier_secret_file", None)
+    if path:
+        set_process_secret(read_secret_file(path))

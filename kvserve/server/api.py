@@ -126,6 +126,8 @@ def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
     async def health():
         if not async_engine.is_running:
             return JSONResponse(error_body("the engine loop is not running", "server_error"), 503)
+        if serving.draining:  # load balancers: route new requests elsewhere
+            return JSONResponse(error_body("the server is shutting down", "server_error"), 503)
         return Response(status_code=200)
 
     @app.get("/metrics")

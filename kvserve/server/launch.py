@@ -15,7 +15,10 @@ import os
 import re
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
+
+import uvicorn
 
 log = logging.getLogger("kvserve.server")
 API_KEYS_ENV = "KVSERVE_API_KEYS"
@@ -92,8 +95,6 @@ class _Drain:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from kvserve.config import EngineConfig
     from kvserve.engine import LLMEngine
     from kvserve.engine_args import engine_kwargs
@@ -127,20 +128,17 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-class _DrainingServer:
-    """uvicorn.Server whose first exit signal also starts the drain (built lazily: uvicorn is
-    imported only by `serve`)."""
+class _DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose first exit signal also starts the drain."""
 
-    def __new__(cls, config, on_first_signal):
-        import uvicorn
+    def __init__(self, config: uvicorn.Config, on_first_signal: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.on_first_signal = on_first_signal
 
-        class Server(uvicorn.Server):
-            def handle_exit(self, sig, frame) -> None:
-                if not self.should_exit:
-                    on_first_signal()
-                super().handle_exit(sig, frame)
-
-        return Server(config)
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:
+            self.on_first_signal()
+        super().handle_exit(sig, frame)
 
 
 def _setup_logging(level: str) -> None:

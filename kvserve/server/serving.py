@@ -107,6 +107,8 @@ class OpenAIServing:
         self.model_names = model_names
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
+        # no token is longer than this many bytes (so characters): a longer text cannot fit
+        self.max_prompt_chars = self.max_model_len * max_token_bytes(self.tokenizer)
         self.admission = admission or Admission()
         self.draining = False  # shutting down: no new requests
         self.abort_note: str | None = None  # why in-flight requests were aborted (shutdown)
@@ -183,6 +185,9 @@ class OpenAIServing:
         if self.draining:
             raise APIError("the server is shutting down; send the request to another instance",
                            503, "server_error", None, "shutting_down")
+        if count > MAX_CHOICES:
+            raise APIError(f"{count} choices (prompts x n) is over {MAX_CHOICES} choices per "
+                           f"request; send fewer prompts or a smaller n", param="n")
         running = int(self.engine.latest_stats.get("num_requests_running", 0))
         self.admission.admit(namespace, count, running)
         released = False
@@ -200,20 +205,28 @@ class OpenAIServing:
 
     def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
         try:
-            text = self.engine.engine.chat_prompt(body.conversation())
+            conversation = body.conversation()
+            if sum(len(m["content"]) for m in conversation) > self.max_prompt_chars:
+                raise APIError(f"the messages are over max_model_len {self.max_model_len} tokens "
+                               f"however they tokenize; shorten them", param="messages")
+            text = self.engine.engine.chat_prompt(conversation)
         except APIError:
             raise
         except Exception as err:  # template errors: jinja raises its own types
             raise APIError(f"cannot apply the chat template: {err}", param="messages") from None
-        return self._tokenize(text)
+        return self._tokenize(text, "messages")
 
-    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+    def _tokenize(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         if isinstance(prompt, list):
             return prompt
-        try:
-            return self.tokenizer.encode(prompt, add_special_tokens=False).ids
+        if len(prompt) > self.max_prompt_chars:  # more tokens than max_model_len, surely
+            raise APIError(f"the prompt is {len(prompt):,} characters: over max_model_len "
+                           f"{self.max_model_len} tokens however it tokenizes; shorten it",
+                           param=param)
+        try:  # encode_batch releases the GIL while it works (encode does not)
+            return self.tokenizer.encode_batch([prompt], add_special_tokens=False)[0].ids
         except Exception as err:  # the Rust tokenizer's own errors
-            raise APIError(f"cannot tokenize the prompt: {err}", param="prompt") from None
+            raise APIError(f"cannot tokenize the prompt: {err}", param=param) from None
 
     async def _submit(self, kind: str, prompts: list[list[int]], params: SamplingParams, n: int,
                       namespace: str, release: Callable[[], None] | None = None) -> Generation:
@@ -331,6 +344,11 @@ class OpenAIServing:
         finally:
             await outputs.aclose()
         yield "data: [DONE]\n\n"
+
+
+def max_token_bytes(tokenizer) -> int:
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    return max((len(render.token_bytes(tokenizer, i)) for i in vocab.values()), default=1)
 
 
 def _sse(payload: dict[str, Any]) -> str:

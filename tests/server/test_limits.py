@@ -85,24 +85,46 @@ def test_413_names_the_limit(server):
     assert "--max-request-bytes" in response.json()["error"]["message"]
 
 
-def test_a_slow_tokenization_does_not_delay_health(server, model_name):
-    """A 3 MB prompt (under the body limit) takes seconds to tokenize: on a worker thread."""
-    prompt = "lorem ipsum dolor sit amet " * (3 * MB // 27)
+def test_tokenization_does_not_delay_health(server, model_name, async_engine):
+    """Eight prompts of the longest text that might fit max_model_len (~0.3 s each to tokenize)
+    at once: tokenized on worker threads that release the GIL."""
+    serving = server.server.config.app.state.serving
+    prompt = ("lorem ipsum dolor sit amet " * (serving.max_prompt_chars // 27 + 1))
+    prompt = prompt[:serving.max_prompt_chars]
     done: list[httpx.Response] = []
-    worker = threading.Thread(target=lambda: done.append(httpx.post(
+    workers = [threading.Thread(target=lambda: done.append(httpx.post(
         server.url + "/v1/completions", json={"model": model_name, "prompt": prompt,
                                               "max_tokens": 1}, timeout=120)))
-    worker.start()
+        for _ in range(8)]
+    for worker in workers:
+        worker.start()
     health = []
     with httpx.Client(timeout=5) as http:
-        while worker.is_alive():
+        while any(worker.is_alive() for worker in workers):
             t0 = time.monotonic()
             assert http.get(server.url + "/health").status_code == 200
             health.append(time.monotonic() - t0)
             time.sleep(0.02)
-    worker.join()
-    assert done[0].status_code == 400 and "max_model_len" in done[0].json()["error"]["message"]
+    assert len(done) == 8
+    for response in done:  # tokenized, then refused by the engine's length check
+        assert response.status_code == 400 and "max_model_len" in response.json()["error"]["message"]
     assert len(health) > 5 and max(health) < 0.5
+
+
+def test_text_too_long_for_any_tokenization_is_refused_without_tokenizing(server, model_name):
+    t0 = time.monotonic()
+    response = httpx.post(server.url + "/v1/completions", timeout=60,
+                          json={"model": model_name, "prompt": "a" * (3 * MB), "max_tokens": 1})
+    assert response.status_code == 400 and "however it tokenizes" in response.json()["error"]["message"]
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_worker_tokenization_matches_the_engine(async_engine):
+    from kvserve.server.serving import OpenAIServing
+
+    serving = OpenAIServing(async_engine, ["m"])
+    for text in ("Hello, world!", "<|im_start|>user\nhé 日本語 🙂<|im_end|>", "  spaced\n\ttabs"):
+        assert serving._tokenize(text) == async_engine.engine.tokenize(text)[1]
 
 
 @pytest.mark.parametrize("body, expected", [

@@ -424,3 +424,22 @@ def test_forged_pages_are_rejected_with_a_secret(module_redis, monkeypatch):
     finally:
         a.engine.close()
         b.engine.close()
+
+
+def test_without_a_secret_the_tier_trusts_every_writer(pair, module_redis):
+    """The threat the secret removes: unkeyed names are predictable and CRC32 is no MAC, so pages
+    copied onto another prompt's keys are taken as that prompt's (no error counted)."""
+    a, b = pair
+    assert not a.engine.redis_tier.auth.enabled
+    red, green = token_prompt(183, 160), token_prompt(184, 160)
+    generate(a, red)
+    assert a.engine.redis_tier.flush(30)
+    client = module_redis.client()
+    for red_hash, green_hash in zip(page_hashes(red, PAGE, "")[:9], page_hashes(green, PAGE, "")):
+        forged_key = a.engine.redis_tier.prefix + green_hash.hex()  # anyone can compute it
+        client.set(forged_key, client.get(a.engine.redis_tier.key(red_hash)))
+    errors = b.stats()["remote_cache_errors"]
+    out = generate(b, green)
+    assert out.num_cached_tokens == 9 * PAGE  # the forged pages were used
+    assert b.stats()["remote_cache_errors"] == errors
+    check_idle(b)

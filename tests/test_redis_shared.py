@@ -388,6 +388,7 @@ def test_killing_redis_mid_load_then_it_comes_back(pair, module_redis):
 
 
 # -- an authenticated tier (issue 18) ------------------------------------------------------------
+@pytest.mark.slow
 def test_forged_pages_are_rejected_with_a_secret(module_redis, monkeypatch):
     """The attack of issue 18: copy the pages of one prompt onto the keys of another. With a shared
     secret the names are keyed hashes (the attacker is given them here, as if leaked) and each

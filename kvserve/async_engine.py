@@ -148,6 +148,11 @@ class AsyncEngine:
         """Thread-safe, non-blocking; the stream (if still read) ends with an aborted output."""
         self._commands.put(lambda: self._abort(request_id))
 
+    def abort_all(self, reason: str) -> None:
+        """Thread-safe, non-blocking: abort every request (shutdown). Each stream ends with its
+        aborted output (finish_reason "abort"); every page goes back to the pool."""
+        self._commands.put(lambda: self._abort_all(reason))
+
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn()` on the engine thread between two steps and return its result."""
         loop = asyncio.get_running_loop()
@@ -204,6 +209,20 @@ class AsyncEngine:
             self._publish([output])
         else:
             self._streams.pop(request_id, None)
+
+    def _abort_all(self, reason: str) -> None:
+        for request_id, stream in list(self._streams.items()):
+            output = self.engine.abort(request_id)
+            if output is not None:
+                self._deliver([output])
+            elif self._streams.pop(request_id, None) is not None:  # nothing left to abort
+                try:
+                    stream.loop.call_soon_threadsafe(_put_all, [(stream, EngineDeadError(reason))])
+                except RuntimeError:
+                    pass
+        for request_id in list(self.engine.scheduler.requests):  # requests nobody streams
+            self.engine.abort(request_id)
+        self._publish([])
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}

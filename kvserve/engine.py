@@ -19,12 +19,13 @@ from dataclasses import replace
 from typing import Any
 
 from kvserve.batch import PageOps
-from kvserve.cache.disk_tier import DiskTier
+from kvserve.cache.disk_tier import DiskTier, TierAuthSealer
 from kvserve.cache.events import KVEventBuffer, KVEventPublisher, replay_endpoint_for
 from kvserve.cache.hashing import namespace
 from kvserve.cache.manager import KVCacheManager
 from kvserve.cache.offload import Offloader
 from kvserve.cache.redis_tier import RedisTier
+from kvserve.cache.tier_auth import default_auth
 from kvserve.cache.tiers import HostTier
 from kvserve.config import MODEL_DTYPE_TO_KV, EngineConfig, PrefixCachePolicy, parse_bytes, plan_cache
 from kvserve.lease_usage import grant_leases
@@ -84,8 +85,10 @@ class LLMEngine:
 
     def _disk_tier(self) -> DiskTier:
         layout = f"{self.loaded.fingerprint}:{self._page_layout()}:{self.config.page_size}"
+        auth = default_auth()  # the tier secret (--kv-tier-secret-file): pages on disk carry its MAC
         return DiskTier(self.config.kv_disk_path, parse_bytes(self.config.kv_disk_bytes),
-                        self.runner.page_bytes, layout=layout)
+                        self.runner.page_bytes, layout=layout,
+                        sealer=TierAuthSealer(auth) if auth.enabled else None)
 
     def close(self) -> None:
         """Write what the Redis and disk tiers still have queued, close their connections and the

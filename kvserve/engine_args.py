@@ -45,9 +45,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="at most this fraction of the KV pages is held by cache leases")
     group.add_argument("--lease-ttl-scale", type=float, default=ENGINE_DEFAULTS.lease_ttl_scale,
                        help=argparse.SUPPRESS)  # tests: 5m/1h TTLs in seconds
+    group.add_argument("--kv-tier-secret-file", default=None, metavar="FILE",
+                       help="a secret shared by the instances of one Redis tier: keys become keyed "
+                            "hashes and every value carries a MAC, so no other writer can plant "
+                            "pages (or set $KVSERVE_KV_TIER_SECRET)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
+    """EngineConfig's fields from the flags; also sets the process's tier secret from its file."""
+    configure_tier_secret(args)
     return dict(page_size=args.page_size, prefix_cache=args.prefix_cache,
                 kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
@@ -58,3 +64,13 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_disk_path=args.kv_disk_path, kv_disk_bytes=args.kv_disk_bytes,
                 kv_events_endpoint=args.kv_events_endpoint, min_cacheable_tokens=args.min_cacheable_tokens,
                 max_leased_fraction=args.max_leased_fraction, lease_ttl_scale=args.lease_ttl_scale)
+
+
+def configure_tier_secret(args: argparse.Namespace) -> None:
+    """--kv-tier-secret-file -> the secret every tier of this process signs with (read once here,
+    so it never appears on the command line)."""
+    from kvserve.cache.tier_auth import read_secret_file, set_process_secret
+
+    path = getattr(args, "kv_tier_secret_file", None)
+    if path:
+        set_process_secret(read_secret_file(path))

@@ -385,3 +385,62 @@ def test_killing_redis_mid_load_then_it_comes_back(pair, module_redis):
     assert out.num_cached_tokens == cacheable(160)
     assert b.stats()["remote_cache_hits"] - hits == cacheable(160) // PAGE
     check_idle(b)
+
+
+# -- an authenticated tier (issue 18) ------------------------------------------------------------
+@pytest.mark.slow
+def test_forged_pages_are_rejected_with_a_secret(module_redis, monkeypatch):
+    """The attack of issue 18: copy the pages of one prompt onto the keys of another. With a shared
+    secret the names are keyed hashes (the attacker is given them here, as if leaked) and each
+    value's MAC binds it to its key: B rejects every forged page (counted), recomputes, and answers
+    exactly as A did."""
+    from kvserve import LLM
+
+    monkeypatch.setenv("KVSERVE_KV_TIER_SECRET", "issue-18 test secret, 32 bytes..")
+    a, b = LLM(redis_url=module_redis.url, **ENGINE), LLM(redis_url=module_redis.url, **ENGINE)
+    try:
+        tier_a, tier_b = a.engine.redis_tier, b.engine.redis_tier
+        assert tier_a.auth.enabled and tier_b.auth.enabled
+        red, green = token_prompt(181, 160), token_prompt(182, 160)
+        generate(a, red)
+        reference = generate(a, green)
+        assert tier_a.flush(30)
+        client = module_redis.client()
+        red_keys = [tier_a.key(h) for h in page_hashes(red, PAGE, "")[:9]]
+        green_keys = [tier_a.key(h) for h in page_hashes(green, PAGE, "")[:9]]
+        assert all(client.exists(k) for k in red_keys + green_keys)
+        assert not any(h.hex() in k for h, k in zip(page_hashes(green, PAGE, ""), green_keys))
+        for red_key, green_key in zip(red_keys, green_keys):
+            client.set(green_key, client.get(red_key))
+        # the unkeyed names of the old scheme: planted pages nobody reads
+        for h, red_key in zip(page_hashes(green, PAGE, ""), red_keys):
+            client.set(tier_a.prefix + h.hex(), client.get(red_key))
+
+        errors = b.stats()["remote_cache_errors"]
+        out = generate(b, green)
+        assert out.outputs[0].token_ids == reference.outputs[0].token_ids
+        assert out.num_cached_tokens == 0  # the first page failed verification: all recomputed
+        assert b.stats()["remote_cache_errors"] == errors + 1
+        check_idle(b)
+    finally:
+        a.engine.close()
+        b.engine.close()
+
+
+def test_without_a_secret_the_tier_trusts_every_writer(pair, module_redis):
+    """The threat the secret removes: unkeyed names are predictable and CRC32 is no MAC, so pages
+    copied onto another prompt's keys are taken as that prompt's (no error counted)."""
+    a, b = pair
+    assert not a.engine.redis_tier.auth.enabled
+    red, green = token_prompt(183, 160), token_prompt(184, 160)
+    generate(a, red)
+    assert a.engine.redis_tier.flush(30)
+    client = module_redis.client()
+    for red_hash, green_hash in zip(page_hashes(red, PAGE, "")[:9], page_hashes(green, PAGE, "")):
+        forged_key = a.engine.redis_tier.prefix + green_hash.hex()  # anyone can compute it
+        client.set(forged_key, client.get(a.engine.redis_tier.key(red_hash)))
+    errors = b.stats()["remote_cache_errors"]
+    out = generate(b, green)
+    assert out.num_cached_tokens == 9 * PAGE  # the forged pages were used
+    assert b.stats()["remote_cache_errors"] == errors
+    check_idle(b)

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from kvserve.cache.tier_auth import TierAuth
+
 log = logging.getLogger("kvserve.disk")
 
 MAGIC = b"KVDP"
@@ -70,6 +72,18 @@ class KeyedBlake2b:
 
     def tag(self, layout: bytes, page_hash: bytes, payload: memoryview) -> bytes:
         return _blake2b(self.secret, layout, page_hash, payload)
+
+
+@dataclass(frozen=True)
+class TierAuthSealer:
+    """The shared tier secret (tier_auth.TierAuth, --kv-tier-secret-file) as the disk tier's MAC."""
+
+    auth: TierAuth
+    algorithm: int = 3
+
+    def tag(self, layout: bytes, page_hash: bytes, payload: memoryview) -> bytes:
+        parts = (len(layout).to_bytes(4, "little"), layout, len(page_hash).to_bytes(4, "little"), page_hash)
+        return self.auth.tag("disk", *parts, payload)
 
 
 def _blake2b(key: bytes, layout: bytes, page_hash: bytes, payload: memoryview) -> bytes:

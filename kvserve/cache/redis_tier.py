@@ -1,13 +1,19 @@
 """RedisTier: KV pages shared by every kvserve instance that points at one Redis (or Valkey).
 
-A page lives under `kvserve:{model fingerprint}:{kv dtype}:{page size}:{page hash hex}`; the page
-hash is the chained hash of cache/hashing.py (namespace in the first page), the same in every
-process, so instance B finds the pages instance A computed for the same tokens in the same
+A page lives under `kvserve:{model fingerprint}:{kv dtype}:{page size}:{name}`; the name comes
+from the page hash, the chained hash of cache/hashing.py (namespace in the first page), the same in
+every process, so instance B finds the pages instance A computed for the same tokens in the same
 namespace. The value is a header, then the page's K/V bytes for all layers (made and read by the
 engine; this module sees opaque bytes and never imports torch):
 
     offset  0  magic b"KVSP" | 4 version u16, reserved u16 | 8 payload length u64
            16  crc32 of the payload u32, reserved u32      | 24 payload (page_bytes)
+           24 + page_bytes   MAC over key, header and payload (32 bytes, only with a secret)
+
+With a shared secret (tier_auth.py: --kv-tier-secret-file or $KVSERVE_KV_TIER_SECRET) the name is a
+keyed hash of the page hash and every value carries a keyed MAC: a writer without the secret can
+neither guess which key holds which prompt nor plant a page that verifies. Without one, the name is
+the page hash in hex and the tier trusts every writer (start-up says so).
 
 Writes: `offer` puts pages on a bounded queue that a background thread drains with pipelined SETs
 (no expiry: Redis's own `maxmemory` + `maxmemory-policy allkeys-lru` is the capacity policy); when
@@ -15,7 +21,7 @@ the queue is full the page is dropped and counted, the caller never waits. `put_
 synchronously (a prefill instance, whose decode instance reads the pages next).
 Reads: `fetch` asks for the pages after a local hit with one MGET (per `batch_pages`) under a short
 socket timeout, and keeps the leading run of valid values.
-Faults: Redis down, slow or full, a value with a wrong magic, size or checksum: each is a miss,
+Faults: Redis down, slow or full, a value with a wrong magic, size, checksum or MAC: each is a miss,
 counted in `stats.errors`, never an exception. After a failed call the tier is skipped for
 `backoff_s`, doubling with each failure in a row up to `max_backoff_s` (a dead or hung Redis costs
 one timeout per period, not one per engine step); redis-py opens a new connection on the next call
@@ -39,6 +45,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from kvserve.cache.tier_auth import TierAuth, default_auth
 from kvserve.cache.tiers import TierChain
 
 log = logging.getLogger("kvserve.redis")
@@ -50,19 +57,28 @@ KEY_PREFIX = "kvserve"
 Payload = bytes | bytearray | memoryview | Any  # anything with the buffer protocol (a numpy row)
 
 
-def pack_page(payload: Payload) -> bytes:
-    """Header + payload: the stored value of one page."""
+_NO_AUTH = TierAuth(None)
+
+
+def pack_page(payload: Payload, auth: TierAuth = _NO_AUTH, key: str = "") -> bytes:
+    """Header + payload (+ MAC of key, header and payload with a secret): one page's stored value."""
     view = memoryview(payload).cast("B")
-    return b"".join((HEADER.pack(MAGIC, VERSION, 0, view.nbytes, zlib.crc32(view), 0), view))
+    header = HEADER.pack(MAGIC, VERSION, 0, view.nbytes, zlib.crc32(view), 0)
+    return b"".join((header, view, auth.tag(key, header, view)))
 
 
-def unpack_page(value: bytes, page_bytes: int) -> memoryview | None:
-    """The payload of a stored value, or None if its magic, version, size or checksum is wrong."""
-    if len(value) != HEADER.size + page_bytes:
+def unpack_page(value: bytes, page_bytes: int, auth: TierAuth = _NO_AUTH,
+                key: str = "") -> memoryview | None:
+    """The payload of a stored value, or None if its magic, version, size, checksum or MAC is
+    wrong."""
+    if len(value) != HEADER.size + page_bytes + auth.tag_bytes:
         return None
     magic, version, _, length, crc, _ = HEADER.unpack_from(value)
-    payload = memoryview(value)[HEADER.size:]
+    view = memoryview(value)
+    payload = view[HEADER.size:HEADER.size + page_bytes]
     if magic != MAGIC or version != VERSION or length != page_bytes or zlib.crc32(payload) != crc:
+        return None
+    if auth.enabled and auth.open(key, view) is None:
         return None
     return payload
 
@@ -84,7 +100,12 @@ class RedisTier:
     def __init__(self, url: str, *, fingerprint: str, kv_dtype: str, page_size: int, page_bytes: int,
                  timeout_s: float = 0.25, write_timeout_s: float = 2.0, backoff_s: float = 1.0,
                  max_backoff_s: float = 16.0, queue_bytes: int = 256 << 20, batch_pages: int = 128, write_batch_pages: int = 16,
-                 known_pages: int = 1 << 16) -> None:
+                 known_pages: int = 1 << 16, auth: TierAuth | None = None) -> None:
+        self.auth = auth if auth is not None else default_auth()
+        if not self.auth.enabled:
+            log.warning("the Redis KV tier trusts every writer: anyone who can write to %s can change "
+                        "other users' outputs, and key names reveal prompts; set "
+                        "--kv-tier-secret-file or $KVSERVE_KV_TIER_SECRET", _redact(url))
         self.prefix = f"{KEY_PREFIX}:{fingerprint}:{kv_dtype}:{page_size}:"
         self.page_size = page_size
         self.page_bytes = page_bytes
@@ -113,7 +134,7 @@ class RedisTier:
         self._thread.start()
 
     def key(self, page_hash: bytes) -> str:
-        return self.prefix + page_hash.hex()
+        return self.prefix + self.auth.key_for(page_hash)
 
     # -- reads ---------------------------------------------------------------------------------
     def fetch(self, token_ids: Sequence[int], namespace: str, start_page: int,
@@ -134,11 +155,13 @@ class RedisTier:
                 self._count(queries=1)
                 self._succeeded()
                 for page_hash, value in zip(chunk, values):
-                    payload = None if value is None else unpack_page(value, self.page_bytes)
+                    key = self.key(page_hash)
+                    payload = (None if value is None
+                               else unpack_page(value, self.page_bytes, self.auth, key))
                     if payload is None:
                         if value is not None:
-                            log.warning("damaged page %s in Redis (%d bytes): recomputing it",
-                                        self.key(page_hash), len(value))
+                            log.warning("damaged or unauthenticated page %s in Redis (%d bytes): "
+                                        "recomputing it", key, len(value))
                             self._count(errors=1)
                         return found
                     found.append(payload)
@@ -229,7 +252,8 @@ class RedisTier:
     def _write(self, items: list[tuple[bytes, Payload]]) -> int:
         pipe = self._writer.pipeline(transaction=False)
         for page_hash, payload in items:
-            pipe.set(self.key(page_hash), pack_page(payload))
+            key = self.key(page_hash)
+            pipe.set(key, pack_page(payload, self.auth, key))
         try:
             results = pipe.execute(raise_on_error=False)
         except (redis.RedisError, OSError) as err:
@@ -321,3 +345,9 @@ class RedisTier:
         """The engine's `remote_cache_*` stats keys."""
         with self._lock:
             return {f"remote_cache_{name}": value for name, value in asdict(self.stats).items()}
+
+
+def _redact(url: str) -> str:
+    """The URL without a password (redis://:secret@host)."""
+    scheme, sep, rest = url.partition("://")
+    return f"{scheme}{sep}{rest.rpartition('@')[2]}" if sep else url

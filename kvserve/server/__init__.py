@@ -16,7 +16,24 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", action="append", default=None, metavar="KEY",
                         help="require `Authorization: Bearer KEY` on /v1 (repeat for several "
-                             "tenants; each key gets its own prefix-cache namespace)")
+                             "tenants; each key gets its own prefix-cache namespace). Visible in "
+                             "`ps`: prefer --api-key-file or $KVSERVE_API_KEYS")
+    parser.add_argument("--api-key-file", default=None, metavar="FILE",
+                        help="API keys, one per line (blank lines and # comments skipped), same "
+                             "meaning as --api-key; $KVSERVE_API_KEYS adds keys separated by "
+                             "commas or whitespace")
+    parser.add_argument("--max-request-bytes", type=_positive_int, default=4 << 20, metavar="N",
+                        help="larger request bodies get a 413 before parsing (default 4 MiB)")
+    parser.add_argument("--max-waiting-requests", type=_non_negative_int, default=0, metavar="N",
+                        help="429 with Retry-After once N engine requests (prompts x n) are "
+                             "waiting beyond those running (default 0: no limit)")
+    parser.add_argument("--max-requests-per-tenant", type=_non_negative_int, default=0,
+                        metavar="N",
+                        help="429 once one API key holds N engine requests, waiting or running "
+                             "(default 0: no limit)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                        help="on SIGTERM, let in-flight requests finish for S seconds, then "
+                             "abort the rest (default 30)")
     parser.add_argument("--shared-cache-namespace", action="store_true",
                         help="let all API keys share one prefix cache")
     parser.add_argument("--served-model-name", default=None,
@@ -27,6 +44,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
     add_engine_arguments(parser)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (no limit) or more, got {value}")
+    return value
 
 
 def main_serve(args: argparse.Namespace) -> int:

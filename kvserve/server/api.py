@@ -3,13 +3,14 @@ plus /health, /metrics (Prometheus text), /dashboard (a live page) and /dashboar
 
 `build_app(engine)` wraps an `LLMEngine` (or an `AsyncEngine` the caller owns) and starts the engine
 loop with the app. Every error is OpenAI's `{"error": {"message", "type", "param", "code"}}` with a
-4xx status (validation is 400, not FastAPI's 422). With API keys, `/v1/*` needs `Authorization:
-Bearer KEY`, and each key gets its own prefix-cache namespace unless the keys share one.
+4xx status (validation is 400, not FastAPI's 422). With API keys, `/v1/*`, `/docs` and
+`/openapi.json` need `Authorization: Bearer KEY`, and each key gets its own prefix-cache namespace
+unless the keys share one. Bodies over `max_request_bytes` get a 413 before parsing; requests beyond
+the admission limits a 429 with Retry-After (limits.py). `kvserve serve` itself is in launch.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import hmac
@@ -20,6 +21,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
@@ -28,7 +30,8 @@ from kvserve.engine import LLMEngine
 from kvserve.metrics import CONTENT_TYPE, EngineMetrics, hit_rate
 from kvserve.server.kv_routes import kv_routes
 from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
-from kvserve.server.serving import OpenAIServing
+from kvserve.server.limits import DEFAULT_MAX_REQUEST_BYTES, Admission, BodyLimit
+from kvserve.server.serving import OpenAIServing, SSEResult
 
 log = logging.getLogger("kvserve.server")
 DASHBOARD = Path(__file__).with_name("dashboard.html")
@@ -47,7 +50,9 @@ def key_namespace(api_key: str) -> str:
 
 def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
               api_keys: list[str] | None = None, shared_cache_namespace: bool = False,
-              extra_model_names: list[str] | None = None) -> FastAPI:
+              extra_model_names: list[str] | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_waiting_requests: int = 0,
+              max_requests_per_tenant: int = 0) -> FastAPI:
     owns_engine = isinstance(engine, LLMEngine)
     model_name = model_name or default_model_name(engine if owns_engine else engine.engine)
     metrics = EngineMetrics(model_name)
@@ -58,7 +63,8 @@ def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
         previous = async_engine.on_step  # several apps may watch one engine (tests)
         async_engine.on_step = _chain(previous, metrics.observe)
     names = [model_name, *(n for n in extra_model_names or [] if n and n != model_name)]
-    serving = OpenAIServing(async_engine, names)
+    admission = Admission(max_waiting_requests, max_requests_per_tenant)
+    serving = OpenAIServing(async_engine, names, admission)
     namespaces = {key: ("" if shared_cache_namespace else key_namespace(key)) for key in api_keys or []}
 
     @contextlib.asynccontextmanager
@@ -70,9 +76,13 @@ def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
             if owns_engine:
                 async_engine.shutdown()
 
-    app = FastAPI(title="kvserve", lifespan=lifespan)
+    hidden = bool(namespaces)  # with keys, the schema is served below, behind the key
+    app = FastAPI(title="kvserve", lifespan=lifespan, docs_url=None if hidden else "/docs",
+                  redoc_url=None, openapi_url=None if hidden else "/openapi.json")
     app.state.engine = async_engine
     app.state.metrics = metrics
+    app.state.serving = serving
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     _add_error_handlers(app)
 
     async def namespace(request: Request) -> str:
@@ -106,10 +116,21 @@ def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
 
     app.include_router(kv_routes(async_engine, namespace, bool(namespaces) and not shared_cache_namespace))
 
+    if hidden:
+        @app.get("/openapi.json", include_in_schema=False)
+        async def openapi(ns: str = Depends(namespace)):
+            return JSONResponse(app.openapi())
+
+        @app.get("/docs", include_in_schema=False)
+        async def docs(ns: str = Depends(namespace)):
+            return get_swagger_ui_html(openapi_url="/openapi.json", title="kvserve")
+
     @app.get("/health")
     async def health():
         if not async_engine.is_running:
             return JSONResponse(error_body("the engine loop is not running", "server_error"), 503)
+        if serving.draining:  # load balancers: route new requests elsewhere
+            return JSONResponse(error_body("the server is shutting down", "server_error"), 503)
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -146,25 +167,47 @@ def validation_error_body(errors: list[dict[str, Any]]) -> dict[str, Any]:
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return error_body(f"the request body is not valid JSON: {detail}".rstrip(": "))
-    # drop "body" and pydantic's union-member tags such as "str" or "list[int]"
-    path = [str(p) for p in first.get("loc", ())[1:]
-            if not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p))]
-    param = ".".join(path) or None
+    # a union field fails once per member; a member's range or length error (the value had the
+    # right shape) names the problem better than "Input should be a valid string"
+    field_path = _field_path(first)
+    same_field = [e for e in errors if _field_path(e) == field_path]
+    first = next((e for e in same_field if not str(e.get("type", "")).endswith("_type")), first)
+    param = ".".join(_field_path(first)) or None
     message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     if param:
         message = f"{param}: {message}"
     return error_body(message, "invalid_request_error", param, None)
 
 
+def _field_path(error: dict[str, Any]) -> list[str]:
+    """The error's location without "body" and pydantic's union-member tags ("str", "list[int]")."""
+    loc = error.get("loc", ())[1:]
+    return [str(p) for p in loc if not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p))]
+
+
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "function-after",
               "function-before", "function-wrap"}
 
 
-def _respond(result: Any) -> Any:
+def _respond(result: dict | SSEResult) -> Any:
     if isinstance(result, dict):
         return JSONResponse(result)
-    return StreamingResponse(result, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return _ClosingStream(result.body, result.close, media_type="text/event-stream",
+                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class _ClosingStream(StreamingResponse):
+    """Runs `on_close` when the response ends, also if its body never started (client gone)."""
+
+    def __init__(self, body, on_close, **kwargs) -> None:
+        super().__init__(body, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
 
 
 def _chain(first, second):
@@ -180,7 +223,7 @@ def _chain(first, second):
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError):
-        return JSONResponse(err.body(), err.status)
+        return JSONResponse(err.body(), err.status, headers=err.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, err: RequestValidationError):
@@ -198,21 +241,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(f"internal error: {type(err).__name__}", "server_error"), 500)
 
 
-# -- kvserve serve (flags in kvserve/server/__init__.py, light enough for `kvserve --help`) -------
-def serve(args: argparse.Namespace) -> int:
-    import uvicorn
+def serve(args) -> int:
+    """`kvserve serve` (launch.py)."""
+    from kvserve.server.launch import serve as launch
 
-    from kvserve.engine_args import engine_kwargs
-    from kvserve.config import EngineConfig
-
-    engine = LLMEngine(EngineConfig(model=args.model, role=args.role, **engine_kwargs(args)))
-    app = build_app(engine, model_name=args.served_model_name, api_keys=args.api_key,
-                    shared_cache_namespace=args.shared_cache_namespace,
-                    extra_model_names=[args.model] if args.model else None)
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    finally:
-        engine.close()
-    return 0
-
-
+    return launch(args)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
-                      model_validator)
+                      field_validator, model_validator)
 
 from kvserve.request import SamplingParams
 
@@ -17,7 +17,7 @@ MAX_N = 16  # choices per request
 MAX_PROMPTS = 64  # prompts in one batched /v1/completions request
 MAX_STOP = 16
 MAX_LOGPROBS = 20
-
+MAX_TOKEN_ID = 2**31
 
 
 def _utf8(text: str) -> str:
@@ -31,7 +31,7 @@ def _utf8(text: str) -> str:
 
 Text = Annotated[StrictStr, AfterValidator(_utf8)]
 Int64 = Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)]
-TokenId = Annotated[StrictInt, Field(ge=0, le=2**31)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]
 Temperature = Annotated[float, Field(ge=0.0, le=100.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
@@ -45,6 +45,7 @@ class APIError(Exception):
                  param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type_, param, code
+        self.headers: dict[str, str] | None = None  # e.g. Retry-After on a 429
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
@@ -81,6 +82,21 @@ class _Sampling(BaseModel):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_shape(cls, value: Any) -> Any:
+        """Say what is wrong before pydantic tries each member of the union."""
+        if isinstance(value, list):
+            if len(value) > MAX_STOP:
+                raise ValueError(f"at most {MAX_STOP} stop strings are allowed, got {len(value)}")
+            for i, item in enumerate(value):
+                if not isinstance(item, str):
+                    raise ValueError(f"stop strings must be strings; item {i} is "
+                                     f"{_json_type(item)}")
+        elif value is not None and not isinstance(value, str):
+            raise ValueError(f"stop must be a string or a list of strings, got {_json_type(value)}")
+        return value
 
     @model_validator(mode="after")
     def _unsupported(self) -> _Sampling:
@@ -132,6 +148,35 @@ class CompletionRequest(_Sampling):
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        """Name the actual problem (a negative token id, too many prompts, mixed types) instead of
+        pydantic's first union member ("Input should be a valid string")."""
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError(f"prompt must be a string, a list of token ids, a list of strings or "
+                             f"a list of token-id lists, got {_json_type(value)}")
+        if not value:
+            raise ValueError("prompt must not be an empty list")
+        if all(_is_int(v) for v in value):
+            _check_token_ids(value, "")
+        elif all(isinstance(v, str) for v in value) or all(isinstance(v, list) for v in value):
+            if len(value) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}")
+            for i, item in enumerate(value):
+                if isinstance(item, list):
+                    if not item:
+                        raise ValueError(f"prompt {i} is an empty list of token ids")
+                    if not all(_is_int(v) for v in item):
+                        raise ValueError(f"prompt {i} must be a list of integer token ids")
+                    _check_token_ids(item, f"prompt {i}: ")
+        else:
+            raise ValueError("prompt lists must hold only token ids (integers), only strings, or "
+                             "only token-id lists, not a mix")
+        return value
+
     @model_validator(mode="after")
     def _completion_only(self) -> CompletionRequest:
         if self.echo:
@@ -160,6 +205,14 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_shape(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, (str, list)):
+            raise ValueError(f"content must be a string, a list of content parts or null, got "
+                             f"{_json_type(value)}")
+        return value
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -199,3 +252,20 @@ class ChatCompletionRequest(_Sampling):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_token_ids(token_ids: list[int], where: str) -> None:
+    for i, token_id in enumerate(token_ids):
+        if token_id < 0 or token_id > MAX_TOKEN_ID:
+            raise ValueError(f"{where}token ids must be non-negative integers in the model's "
+                             f"vocabulary; item {i} is {token_id}")
+
+
+def _json_type(value: Any) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+             list: "a list", dict: "an object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)

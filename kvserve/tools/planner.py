@@ -323,4 +323,15 @@ def main_plan(args: argparse.Namespace) -> int:
         from rich.console import Console
 
         render_plan(result, Console())
+        print(_memory_promise(result, args).line())
     return 0
+
+
+def _memory_promise(result: dict, args: argparse.Namespace):
+    """The sum `kvserve serve` logs at start-up, for this plan's weights and KV budget."""
+    from kvserve.memory_promise import memory_promise
+
+    swap = getattr(args, "swap_space", None) or EngineConfig().swap_space
+    disk = getattr(args, "kv_disk_bytes", None)
+    return memory_promise(result["model"]["weights_bytes"], result["kv_budget_bytes"],
+                          parse_bytes(swap), parse_bytes(disk) if disk else 0)

@@ -11,11 +11,13 @@ import pytest
 
 from kvserve.cache.hashing import page_hashes
 from kvserve.cache.redis_tier import HEADER, RedisTier, pack_page, unpack_page
+from kvserve.cache.tier_auth import TierAuth
 from tests.redis_server import RedisServer, free_port, redis_server  # noqa: F401
 
 PAGE_BYTES = 64
 PAGE_SIZE = 4
 TOKENS = list(range(100, 140))  # 10 full pages
+SECRET = b"a shared secret of the test tier"
 
 
 def make_tier(url: str, **kwargs) -> RedisTier:
@@ -229,3 +231,42 @@ def test_unreachable_port_fails_fast():
         assert time.monotonic() - started < 0.5 and t.stats.errors == 1
     finally:
         t.close()
+
+
+# -- authenticated tier (a shared secret) ------------------------------------------------------
+def test_without_a_secret_start_up_warns_that_the_tier_trusts_every_writer(caplog):
+    with caplog.at_level("WARNING", logger="kvserve.redis"):
+        make_tier("redis://127.0.0.1:1/0").close()
+    assert [r for r in caplog.records if "trusts every writer" in r.getMessage()]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvserve.redis"):
+        make_tier("redis://127.0.0.1:1/0", auth=TierAuth(SECRET)).close()
+    assert not [r for r in caplog.records if "trusts every writer" in r.getMessage()]
+
+
+def test_with_a_secret_keys_hide_the_page_hash_and_forged_values_are_counted_misses(redis_server):
+    hashes = chain()
+    tier = make_tier(redis_server.url, auth=TierAuth(SECRET))
+    try:
+        assert hashes[0].hex() not in tier.key(hashes[0])
+        tier.put_many([(h, payload(i)) for i, h in enumerate(hashes[:4])])
+        assert [bytes(p) for p in tier.fetch(TOKENS, "", 0, 4)] == [payload(i) for i in range(4)]
+        client = redis_server.client()
+        # a writer without the secret: a well-formed unsigned value, and a valid signed value
+        # copied from another key
+        client.set(tier.key(hashes[1]), pack_page(payload(99)) + bytes(32))
+        client.set(tier.key(hashes[3]), client.get(tier.key(hashes[2])))
+        pages = tier.fetch(TOKENS, "", 0, 4)
+        assert [bytes(p) for p in pages] == [payload(0)]
+        assert tier.stats.errors == 1
+        pages = tier.fetch(TOKENS, "", 3, 1)
+        assert pages == [] and tier.stats.errors == 2
+        # the same pages, written by an instance without the secret, are not found
+        plain = make_tier(redis_server.url)
+        try:
+            plain.put_many([(h, payload(50 + i)) for i, h in enumerate(hashes[4:8])])
+            assert tier.fetch(TOKENS, "", 4, 4) == []
+        finally:
+            plain.close()
+    finally:
+        tier.close()

@@ -55,3 +55,36 @@ def test_kvserve_serve_answers_and_stops(tmp_path):
             if proc.poll() is None:
                 proc.kill()
             log.close()
+
+
+def test_api_keys_from_flag_file_and_environment(tmp_path, monkeypatch):
+    import argparse
+
+    from kvserve.server.launch import load_api_keys
+
+    keys = tmp_path / "keys"
+    keys.write_text("# comment\nsk-file-1\n\n  sk-file-2  \n")
+    monkeypatch.setenv("KVSERVE_API_KEYS", "sk-env-1, sk-env-2 sk-file-1")
+    args = argparse.Namespace(api_key=["sk-flag"], api_key_file=str(keys))
+    assert load_api_keys(args) == ["sk-flag", "sk-file-1", "sk-file-2", "sk-env-1", "sk-env-2"]
+    keys.write_text("# only a comment\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        load_api_keys(args)
+    with pytest.raises(ValueError, match="cannot read --api-key-file"):
+        load_api_keys(argparse.Namespace(api_key=None, api_key_file=str(tmp_path / "missing")))
+
+
+def test_plan_prints_the_memory_promise_from_the_same_function(capsys):
+    from kvserve.cli import main
+    from kvserve.config import parse_bytes
+    from kvserve.memory_promise import memory_promise
+    from kvserve.tools.planner import run_plan
+    from kvserve.cli import build_parser
+
+    argv = ["plan", "--model", "smollm2-135m", "--context", "2048", "--kv-cache-memory", "1GiB"]
+    assert main(argv) == 0
+    result = run_plan(build_parser().parse_args(argv))
+    line = memory_promise(result["model"]["weights_bytes"], parse_bytes("1GiB"),
+                          parse_bytes("2GiB")).line()
+    assert line in capsys.readouterr().out
+    assert line.startswith("memory: weights ") and "KV pool 1 GiB" in line and "host tier" in line

@@ -1,0 +1,152 @@
+"""`kvserve serve`: API keys from flags, a file or the environment; the memory promise at start-up;
+uvicorn with a bounded shutdown.
+
+On SIGTERM (or SIGINT) the server stops accepting and new requests on open connections get a 503;
+in-flight requests run for `--shutdown-timeout` seconds, then every one still running is aborted
+(streams end with finish_reason "abort" and an error event), the engine stops with no page in use,
+the tier writer is flushed, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import uvicorn
+
+log = logging.getLogger("kvserve.server")
+API_KEYS_ENV = "KVSERVE_API_KEYS"
+
+
+def load_api_keys(args: argparse.Namespace) -> list[str]:
+    """--api-key, then --api-key-file (one per line), then $KVSERVE_API_KEYS; duplicates once."""
+    keys = list(args.api_key or [])
+    if args.api_key_file:
+        try:
+            lines = Path(args.api_key_file).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"cannot read --api-key-file {args.api_key_file}: {err}") from None
+        file_keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        if not file_keys:
+            raise ValueError(f"--api-key-file {args.api_key_file} holds no key; put one per line")
+        keys += file_keys
+    keys += [k for k in re.split(r"[\s,]+", os.environ.get(API_KEYS_ENV, "")) if k]
+    for key in keys:
+        if any(ch.isspace() for ch in key):
+            raise ValueError("an API key cannot contain whitespace")
+    return list(dict.fromkeys(keys))
+
+
+def weights_bytes(engine) -> int:
+    """Bytes of the distinct tensor storages behind the loaded weights and the built model."""
+    tensors = list(getattr(engine.loaded, "weights", {}).values())
+    model = getattr(engine.runner, "model", None)
+    if hasattr(model, "state_dict"):
+        tensors += list(model.state_dict().values())
+    storages: dict[tuple[str, int], int] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        storages[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
+
+
+def engine_memory_promise(engine, args: argparse.Namespace):
+    from kvserve.config import parse_bytes
+    from kvserve.memory_promise import memory_promise
+
+    disk = getattr(args, "kv_disk_bytes", None)
+    return memory_promise(weights_bytes(engine), engine.runner.kv_cache_bytes(),
+                          parse_bytes(engine.config.swap_space), parse_bytes(disk) if disk else 0)
+
+
+class _Drain:
+    """After the first signal: no new requests; after `timeout_s`, abort what is still running."""
+
+    def __init__(self, app, timeout_s: float) -> None:
+        self.serving = app.state.serving
+        self.engine = app.state.engine
+        self.timeout_s = timeout_s
+        self.done = threading.Event()
+        self.num_aborted = 0
+
+    def begin(self) -> None:
+        """Called in the signal handler: only flags and a thread (no locks, no logging here)."""
+        self.serving.draining = True
+        threading.Thread(target=self._wait, name="kvserve-drain", daemon=True).start()
+
+    def _wait(self) -> None:
+        running = self.serving.admission.held
+        log.info("shutting down: stopped accepting; %d requests in flight get up to %g s to finish",
+                 running, self.timeout_s)
+        if self.done.wait(self.timeout_s):
+            return
+        self.num_aborted = self.serving.admission.held
+        self.serving.abort_note = (f"the server is shutting down: this request was stopped after "
+                                   f"the {self.timeout_s:g} s shutdown timeout")
+        log.warning("shutdown timeout (%g s): aborting %d requests still in flight",
+                    self.timeout_s, self.num_aborted)
+        self.engine.abort_all(self.serving.abort_note)
+
+
+def serve(args: argparse.Namespace) -> int:
+    from kvserve.config import EngineConfig
+    from kvserve.engine import LLMEngine
+    from kvserve.engine_args import engine_kwargs
+    from kvserve.server.api import build_app
+
+    _setup_logging(args.log_level)
+    api_keys = load_api_keys(args)
+    engine = LLMEngine(EngineConfig(model=args.model, role=args.role, **engine_kwargs(args)))
+    log.info("%s", engine_memory_promise(engine, args).line())
+    app = build_app(engine, model_name=args.served_model_name, api_keys=api_keys or None,
+                    shared_cache_namespace=args.shared_cache_namespace,
+                    extra_model_names=[args.model] if args.model else None,
+                    max_request_bytes=args.max_request_bytes,
+                    max_waiting_requests=args.max_waiting_requests,
+                    max_requests_per_tenant=args.max_requests_per_tenant)
+    drain = _Drain(app, args.shutdown_timeout)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5)
+    server = _DrainingServer(config, drain.begin)
+    # uvicorn re-raises the signal it caught once it has shut down; a SIGTERM that was handled
+    # (drained) must end in exit status 0, not in the default handler's death by signal
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        server.run()
+    finally:
+        drain.done.set()
+        signal.signal(signal.SIGTERM, previous)
+        engine.close()  # flushes the Redis tier writer
+        log.info("kvserve stopped: %d requests aborted at the shutdown timeout, %d pages in use, "
+                 "tier writer flushed", drain.num_aborted, engine.manager.num_used_pages)
+    return 0
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose first exit signal also starts the drain."""
+
+    def __init__(self, config: uvicorn.Config, on_first_signal: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.on_first_signal = on_first_signal
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:
+            self.on_first_signal()
+        super().handle_exit(sig, frame)
+
+
+def _setup_logging(level: str) -> None:
+    """kvserve's own log lines (memory promise, tier warnings, shutdown) beside uvicorn's."""
+    logger = logging.getLogger("kvserve")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    logger.propagate = False

@@ -1,0 +1,114 @@
+"""What one client can make the server hold: a request body cap (413 before parsing) and admission
+control over engine requests (429 with Retry-After before any work is queued).
+
+`BodyLimit` is plain ASGI middleware: a declared Content-Length over the cap is refused without
+reading a byte; otherwise the body is read (counting bytes, which also covers chunked uploads) and
+refused as soon as it passes the cap, then handed to the app whole. `Admission` counts the engine
+requests (prompts x n) each API request holds from admission until its last output.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.server.protocol import APIError, error_body
+
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+
+Scope = dict[str, Any]
+Receive = Callable[[], Any]
+Send = Callable[[dict[str, Any]], Any]
+
+
+class BodyLimit:
+    def __init__(self, app, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > self.max_bytes:
+            return await self._refuse(send, int(declared))
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left before sending its body: nothing to answer
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                return await self._refuse(send, None)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # later reads wait for the disconnect, as the app expects
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send: Send, declared: int | None) -> None:
+        size = f"{declared:,} bytes" if declared is not None else "over the limit"
+        message = (f"the request body is {size}; this server accepts at most {self.max_bytes:,} "
+                   f"bytes (--max-request-bytes)")
+        payload = json.dumps(error_body(message, "invalid_request_error", None,
+                                        "request_too_large")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(payload)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": payload})
+
+
+@dataclass(slots=True)
+class Admission:
+    """Engine requests held by API requests, in total and per tenant (namespace).
+
+    Waiting requests are estimated as those held beyond the ones the engine ran at its last step;
+    `max_waiting` caps that, `max_per_tenant` caps what one tenant holds (waiting or running).
+    0 means no limit."""
+
+    max_waiting: int = 0
+    max_per_tenant: int = 0
+    retry_after_s: int = 1
+    held: int = 0
+    by_tenant: Counter = field(default_factory=Counter)
+
+    def admit(self, tenant: str, count: int, running: int) -> None:
+        """Reserve `count` engine requests or raise a 429 APIError (nothing reserved)."""
+        waiting = max(self.held - running, 0)
+        if self.max_waiting and waiting + count > self.max_waiting:
+            raise self._busy(f"the server has {waiting} requests waiting and this one adds {count} "
+                             f"(prompts x n); the limit is {self.max_waiting} "
+                             f"(--max-waiting-requests); retry later")
+        if self.max_per_tenant and self.by_tenant[tenant] + count > self.max_per_tenant:
+            raise self._busy(f"this API key has {self.by_tenant[tenant]} requests in flight and this "
+                             f"one adds {count} (prompts x n); the limit is {self.max_per_tenant} "
+                             f"per key (--max-requests-per-tenant); retry later")
+        self.held += count
+        self.by_tenant[tenant] += count
+
+    def release(self, tenant: str, count: int) -> None:
+        self.held -= count
+        self.by_tenant[tenant] -= count
+        if self.by_tenant[tenant] <= 0:
+            del self.by_tenant[tenant]
+
+    def _busy(self, message: str) -> APIError:
+        err = APIError(message, 429, "rate_limit_error", None, "too_many_requests")
+        err.headers = {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+        return err

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException
 from kvserve.async_engine import AsyncEngine
 from kvserve.engine import LLMEngine
 from kvserve.metrics import CONTENT_TYPE, EngineMetrics, hit_rate
+from kvserve.server import anthropic, caches
 from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from kvserve.server.serving import OpenAIServing
 
@@ -78,13 +79,14 @@ def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
         if not namespaces:
             return ""
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        token = token.strip()
-        if scheme.lower() == "bearer":
+        token = token.strip() if scheme.lower() == "bearer" else ""
+        token = token or request.headers.get("x-api-key", "").strip()  # Anthropic clients
+        if token:
             for key, ns in namespaces.items():
                 if hmac.compare_digest(token.encode(), key.encode()):
                     return ns
-        raise APIError("Incorrect API key provided; send it as `Authorization: Bearer KEY`", 401,
-                       "invalid_request_error", None, "invalid_api_key")
+        raise APIError("Incorrect API key provided; send it as `Authorization: Bearer KEY` or "
+                       "`x-api-key: KEY`", 401, "invalid_request_error", None, "invalid_api_key")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request, ns: str = Depends(namespace)):
@@ -102,6 +104,9 @@ def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
             {"id": name, "object": "model", "created": created, "owned_by": "kvserve",
              "root": names[0], "max_model_len": async_engine.engine.max_model_len}
             for name in names]}
+
+    anthropic.register(app, async_engine, names, namespace)
+    caches.register(app, async_engine, names, namespace)
 
     @app.get("/health")
     async def health():

@@ -22,6 +22,7 @@ from starlette.requests import Request
 from kvserve.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from kvserve.request import RequestOutput, SamplingParams
 from kvserve.server import render
+from kvserve.server.breakpoints import retained_requests
 from kvserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                      error_body)
 
@@ -93,7 +94,7 @@ class OpenAIServing:
         self._check_model(body.model)
         prompts = [self._tokenize(p) for p in body.prompts()]
         params = body.sampling_params(body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS, body.logprobs)
-        gen = await self._submit("cmpl", prompts, params, body.n, namespace)
+        gen = await self._submit("cmpl", prompts, params, body.n, namespace, body.kv_retention)
         if body.stream:
             return self._sse(gen, body, chat=False)
         await self._wait_all(gen, raw)
@@ -118,7 +119,7 @@ class OpenAIServing:
                 raise APIError(f"the conversation is {len(prompt)} tokens, at or over max_model_len "
                                f"{self.max_model_len}; shorten it", param="messages")
         params = body.sampling_params(max_tokens, body.num_logprobs)
-        gen = await self._submit("chatcmpl", [prompt], params, body.n, namespace)
+        gen = await self._submit("chatcmpl", [prompt], params, body.n, namespace, body.kv_retention)
         if body.stream:
             return self._sse(gen, body, chat=True)
         await self._wait_all(gen, raw)
@@ -142,7 +143,7 @@ class OpenAIServing:
             raise APIError(f"cannot tokenize the prompt: {err}", param="prompt") from None
 
     async def _submit(self, kind: str, prompts: list[list[int]], params: SamplingParams, n: int,
-                      namespace: str) -> Generation:
+                      namespace: str, retention: Any = None) -> Generation:
         if len(prompts) * n > MAX_CHOICES:
             raise APIError(f"{len(prompts)} prompts x n={n} is over {MAX_CHOICES} choices per "
                            f"request; send fewer prompts or a smaller n", param="n")
@@ -155,7 +156,10 @@ class OpenAIServing:
                     seed = (seed + i + 2**63) % 2**64 - 2**63
                 items.append((prompt, replace(params, seed=seed), f"{request_id}-{p}-{i}"))
         try:
-            streams = await self.engine.add_requests(items, namespace)
+            if retention is None:
+                streams = await self.engine.add_requests(items, namespace)
+            else:  # kv_retention: each request leases its whole prompt
+                streams = await retained_requests(self.engine, items, namespace, retention.ttl)
         except ValueError as err:
             raise APIError(str(err), param="prompt" if "prompt" in str(err) else None) from None
         except EngineDeadError as err:

@@ -161,7 +161,8 @@ def _texts(blocks: list[Block | str], turn_index: int, breakpoints: list[Breakpo
 
 
 def _first_error(errors: list[dict[str, Any]]) -> str:
-    first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+    # a union (`str | list[Block]`) reports one error per member: the deepest names the real problem
+    first = max(errors, key=lambda e: len(e.get("loc", ()))) if errors else {"msg": "invalid request"}
     if first.get("type") == "missing":
         path = ".".join(str(p) for p in first.get("loc", ()))
         return f"{path}: Field required"

@@ -79,10 +79,9 @@ def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
         if not namespaces:
             return ""
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        token = token.strip() if scheme.lower() == "bearer" else ""
-        token = token or request.headers.get("x-api-key", "").strip()  # Anthropic clients
-        if token:
-            for key, ns in namespaces.items():
+        bearer = token.strip() if scheme.lower() == "bearer" else ""
+        for token in filter(None, (bearer, request.headers.get("x-api-key", "").strip())):
+            for key, ns in namespaces.items():  # x-api-key: Anthropic clients
                 if hmac.compare_digest(token.encode(), key.encode()):
                     return ns
         raise APIError("Incorrect API key provided; send it as `Authorization: Bearer KEY` or "

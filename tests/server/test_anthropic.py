@@ -8,6 +8,7 @@ they are skipped until it is in the tree."""
 from __future__ import annotations
 
 import uuid
+from types import SimpleNamespace
 
 import anthropic
 import httpx
@@ -15,6 +16,7 @@ import openai
 import pytest
 
 import kvserve.request
+from kvserve.server.anthropic import Pending, stop_reason, usage
 from kvserve.server.anthropic_protocol import MessagesRequest, parse_chat
 from kvserve.server.breakpoints import ChatRenderer
 from tests.server.conftest import ServerThread, on_engine
@@ -275,6 +277,47 @@ def test_top_level_cache_control_marks_the_last_block():
     chat = parse_chat(request)
     assert [(b.ref, b.ttl) for b in chat.breakpoints] == [((0, 2), "1h")]  # merged into one turn
     assert chat.turns[0].text == "a\nb\nc"
+
+
+# -- usage arithmetic, with a stand-in for the engine's LeaseUsage ---------------------------------
+def output_with(num_cached: int, lease=None, num_output: int = 3):
+    completion = SimpleNamespace(token_ids=list(range(num_output)), text="abc", finish_reason="length")
+    return SimpleNamespace(outputs=[completion], num_cached_tokens=num_cached, lease_usage=lease)
+
+
+def pending(num_prompt: int, **kw) -> Pending:
+    return Pending(**{**dict(id="msg_x", model="m", num_prompt_tokens=num_prompt, stop_sequences=[],
+                             is_prewarm=False, is_clamped=False, leases_asked=True, diagnostics=None),
+                      **kw})
+
+
+def test_usage_splits_the_prompt_into_input_written_and_read():
+    lease = SimpleNamespace(cache_read_tokens=1024, cache_creation_tokens={"5m": 0, "1h": 512},
+                            refused=None, lease_ids=["l1", "l2"])
+    got = usage(pending(1600), output_with(1040, lease))
+    assert got == {"input_tokens": 64, "cache_creation_input_tokens": 512, "cache_read_input_tokens": 1024,
+                   "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 512},
+                   "output_tokens": 3}
+    # without leases, read is what the prefix cache served; nothing is written
+    plain = usage(pending(1600, leases_asked=False), output_with(1040))
+    assert (plain["input_tokens"], plain["cache_read_input_tokens"]) == (560, 1040)
+    assert plain["cache_creation_input_tokens"] == 0
+    # never more than the prompt, whatever the engine says
+    greedy = SimpleNamespace(cache_read_tokens=90, cache_creation_tokens={"5m": 50}, refused=None,
+                             lease_ids=[])
+    capped = usage(pending(100), output_with(0, greedy))
+    assert (capped["input_tokens"], capped["cache_creation_input_tokens"]) == (0, 10)
+
+
+def test_stop_reasons():
+    decode = lambda ids: "abcSTOP"  # noqa: E731
+    out = output_with(0)
+    assert stop_reason(pending(5), out, decode) == ("max_tokens", None)
+    assert stop_reason(pending(5, is_clamped=True), out, decode) == ("model_context_window_exceeded", None)
+    out.outputs[0].finish_reason = "stop"
+    assert stop_reason(pending(5, stop_sequences=["STOP"]), out, decode) == ("stop_sequence", "STOP")
+    assert stop_reason(pending(5), out, decode) == ("end_turn", None)
+    assert stop_reason(pending(5, is_prewarm=True), out, decode) == ("max_tokens", None)
 
 
 # -- leases (need the engine's lease contract) ------------------------------------------------------

@@ -110,12 +110,21 @@ class MessagesService:
         self.decode = llm.decode
         self.max_model_len = llm.max_model_len
 
-    async def create(self, body: MessagesRequest, raw: Request, namespace: str):
+    def _render(self, body: MessagesRequest) -> tuple[ParsedChat, RenderedChat]:
         if body.model not in self.model_names:
             raise APIError(f"model: {body.model} (this server serves {', '.join(self.model_names)})",
                            404)
         chat = parse_chat(body)
-        rendered = self.renderer.render(chat.system, chat.turns)
+        return chat, self.renderer.render(chat.system, chat.turns)
+
+    def count_tokens(self, payload: Any) -> dict[str, int]:
+        """POST /v1/messages/count_tokens: the prompt tokens a request would have."""
+        if isinstance(payload, dict):
+            payload = {"max_tokens": 1, **payload}
+        return {"input_tokens": len(self._render(parse_request(payload))[1].token_ids)}
+
+    async def create(self, body: MessagesRequest, raw: Request, namespace: str):
+        chat, rendered = self._render(body)
         n = len(rendered.token_ids)
         if n >= self.max_model_len:
             raise APIError(f"prompt is too long: {n} tokens > {self.max_model_len - 1} maximum")
@@ -294,3 +303,11 @@ def register(app: FastAPI, engine: AsyncEngine, model_names: list[str],
         if isinstance(result, dict):
             return JSONResponse(result)
         return StreamingResponse(result, media_type="text/event-stream", headers=SSE_HEADERS)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(raw: Request):
+        try:
+            await namespace(raw)
+            return JSONResponse(service.count_tokens(await read_json(raw)))
+        except APIError as err:
+            return JSONResponse(anthropic_error(err.message, err.status), err.status)

@@ -136,6 +136,14 @@ def test_stop_sequence_cuts_the_text_and_is_reported(claude, model_name):
     assert cut.content[0].text == free[:free.index(word)]
 
 
+def test_count_tokens_counts_the_rendered_prompt(claude, model_name, async_engine):
+    messages = [{"role": "user", "content": "Name two planets."}]
+    counted = claude.messages.count_tokens(model=model_name, system="You are terse.", messages=messages)
+    assert counted.input_tokens == len(rendered_tokens(async_engine, "You are terse.", messages))
+    with pytest.raises(anthropic.BadRequestError):
+        claude.messages.count_tokens(model=model_name, messages=[])
+
+
 def test_max_tokens_zero_fills_the_cache_without_output(claude, model_name):
     out = claude.messages.create(model=model_name, max_tokens=0,
                                  messages=[{"role": "user", "content": "Warm me up."}])

@@ -13,6 +13,7 @@ joined to the next one by "\\n" may share a token with it, and the count stops b
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,9 +44,12 @@ class RenderedChat:
     text: str
     token_ids: list[int]
     token_ends: list[int]  # character offset where each token ends in `text`
+    is_sorted: bool = False  # token_ends never decrease (then a count is a binary search)
 
     def tokens_before(self, char_pos: int) -> int:
         """Leading tokens that end at or before `char_pos`."""
+        if self.is_sorted:
+            return bisect.bisect_right(self.token_ends, char_pos)
         count = 0
         for end in self.token_ends:
             if end > char_pos:
@@ -81,7 +85,8 @@ class ChatRenderer:
             encoding = self.tokenizer.encode(text, add_special_tokens=False)
         except Exception as err:  # the Rust tokenizer's own errors
             raise APIError(f"cannot tokenize the prompt: {err}", param="messages") from None
-        return RenderedChat(text, list(encoding.ids), [end for _, end in encoding.offsets])
+        ends = [end for _, end in encoding.offsets]
+        return RenderedChat(text, list(encoding.ids), ends, all(a <= b for a, b in zip(ends, ends[1:])))
 
     def block_ends(self, system: Turn | None, turns: list[Turn], chat: RenderedChat,
                    refs: list[BlockRef]) -> list[int] | None:

@@ -18,7 +18,8 @@ import pytest
 import kvserve.request
 from kvserve.server.anthropic import Pending, stop_reason, usage
 from kvserve.server.anthropic_protocol import MessagesRequest, parse_chat
-from kvserve.server.breakpoints import ChatRenderer
+from kvserve.server.breakpoints import SYSTEM, ChatRenderer, RenderedChat, Turn
+from kvserve.server.protocol import APIError
 from tests.server.conftest import ServerThread, on_engine
 
 GREEDY = {"temperature": 0.0}
@@ -275,6 +276,37 @@ def test_breakpoint_offsets_end_exactly_at_the_system_block_and_at_a_message_end
     # inside a message the count may stop one token early (a token may span "\n"), never late
     mid = tokens_through(async_engine, system, user, "Context follows.")
     assert mid - 1 <= offsets[1] <= mid
+
+
+class CharTokenizer:
+    """A stand-in tokenizer: one token per character."""
+
+    def encode(self, text, add_special_tokens=False):
+        return SimpleNamespace(ids=[ord(c) for c in text], offsets=[(i, i + 1) for i in range(len(text))])
+
+
+def test_a_template_that_rewrites_text_cannot_place_breakpoints():
+    def clipping(messages):
+        return "".join(f"[{m['role']}]{m['content'][:5]}" for m in messages) + "[assistant]"
+
+    def verbatim(messages):
+        return "".join(f"[{m['role']}]{m['content']}" for m in messages) + "[assistant]"
+
+    system, turns = Turn("system", ["be brief"]), [Turn("user", ["hi", "there"])]
+    loud = ChatRenderer(clipping, CharTokenizer())
+    with pytest.raises(APIError, match="verbatim"):
+        loud.token_offsets(system, turns, loud.render(system, turns), [(SYSTEM, 0)])
+    plain = ChatRenderer(verbatim, CharTokenizer())
+    chat = plain.render(system, turns)
+    assert plain.token_offsets(system, turns, chat, [(0, 0), (SYSTEM, 0), (0, 1)]) == [
+        len("[system]be brief[user]hi"), len("[system]be brief"), len("[system]be brief[user]hi\nthere")]
+
+
+def test_tokens_before_counts_only_the_leading_run():
+    # byte-level BPE can give overlapping spans; the count stops at the first token past the point
+    chat = RenderedChat("abcde", [1, 2, 3, 4], [2, 4, 3, 5], is_sorted=False)
+    assert [chat.tokens_before(p) for p in (1, 2, 3, 4, 5)] == [0, 1, 1, 3, 4]
+    assert RenderedChat("abc", [1, 2], [1, 3], is_sorted=True).tokens_before(2) == 1
 
 
 def test_top_level_cache_control_marks_the_last_block():

@@ -381,13 +381,14 @@ def test_a_cached_system_block_is_written_once_then_read(claude, model_name, asy
         for out, q in ((first, "Which rule covers visitors?"), (second, "Which rule covers customs?")):
             assert total_input(out.usage) == len(rendered_tokens(
                 async_engine, system, [{"role": "user", "content": q}]))
-        with claude.messages.stream(model=model_name, max_tokens=8, system=blocks, extra_body=GREEDY,
-                                    messages=[{"role": "user", "content": "Which rule covers customs?"}]
-                                    ) as stream:
-            streamed = stream.get_final_message()
-        assert streamed.content[0].text == second.content[0].text
-        assert streamed.usage.cache_read_input_tokens == prefix
-        assert streamed.usage.cache_creation.ephemeral_5m_input_tokens == 0
+        events = list(ask("Which rule covers customs?", stream=True))
+        start, delta = events[0], events[-2]
+        release_leases(async_engine, delta)
+        assert "".join(e.delta.text for e in events if e.type == "content_block_delta") == \
+            second.content[0].text
+        assert delta.usage.cache_read_input_tokens == prefix
+        assert delta.usage.cache_creation_input_tokens == 0
+        assert start.message.usage.cache_creation.ephemeral_5m_input_tokens == 0
     finally:
         release_leases(async_engine, first, second)
 

@@ -28,9 +28,10 @@ from starlette.exceptions import HTTPException
 from kvserve.async_engine import AsyncEngine
 from kvserve.engine import LLMEngine
 from kvserve.metrics import CONTENT_TYPE, EngineMetrics, hit_rate
+from kvserve.server import anthropic, caches
 from kvserve.server.kv_routes import kv_routes
-from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from kvserve.server.limits import DEFAULT_MAX_REQUEST_BYTES, Admission, BodyLimit
+from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from kvserve.server.serving import OpenAIServing, SSEResult
 
 log = logging.getLogger("kvserve.server")
@@ -89,13 +90,13 @@ def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
         if not namespaces:
             return ""
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        token = token.strip()
-        if scheme.lower() == "bearer":
-            for key, ns in namespaces.items():
+        bearer = token.strip() if scheme.lower() == "bearer" else ""
+        for token in filter(None, (bearer, request.headers.get("x-api-key", "").strip())):
+            for key, ns in namespaces.items():  # x-api-key: Anthropic clients
                 if hmac.compare_digest(token.encode(), key.encode()):
                     return ns
-        raise APIError("Incorrect API key provided; send it as `Authorization: Bearer KEY`", 401,
-                       "invalid_request_error", None, "invalid_api_key")
+        raise APIError("Incorrect API key provided; send it as `Authorization: Bearer KEY` or "
+                       "`x-api-key: KEY`", 401, "invalid_request_error", None, "invalid_api_key")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request, ns: str = Depends(namespace)):
@@ -124,6 +125,9 @@ def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
         @app.get("/docs", include_in_schema=False)
         async def docs(ns: str = Depends(namespace)):
             return get_swagger_ui_html(openapi_url="/openapi.json", title="kvserve")
+
+    anthropic.register(app, async_engine, names, namespace)
+    caches.register(app, async_engine, names, namespace)
 
     @app.get("/health")
     async def health():

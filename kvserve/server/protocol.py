@@ -1,7 +1,8 @@
 """The OpenAI request schema as pydantic models, the error body, and `SamplingParams` from a request.
 
 Unknown fields are ignored (as vLLM does); known fields of the wrong type or out of range are a 400
-with OpenAI's error JSON. Fields kvserve adds: `cache_salt` (cache isolation), `top_k`, `ignore_eos`.
+with OpenAI's error JSON. Fields kvserve adds: `cache_salt` (cache isolation), `top_k`, `ignore_eos`,
+`kv_retention` (lease the prompt's KV).
 """
 
 from __future__ import annotations
@@ -62,6 +63,13 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: StrictBool | None = None
 
 
+class KVRetention(BaseModel):
+    """`kv_retention: {"ttl": "5m" | "1h"}`: lease the whole prompt's KV (as Anthropic's cache_control)."""
+
+    model_config = ConfigDict(extra="ignore")
+    ttl: Literal["5m", "1h"] = "5m"
+
+
 class _Sampling(BaseModel):
     """Fields both endpoints share."""
 
@@ -82,6 +90,7 @@ class _Sampling(BaseModel):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     logit_bias: dict[str, float] | None = None
+    kv_retention: KVRetention | None = None
 
     @field_validator("stop", mode="before")
     @classmethod

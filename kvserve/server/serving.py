@@ -30,6 +30,7 @@ from kvserve.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from kvserve.request import RequestOutput, SamplingParams
 from kvserve.server import render
 from kvserve.server.limits import Admission
+from kvserve.server.breakpoints import retained_requests
 from kvserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                      error_body)
 
@@ -123,7 +124,8 @@ class OpenAIServing:
             prompts = await self._off_loop(lambda: [self._tokenize(p) for p in texts])
             params = body.sampling_params(body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS,
                                           body.logprobs)
-            gen = await self._submit("cmpl", prompts, params, body.n, namespace, release)
+            gen = await self._submit("cmpl", prompts, params, body.n, namespace, release,
+                                      retention=body.kv_retention)
         except BaseException:
             release()
             raise
@@ -151,7 +153,8 @@ class OpenAIServing:
                                    f"max_model_len {self.max_model_len}; shorten it",
                                    param="messages")
             params = body.sampling_params(max_tokens, body.num_logprobs)
-            gen = await self._submit("chatcmpl", [prompt], params, body.n, namespace, release)
+            gen = await self._submit("chatcmpl", [prompt], params, body.n, namespace, release,
+                                     retention=body.kv_retention)
         except BaseException:
             release()
             raise
@@ -229,7 +232,8 @@ class OpenAIServing:
             raise APIError(f"cannot tokenize the prompt: {err}", param=param) from None
 
     async def _submit(self, kind: str, prompts: list[list[int]], params: SamplingParams, n: int,
-                      namespace: str, release: Callable[[], None] | None = None) -> Generation:
+                      namespace: str, release: Callable[[], None] | None = None,
+                      retention: Any = None) -> Generation:
         if len(prompts) * n > MAX_CHOICES:
             raise APIError(f"{len(prompts)} prompts x n={n} is over {MAX_CHOICES} choices per "
                            f"request; send fewer prompts or a smaller n", param="n")
@@ -244,7 +248,10 @@ class OpenAIServing:
                     seed = (seed + i + 2**63) % 2**64 - 2**63
                 items.append((prompt, replace(params, seed=seed), f"{request_id}-{p}-{i}"))
         try:
-            streams = await self.engine.add_requests(items, namespace)
+            if retention is None:
+                streams = await self.engine.add_requests(items, namespace)
+            else:  # kv_retention: each request leases its whole prompt
+                streams = await retained_requests(self.engine, items, namespace, retention.ttl)
         except ValueError as err:
             raise APIError(str(err), param="prompt" if "prompt" in str(err) else None) from None
         except EngineDeadError as err:

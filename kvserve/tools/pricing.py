@@ -79,7 +79,10 @@ def _num(value: Fraction) -> int | float:
 
 
 def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prefix-tokens", type=int, required=True, help="tokens in the shared, cacheable prefix")
+    parser.add_argument("--prefix-tokens", type=int, default=None, help="tokens in the shared, cacheable prefix")
+    parser.add_argument("--from-usage", default=None, metavar="FILE",
+                        help="JSON lines of usage objects (Anthropic- or OpenAI-shaped, or whole responses "
+                             "with `usage`): what that traffic is billed with and without caching")
     parser.add_argument("--calls", type=int, default=None, help="number of calls, --interval apart")
     parser.add_argument("--interval", default=None, help="time between calls: 30s, 10m, 1h (default 30s)")
     parser.add_argument("--trace", default=None, help="JSON lines with 'arrival' seconds, one call per line")
@@ -113,8 +116,91 @@ def _arrivals(args: argparse.Namespace) -> tuple[list[float] | None, dict | None
                       "span_s": arrivals[-1]}
 
 
+def usage_tokens(usage: dict) -> dict[str, int]:
+    """One usage object as input (1x), cache writes by TTL and cache reads, in prompt tokens.
+    Anthropic's input_tokens excludes cached ones; OpenAI's prompt_tokens includes its cached_tokens
+    (reads; OpenAI has no write premium, so it reports no writes)."""
+    def count(value) -> int:
+        if value is None:
+            return 0
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"token counts must be integers >= 0, got {value!r}")
+        return value
+
+    if "prompt_tokens" in usage:
+        read = count((usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
+        prompt = count(usage["prompt_tokens"])
+        if read > prompt:
+            raise ValueError(f"cached_tokens {read} is over prompt_tokens {prompt}")
+        return {"input": prompt - read, "write_5m": 0, "write_1h": 0, "read": read,
+                "output": count(usage.get("completion_tokens"))}
+    if "input_tokens" not in usage:
+        raise ValueError("a usage object has input_tokens (Anthropic) or prompt_tokens (OpenAI)")
+    written = count(usage.get("cache_creation_input_tokens"))
+    split = usage.get("cache_creation") or {}
+    hour = count(split.get("ephemeral_1h_input_tokens"))
+    if hour > written:
+        raise ValueError(f"ephemeral_1h_input_tokens {hour} is over cache_creation_input_tokens {written}")
+    return {"input": count(usage["input_tokens"]), "write_5m": written - hour, "write_1h": hour,
+            "read": count(usage.get("cache_read_input_tokens")), "output": count(usage.get("output_tokens"))}
+
+
+def bill_usage(usages: list[dict], price: float = DEFAULT_PRICE, write_multiplier: float | None = None,
+               read_multiplier: float = DEFAULT_READ_MULTIPLIER) -> dict:
+    """What a provider bills for these requests' prompts with caching (writes at 1.25x/2x, reads at
+    0.1x) and without (every prompt token at 1x), in billed token equivalents and dollars."""
+    totals = dict.fromkeys(("input", "write_5m", "write_1h", "read", "output"), 0)
+    for usage in usages:
+        for key, value in usage_tokens(usage).items():
+            totals[key] += value
+    write = {ttl: Fraction(str(write_multiplier if write_multiplier is not None else mult))
+             for ttl, mult in DEFAULT_WRITE_MULTIPLIER.items()}
+    plain = Fraction(totals["input"] + totals["write_5m"] + totals["write_1h"] + totals["read"])
+    cached = (totals["input"] + write["5m"] * totals["write_5m"] + write["1h"] * totals["write_1h"]
+              + Fraction(str(read_multiplier)) * totals["read"])
+    per_token = Fraction(str(price)) / 1_000_000
+    return {"num_requests": len(usages), "prompt_tokens": int(plain),
+            **{f"{key}_tokens": value for key, value in totals.items()},
+            "billed_uncached": _num(plain), "billed_cached": _num(cached),
+            "cost_uncached": float(plain * per_token), "cost_cached": float(cached * per_token),
+            "savings": float((plain - cached) * per_token),
+            "savings_fraction": float((plain - cached) / plain) if plain else 0.0,
+            "price_per_mtok": price}
+
+
+def load_usages(path: str) -> list[dict]:
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"cannot read --from-usage {path}: {exc.strerror or exc}") from None
+    usages = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+            item = item.get("usage", item) if isinstance(item, dict) else None
+            if not isinstance(item, dict):
+                raise ValueError("not a JSON object")
+            usage_tokens(item)
+        except ValueError as err:
+            raise ConfigError(f"--from-usage {path} line {number}: {err}") from None
+        usages.append(item)
+    if not usages:
+        raise ConfigError(f"--from-usage {path} has no usage objects")
+    return usages
+
+
 def run_cost(args: argparse.Namespace) -> dict:
     """Everything `kvserve cost` reports, as a JSON-ready dict with stable keys."""
+    if args.from_usage is not None:
+        if args.prefix_tokens is not None or args.calls is not None or args.trace is not None:
+            raise ConfigError("--from-usage takes the traffic from the file; leave out --prefix-tokens, "
+                              "--calls and --trace")
+        return {"from_usage": bill_usage(load_usages(args.from_usage), args.price, args.write_multiplier,
+                                         args.read_multiplier)}
+    if args.prefix_tokens is None:
+        raise ConfigError("give --prefix-tokens N (a prefix and a call pattern) or --from-usage FILE")
     tokens = args.prefix_tokens
     if tokens < 0:
         raise ConfigError(f"--prefix-tokens cannot be negative, got {tokens}")
@@ -219,6 +305,14 @@ def render_cost(result: dict, console) -> None:
     from rich.markup import escape
     from rich.table import Table
 
+    if (bill := result.get("from_usage")) is not None:
+        console.print(f"{bill['num_requests']:,} requests, {bill['prompt_tokens']:,} prompt tokens: "
+                      f"{bill['input_tokens']:,} uncached, {bill['write_5m_tokens']:,} + "
+                      f"{bill['write_1h_tokens']:,} written (5m + 1h), {bill['read_tokens']:,} read")
+        console.print(f"Billed at ${bill['price_per_mtok']:g}/M: {_money(bill['cost_cached'])} with caching, "
+                      f"{_money(bill['cost_uncached'])} without; saves {_money(bill['savings'])} "
+                      f"({bill['savings_fraction']:.0%})")
+        return
     console.print(f"{result['prefix_tokens']:,}-token prefix at ${result['price_per_mtok']:g} per million input "
                   f"tokens: {result['billed_per_uncached_call']:,} billed tokens "
                   f"(${result['cost_per_uncached_call']:,.4f}) per uncached call")

@@ -189,3 +189,86 @@ def test_break_even_is_the_first_call_count_that_beats_paying_1x(write, read):
     n = break_even_calls(write, read)
     assert write + (n - 1) * read < n
     assert n == 1 or write + (n - 2) * read >= n - 1
+
+
+# -- kvserve cost --from-usage ---------------------------------------------------------------------
+ANTHROPIC_WRITE = {"input_tokens": 20, "cache_creation_input_tokens": 1000, "cache_read_input_tokens": 0,
+                   "cache_creation": {"ephemeral_5m_input_tokens": 1000, "ephemeral_1h_input_tokens": 0},
+                   "output_tokens": 7}
+ANTHROPIC_READ = {"input_tokens": 20, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 1000,
+                  "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0},
+                  "output_tokens": 5}
+
+
+def usage_file(tmp_path, *lines) -> str:
+    path = tmp_path / "usage.jsonl"
+    path.write_text("\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n")
+    return str(path)
+
+
+def test_a_5m_write_then_a_read_bills_1_25x_then_0_1x_of_the_prefix(tmp_path):
+    bill = cost("--from-usage", usage_file(tmp_path, ANTHROPIC_WRITE, ANTHROPIC_READ))["from_usage"]
+    assert bill["num_requests"] == 2 and bill["prompt_tokens"] == 2040
+    assert bill["billed_uncached"] == 2040
+    assert bill["billed_cached"] == 20 + 1250 + 20 + 100
+    assert bill["output_tokens"] == 12
+    assert bill["savings"] == pytest.approx((2040 - 1390) * 3 / 1e6)
+
+
+def test_1h_writes_bill_2x_and_whole_responses_count_by_their_usage(tmp_path):
+    hour = {"input_tokens": 10, "cache_creation_input_tokens": 500,
+            "cache_creation": {"ephemeral_5m_input_tokens": 200, "ephemeral_1h_input_tokens": 300}}
+    bill = cost("--from-usage", usage_file(tmp_path, {"id": "msg_1", "usage": hour}))["from_usage"]
+    assert (bill["write_5m_tokens"], bill["write_1h_tokens"]) == (200, 300)
+    assert bill["billed_cached"] == 10 + 250 + 600 and bill["billed_uncached"] == 510
+    assert bill["savings"] < 0  # one write and no read: caching costs more
+
+
+def test_openai_usage_bills_cached_tokens_as_reads_and_the_rest_at_1x(tmp_path):
+    usage = {"prompt_tokens": 1200, "completion_tokens": 9, "total_tokens": 1209,
+             "prompt_tokens_details": {"cached_tokens": 1024}}
+    bill = cost("--from-usage", usage_file(tmp_path, usage, "", usage))["from_usage"]
+    assert bill["read_tokens"] == 2048 and bill["input_tokens"] == 352
+    assert bill["billed_cached"] == pytest.approx(352 + 204.8)
+    assert bill["billed_uncached"] == 2400
+
+
+def test_multipliers_and_price_flags_apply_to_usage(tmp_path):
+    bill = cost("--from-usage", usage_file(tmp_path, ANTHROPIC_WRITE), "--write-multiplier", "1",
+                "--price", "1")["from_usage"]
+    assert bill["billed_cached"] == bill["billed_uncached"] == 1020
+    assert bill["cost_cached"] == pytest.approx(1020 / 1e6)
+
+
+@pytest.mark.parametrize("line, message", [
+    ("not json", "line 1"),
+    ({"output_tokens": 3}, "input_tokens (Anthropic) or prompt_tokens"),
+    ({"input_tokens": -1}, ">= 0"),
+    ({"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": 6}}, "over prompt_tokens"),
+    ({"input_tokens": 1, "cache_creation_input_tokens": 1,
+      "cache_creation": {"ephemeral_1h_input_tokens": 2}}, "over cache_creation_input_tokens"),
+])
+def test_bad_usage_lines_are_one_line_errors(tmp_path, line, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        cost("--from-usage", usage_file(tmp_path, line))
+
+
+def test_from_usage_excludes_a_prefix_pattern_and_one_of_them_is_needed(tmp_path):
+    with pytest.raises(ConfigError, match="leave out --prefix-tokens"):
+        cost("--from-usage", usage_file(tmp_path, ANTHROPIC_READ), "--prefix-tokens", "10")
+    with pytest.raises(ConfigError, match="--from-usage FILE"):
+        cost()
+    with pytest.raises(ConfigError, match="cannot read"):
+        cost("--from-usage", str(tmp_path / "missing.jsonl"))
+
+
+def test_cost_from_usage_on_the_command_line(tmp_path, capsys):
+    from kvserve.cli import main
+
+    path = usage_file(tmp_path, ANTHROPIC_WRITE, ANTHROPIC_READ)
+    assert main(["cost", "--from-usage", path, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["from_usage"]["billed_cached"] == 1390
+    assert main(["cost", "--from-usage", path]) == 0
+    assert "saves" in capsys.readouterr().out
+    assert main(["cost"]) == 2
+    assert "--from-usage FILE" in capsys.readouterr().err

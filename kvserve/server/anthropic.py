@@ -1,0 +1,313 @@
+"""POST /v1/messages: Anthropic's Messages API over the engine, with `cache_control` breakpoints as KV
+leases, usage split into input / cache creation / cache read tokens, and cache diagnostics.
+
+The chat (system + messages, text blocks joined by "\\n") is rendered through the model's template;
+each breakpoint becomes a `CacheLease` of the prompt tokens up to and including its block (see
+breakpoints.py for how that count is found). Streaming sends Anthropic's event sequence:
+message_start, content_block_start, ping, content_block_delta..., content_block_stop, message_delta
+(the final cumulative usage), message_stop; a failure mid-stream is an `error` event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvserve.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from kvserve.request import RequestOutput, SamplingParams
+from kvserve.server.anthropic_protocol import (MessagesRequest, ParsedChat, anthropic_error,
+                                               parse_chat, parse_request)
+from kvserve.server.breakpoints import SYSTEM, ChatRenderer, RenderedChat, make_lease
+from kvserve.server.cache_diagnostics import DiagnosticsStore, PromptFingerprint, fingerprint
+from kvserve.server.protocol import APIError
+from kvserve.server.serving import TextDelta
+
+LABELS = ("5m", "1h")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass(slots=True)
+class Pending:
+    """One /v1/messages request in the engine."""
+
+    id: str
+    model: str
+    num_prompt_tokens: int
+    stop_sequences: list[str]
+    is_prewarm: bool  # max_tokens 0: fill the cache, generate nothing
+    is_clamped: bool  # max_tokens cut to fit max_model_len
+    leases_asked: bool
+    diagnostics: dict[str, Any] | None  # the response's `diagnostics`, if asked for
+
+
+def usage(pending: Pending, output: RequestOutput) -> dict[str, Any]:
+    """Anthropic's usage: input + cache creation + cache read = prompt tokens. Without leases, read
+    is what the prefix cache served; with leases, the engine's count up to the last breakpoint."""
+    n = pending.num_prompt_tokens
+    lease = getattr(output, "lease_usage", None)
+    if lease is not None:
+        read = min(lease.cache_read_tokens, n)
+        created = {label: int(lease.cache_creation_tokens.get(label, 0)) for label in LABELS}
+    else:
+        read, created = min(output.num_cached_tokens, n), dict.fromkeys(LABELS, 0)
+    created["1h"] = min(created["1h"], n - read)
+    created["5m"] = min(created["5m"], n - read - created["1h"])
+    written = created["5m"] + created["1h"]
+    num_output = 0 if pending.is_prewarm else len(output.outputs[0].token_ids)
+    return {"input_tokens": n - read - written, "cache_creation_input_tokens": written,
+            "cache_read_input_tokens": read,
+            "cache_creation": {"ephemeral_5m_input_tokens": created["5m"],
+                               "ephemeral_1h_input_tokens": created["1h"]},
+            "output_tokens": num_output}
+
+
+def stop_reason(pending: Pending, output: RequestOutput, decode: Callable[[list[int]], str]
+                ) -> tuple[str, str | None]:
+    completion = output.outputs[0]
+    if pending.is_prewarm or completion.finish_reason == "length":
+        return ("model_context_window_exceeded" if pending.is_clamped and not pending.is_prewarm
+                else "max_tokens"), None
+    if pending.stop_sequences:  # the engine cut the text where the first stop string began
+        full = decode(completion.token_ids)
+        rest = full[len(completion.text):] if full.startswith(completion.text) else ""
+        for sequence in pending.stop_sequences:
+            if sequence and rest.startswith(sequence):
+                return "stop_sequence", sequence
+    return "end_turn", None
+
+
+def message_body(pending: Pending, output: RequestOutput, decode) -> dict[str, Any]:
+    reason, sequence = stop_reason(pending, output, decode)
+    content = [] if pending.is_prewarm else [{"type": "text", "text": output.outputs[0].text}]
+    body = {"id": pending.id, "type": "message", "role": "assistant", "model": pending.model,
+            "content": content, "stop_reason": reason, "stop_sequence": sequence,
+            "usage": usage(pending, output), "diagnostics": pending.diagnostics}
+    if pending.leases_asked:
+        body["cache_lease"] = lease_summary(output)
+    return body
+
+
+def lease_summary(output: RequestOutput) -> dict[str, Any] | None:
+    """kvserve's own field: the lease ids granted, or why none was (under the minimum, over the cap)."""
+    lease = getattr(output, "lease_usage", None)
+    return None if lease is None else {"lease_ids": list(lease.lease_ids), "refused": lease.refused}
+
+
+class MessagesService:
+    def __init__(self, engine: AsyncEngine, model_names: list[str], store: DiagnosticsStore) -> None:
+        self.engine = engine
+        self.model_names = model_names
+        self.store = store
+        llm = engine.engine
+        self.renderer = ChatRenderer(llm.chat_prompt, llm.tokenizer)
+        self.decode = llm.decode
+        self.max_model_len = llm.max_model_len
+
+    def _render(self, body: MessagesRequest) -> tuple[ParsedChat, RenderedChat]:
+        if body.model not in self.model_names:
+            raise APIError(f"model: {body.model} (this server serves {', '.join(self.model_names)})",
+                           404)
+        chat = parse_chat(body)
+        return chat, self.renderer.render(chat.system, chat.turns)
+
+    def count_tokens(self, payload: Any) -> dict[str, int]:
+        """POST /v1/messages/count_tokens: the prompt tokens a request would have."""
+        if isinstance(payload, dict):
+            payload = {"max_tokens": 1, **payload}
+        return {"input_tokens": len(self._render(parse_request(payload))[1].token_ids)}
+
+    async def create(self, body: MessagesRequest, raw: Request, namespace: str):
+        chat, rendered = self._render(body)
+        n = len(rendered.token_ids)
+        if n >= self.max_model_len:
+            raise APIError(f"prompt is too long: {n} tokens > {self.max_model_len - 1} maximum")
+        offsets = (self.renderer.token_offsets(chat.system, chat.turns, rendered,
+                                               [b.ref for b in chat.breakpoints])
+                   if chat.breakpoints else [])
+        best: dict[int, str] = {}  # token offset -> label; equal offsets keep the longer TTL
+        for offset, point in zip(offsets, chat.breakpoints):
+            if offset > 0 and best.get(offset) != "1h":
+                best[offset] = point.ttl
+        leases = [make_lease(self.engine.engine, k, label) for k, label in sorted(best.items())]
+        record, diagnosis = None, None
+        if body.wants_diagnostics:
+            record = self._fingerprint(body, chat, rendered, max(offsets, default=n))
+            diagnosis = self._diagnose(body, record, namespace)
+        max_tokens = min(max(body.max_tokens, 1), self.max_model_len - n)
+        try:
+            params = SamplingParams(
+                max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
+                stop=[s for s in body.stop_sequences or [] if s] or None)
+        except ValueError as err:
+            raise APIError(str(err)) from None
+        pending = Pending(f"msg_{uuid.uuid4().hex}", body.model, n, body.stop_sequences or [],
+                          body.max_tokens == 0, max_tokens < max(body.max_tokens, 1), bool(leases),
+                          diagnosis)
+        stream = await self._submit(rendered.token_ids, params, pending.id, namespace, leases)
+        if record is not None:
+            self.store.put(namespace, pending.id, record)
+        if body.stream:
+            return self._events(pending, stream)
+        return message_body(pending, await self._final(stream, raw), self.decode)
+
+    # -- steps ---------------------------------------------------------------------------------
+    def _fingerprint(self, body: MessagesRequest, chat: ParsedChat, rendered: RenderedChat,
+                     cacheable_tokens: int) -> PromptFingerprint | None:
+        refs = ([(SYSTEM, len(chat.system.blocks) - 1)] if chat.system and chat.system.blocks else [])
+        refs += sorted({ref for ref in chat.message_ends if ref is not None})
+        ends = self.renderer.block_ends(chat.system, chat.turns, rendered, refs)
+        if ends is None:
+            return None
+        tokens = {ref: rendered.tokens_before(end) for ref, end in zip(refs, ends)}
+        system_end = tokens[refs[0]] if chat.system and chat.system.blocks else 0
+        message_ends, last = [], system_end
+        for ref in chat.message_ends:
+            last = tokens.get(ref, last)
+            message_ends.append(last)
+        system = chat.system.blocks if chat.system else None
+        messages = [(m.role, m.content if isinstance(m.content, str) else [b.text for b in m.content])
+                    for m in body.messages]
+        return fingerprint(body.model, body.tools or [], system, messages, system_end, message_ends,
+                           cacheable_tokens)
+
+    def _diagnose(self, body: MessagesRequest, record: PromptFingerprint | None, namespace: str
+                  ) -> dict[str, Any] | None:
+        previous_id = body.diagnostics.previous_message_id
+        if previous_id is None:
+            return None  # the first turn opts in; nothing to compare yet
+        if record is None:
+            return {"cache_miss_reason": {"type": "unavailable"}}
+        reason = self.store.diagnose(namespace, previous_id, record)
+        return None if reason is None else {"cache_miss_reason": reason}
+
+    async def _submit(self, prompt: list[int], params: SamplingParams, request_id: str,
+                      namespace: str, leases: list) -> RequestStream:
+        extra = {"leases": leases} if leases else {}
+        try:
+            return await self.engine.add_request(prompt, params, request_id, namespace, **extra)
+        except ValueError as err:
+            raise APIError(str(err)) from None
+        except EngineDeadError as err:
+            raise APIError(str(err), 503) from None
+
+    async def _final(self, stream: RequestStream, raw: Request) -> RequestOutput:
+        """The last output; a client that disconnects first aborts the request."""
+        async def collect() -> RequestOutput:
+            last = None
+            async for output in stream:
+                last = output
+            return last
+
+        work = asyncio.ensure_future(collect())
+        watch = asyncio.ensure_future(_disconnected(raw))
+        try:
+            await asyncio.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+                self.engine.abort(stream.request_id)
+        if not work.done():
+            raise APIError("the client closed the connection", 499)
+        try:
+            output = work.result()
+        except EngineDeadError as err:
+            raise APIError(str(err), 503) from None
+        return _checked(output)
+
+    async def _events(self, pending: Pending, stream: RequestStream) -> AsyncIterator[str]:
+        delta = TextDelta(pending.stop_sequences or None)
+        try:
+            output = _checked(await anext(stream))
+            start = message_body(pending, output, self.decode)
+            start.update(content=[], stop_reason=None, stop_sequence=None)
+            start["usage"]["output_tokens"] = 0
+            start.pop("cache_lease", None)
+            yield _event("message_start", {"type": "message_start", "message": start})
+            if not pending.is_prewarm:
+                yield _event("content_block_start", {"type": "content_block_start", "index": 0,
+                                                     "content_block": {"type": "text", "text": ""}})
+                yield _event("ping", {"type": "ping"})
+            while True:
+                text = "" if pending.is_prewarm else delta.update(output.outputs[0].text, output.finished)
+                if text:
+                    yield _event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                         "delta": {"type": "text_delta", "text": text}})
+                if output.finished:
+                    break
+                output = _checked(await anext(stream))
+            if not pending.is_prewarm:
+                yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
+            final = message_body(pending, output, self.decode)
+            event = {"type": "message_delta",
+                     "delta": {"stop_reason": final["stop_reason"],
+                               "stop_sequence": final["stop_sequence"]},
+                     "usage": final["usage"]}
+            if pending.leases_asked:
+                event["cache_lease"] = final["cache_lease"]
+            yield _event("message_delta", event)
+            yield _event("message_stop", {"type": "message_stop"})
+        except (APIError, EngineDeadError, StopAsyncIteration) as err:
+            status = err.status if isinstance(err, APIError) else 503
+            yield _event("error", anthropic_error(str(err) or "the request ended early", status))
+        finally:
+            if not stream.finished:
+                self.engine.abort(stream.request_id)
+
+
+def _checked(output: RequestOutput | None) -> RequestOutput:
+    if output is None or output.outputs[0].finish_reason == "abort":
+        raise APIError("the request was aborted before it finished", 503)
+    return output
+
+
+def _event(name: str, payload: dict[str, Any]) -> str:
+    return f"event: {name}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _disconnected(raw: Request) -> None:
+    while True:
+        if (await raw.receive())["type"] == "http.disconnect":
+            return
+
+
+async def read_json(raw: Request) -> Any:
+    try:
+        return json.loads(await raw.body())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise APIError(f"the request body is not valid JSON: {err}") from None
+
+
+def register(app: FastAPI, engine: AsyncEngine, model_names: list[str],
+             namespace: Callable[[Request], Awaitable[str]]) -> None:
+    """Add /v1/messages; `namespace` is the app's tenant dependency (API key -> cache namespace)."""
+    service = MessagesService(engine, model_names, DiagnosticsStore())
+    app.state.messages = service
+
+    @app.post("/v1/messages")
+    async def messages(raw: Request):
+        try:
+            tenant = await namespace(raw)
+            body = parse_request(await read_json(raw))
+            result = await service.create(body, raw, tenant)
+        except APIError as err:
+            return JSONResponse(anthropic_error(err.message, err.status), err.status)
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream", headers=SSE_HEADERS)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(raw: Request):
+        try:
+            await namespace(raw)
+            return JSONResponse(service.count_tokens(await read_json(raw)))
+        except APIError as err:
+            return JSONResponse(anthropic_error(err.message, err.status), err.status)

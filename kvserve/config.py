@@ -122,6 +122,7 @@ class CacheConfig:
     kv_dtype: KVDtype
     prefix_cache: PrefixCachePolicy = PrefixCachePolicy.RADIX
     max_leased_fraction: float = 0.5  # of the pool's pages, at most, held by cache leases
+    tenant_kv_share: str = "off"  # "fair": under pressure, evict from tenants over an equal share first
 
     @property
     def partial_page_hits(self) -> bool:
@@ -151,6 +152,7 @@ class EngineConfig:
     role: str = "both"  # both | prefill (compute prompts, publish their pages) | decode
     min_cacheable_tokens: int = 1024  # cache breakpoints on shorter prefixes get no lease
     max_leased_fraction: float = 0.5
+    tenant_kv_share: str = "off"  # fair | off
     lease_ttl_scale: float = 1.0  # multiplies lease TTLs (tests scale 5 minutes down to seconds)
     kv_events_endpoint: str | None = None  # e.g. tcp://127.0.0.1:5557: KV events, vLLM's schema
     kv_disk_path: str | None = None  # disk tier directory (pages survive restarts)
@@ -186,6 +188,8 @@ class EngineConfig:
             raise ConfigError(f"--max-model-len must be at least 1, got {self.max_model_len}")
         if not 0.0 <= self.max_leased_fraction <= 0.9:
             raise ConfigError(f"--max-leased-fraction must be in [0, 0.9], got {self.max_leased_fraction}")
+        if self.tenant_kv_share not in ("fair", "off"):
+            raise ConfigError(f"--tenant-kv-share must be fair or off, got {self.tenant_kv_share!r}")
         if self.min_cacheable_tokens < 0 or self.lease_ttl_scale <= 0:
             raise ConfigError("--min-cacheable-tokens must be >= 0 and --lease-ttl-scale > 0")
         if self.role not in ("both", "prefill", "decode"):
@@ -247,5 +251,6 @@ def plan_cache(config: EngineConfig, model: ModelConfig) -> tuple[CacheConfig, i
                                                  page_bytes / config.page_size))
     cache = CacheConfig(page_size=config.page_size, num_pages=num_pages, kv_dtype=kv_dtype,
                         prefix_cache=PrefixCachePolicy(config.prefix_cache),
-                        max_leased_fraction=config.max_leased_fraction)
+                        max_leased_fraction=config.max_leased_fraction,
+                        tenant_kv_share=config.tenant_kv_share)
     return cache, max_model_len

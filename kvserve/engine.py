@@ -26,6 +26,7 @@ from kvserve.cache.manager import KVCacheManager
 from kvserve.cache.offload import Offloader
 from kvserve.cache.redis_tier import RedisTier
 from kvserve.cache.tier_auth import default_auth
+from kvserve.cache_report import CacheReporter
 from kvserve.cache.tiers import HostTier
 from kvserve.config import MODEL_DTYPE_TO_KV, EngineConfig, PrefixCachePolicy, parse_bytes, plan_cache
 from kvserve.lease_usage import grant_leases
@@ -67,6 +68,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, preemption_mode=config.preemption_mode)
         self.outputs = OutputProcessor(self.tokenizer)
+        self.reporter = CacheReporter(config.page_size, self.runner.page_bytes / config.page_size, kv_dtype.name)
         self._ids = itertools.count()
 
     def _page_layout(self) -> str:
@@ -190,6 +192,11 @@ class LLMEngine:
             if request.leases and request.lease_usage is None:
                 request.lease_usage = grant_leases(self.manager, request, self.config.min_cacheable_tokens,
                                                    self.config.lease_ttl_scale)
+            if request.num_output_tokens == 1:
+                self.reporter.first_token(request)
+            if request.status.is_finished:
+                self.reporter.finished(request)
+        self.reporter.step(self.manager.usage(), now)
         self._flush_page_moves()
         if self.event_publisher is not None:
             self.event_publisher.publish(self.events.drain())
@@ -216,6 +223,9 @@ class LLMEngine:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.outputs.decode(token_ids)
+
+    def cache_report(self) -> dict[str, Any]:
+        return self.reporter.report(self.stats(), self.manager.page_states(), self.manager.history.num_thrash)
 
     # -- leases by id (named caches) -----------------------------------------------------------
     def lease_info(self, tenant: str, lease_id: str) -> LeaseInfo | None:
@@ -246,6 +256,10 @@ class LLMEngine:
             prompt_tokens=sched.prompt_tokens,
             prompt_tokens_cached=sched.cached_prompt_tokens,
             generation_tokens=sched.generation_tokens,
+            num_preemption_loop_guards=sched.num_preemption_loop_guards,
+            num_thrash_pages=self.manager.history.num_thrash,
+            tenant_prompt_tokens={t: v.prompt_tokens for t, v in self.reporter.tenants.items()},
+            tenant_cached_tokens={t: v.cached_tokens for t, v in self.reporter.tenants.items()},
             page_size=self.config.page_size,
             kv_cache_dtype=self.cache_config.kv_dtype.name,
             kv_fp8_scale=self.fp8_scale,

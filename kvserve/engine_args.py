@@ -43,6 +43,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="cache breakpoints (cache_control, kv_retention) on shorter prefixes get no lease")
     group.add_argument("--max-leased-fraction", type=float, default=ENGINE_DEFAULTS.max_leased_fraction,
                        help="at most this fraction of the KV pages is held by cache leases")
+    group.add_argument("--tenant-kv-share", default=ENGINE_DEFAULTS.tenant_kv_share, choices=["fair", "off"],
+                       help="fair: under memory pressure, evict cached pages of tenants (API keys) over "
+                            "an equal share first")
     group.add_argument("--lease-ttl-scale", type=float, default=ENGINE_DEFAULTS.lease_ttl_scale,
                        help=argparse.SUPPRESS)  # tests: 5m/1h TTLs in seconds
     group.add_argument("--kv-tier-secret-file", default=None, metavar="FILE",
@@ -63,7 +66,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 calculate_kv_scales=getattr(args, "calculate_kv_scales", False),
                 kv_disk_path=args.kv_disk_path, kv_disk_bytes=args.kv_disk_bytes,
                 kv_events_endpoint=args.kv_events_endpoint, min_cacheable_tokens=args.min_cacheable_tokens,
-                max_leased_fraction=args.max_leased_fraction, lease_ttl_scale=args.lease_ttl_scale)
+                max_leased_fraction=args.max_leased_fraction, lease_ttl_scale=args.lease_ttl_scale,
+                tenant_kv_share=args.tenant_kv_share)
 
 
 def configure_tier_secret(args: argparse.Namespace) -> None:

@@ -26,8 +26,9 @@ def grant_leases(manager: KVCacheManager, request: Request, min_cacheable_tokens
         return usage
     usage.cache_read_tokens = covered = min(request.num_cached_tokens, eligible[-1].num_tokens)
     for breakpoint in eligible:
-        lease = manager.lease_prefix(request.prompt_token_ids, request.namespace, breakpoint.num_tokens,
-                                     breakpoint.ttl_s * ttl_scale, breakpoint.label, owner=request.tenant)
+        lease = manager.leases.lease_prefix(request.prompt_token_ids, request.namespace, breakpoint.num_tokens,
+                                            breakpoint.ttl_s * ttl_scale, manager.clock(), breakpoint.label,
+                                            owner=request.tenant)
         if isinstance(lease, str):
             usage.refused = lease
             continue

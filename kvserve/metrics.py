@@ -40,6 +40,21 @@ COUNTERS = {
     "prompt_tokens_cached": ("prompt_tokens_cached", "Prompt tokens served from the prefix cache."),
     "remote_cache_hits": ("remote_cache_hits", "Pages loaded from the remote (Redis) tier."),
     "remote_cache_errors": ("remote_cache_errors", "Remote tier failures (each one a miss)."),
+    "lease_grants": ("lease_grants", "Cache leases granted (cache_control, kv_retention, named caches)."),
+    "lease_refreshes": ("lease_refreshes", "Cache leases whose TTL a read or a new breakpoint refreshed."),
+    "lease_expiries": ("lease_expiries", "Cache leases that ran out (their pages became evictable)."),
+    "lease_refusals": ("lease_refusals", "Breakpoints that got no lease (cap reached, prefix not cached)."),
+    "num_preemption_loop_guards": ("num_preemption_loop_guards",
+                                   "Requests preempted past the limit; new admissions waited for them."),
+    "num_fair_share_evictions": ("num_fair_share_evictions",
+                                 "Evictions taken from a tenant over its fair share (--tenant-kv-share fair)."),
+    "num_thrash_pages": ("num_thrash_pages", "Pages committed again within a minute of their eviction."),
+}
+
+# per-tenant series (label "tenant", at most cache_report.MAX_TENANTS + "other"): stats key -> help
+TENANT_COUNTERS = {
+    "tenant_prompt_tokens": ("tenant_prompt_tokens", "Prompt tokens of admitted requests, per tenant."),
+    "tenant_prefix_cache_hits": ("tenant_cached_tokens", "Prompt tokens served from the cache, per tenant."),
 }
 
 # gauge name -> (stats key, help)
@@ -52,6 +67,7 @@ GAUGES = {
     "num_pages_total": ("num_pages_total", "KV pages in the pool."),
     "num_pages_free": ("num_pages_free", "Free KV pages, cached idle ones included."),
     "num_pages_cached": ("num_pages_cached", "Idle pages that still hold a cached prefix."),
+    "leased_pages": ("leased_pages", "KV pages held by cache leases."),
 }
 
 
@@ -75,6 +91,11 @@ class EngineMetrics:
             name: Gauge(PREFIX + name, help_, labels, registry=self.registry).labels(model_name)
             for name, (_, help_) in GAUGES.items()
         }
+        self.tenant_counters = {
+            name: Counter(PREFIX + name, help_, labels + ["tenant"], registry=self.registry)
+            for name, (_, help_) in TENANT_COUNTERS.items()}
+        self.tenant_pages = Gauge(PREFIX + "tenant_cached_pages", "Cached KV pages per tenant "
+                                  "(with --tenant-kv-share fair).", labels + ["tenant"], registry=self.registry)
         self.request_success = Counter(
             PREFIX + "request_success", "Finished requests by finish reason.",
             labels + ["finished_reason"], registry=self.registry)
@@ -100,6 +121,15 @@ class EngineMetrics:
                 self._seen[key] = value
             for name, (key, _) in GAUGES.items():
                 self.gauges[name].set(stats.get(key, 0) or 0)
+            for name, (key, _) in TENANT_COUNTERS.items():
+                for tenant, value in (stats.get(key) or {}).items():
+                    seen = f"{key}:{tenant}"
+                    delta = value - self._seen.get(seen, 0)
+                    if delta > 0:
+                        self.tenant_counters[name].labels(self.model_name, tenant).inc(delta)
+                    self._seen[seen] = value
+            for tenant, pages in (stats.get("cached_pages_per_tenant") or {}).items():
+                self.tenant_pages.labels(self.model_name, tenant or "default").set(pages)
         for output in outputs:
             if output.finished:
                 self.observe_finished(output)

@@ -9,8 +9,10 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.cache.pages import PagePool
+from kvserve.cache.sequence import cdiv
 
 
 class LeaseRefusal:
@@ -44,6 +46,8 @@ class LeaseStats:
 @dataclass
 class LeaseTable:
     pool: PagePool
+    index: Any  # the prefix index (None: prefix caching off, nothing can be leased)
+    page_size: int
     max_leased_fraction: float = 0.5
     leases: dict[str, Lease] = field(default_factory=dict)
     stats: LeaseStats = field(default_factory=LeaseStats)
@@ -54,6 +58,19 @@ class LeaseTable:
     def num_leased_pages(self) -> int:
         """Distinct pages some lease holds."""
         return len({page for lease in self.leases.values() for page in lease.pages})
+
+    def lease_prefix(self, token_ids: list[int], namespace: str, num_tokens: int, ttl_s: float, now: float,
+                     label: str = "5m", owner: str = "") -> Lease | str:
+        """Lease the cached pages covering the first `num_tokens` of `token_ids` (the page holding
+        the last of them too, when it is full and cached). Returns the lease or a LeaseRefusal."""
+        if self.index is None:
+            return LeaseRefusal.PREFIX_CACHE_OFF
+        pages, matched = self.index.match(list(token_ids), namespace)
+        wanted = min(cdiv(num_tokens, self.page_size), len(token_ids) // self.page_size)
+        if wanted == 0 or matched // self.page_size < wanted:
+            self.stats.refusals += 1
+            return LeaseRefusal.NOT_CACHED
+        return self.grant(namespace, pages[:wanted], num_tokens, ttl_s, now, label, owner)
 
     def grant(self, namespace: str, pages: list[int], num_tokens: int, ttl_s: float, now: float,
               label: str = "5m", owner: str = "") -> Lease | str:

@@ -26,10 +26,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvserve.cache.explain import CacheExplanation, explain
+from kvserve.cache.fair_share import FairShareEviction
 from kvserve.cache.hashing import page_hash
 from kvserve.cache.history import CacheHistory
 from kvserve.cache.invariants import check_manager_invariants
-from kvserve.cache.leases import Lease, LeaseRefusal, LeaseTable
+from kvserve.cache.leases import LeaseTable
 from kvserve.cache.offload import Offloader, SaveTarget
 from kvserve.cache.pages import PagePool
 from kvserve.cache.prefix_hash import HashPrefixIndex
@@ -46,7 +47,7 @@ class KVCacheManager:
                  policy: PrefixCachePolicy | str = PrefixCachePolicy.RADIX,
                  partial_page_hits: bool = True, offload: Offloader | None = None,
                  max_leased_fraction: float = 0.5, clock: Callable[[], float] = time.monotonic,
-                 events: KVEventBuffer | None = None) -> None:
+                 events: KVEventBuffer | None = None, tenant_kv_share: str = "off") -> None:
         if page_size < 1:
             raise ConfigError(f"page_size must be at least 1, got {page_size}")
         if num_pages < 2:
@@ -68,10 +69,11 @@ class KVCacheManager:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.offload = offload or Offloader(page_size)
-        self.leases = LeaseTable(self.pool, max_leased_fraction)
+        self.leases = LeaseTable(self.pool, self.index, page_size, max_leased_fraction)
         self.clock = clock  # lease expiry; the simulator passes its virtual clock
         self.events = events  # KV events (vLLM's schema): pages stored in and removed from the pool
         self.history = CacheHistory(page_size)  # what the pool held, to explain misses
+        self.fair = FairShareEviction(self.index, self.pool) if tenant_kv_share == "fair" and self.index else None
         self._hash_of_cached: dict[int, bytes] = {}  # cached page -> its chained hash
         self.pool.on_evicted = self._evicted
 
@@ -80,7 +82,8 @@ class KVCacheManager:
                     events: KVEventBuffer | None = None) -> KVCacheManager:
         return cls(config.num_pages, config.page_size, config.prefix_cache,
                    partial_page_hits=config.partial_page_hits, offload=offload,
-                   max_leased_fraction=config.max_leased_fraction, events=events)
+                   max_leased_fraction=config.max_leased_fraction, events=events,
+                   tenant_kv_share=config.tenant_kv_share)
 
     # -- admission -----------------------------------------------------------------------------
     def lookup(self, token_ids: list[int], namespace: str = "") -> PrefixHit:
@@ -220,6 +223,8 @@ class KVCacheManager:
                 self._hash_of_cached[page] = h
                 parent = seq.page_hashes[i - 1] if i else None
                 self.history.stored(h, parent, seq.namespace, token_ids[:ps] if i == 0 else None, now)
+                if self.fair is not None:
+                    self.fair.cached(page, seq.namespace)
                 if self.events is not None:
                     self.events.stored(h, parent, token_ids[i * ps:(i + 1) * ps])
         seq.committed_token_ids.extend(token_ids[start * ps:end * ps])
@@ -335,19 +340,6 @@ class KVCacheManager:
         return self.num_used_pages / self.pool.num_usable
 
     # -- leases ----------------------------------------------------------------------------------
-    def lease_prefix(self, token_ids: list[int], namespace: str, num_tokens: int, ttl_s: float,
-                     label: str = "5m", owner: str = "") -> Lease | str:
-        """Lease the cached pages covering the first `num_tokens` of `token_ids` (the page holding
-        the last of them too, when it is full and cached). Returns the lease or a LeaseRefusal."""
-        if self.index is None:
-            return LeaseRefusal.PREFIX_CACHE_OFF
-        pages, matched = self.index.match(list(token_ids), namespace)
-        wanted = min(cdiv(num_tokens, self.page_size), len(token_ids) // self.page_size)
-        if wanted == 0 or matched // self.page_size < wanted:
-            self.leases.stats.refusals += 1
-            return LeaseRefusal.NOT_CACHED
-        return self.leases.grant(namespace, pages[:wanted], num_tokens, ttl_s, self.clock(), label, owner)
-
     def expire_leases(self) -> int:
         now = self.clock()
         for lease in self.leases.expiring(now):  # remembered, to explain a later miss
@@ -379,6 +371,8 @@ class KVCacheManager:
             "num_evictions": self.pool.num_evictions,
             **self.offload.stats(),
             **self.leases.stats_dict(),
+            "num_fair_share_evictions": self.fair.num_fair_evictions if self.fair else 0,
+            "cached_pages_per_tenant": dict(self.fair.pages_per_tenant) if self.fair else {},
         }
 
     def page_states(self) -> str:
@@ -393,6 +387,8 @@ class KVCacheManager:
         if self.index is not None:
             self.index.clear()
         self._hash_of_cached.clear()
+        if self.fair is not None:
+            self.fair.clear()
         if self.events is not None:
             self.events.cleared()
         return True

@@ -83,6 +83,10 @@ class PagePool:
         """Pages in the order the pool hands them out (without a listener's victim choice)."""
         return [*self._free, *self._idle]
 
+    def idle_pages(self):
+        """Cached idle pages, least recently freed first."""
+        return iter(self._idle)
+
     # -- taking and returning pages ------------------------------------------------------------
     def allocate(self, num: int) -> list[int] | None:
         """`num` pages with ref 1 each, evicting cached idle pages as needed; None (nothing changed)

@@ -107,6 +107,10 @@ class HashPrefixIndex:
     def choose_victim(self) -> int | None:
         return None  # the pool's LRU head: least recently freed
 
+    def choose_victim_among(self, wanted) -> int | None:
+        """The least recently freed cached idle page for which `wanted(page)` holds, or None."""
+        return next((page for page in self._pool.idle_pages() if wanted(page)), None)
+
     def on_evict(self, page_id: int) -> None:
         entry = self._entries.pop(page_id)
         del self._page_by_hash[entry.page_hash]

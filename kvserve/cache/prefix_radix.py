@@ -242,6 +242,14 @@ class RadixPrefixIndex:
                 self._rebuild_heap()  # never needed if the heap is complete; cheap insurance
         raise AssertionError("the pool has cached idle pages but the tree has no evictable leaf")
 
+    def choose_victim_among(self, wanted) -> int | None:
+        """The least recently used evictable leaf page for which `wanted(page)` holds, or None.
+        (A scan of the leaves: used only by fair-share eviction.)"""
+        for access, _, node in sorted(self._heap, key=lambda item: item[:2]):
+            if access == node.last_access and self._is_evictable(node) and wanted(node.page_ids[-1]):
+                return node.page_ids[-1]
+        return None
+
     def on_evict(self, page_id: int) -> None:
         node = self._node_of_page.pop(page_id)
         assert node.page_ids[-1] == page_id and not node.children, "evicting a page with cached pages below"

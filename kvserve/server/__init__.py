@@ -61,6 +61,6 @@ def _non_negative_int(text: str) -> int:
 
 
 def main_serve(args: argparse.Namespace) -> int:
-    from kvserve.server.api import serve
+    from kvserve.server.launch import serve
 
     return serve(args)

@@ -243,10 +243,3 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def internal_error(request: Request, err: Exception):
         log.exception("unhandled error")
         return JSONResponse(error_body(f"internal error: {type(err).__name__}", "server_error"), 500)
-
-
-def serve(args) -> int:
-    """`kvserve serve` (launch.py)."""
-    from kvserve.server.launch import serve as launch
-
-    return launch(args)

@@ -1,6 +1,6 @@
 """HTTP routes about the KV cache itself rather than completions: `POST /tokenize` (vLLM's shape:
-find the token offset of your own text) and `GET /v1/kv_events_endpoint` (where a KV-aware router
-subscribes to this instance's KV events)."""
+find the token offset of your own text), `GET /v1/cache/report` (the live cache report) and
+`GET /v1/kv_events_endpoint` (where a KV-aware router subscribes to this instance's KV events)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,11 @@ def kv_routes(async_engine: AsyncEngine, namespace: Callable[..., Awaitable[str]
             return JSONResponse({"error": {"message": str(err), "type": "invalid_request_error"}}, 400)
         ids = engine.tokenizer.encode(text, add_special_tokens=body.add_special_tokens).ids
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @router.get("/v1/cache/report")
+    async def cache_report(ns: str = Depends(namespace)):
+        """Hit rates, top prefixes, pages by state, thrash, preemptions, and advice (cache_report.py)."""
+        return await async_engine.call(engine.cache_report)
 
     @router.get("/v1/kv_events_endpoint")
     async def kv_events_endpoint(ns: str = Depends(namespace)):

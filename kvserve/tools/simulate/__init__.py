@@ -17,7 +17,8 @@ from kvserve.tools.simulate.render import render_simulation
 from kvserve.tools.simulate.replayer import (GENERATED_ID_BASE, RunResult, SchedulerLimits, ServiceModel,
                                            VirtualClock, replay)
 from kvserve.tools.simulate.requests import SimRequest, prepare, unbounded_pages
-from kvserve.tools.simulate.spans import HiddenSpan, find_hidden_spans, move_span_to_front
+from kvserve.cache.spans import HiddenSpan, find_hidden_spans
+from kvserve.tools.simulate.spans import move_span_to_front
 
 __all__ = ["GENERATED_ID_BASE", "POLICIES", "HiddenSpan", "Ideals", "RunResult", "SchedulerLimits", "ServiceModel",
            "SimRequest", "VirtualClock", "add_simulate_arguments", "analyze", "capacity_for", "compare_runs",

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+from kvserve.cache.spans import find_hidden_spans
 from kvserve.config import ConfigError
 from kvserve.tools.simulate.ideals import Ideals, compute_ideals, short_prefixes
 from kvserve.tools.simulate.replayer import RunResult, SchedulerLimits, ServiceModel, replay
 from kvserve.tools.simulate.requests import SimRequest, pages_needed, unbounded_pages
-from kvserve.tools.simulate.spans import find_hidden_spans, move_span_to_front
+from kvserve.tools.simulate.spans import move_span_to_front
 
 POLICIES = ("hash", "radix")
 

@@ -1,0 +1,144 @@
+"""The live cache report (`GET /v1/cache/report`, the dashboard's advice panel): hit rate overall and
+per tenant, the prefixes reused most and those taking the most bytes, pages by state, thrash,
+preemption rate, and an operator's advice when a threshold is crossed. Fed by the engine after each
+step; torch-free."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.cache.fair_share import tenant_of
+from kvserve.cache.history import first_page_key
+from kvserve.cache.pages import PAGE_CACHED, PAGE_FREE, PAGE_LEASED, PAGE_SHARED, PAGE_USED
+from kvserve.cache.spans import find_hidden_spans
+from kvserve.request import Request
+
+MAX_TENANTS = 16  # labels beyond these are summed as "other" (bounded metric cardinality)
+MAX_PREFIXES = 1000
+RECENT_PROMPTS = 64
+LOW_HIT_RATE = 0.30
+HIGH_USAGE = 0.85
+USAGE_WINDOW_S = 60.0
+QUANTIZED_KV = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")
+
+
+@dataclass(slots=True)
+class TenantStats:
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class PrefixStats:
+    requests: int = 0
+    cached_tokens: int = 0  # summed over the requests that hit it
+    longest: int = 0  # longest prompt prefix cached under it (tokens)
+
+
+@dataclass(slots=True)
+class _Prompt:  # what find_hidden_spans reads
+    token_ids: list[int]
+    namespace: str
+
+
+class CacheReporter:
+    def __init__(self, page_size: int, bytes_per_token: float, kv_dtype: str) -> None:
+        self.page_size = page_size
+        self.bytes_per_token = bytes_per_token
+        self.kv_dtype = kv_dtype
+        self.tenants: dict[str, TenantStats] = {}
+        self.prefixes: OrderedDict[bytes, PrefixStats] = OrderedDict()
+        self.recent: deque[tuple[_Prompt, int]] = deque(maxlen=RECENT_PROMPTS)  # (prompt, cached)
+        self.usage: deque[tuple[float, float]] = deque()
+        self.admitted = 0
+        self.most_preempted = 0  # preemptions of one request (recent finished ones)
+
+    # -- feeding -------------------------------------------------------------------------------
+    def first_token(self, request: Request) -> None:
+        """A request's prompt is computed: its cached prefix is known."""
+        self.admitted += 1
+        label = tenant_of(request.namespace) or "default"
+        if label not in self.tenants and len(self.tenants) >= MAX_TENANTS:
+            label = "other"
+        stats = self.tenants.setdefault(label, TenantStats())
+        stats.requests += 1
+        stats.prompt_tokens += request.num_prompt_tokens
+        stats.cached_tokens += request.num_cached_tokens
+        self.recent.append((_Prompt(request.prompt_token_ids, request.namespace), request.num_cached_tokens))
+        if request.num_prompt_tokens >= self.page_size:
+            key = first_page_key(request.prompt_token_ids, self.page_size) + request.namespace.encode()
+            prefix = self.prefixes.pop(key, None) or PrefixStats()
+            prefix.requests += 1
+            prefix.cached_tokens += request.num_cached_tokens
+            prefix.longest = max(prefix.longest, request.num_cached_tokens)
+            self.prefixes[key] = prefix
+            while len(self.prefixes) > MAX_PREFIXES:
+                self.prefixes.popitem(last=False)
+
+    def finished(self, request: Request) -> None:
+        self.most_preempted = max(self.most_preempted, request.num_preemptions)
+
+    def step(self, usage: float, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self.usage.append((now, usage))
+        while self.usage and self.usage[0][0] < now - USAGE_WINDOW_S:
+            self.usage.popleft()
+
+    # -- the report ----------------------------------------------------------------------------
+    def report(self, stats: dict[str, Any], page_states: str, num_thrash: int) -> dict[str, Any]:
+        queries, hits = stats.get("prefix_cache_queries", 0), stats.get("prefix_cache_hits", 0)
+        hit_rate = hits / queries if queries else 0.0
+        counts = Counter(page_states[1:])
+        prefixes = [{"prefix_id": key[:8].hex(), "requests": p.requests, "cached_tokens": p.cached_tokens,
+                     "longest_cached_tokens": p.longest, "bytes": int(p.longest * self.bytes_per_token)}
+                    for key, p in self.prefixes.items()]
+        report = {
+            "hit_rate": hit_rate, "prefix_cache_queries": queries, "prefix_cache_hits": hits,
+            "tenants": {name: {**vars_of(t), "hit_rate": t.cached_tokens / t.prompt_tokens if t.prompt_tokens else 0.0}
+                        for name, t in self.tenants.items()},
+            "top_prefixes_by_reuse": sorted(prefixes, key=lambda p: -p["requests"])[:10],
+            "top_prefixes_by_bytes": sorted(prefixes, key=lambda p: -p["bytes"])[:10],
+            "pages": {"free": counts[PAGE_FREE], "cached": counts[PAGE_CACHED], "used": counts[PAGE_USED],
+                      "shared": counts[PAGE_SHARED], "leased": counts[PAGE_LEASED]},
+            "thrash_pages": num_thrash,  # evicted and committed again within a minute
+            "preemption_rate": stats.get("num_preemptions", 0) / self.admitted if self.admitted else 0.0,
+            "advice": [],
+        }
+        report["advice"] = self.advice(hit_rate, stats)
+        return report
+
+    def advice(self, hit_rate: float, stats: dict[str, Any]) -> list[dict[str, Any]]:
+        advice = []
+        if len(self.recent) >= 8 and hit_rate < LOW_HIT_RATE:
+            prompts = [p for p, _ in self.recent]
+            spans = find_hidden_spans(prompts, [cached for _, cached in self.recent], min_length=32)
+            for span in spans[:1]:
+                advice.append({"kind": "mid_prompt_shared_text", "offset": span.offset, "length": span.length,
+                               "num_requests": span.num_requests, "message": (
+                                   f"hit rate {hit_rate:.0%}: {span.num_requests} of the last {len(prompts)} "
+                                   f"prompts repeat {span.length} tokens at offset ~{span.offset}, after text "
+                                   f"that differs; put the shared text first to make it cacheable")})
+        samples = [u for _, u in self.usage]
+        sustained = len(samples) >= 5 and sum(samples) / len(samples) > HIGH_USAGE
+        if sustained or self.most_preempted >= 2:
+            usage = max(samples[-1] if samples else 0.0, 1e-9)
+            running = max(1, stats.get("num_requests_running", 1))
+            memory = stats.get("kv_cache_bytes", 0)
+            advice.append({"kind": "memory_pressure", "message": (
+                f"KV usage {usage:.0%}" + (f", one request preempted {self.most_preempted} times" if
+                                            self.most_preempted >= 2 else "")
+                + f": lower --max-num-seqs to {max(1, int(running * 0.7 / usage))} or raise "
+                  f"--kv-cache-memory to about {int(memory * usage / 0.7) / 2**30:.2f}GiB")})
+        if self.kv_dtype in QUANTIZED_KV:
+            advice.append({"kind": "quantized_kv", "message": (
+                f"KV cache in {self.kv_dtype}: measure its perplexity drift and greedy agreement with "
+                f"`kvserve eval-kv --kv-cache-dtype {self.kv_dtype}`")})
+        return advice
+
+
+def vars_of(stats: TenantStats) -> dict[str, int]:
+    return {"requests": stats.requests, "prompt_tokens": stats.prompt_tokens, "cached_tokens": stats.cached_tokens}

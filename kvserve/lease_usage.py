@@ -13,7 +13,8 @@ def grant_leases(manager: KVCacheManager, request: Request, min_cacheable_tokens
                  ttl_scale: float = 1.0) -> LeaseUsage:
     """Lease the prefix up to each breakpoint of `request` (its prompt is computed and committed).
 
-    read     = cached tokens up to the last breakpoint long enough to be cached
+    read     = the longest breakpoint whose whole prefix was served from the cache (a provider reads at
+               breakpoints: a partial hit of a prefix is a miss that writes it again)
     creation = for each granted breakpoint, the tokens past what was read or written before it
     A breakpoint shorter than `min_cacheable_tokens` is silently not cached, as providers do; one
     refused by the leased-fraction cap leaves the request running without it (`refused` says so).
@@ -24,7 +25,10 @@ def grant_leases(manager: KVCacheManager, request: Request, min_cacheable_tokens
     if not eligible:
         usage.refused = LeaseRefusal.BELOW_MIN_CACHEABLE if request.leases else None
         return usage
-    usage.cache_read_tokens = covered = min(request.num_cached_tokens, eligible[-1].num_tokens)
+    last_computable = request.num_prompt_tokens - 1  # the last prompt token is always computed
+    usage.cache_read_tokens = covered = max(
+        (b.num_tokens for b in eligible if request.num_cached_tokens >= min(b.num_tokens, last_computable)),
+        default=0)
     for breakpoint in eligible:
         lease = manager.leases.lease_prefix(request.prompt_token_ids, request.namespace, breakpoint.num_tokens,
                                             breakpoint.ttl_s * ttl_scale, manager.clock(), breakpoint.label,

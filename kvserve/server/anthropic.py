@@ -45,6 +45,7 @@ class Pending:
     is_clamped: bool  # max_tokens cut to fit max_model_len
     leases_asked: bool
     diagnostics: dict[str, Any] | None  # the response's `diagnostics`, if asked for
+    kv_explain: bool = False
 
 
 def usage(pending: Pending, output: RequestOutput) -> dict[str, Any]:
@@ -91,6 +92,8 @@ def message_body(pending: Pending, output: RequestOutput, decode) -> dict[str, A
             "usage": usage(pending, output), "diagnostics": pending.diagnostics}
     if pending.leases_asked:
         body["cache_lease"] = lease_summary(output)
+    if pending.kv_explain:
+        body["kv_cache"] = output.kv_cache
     return body
 
 
@@ -150,8 +153,9 @@ class MessagesService:
             raise APIError(str(err)) from None
         pending = Pending(f"msg_{uuid.uuid4().hex}", body.model, n, body.stop_sequences or [],
                           body.max_tokens == 0, max_tokens < max(body.max_tokens, 1), bool(leases),
-                          diagnosis)
-        stream = await self._submit(rendered.token_ids, params, pending.id, namespace, leases)
+                          diagnosis, body.kv_explain)
+        stream = await self._submit(rendered.token_ids, params, pending.id, namespace, leases,
+                                    body.kv_explain)
         if record is not None:
             self.store.put(namespace, pending.id, record)
         if body.stream:
@@ -189,10 +193,10 @@ class MessagesService:
         return None if reason is None else {"cache_miss_reason": reason}
 
     async def _submit(self, prompt: list[int], params: SamplingParams, request_id: str,
-                      namespace: str, leases: list) -> RequestStream:
-        extra = {"leases": leases} if leases else {}
+                      namespace: str, leases: list, kv_explain: bool = False) -> RequestStream:
         try:
-            return await self.engine.add_request(prompt, params, request_id, namespace, **extra)
+            return await self.engine.add_request(prompt, params, request_id, namespace,
+                                                 leases=leases or None, kv_explain=kv_explain)
         except ValueError as err:
             raise APIError(str(err)) from None
         except EngineDeadError as err:
@@ -253,6 +257,8 @@ class MessagesService:
                      "usage": final["usage"]}
             if pending.leases_asked:
                 event["cache_lease"] = final["cache_lease"]
+            if pending.kv_explain:
+                event["kv_cache"] = final["kv_cache"]
             yield _event("message_delta", event)
             yield _event("message_stop", {"type": "message_stop"})
         except (APIError, EngineDeadError, StopAsyncIteration) as err:

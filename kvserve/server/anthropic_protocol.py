@@ -69,6 +69,7 @@ class MessagesRequest(BaseModel):
     top_k: Annotated[StrictInt, Field(ge=0, le=2**31)] | None = None
     cache_control: CacheControl | None = None
     diagnostics: DiagnosticsParam | None = None
+    kv_explain: StrictBool = False  # kvserve's own: a `kv_cache` explanation beside `usage`
     tools: list[Any] | None = None
     thinking: dict[str, Any] | None = None
 

@@ -2,7 +2,7 @@
 
 Unknown fields are ignored (as vLLM does); known fields of the wrong type or out of range are a 400
 with OpenAI's error JSON. Fields kvserve adds: `cache_salt` (cache isolation), `top_k`, `ignore_eos`,
-`kv_retention` (lease the prompt's KV).
+`kv_retention` (lease the prompt's KV), `kv_explain` (a `kv_cache` explanation beside `usage`).
 """
 
 from __future__ import annotations
@@ -91,6 +91,7 @@ class _Sampling(BaseModel):
     frequency_penalty: Penalty | None = None
     logit_bias: dict[str, float] | None = None
     kv_retention: KVRetention | None = None
+    kv_explain: StrictBool = False  # add `kv_cache`: why the prompt hit or missed the prefix cache
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -84,6 +84,18 @@ class Generation:
     choices: list[Choice]
     created: int = field(default_factory=lambda: int(time.time()))
     release: Callable[[], None] | None = None  # gives back its admission; called once
+    kv_explain: bool = False
+
+    def kv_cache(self) -> dict[str, Any] | list[dict[str, Any]] | None:
+        """kv_explain: the prefix-cache explanation of each prompt (one prompt: the object itself)."""
+        firsts = {c.prompt_index: c for c in reversed(self.choices)}
+        found = [c.output.kv_cache for _, c in sorted(firsts.items()) if c.output is not None]
+        return found[0] if len(found) == 1 else found
+
+    def respond(self, body: dict[str, Any]) -> dict[str, Any]:
+        if self.kv_explain:
+            body["kv_cache"] = self.kv_cache()
+        return body
 
     def usage(self) -> dict[str, Any]:
         firsts = {c.prompt_index: c for c in reversed(self.choices)}  # choice 0 of each prompt
@@ -125,7 +137,7 @@ class OpenAIServing:
             params = body.sampling_params(body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS,
                                           body.logprobs)
             gen = await self._submit("cmpl", prompts, params, body.n, namespace, release,
-                                      retention=body.kv_retention)
+                                     retention=body.kv_retention, kv_explain=body.kv_explain)
         except BaseException:
             release()
             raise
@@ -137,8 +149,8 @@ class OpenAIServing:
             self.close(gen)
         choices = [render.completion_choice(c.index, c.output.outputs[0], self.tokenizer,
                                             body.logprobs) for c in gen.choices]
-        return render.completion_response(gen.request_id, gen.created, gen.model, choices,
-                                          gen.usage())
+        return gen.respond(render.completion_response(gen.request_id, gen.created, gen.model, choices,
+                                                      gen.usage()))
 
     async def chat(self, body: ChatCompletionRequest, raw: Request, namespace: str):
         self._check_model(body.model)
@@ -154,7 +166,7 @@ class OpenAIServing:
                                    param="messages")
             params = body.sampling_params(max_tokens, body.num_logprobs)
             gen = await self._submit("chatcmpl", [prompt], params, body.n, namespace, release,
-                                     retention=body.kv_retention)
+                                     retention=body.kv_retention, kv_explain=body.kv_explain)
         except BaseException:
             release()
             raise
@@ -166,7 +178,7 @@ class OpenAIServing:
             self.close(gen)
         choices = [render.chat_choice(c.index, c.output.outputs[0], self.tokenizer,
                                       body.num_logprobs) for c in gen.choices]
-        return render.chat_response(gen.request_id, gen.created, gen.model, choices, gen.usage())
+        return gen.respond(render.chat_response(gen.request_id, gen.created, gen.model, choices, gen.usage()))
 
     def close(self, gen: Generation) -> None:
         """The response is over: abort what did not finish, give back the admission."""
@@ -233,7 +245,7 @@ class OpenAIServing:
 
     async def _submit(self, kind: str, prompts: list[list[int]], params: SamplingParams, n: int,
                       namespace: str, release: Callable[[], None] | None = None,
-                      retention: Any = None) -> Generation:
+                      retention: Any = None, kv_explain: bool = False) -> Generation:
         if len(prompts) * n > MAX_CHOICES:
             raise APIError(f"{len(prompts)} prompts x n={n} is over {MAX_CHOICES} choices per "
                            f"request; send fewer prompts or a smaller n", param="n")
@@ -249,9 +261,9 @@ class OpenAIServing:
                 items.append((prompt, replace(params, seed=seed), f"{request_id}-{p}-{i}"))
         try:
             if retention is None:
-                streams = await self.engine.add_requests(items, namespace)
+                streams = await self.engine.add_requests(items, namespace, kv_explain=kv_explain)
             else:  # kv_retention: each request leases its whole prompt
-                streams = await retained_requests(self.engine, items, namespace, retention.ttl)
+                streams = await retained_requests(self.engine, items, namespace, retention.ttl, kv_explain)
         except ValueError as err:
             raise APIError(str(err), param="prompt" if "prompt" in str(err) else None) from None
         except EngineDeadError as err:
@@ -259,7 +271,7 @@ class OpenAIServing:
         for index, stream in enumerate(streams):
             choices.append(Choice(index, index // n, stream, TextDelta(params.stop)))
         model = self.model_names[0]
-        return Generation(request_id, model, prompts, choices, release=release)
+        return Generation(request_id, model, prompts, choices, release=release, kv_explain=kv_explain)
 
     def _abort_unfinished(self, gen: Generation) -> None:
         for choice in gen.choices:
@@ -340,9 +352,10 @@ class OpenAIServing:
                 last = num_finished == len(gen.choices)
                 usage = gen.usage() if every_usage or (last and not body.include_usage_chunk) else None
                 delta = {"content": text} if chat else text
-                yield _sse(chunk(gen, c.index, delta, reason, logprobs, usage))
+                payload = chunk(gen, c.index, delta, reason, logprobs, usage)
+                yield _sse(gen.respond(payload) if last and not body.include_usage_chunk else payload)
             if body.include_usage_chunk:
-                yield _sse(render.usage_chunk(gen, chat))
+                yield _sse(gen.respond(render.usage_chunk(gen, chat)))
             aborted = any(c.output.outputs[0].finish_reason == "abort" for c in gen.choices)
             if aborted and self.abort_note is not None:
                 yield _sse(error_body(self.abort_note, "server_error", None, "shutting_down"))

@@ -9,8 +9,8 @@ recorded (CacheHistory), never guessed:
     below_min_cacheable    the request asked to retain a prefix shorter than --min-cacheable-tokens
     diverged               the cache held a different continuation of the matched prefix
     other_tenant_or_salt   the same text is cached, but in another namespace (tenant or cache_salt)
-    partial_page           the rest of the match lies in a page the cache does not keep (a partial
-                           last page, or page-granular hits)
+    partial_page           recent prompts share less than a page of text: nothing could be cached
+                           (the page size is longer than the shared prefix)
     cold                   nothing of this prompt was ever cached in its namespace
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.cache.hashing import page_hashes
+from kvserve.cache.hashing import common_prefix_len, page_hashes
 from kvserve.cache.history import CacheHistory
 from kvserve.cache.sequence import PrefixHit
 
@@ -40,9 +40,10 @@ class CacheExplanation:
 
 def explain(token_ids: Sequence[int], namespace: str, hit: PrefixHit, page_size: int,
             history: CacheHistory, leased_pages: set[int], now: float,
-            below_min_cacheable: int | None = None) -> CacheExplanation:
+            below_min_cacheable: int | None = None, recent: Sequence[Sequence[int]] = ()) -> CacheExplanation:
     """`hit` as allocate() left it (the pool's pages and any tier loads); `below_min_cacheable`: the
-    longest breakpoint the request asked to retain, when all of them were too short."""
+    longest breakpoint the request asked to retain, when all of them were too short; `recent`: the
+    namespace's recent prompts (where the prompt leaves the text it shares with them)."""
     cached = hit.num_cached_tokens
     leased = min(sum(page_size for page in hit.pages if page in leased_pages), hit.num_tokens)
     sources = {"pool": hit.num_tokens - leased, "lease": leased, "host": 0, "disk": 0, "redis": 0}
@@ -80,23 +81,28 @@ def explain(token_ids: Sequence[int], namespace: str, hit: PrefixHit, page_size:
             out.detail = (f"page {first_missing} (tokens {first_missing * page_size}..) was evicted from the "
                           f"pool {ago:.1f} s ago and no tier below held it")
         return out
+    shared = max((common_prefix_len(token_ids, p) for p in recent), default=0)  # same namespace
+    if cached == 0 and 0 < shared < page_size:
+        out.reason = "partial_page"
+        out.detail = (f"recent prompts share only the first {shared} tokens, less than a page "
+                      f"({page_size} tokens): only full pages are cached; a smaller --page-size would hit")
+        out.diverged_at = shared
+        return out
     parent = hashes[first_missing - 1] if first_missing else namespace
     nxt = hashes[first_missing] if first_missing < len(hashes) else None
-    if history.has_other_child(parent, nxt):
+    if history.has_other_child(parent, nxt) or shared > cached:
         out.reason = "diverged"
-        out.detail = (f"the prompt leaves the cached prefix at token {cached}: the cache holds another "
-                      f"continuation there")
+        lost = max(0, shared - cached)
+        out.detail = (f"the prompt leaves the cached prefix at token {cached}"
+                      + (f"; {lost} more shared tokens lie in a page that differs (page size {page_size})"
+                         if lost else ": the cache holds another continuation there"))
         return out
     others = history.other_namespaces(token_ids, namespace)
     if cached == 0 and others:
         out.reason = "other_tenant_or_salt"
         out.detail = (f"this text is cached in {len(others)} other namespace(s) (another API key or "
                       f"cache_salt); namespaces never share pages")
-        return out
-    if nxt is None or cached % page_size:
-        out.reason = "partial_page"
-        out.detail = (f"the match ends inside page {first_missing}; only full pages are cached, so tokens "
-                      f"{first_missing * page_size}.. were computed")
+        out.diverged_at = None
         return out
     out.diverged_at = None if cached == 0 else cached
     out.reason = "cold" if cached == 0 else "diverged"

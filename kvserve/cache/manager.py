@@ -22,6 +22,7 @@ sequence, evictions and commits are offered to the tiers. Each step's page moves
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +74,7 @@ class KVCacheManager:
         self.clock = clock  # lease expiry; the simulator passes its virtual clock
         self.events = events  # KV events (vLLM's schema): pages stored in and removed from the pool
         self.history = CacheHistory(page_size)  # what the pool held, to explain misses
+        self.recent_prompts: deque[tuple[str, list[int]]] = deque(maxlen=64)  # (namespace, tokens) admitted
         self.fair = FairShareEviction(self.index, self.pool) if tenant_kv_share == "fair" and self.index else None
         self._hash_of_cached: dict[int, bytes] = {}  # cached page -> its chained hash
         self.pool.on_evicted = self._evicted
@@ -133,6 +135,7 @@ class KVCacheManager:
                 self.index.on_hit(token_ids, namespace, num_full)
             self.leases.touch(namespace, pages, self.clock())  # a read refreshes the leases it covers
         self._seqs[seq_id] = seq
+        self.recent_prompts.append((namespace, token_ids))
         self.prefix_cache_queries += len(token_ids)
         self.prefix_cache_hits += num_hit
         if num_hit < hit.num_tokens:  # a stale hit: the loads no longer follow it
@@ -332,7 +335,6 @@ class KVCacheManager:
 
     @property
     def num_used_pages(self) -> int:
-        """Pages sequences hold (pages only leases hold are not counted)."""
         refs = self.leases.page_refs()
         return self.pool.num_used - sum(1 for page, n in refs.items() if self.pool.ref(page) == n)
 
@@ -351,8 +353,9 @@ class KVCacheManager:
     def explain(self, token_ids: list[int], namespace: str, hit: PrefixHit,
                 below_min_cacheable: int | None = None) -> CacheExplanation:
         """Why the request admitted with `hit` computed what it did (cache/explain.py)."""
+        recent = [p for ns, p in list(self.recent_prompts)[:-1] if ns == namespace]  # (the last: this one)
         return explain(token_ids, namespace, hit, self.page_size, self.history,
-                       set(self.leases.page_refs()), self.clock(), below_min_cacheable)
+                       set(self.leases.page_refs()), self.clock(), below_min_cacheable, recent)
 
     def make_room(self) -> bool:
         """Break the lease closest to expiry; False when there is none (nothing else can free pages)."""

@@ -1,0 +1,45 @@
+"""The cache-facing routes over HTTP with the real clients: `kv_explain` returns a `kv_cache` object
+beside `usage` (non-streaming and in the last streamed chunk), `/tokenize` gives the ids the
+completion endpoints use, `/v1/cache/report` is JSON, and leased pages are in /metrics."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+SYSTEM = "You are a tide-table assistant. Answer in one short sentence. " * 6
+
+
+def test_kv_explain_on_chat_completions_streaming_and_not(client, server, model_name):
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "When is high tide?"}]
+    first = client.chat.completions.create(model=model_name, messages=messages, max_tokens=3,
+                                           temperature=0, extra_body={"kv_explain": True})
+    explanation = first.model_extra["kv_cache"]
+    assert set(explanation) == {"cached_tokens", "cached_by_source", "diverged_at", "reason", "detail"}
+    assert explanation["cached_tokens"] == first.usage.prompt_tokens_details.cached_tokens
+    stream = client.chat.completions.create(model=model_name, messages=messages, max_tokens=3, temperature=0,
+                                            stream=True, extra_body={"kv_explain": True})
+    chunks = list(stream)
+    last = chunks[-1].model_extra.get("kv_cache")
+    assert last is not None and last["reason"] == "full_hit"
+    assert all("kv_cache" not in c.model_extra for c in chunks[:-1])
+
+
+def test_tokenize_matches_the_prompt_the_chat_endpoint_counts(client, server, model_name):
+    messages = [{"role": "user", "content": "Count my tokens, please."}]
+    tokens = httpx.post(server.url + "/tokenize", json={"messages": messages}, timeout=60).json()
+    done = client.chat.completions.create(model=model_name, messages=messages, max_tokens=1, temperature=0)
+    assert tokens["count"] == len(tokens["tokens"]) == done.usage.prompt_tokens
+    bad = httpx.post(server.url + "/tokenize", json={}, timeout=60)
+    assert bad.status_code == 400 and "error" in bad.json()
+
+
+def test_cache_report_and_lease_metrics(server):
+    report = httpx.get(server.url + "/v1/cache/report", timeout=60).json()
+    for key in ("hit_rate", "tenants", "top_prefixes_by_reuse", "top_prefixes_by_bytes", "pages",
+                "thrash_pages", "preemption_rate", "advice"):
+        assert key in report
+    json.dumps(report)
+    metrics = httpx.get(server.url + "/metrics", timeout=60).text
+    assert "kvserve:leased_pages" in metrics and "kvserve:lease_grants_total" in metrics

@@ -1,0 +1,133 @@
+"""Why did this request miss? Each reason of the per-request explanation is produced by the situation
+it names, on the real model; the live cache report names a mid-prompt shared span; fair shares keep
+one tenant's working set through another's flood; the preemption-loop guard lets every request end."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve import SamplingParams
+from kvserve.request import CacheLease
+from tests.conftest import make_llm, pool_memory
+
+PAGE = 16
+PARAMS = SamplingParams(max_tokens=2, ignore_eos=True)
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return [1 + (seed * 131 + j * 7) % 4000 for j in range(length)]
+
+
+def explained(llm, tokens: list[int], tenant: str = "", params: SamplingParams = PARAMS, **kwargs):
+    engine = llm.engine
+    request_id = engine.add_request({"prompt_token_ids": tokens}, params, tenant=tenant,
+                                    kv_explain=True, **kwargs)
+    while True:
+        for output in engine.step():
+            if output.request_id == request_id and output.finished:
+                return output.kv_cache
+
+
+@pytest.mark.parametrize("policy", ["hash", "radix"])
+def test_diverged_evicted_cold_and_full_hit(policy):
+    llm = make_llm(dtype="float32", prefix_cache=policy, kv_cache_memory=pool_memory(40), max_model_len=512,
+                   swap_space=0)
+    a = prompt(1, 300)
+    cold = explained(llm, a)
+    assert cold["reason"] == "cold" and cold["cached_tokens"] == 0
+    changed = a[:200] + [7] + a[201:]  # differs at token 200, inside page 12 (192..207)
+    diverged = explained(llm, changed)
+    boundary = 192 if policy == "hash" else 200  # hash hits whole pages; radix down to the token
+    assert diverged["reason"] == "diverged" and diverged["diverged_at"] == boundary
+    assert diverged["cached_tokens"] == boundary
+    again = explained(llm, a)
+    assert again["reason"] == "full_hit" and again["cached_tokens"] == 299
+    for seed in range(10, 14):  # a flood of foreign prompts evicts a's pages
+        explained(llm, prompt(seed, 300))
+    evicted = explained(llm, a)
+    assert evicted["reason"] == "evicted" and "evicted from the pool" in evicted["detail"]
+    assert evicted["cached_tokens"] == evicted["diverged_at"]
+
+
+def test_evicted_pages_loaded_back_from_the_host_tier_are_said_so():
+    llm = make_llm(dtype="float32", kv_cache_memory=pool_memory(30), max_model_len=320, swap_space="64MiB")
+    a = prompt(2, 300)
+    explained(llm, a)
+    explained(llm, prompt(3, 300))  # evicts most of a's pages, which go to the host tier
+    back = explained(llm, a)
+    assert back["reason"] == "evicted" and "loaded back from the host tier" in back["detail"]
+    assert back["cached_by_source"]["host"] > 0 and back["cached_tokens"] == 288
+
+
+def test_other_tenant_or_salt_partial_page_and_below_min_cacheable():
+    llm = make_llm(dtype="float32", kv_cache_memory=pool_memory(40), max_model_len=256, swap_space=0,
+                   page_size=64, min_cacheable_tokens=128)
+    a = prompt(4, 150)
+    explained(llm, a, tenant="key:a")
+    other = explained(llm, a, tenant="key:b")
+    assert other["reason"] == "other_tenant_or_salt" and other["cached_tokens"] == 0
+    salted = explained(llm, a, tenant="key:a", params=SamplingParams(max_tokens=2, ignore_eos=True,
+                                                                      cache_salt="s"))
+    assert salted["reason"] == "other_tenant_or_salt"
+    # a shared head of 40 tokens, shorter than the 64-token page: never cacheable
+    head = prompt(5, 40)
+    explained(llm, head + prompt(6, 100))
+    short = explained(llm, head + prompt(7, 100))
+    assert short["reason"] == "partial_page" and short["diverged_at"] == 40
+    retained = explained(llm, prompt(8, 100), leases=[CacheLease(100, 300.0)])
+    assert retained["reason"] == "below_min_cacheable"
+
+
+def test_full_hits_read_from_a_lease_are_counted_as_lease():
+    llm = make_llm(dtype="float32", kv_cache_memory=pool_memory(40), max_model_len=256, swap_space=0,
+                   min_cacheable_tokens=64)
+    a = prompt(9, 130)
+    explained(llm, a, leases=[CacheLease(128, 300.0)])
+    hit = explained(llm, a)
+    assert hit["reason"] == "full_hit" and hit["cached_by_source"]["lease"] == 128
+    assert hit["cached_by_source"]["pool"] == 129 - 128
+    for lease_id in list(llm.engine.manager.leases.leases):
+        llm.engine.release_lease("", lease_id)
+
+
+def test_the_cache_report_finds_a_shared_span_placed_mid_prompt():
+    """The `midprompt` mix: a per-request header, then a shared 200-token system text."""
+    llm = make_llm(dtype="float32", kv_cache_memory=pool_memory(200), max_model_len=512, swap_space=0)
+    shared = prompt(20, 200)
+    for i in range(12):
+        header = prompt(100 + i, 24)
+        llm.generate({"prompt_token_ids": header + shared + prompt(200 + i, 8)}, PARAMS)
+    report = llm.engine.cache_report()
+    assert report["hit_rate"] < 0.3
+    (span,) = [a for a in report["advice"] if a["kind"] == "mid_prompt_shared_text"]
+    assert span["offset"] == 24 and span["length"] >= 200 and span["num_requests"] >= 10
+
+
+def hit_rate_of_a_under_b_flood(share: str) -> float:
+    llm = make_llm(dtype="float32", kv_cache_memory=pool_memory(60), max_model_len=256, swap_space=0,
+                   tenant_kv_share=share)
+    working_set = [prompt(300 + i, 96) for i in range(3)]  # ~20 pages of tenant A (the default)
+    hits = queries = 0
+    for round_ in range(5):
+        for i, tokens in enumerate(working_set):
+            result = explained(llm, tokens)
+            if round_:  # the first round is cold
+                hits += result["cached_tokens"]
+                queries += len(tokens) - 1
+            explained(llm, prompt(1000 + round_ * 10 + i, 200), tenant="key:b")  # B floods: 13 pages each
+    return hits / queries
+
+
+def test_fair_shares_keep_a_tenants_working_set_through_anothers_flood():
+    fair, unfair = hit_rate_of_a_under_b_flood("fair"), hit_rate_of_a_under_b_flood("off")
+    assert fair >= 0.9 and unfair < fair, (fair, unfair)
+
+
+def test_a_preemption_loop_ends_with_every_request_complete():
+    llm = make_llm(dtype="float32", kv_cache_memory=pool_memory(12), max_model_len=160, swap_space=0,
+                   page_size=16, prefix_cache="off")
+    prompts = [{"prompt_token_ids": prompt(400 + i, 40)} for i in range(6)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=100, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 100 for o in outs)
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0 and stats["num_preemption_loop_guards"] >= 1

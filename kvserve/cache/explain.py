@@ -9,8 +9,8 @@ recorded (CacheHistory), never guessed:
     below_min_cacheable    the request asked to retain a prefix shorter than --min-cacheable-tokens
     diverged               the cache held a different continuation of the matched prefix
     other_tenant_or_salt   the same text is cached, but in another namespace (tenant or cache_salt)
-    partial_page           recent prompts share less than a page of text: nothing could be cached
-                           (the page size is longer than the shared prefix)
+    partial_page           the text shared with recent prompts ends inside a page that never filled
+                           (e.g. a page size longer than the shared prefix): only full pages are cached
     cold                   nothing of this prompt was ever cached in its namespace
 """
 
@@ -90,12 +90,15 @@ def explain(token_ids: Sequence[int], namespace: str, hit: PrefixHit, page_size:
         return out
     parent = hashes[first_missing - 1] if first_missing else namespace
     nxt = hashes[first_missing] if first_missing < len(hashes) else None
-    if history.has_other_child(parent, nxt) or shared > cached:
+    if history.has_other_child(parent, nxt):
         out.reason = "diverged"
-        lost = max(0, shared - cached)
-        out.detail = (f"the prompt leaves the cached prefix at token {cached}"
-                      + (f"; {lost} more shared tokens lie in a page that differs (page size {page_size})"
-                         if lost else ": the cache holds another continuation there"))
+        out.detail = f"the prompt leaves the cached prefix at token {cached}: the cache holds another continuation"
+        return out
+    if shared > cached:  # shared with a recent prompt, not cached: a page that never filled
+        out.reason = "partial_page"
+        out.detail = (f"tokens {cached}..{shared - 1} are shared with a recent prompt but lie in a page that "
+                      f"was never full (page size {page_size}); only full pages are cached")
+        out.diverged_at = shared
         return out
     others = history.other_namespaces(token_ids, namespace)
     if cached == 0 and others:

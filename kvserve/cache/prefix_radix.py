@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvserve.cache.hashing import common_prefix_len
 from kvserve.cache.pages import PagePool
 
 
@@ -35,14 +35,6 @@ class _Node:
     namespace: str
     children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
     last_access: int = 0
-
-
-def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class RadixPrefixIndex:
@@ -75,7 +67,7 @@ class RadixPrefixIndex:
                     rest = token_ids[pos:pos + ps]
                     for other in node.children.values():
                         if other.key[0] == rest[0]:
-                            length = _common_prefix_len(other.key, rest)
+                            length = common_prefix_len(other.key, rest)
                             if length > best_len:
                                 best_page, best_len = other.page_ids[0], length
                 if best_len:
@@ -85,7 +77,7 @@ class RadixPrefixIndex:
             pages += child.page_ids[:num_full]
             pos += num_full * ps
             if num_full < len(child.page_ids):  # ends or diverges inside page num_full of the run
-                length = _common_prefix_len(child.token_ids[num_full * ps:(num_full + 1) * ps],
+                length = common_prefix_len(child.token_ids[num_full * ps:(num_full + 1) * ps],
                                             token_ids[pos:pos + ps])
                 if length:
                     pages.append(child.page_ids[num_full])

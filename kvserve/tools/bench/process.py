@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import queue as queue_mod
 import resource
-import time
 import traceback
 
 from kvserve.config import ConfigError

@@ -60,8 +60,10 @@ def test_evicted_pages_loaded_back_from_the_host_tier_are_said_so():
 
 
 def test_other_tenant_or_salt_partial_page_and_below_min_cacheable():
+    # hash: page-granular hits, so a shared head shorter than a page is never cached (radix would
+    # hit it token by token)
     llm = make_llm(dtype="float32", kv_cache_memory=pool_memory(40, 64), max_model_len=256, swap_space=0,
-                   page_size=64, min_cacheable_tokens=128)
+                   page_size=64, min_cacheable_tokens=128, prefix_cache="hash")
     a = prompt(4, 150)
     explained(llm, a, tenant="key:a")
     other = explained(llm, a, tenant="key:b")
@@ -104,17 +106,18 @@ def test_the_cache_report_finds_a_shared_span_placed_mid_prompt():
 
 
 def hit_rate_of_a_under_b_flood(share: str) -> float:
-    llm = make_llm(dtype="float32", kv_cache_memory=pool_memory(60), max_model_len=256, swap_space=0,
+    llm = make_llm(dtype="float32", kv_cache_memory=pool_memory(48), max_model_len=256, swap_space=0,
                    tenant_kv_share=share)
-    working_set = [prompt(300 + i, 96) for i in range(3)]  # ~20 pages of tenant A (the default)
+    working_set = [prompt(300 + i, 96) for i in range(3)]  # 21 of the 47 pages: tenant A (the default)
     hits = queries = 0
-    for round_ in range(5):
+    for round_ in range(3):
         for i, tokens in enumerate(working_set):
             result = explained(llm, tokens)
             if round_:  # the first round is cold
                 hits += result["cached_tokens"]
                 queries += len(tokens) - 1
-            explained(llm, prompt(1000 + round_ * 10 + i, 200), tenant="key:b")  # B floods: 13 pages each
+            for j in range(3):  # tenant B floods unique prompts: 30 pages between two A requests
+                explained(llm, prompt(1000 + round_ * 100 + i * 10 + j, 150), tenant="key:b")
     return hits / queries
 
 
@@ -124,10 +127,11 @@ def test_fair_shares_keep_a_tenants_working_set_through_anothers_flood():
 
 
 def test_a_preemption_loop_ends_with_every_request_complete():
-    llm = make_llm(dtype="float32", kv_cache_memory=pool_memory(12), max_model_len=160, swap_space=0,
+    llm = make_llm(dtype="float32", kv_cache_memory=pool_memory(12), max_model_len=112, swap_space=0,
                    page_size=16, prefix_cache="off")
+    llm.engine.scheduler.max_preemptions = 1  # (3 by default) so that this small run crosses it
     prompts = [{"prompt_token_ids": prompt(400 + i, 40)} for i in range(6)]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=100, ignore_eos=True))
-    assert all(len(o.outputs[0].token_ids) == 100 for o in outs)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=60, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 60 for o in outs)
     stats = llm.stats()
     assert stats["num_preemptions"] > 0 and stats["num_preemption_loop_guards"] >= 1

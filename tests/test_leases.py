@@ -73,6 +73,21 @@ def test_a_leased_prefix_survives_a_flood_and_expires_after_its_ttl():
     assert late.outputs[0].token_ids == again.outputs[0].token_ids  # same answer cold or leased
 
 
+def test_a_miss_after_a_lease_ran_out_is_explained_as_lease_expired():
+    llm, clock = leased_llm(24)
+    system = prompt(11, 128)
+    run(llm, system + [5, 6, 7], [CacheLease(128, 300.0, "5m")])
+    clock.now += 301
+    llm.engine.manager.expire_leases()
+    flood(llm)
+    engine = llm.engine
+    request_id = engine.add_request({"prompt_token_ids": system + [8, 9]}, PARAMS, kv_explain=True)
+    while not (done := [o for o in engine.step() if o.request_id == request_id and o.finished]):
+        pass
+    explanation = done[0].kv_cache
+    assert explanation["reason"] == "lease_expired" and explanation["cached_tokens"] == 0
+
+
 def test_a_prefix_under_the_minimum_gets_no_lease():
     llm, _ = leased_llm(40)
     out = run(llm, prompt(3, 80), [CacheLease(48, 300.0, "5m")])

@@ -129,3 +129,4 @@ def test_dashboard_shows_the_pool_and_the_hit_rate_of_metrics(server, model_name
     final = scrape(server.url)
     assert float(idle.values["hit-rate"]) == pytest.approx(final[h_name] / final[q_name])
     assert idle.texts["running"] == "0" and idle.texts["grid-used"] == "0"
+    assert idle.texts["report-summary"].startswith("hit rate ")  # the cache-report panel filled in

@@ -1,0 +1,114 @@
+"""Llama 3 (llama3 RoPE scaling), Qwen2, Qwen3 and Gemma 3 (sliding window of 8): tiny random-weight
+models give transformers' greedy tokens (float32) when loaded from GGUF and from a safetensors folder;
+and the architecture tables read configs and stop ids as llama.cpp and transformers define them."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvserve import SamplingParams
+from kvserve.config import ConfigError
+from kvserve.model import architectures
+from kvserve.model.gguf_loader import load_gguf, resolve_model_path
+from tests.conftest import make_llm
+from tests.model.tiny_models import VOCAB, make_hf_model, save_folder, write_gguf
+
+KINDS = ["llama3", "qwen2", "qwen3", "gemma3"]
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """kind -> (transformers model, GGUF path, folder path), built once per module."""
+    built = {}
+
+    def get(kind: str):
+        if kind not in built:
+            model = make_hf_model(kind)
+            root = tmp_path_factory.mktemp(kind)
+            built[kind] = (model, str(write_gguf(model, kind, root / f"{kind}.gguf")),
+                           str(save_folder(model, root / "hf")))
+        return built[kind]
+
+    return get
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    """Prompts longer than Gemma's window of 8, and one shorter."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (5, 23, 41)]
+
+
+def reference(model, prompt: list[int]) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                         eos_token_id=[], pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def kvserve_tokens(path: str, batch: list[list[int]], page_size: int) -> list[list[int]]:
+    llm = make_llm(model=path, dtype="float32", page_size=page_size, kv_cache_memory="32MiB",
+                   max_num_batched_tokens=32)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(batch, params)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("source", ["gguf", "folder"])
+def test_greedy_tokens_equal_transformers(tiny, kind, source):
+    model, gguf_path, folder = tiny(kind)
+    batch = prompts()
+    expected = [reference(model, p) for p in batch]
+    path = gguf_path if source == "gguf" else folder
+    # batched with chunked prefill (32-token budget) on pages of 4, and one request on pages of 1
+    assert kvserve_tokens(path, batch, page_size=4) == expected
+    assert kvserve_tokens(path, batch[2:], page_size=1) == expected[2:]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gguf_and_folder_load_the_same_model(tiny, kind):
+    _, gguf_path, folder = tiny(kind)
+    a, b = load_gguf(gguf_path), load_gguf(folder)
+    approx = {"rms_norm_eps", "rope_freq_factors"}  # GGUF stores them as float32
+    exact = set(a.config.__slots__) - approx - {"name"}
+    assert {f: getattr(a.config, f) for f in exact} == {f: getattr(b.config, f) for f in exact}
+    assert a.config.rms_norm_eps == pytest.approx(b.config.rms_norm_eps)
+    assert (a.config.rope_freq_factors is None) == (b.config.rope_freq_factors is None)
+    if a.config.rope_freq_factors is not None:
+        assert a.config.rope_freq_factors == pytest.approx(b.config.rope_freq_factors)
+    assert a.weights.keys() == b.weights.keys()
+    for name in a.weights:
+        torch.testing.assert_close(a.weights[name], b.weights[name], rtol=0, atol=1e-6)
+
+
+def test_gemma3_config_interleaves_five_sliding_layers_and_one_global(tiny):
+    cfg = load_gguf(tiny("gemma3")[1]).config
+    assert [cfg.layer_window(i) for i in range(6)] == [8, 8, 8, 8, 8, None]
+    assert cfg.rope_local_theta == 10_000.0 and cfg.rope_theta == 1_000_000.0
+    assert cfg.embedding_scale == 8.0 and cfg.attention_scale == 16 ** -0.5
+    assert cfg.qk_norm and cfg.post_norms and cfg.hidden_act == "gelu_tanh"
+
+
+def test_llama3_rope_factors_come_from_the_rope_freqs_tensor(tiny):
+    cfg = load_gguf(tiny("llama3")[1]).config
+    factors = cfg.rope_freq_factors
+    assert factors is not None and factors[0] == 1.0 and factors[-1] == 8.0
+    assert any(1.0 < f < 8.0 for f in factors)  # the smoothed band
+
+
+def test_stop_ids_include_end_of_turn_control_tokens():
+    tokens = ["<pad>", "<eos>", "<bos>", "hi", "<end_of_turn>", "<|eot_id|>"]
+    types = [3, 3, 3, 1, 3, 3]
+    assert architectures.stop_token_ids("gemma3", [1, None], tokens, types) == (1, 4)
+    assert architectures.stop_token_ids("llama", [1], tokens, types) == (1, 5)
+    types[4] = 1  # plain text spelled like the marker is not a stop id
+    assert architectures.stop_token_ids("gemma3", [1], tokens, types) == (1,)
+
+
+def test_unknown_architecture_and_missing_model_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="not supported"):
+        architectures.config_from_hf({"model_type": "gpt2"})
+    with pytest.raises(ConfigError, match="model not found"):
+        resolve_model_path(str(tmp_path))  # a folder without config.json

@@ -72,12 +72,16 @@ def bundled_model_path() -> str:
 
 
 def resolve_model_path(model: str | None) -> str:
-    """None or a bundled name -> the bundled GGUF; else an existing .gguf path or a Hugging Face
-    folder (config.json, *.safetensors, tokenizer.json)."""
+    """None or a bundled name -> the bundled GGUF; a known name (known_models.py) -> its GGUF;
+    else an existing .gguf path or a Hugging Face folder (config.json, *.safetensors, tokenizer.json)."""
     if model is None or model in BUNDLED_NAMES:
         return bundled_model_path()
     if model.endswith(".gguf") and os.path.isfile(model):
         return os.path.abspath(model)
+    from kvserve.model.known_models import known_model_path
+
+    if (known := known_model_path(model)) is not None:
+        return known
     if os.path.isfile(os.path.join(model, "config.json")):
         return os.path.abspath(model)
     raise ConfigError(

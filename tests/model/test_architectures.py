@@ -112,3 +112,64 @@ def test_unknown_architecture_and_missing_model_are_config_errors(tmp_path):
         architectures.config_from_hf({"model_type": "gpt2"})
     with pytest.raises(ConfigError, match="model not found"):
         resolve_model_path(str(tmp_path))  # a folder without config.json
+
+
+# --- the real Gemma-3-270m (Q4_K / Q5_0 / Q6_K / Q8_0, window 512) --------------------------------
+
+@pytest.fixture(scope="module")
+def gemma():
+    from tests.model.gemma_weights import gemma_gguf
+
+    return gemma_gguf()
+
+
+@pytest.mark.slow
+def test_gemma_sentencepiece_tokenizer_equals_transformers(gemma):
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    loaded = load_gguf(gemma)
+    ref = AutoTokenizer.from_pretrained(str(Path(gemma).parent), gguf_file=Path(gemma).name)
+    texts = ["Hello world!", "  two  spaces   and\ttabs\n\n\nend", "naïve café 東京 🤖", "x" * 40,
+             "<start_of_turn>user\nHi<end_of_turn>\n", "def f(x):\n    return x**2  # square",
+             "1234567 3.14159 -42", "[multimodal] <unused3> \u200b"]
+    for text in texts:
+        ids = loaded.encode(text)
+        assert ids == ref(text)["input_ids"], text
+        assert loaded.decode(ids, skip_special_tokens=False) == ref.decode(ids)
+    assert ids[0] == 2  # add_bos
+    assert loaded.eos_token_ids == (1, 106)  # <eos>, <end_of_turn>
+
+
+def gemma_prompt(loaded, num_tokens: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    words = ("the river of time carries small stones and old songs toward a quiet sea where lanterns "
+             "drift past harbours full of ships and tired sailors counting stars").split()
+    text = " ".join(rng.choice(words) for _ in range(num_tokens))
+    return loaded.encode(text)[:num_tokens]
+
+
+@pytest.mark.slow
+def test_gemma_greedy_equals_transformers_past_the_sliding_window(gemma):
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    loaded = load_gguf(gemma)
+    assert loaded.config.sliding_window == 512
+    batch = [gemma_prompt(loaded, n, seed) for n, seed in ((700, 1), (40, 2))]
+    ref = AutoModelForCausalLM.from_pretrained(str(Path(gemma).parent), gguf_file=Path(gemma).name,
+                                               dtype=torch.float32).eval()
+    expected = []
+    for p in batch:
+        out = ref.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=[],
+                           pad_token_id=0)
+        expected.append(out[0, len(p):].tolist())
+    del ref
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for page_size, prefix_cache, prompts_ in ((16, "radix", batch), (1, "off", batch[:1])):
+        llm = make_llm(model=gemma, dtype="float32", page_size=page_size, prefix_cache=prefix_cache,
+                       kv_cache_memory="160MiB", max_model_len=1024, max_num_batched_tokens=256)
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts_, params)]
+        assert got == expected[: len(prompts_)], (page_size, prefix_cache)

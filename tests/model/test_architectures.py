@@ -173,3 +173,38 @@ def test_gemma_greedy_equals_transformers_past_the_sliding_window(gemma):
                        kv_cache_memory="160MiB", max_model_len=1024, max_num_batched_tokens=256)
         got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts_, params)]
         assert got == expected[: len(prompts_)], (page_size, prefix_cache)
+
+
+@pytest.mark.slow
+def test_smollm2_from_a_safetensors_folder_equals_the_gguf(tmp_path):
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvserve.model.gguf_loader import bundled_model_path
+
+    gguf_path = Path(bundled_model_path())
+    kwargs = dict(gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=torch.float32, **kwargs)
+    # transformers will not save a model it loaded from GGUF: the same weights in a plain model will do
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    plain.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs).save_pretrained(tmp_path)
+    assert not list(tmp_path.glob("*.bin"))
+
+    text = "<|im_start|>user\nWhat is the capital of France? Answer briefly.<|im_end|>\n<|im_start|>assistant\n"
+    from_gguf, from_folder = load_gguf(str(gguf_path)), load_gguf(str(tmp_path))
+    assert from_folder.encode(text) == from_gguf.encode(text)
+    assert from_folder.config.num_layers == from_gguf.config.num_layers
+    assert set(from_gguf.eos_token_ids) <= set(from_folder.eos_token_ids)
+    batch = [from_gguf.encode(text), from_gguf.encode("The history of the Roman Empire")]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for source in (str(gguf_path), str(tmp_path)):
+        llm = make_llm(model=source, dtype="float32", kv_cache_memory="64MiB", max_model_len=512)
+        outputs[source] = [list(o.outputs[0].token_ids) for o in llm.generate(batch, params)]
+    assert outputs[str(tmp_path)] == outputs[str(gguf_path)]

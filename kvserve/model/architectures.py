@@ -59,7 +59,7 @@ class Architecture:
 
 ARCHITECTURES = {
     a.name: a for a in (
-        Architecture("llama", ("llama", "mistral"), _COMMON_LAYER_NAMES | _LLAMA_FFN_NORM, permuted_qk=True,
+        Architecture("llama", ("llama",), _COMMON_LAYER_NAMES | _LLAMA_FFN_NORM, permuted_qk=True,
                      stop_texts=("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")),
         Architecture("qwen2", ("qwen2",), _COMMON_LAYER_NAMES | _LLAMA_FFN_NORM,
                      stop_texts=("<|im_end|>", "<|endoftext|>")),

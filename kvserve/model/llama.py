@@ -19,14 +19,17 @@ from kvserve.model.attention import AttentionMetadata, paged_attention
 class RMSNorm(nn.Module):
     def __init__(self, weight: torch.Tensor, eps: float, offset: float = 0.0) -> None:
         super().__init__()
-        # Gemma scales by (1 + w); folding the offset in once gives the same float32 numbers
-        self.weight = nn.Parameter(weight + offset if offset else weight, requires_grad=False)
+        # Gemma scales by (1 + w) in float32 before casting back; Llama casts first, then scales by w
+        self.is_offset = bool(offset)
+        self.weight = nn.Parameter(weight.float() + offset if offset else weight, requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # statistics in float32 whatever the model dtype, as the reference does
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.is_offset:
+            return (xf * self.weight).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
 

@@ -49,14 +49,23 @@ def _load(path: str) -> LoadedModel:
         raise ConfigError(f"{path}: no *.safetensors weights (kvserve does not read .bin checkpoints)")
     if not (folder / "tokenizer.json").is_file():
         raise ConfigError(f"{path}: no tokenizer.json (save the tokenizer with a fast tokenizer)")
+    try:
+        config = architectures.config_from_hf(cfg)
+    except ConfigError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{path}/config.json: missing or bad field {e}") from None
     weights: dict[str, torch.Tensor] = {}
     for file in files:
-        for name, tensor in load_file(str(file)).items():
+        try:
+            tensors = load_file(str(file))
+        except Exception as e:  # safetensors raises its own error type for a damaged file
+            raise ConfigError(f"{file}: not a readable safetensors file ({e})") from None
+        for name, tensor in tensors.items():
             for prefix in _TEXT_PREFIXES:
                 if name.startswith(prefix):
                     name = "model." + name[len(prefix):]
             weights[name] = tensor.to(torch.float32)
-    config = architectures.config_from_hf(cfg)
     tied = "lm_head.weight" not in weights
     if tied != config.tie_word_embeddings:
         import dataclasses

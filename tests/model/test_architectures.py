@@ -156,27 +156,34 @@ def gemma_prompt(loaded, num_tokens: int, seed: int) -> list[int]:
 
 @pytest.mark.slow
 def test_gemma_greedy_equals_transformers_past_the_sliding_window(gemma):
+    """1,500 tokens (about three windows of 512) and a short prompt: batched on pages of 16 with the
+    radix prefix cache (run twice: the second run reuses the cached pages), and one at a time on
+    pages of 1 without it."""
     from pathlib import Path
 
     from transformers import AutoModelForCausalLM
 
     loaded = load_gguf(gemma)
     assert loaded.config.sliding_window == 512
-    batch = [gemma_prompt(loaded, n, seed) for n, seed in ((700, 1), (40, 2))]
+    batch = [gemma_prompt(loaded, n, seed) for n, seed in ((1500, 1), (40, 2))]
     ref = AutoModelForCausalLM.from_pretrained(str(Path(gemma).parent), gguf_file=Path(gemma).name,
                                                dtype=torch.float32).eval()
     expected = []
     for p in batch:
-        out = ref.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=[],
+        out = ref.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=[],
                            pad_token_id=0)
         expected.append(out[0, len(p):].tolist())
     del ref
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    for page_size, prefix_cache, prompts_ in ((16, "radix", batch), (1, "off", batch[:1])):
-        llm = make_llm(model=gemma, dtype="float32", page_size=page_size, prefix_cache=prefix_cache,
-                       kv_cache_memory="160MiB", max_model_len=1024, max_num_batched_tokens=256)
-        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts_, params)]
-        assert got == expected[: len(prompts_)], (page_size, prefix_cache)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    llm = make_llm(model=gemma, dtype="float32", page_size=16, prefix_cache="radix",
+                   kv_cache_memory="256MiB", max_model_len=2048, max_num_batched_tokens=512)
+    for run in range(2):
+        outputs = llm.generate(batch, params)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == expected, run
+    assert outputs[0].num_cached_tokens >= 1488  # the second run hit the cache
+    llm = make_llm(model=gemma, dtype="float32", page_size=1, prefix_cache="off",
+                   kv_cache_memory="128MiB", max_model_len=2048, max_num_batched_tokens=512)
+    assert list(llm.generate(batch[:1], params)[0].outputs[0].token_ids) == expected[0]
 
 
 @pytest.mark.slow
@@ -212,3 +219,24 @@ def test_smollm2_from_a_safetensors_folder_equals_the_gguf(tmp_path):
         llm = make_llm(model=source, dtype="float32", kv_cache_memory="64MiB", max_model_len=512)
         outputs[source] = [list(o.outputs[0].token_ids) for o in llm.generate(batch, params)]
     assert outputs[str(tmp_path)] == outputs[str(gguf_path)]
+
+
+def test_incomplete_or_unsupported_folders_are_one_line_config_errors(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3"}')
+    with pytest.raises(ConfigError, match="no \\*.safetensors"):
+        load_gguf(str(tmp_path))
+    other = tmp_path / "gpt2"
+    other.mkdir()
+    (other / "config.json").write_text('{"model_type": "gpt2", "hidden_size": 8}')
+    (other / "model.safetensors").write_bytes(b"")
+    (other / "tokenizer.json").write_text("{}")
+    with pytest.raises(ConfigError, match="'gpt2' is not supported"):
+        load_gguf(str(other))
+    from tests.model.tiny_models import hf_config
+
+    (other / "config.json").write_text(hf_config("qwen3").to_json_string())
+    with pytest.raises(ConfigError, match="not a readable safetensors file"):
+        load_gguf(str(other))
+    (other / "config.json").write_text('{"model_type": "qwen3"}')
+    with pytest.raises(ConfigError, match="missing or bad field 'hidden_size'"):
+        load_gguf(str(other))

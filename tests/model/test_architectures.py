@@ -240,3 +240,27 @@ def test_incomplete_or_unsupported_folders_are_one_line_config_errors(tmp_path):
     (other / "config.json").write_text('{"model_type": "qwen3"}')
     with pytest.raises(ConfigError, match="missing or bad field 'hidden_size'"):
         load_gguf(str(other))
+
+
+def test_transformers4_config_json_fields_are_read():
+    """Real checkpoints carry transformers 4 fields: rope_theta, rope_scaling, rope_local_base_freq,
+    sliding_window_pattern instead of rope_parameters and layer_types."""
+    gemma = architectures.config_from_hf({
+        "model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 2560, "intermediate_size": 10240,
+        "num_hidden_layers": 12, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+        "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "sliding_window": 1024,
+        "sliding_window_pattern": 6, "query_pre_attn_scalar": 256, "max_position_embeddings": 131072,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert [gemma.layer_window(i) for i in range(12)] == [1024] * 5 + [None] + [1024] * 5 + [None]
+    assert gemma.rope_theta == 1e6 and gemma.rope_local_theta == 1e4 and gemma.tie_word_embeddings
+    assert gemma.rope_freq_factors == (8.0,) * 128
+    llama = architectures.config_from_hf({
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}})
+    assert llama.head_dim == 128 and llama.rope_theta == 5e5 and llama.sliding_window is None
+    factors = llama.rope_freq_factors
+    assert len(factors) == 64 and factors[0] == 1.0 and factors[-1] == 8.0
+    assert all(a <= b for a, b in zip(factors, factors[1:]))  # longer wavelengths are stretched more

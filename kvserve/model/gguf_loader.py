@@ -86,7 +86,7 @@ def resolve_model_path(model: str | None) -> str:
         return os.path.abspath(model)
     raise ConfigError(
         f"model not found: {model!r} (give a .gguf path, a folder with config.json and "
-        "*.safetensors, or omit --model for the bundled SmolLM2-135M-Instruct)"
+        "*.safetensors, a known name: gemma-3-270m, or omit --model for the bundled SmolLM2-135M-Instruct)"
     )
 
 

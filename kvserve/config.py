@@ -111,6 +111,24 @@ class ModelConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool = True
+    # Options beyond plain Llama (Qwen3, Llama 3.x, Gemma 3); the defaults are Llama's behaviour.
+    architecture: str = "llama"
+    rope_freq_factors: tuple[float, ...] | None = None  # divide RoPE inverse frequencies (llama3, linear)
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3, Gemma 3)
+    post_norms: bool = False  # RMSNorm on the attention and MLP outputs too (Gemma 3)
+    norm_weight_offset: float = 0.0  # RMSNorm multiplies by (offset + w): 1.0 for Gemma
+    hidden_act: str = "silu"  # MLP gate activation: "silu" or "gelu_tanh"
+    embedding_scale: float = 1.0  # token embeddings times this (Gemma: sqrt(hidden_size))
+    attention_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    sliding_window: int | None = None  # window of the sliding layers: query p sees keys > p - window
+    sliding_layers: tuple[bool, ...] = ()  # per layer, True = sliding window; empty: all global
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers (Gemma: 10,000)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of `layer`, None for full (global) attention."""
+        if self.sliding_window is None or not self.sliding_layers or not self.sliding_layers[layer]:
+            return None
+        return self.sliding_window
 
 
 @dataclass(frozen=True, slots=True)

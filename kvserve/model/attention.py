@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -52,6 +54,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # [B, P] int64, the pages after those, padded with null page 0
     decode_mask: torch.Tensor  # [B, 1, 1, P * page_size] bool, True where position < context_len
     prefills: list[PrefillChunk]
+    window: int | None = None  # sliding window: a query at position p sees keys at positions > p - window
 
     @property
     def num_decode(self) -> int:
@@ -114,6 +117,26 @@ class AttentionMetadata:
                    decode_block_tables, decode_mask, prefills)
 
 
+    def with_window(self, window: int) -> AttentionMetadata:
+        """The same step for a sliding-window layer: every mask also hides keys at positions
+        <= p - window. Decode rows attend their whole tables (no shared-prefix split: the shared
+        pages may lie outside some rows' windows)."""
+        device = self.positions.device
+        b = self.num_decode
+        tables = torch.cat([self.decode_shared_pages[None].expand(b, -1), self.decode_block_tables], dim=1)
+        span = torch.arange(tables.shape[1] * self.page_size, device=device)  # [L]
+        last = self.positions.index_select(0, self.decode_rows)[:, None]  # [B, 1]
+        decode_mask = ((span[None, :] <= last) & (span[None, :] > last - window))[:, None, None, :]
+        prefills = []
+        for c in self.prefills:
+            q_pos = c.start_pos + torch.arange(c.num_tokens, device=device)[:, None]  # [n, 1]
+            ctx = torch.arange(c.context_len, device=device)[None, :]  # [1, ctx]
+            prefills.append(dataclasses.replace(c, mask=(ctx <= q_pos) & (ctx > q_pos - window)))
+        return dataclasses.replace(
+            self, decode_shared_pages=self.decode_shared_pages[:0], decode_block_tables=tables,
+            decode_mask=decode_mask, prefills=prefills, window=window)
+
+
 # --- the two operations -------------------------------------------------------------------------
 
 def gather_pages(cache: PagedKV, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -174,6 +197,10 @@ def paged_attention(
             own_start = positions - positions % meta.page_size
             earlier = torch.arange(ctx, device=q.device)[None, :] < own_start[:, None]  # [n, ctx]
             upto = torch.arange(meta.page_size, device=q.device)[None, :] <= (positions - own_start)[:, None]
+            if meta.window is not None:
+                earlier &= torch.arange(ctx, device=q.device)[None, :] > (positions - meta.window)[:, None]
+                own_pos = own_start[:, None] + torch.arange(meta.page_size, device=q.device)[None, :]
+                upto &= own_pos > (positions - meta.window)[:, None]
             o = _attend_shared_and_own(qp.reshape(kv_heads, group, n, head_dim), kp, vp, earlier,
                                        *(x.to(q.dtype) for x in own), upto).reshape(num_heads, n, head_dim)
         out[chunk.row : chunk.row + n] = o.transpose(0, 1)

@@ -15,6 +15,7 @@ import torch
 from tokenizers import Tokenizer
 
 from kvserve.config import ConfigError, ModelConfig
+from kvserve.model import architectures
 from kvserve.model.tokenizer import apply_chat_template, build_tokenizer
 
 __all__ = ["LoadedModel", "apply_chat_template", "bundled_model_path", "load_gguf",
@@ -22,32 +23,6 @@ __all__ = ["LoadedModel", "apply_chat_template", "bundled_model_path", "load_ggu
 
 BUNDLED_NAMES = ("smollm2", "SmolLM2-135M-Instruct")
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-# Architectures whose converter permuted attn_q/attn_k rows for llama.cpp's interleaved RoPE.
-_PERMUTED_ARCHS = {"llama"}
-_SUPPORTED_ARCHS = {"llama", "qwen2"}
-
-# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-
 
 @dataclass(slots=True, eq=False)  # eq=False: hashable by identity, usable as a cache key
 class LoadedModel:
@@ -60,6 +35,7 @@ class LoadedModel:
     eos_token_id: int | None
     add_bos_token: bool
     fingerprint: str  # stable short hash of the file identity (Redis key prefix)
+    eos_token_ids: tuple[int, ...] = ()  # every id that ends generation (eos, end-of-turn, eom)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special tokens written in the text (<|im_start|>) are recognised."""
@@ -96,19 +72,30 @@ def bundled_model_path() -> str:
 
 
 def resolve_model_path(model: str | None) -> str:
-    """None or a bundled name -> the bundled GGUF; else an existing .gguf path."""
+    """None or a bundled name -> the bundled GGUF; a known name (known_models.py) -> its GGUF;
+    else an existing .gguf path or a Hugging Face folder (config.json, *.safetensors, tokenizer.json)."""
     if model is None or model in BUNDLED_NAMES:
         return bundled_model_path()
     if model.endswith(".gguf") and os.path.isfile(model):
         return os.path.abspath(model)
+    from kvserve.model.known_models import known_model_path
+
+    if (known := known_model_path(model)) is not None:
+        return known
+    if os.path.isfile(os.path.join(model, "config.json")):
+        return os.path.abspath(model)
     raise ConfigError(
-        f"model not found: {model!r} (give a .gguf path, or omit --model for the bundled "
-        "SmolLM2-135M-Instruct)"
+        f"model not found: {model!r} (give a .gguf path, a folder with config.json and "
+        "*.safetensors, a known name: gemma-3-270m, or omit --model for the bundled SmolLM2-135M-Instruct)"
     )
 
 
 def load_gguf(path: str) -> LoadedModel:
-    """Load a GGUF file once per process (memoized by absolute path)."""
+    """Load a GGUF file, or a Hugging Face folder, once per process (memoized by absolute path)."""
+    if os.path.isdir(path):
+        from kvserve.model.hf_loader import load_hf_folder
+
+        return load_hf_folder(path)
     return _load(os.path.abspath(path))
 
 
@@ -121,14 +108,21 @@ def _load(path: str) -> LoadedModel:
     reader = gguf.GGUFReader(path)
     meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
     tensor_names = {t.name for t in reader.tensors}
-    config = config_from_metadata(meta, tensor_names)
+    arch = architectures.architecture(meta.get("general.architecture"))
+    rope_freqs = [_dequantize(t) for t in reader.tensors if t.name == architectures.ROPE_FREQS]
+    config = config_from_metadata(meta, tensor_names, rope_freqs[0].tolist() if rope_freqs else None)
     weights = {}
     for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
+        if tensor.name == architectures.ROPE_FREQS:
+            continue
+        name = arch.hf_name(tensor.name)
         if name is None:
             raise ConfigError(f"{path}: unsupported tensor {tensor.name!r} (kvserve runs plain Llama/Qwen2 decoders)")
         weights[name] = _dequantize(tensor)
-    if meta["general.architecture"] in _PERMUTED_ARCHS:
+    if arch.gguf_norm_offset:  # back to HF's convention (the decoder adds the offset)
+        for key in [k for k in weights if k.endswith("norm.weight")]:
+            weights[key] = weights[key] - arch.gguf_norm_offset
+    if arch.permuted_qk:
         for i in range(config.num_layers):
             for proj, heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
                 for kind in ("weight", "bias"):
@@ -136,6 +130,7 @@ def _load(path: str) -> LoadedModel:
                     if key in weights:
                         weights[key] = unpermute_rope_rows(weights[key], heads)
     tokenizer = build_tokenizer(meta)
+    eos_ids = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     return LoadedModel(
         path=path,
         config=config,
@@ -146,32 +141,14 @@ def _load(path: str) -> LoadedModel:
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
         fingerprint=file_fingerprint(path),
+        eos_token_ids=architectures.stop_token_ids(arch.name, eos_ids, meta["tokenizer.ggml.tokens"],
+                                                   meta.get("tokenizer.ggml.token_type")),
     )
 
 
-def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
-    arch = meta.get("general.architecture")
-    if arch not in _SUPPORTED_ARCHS:
-        raise ConfigError(
-            f"architecture {arch!r} is not supported; kvserve runs {', '.join(sorted(_SUPPORTED_ARCHS))}"
-        )
-    hidden = int(meta[f"{arch}.embedding_length"])
-    heads = int(meta[f"{arch}.attention.head_count"])
-    vocab = meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
-    return ModelConfig(
-        name=str(meta.get("general.basename") or meta.get("general.name") or arch),
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
-        num_layers=int(meta[f"{arch}.block_count"]),
-        num_heads=heads,
-        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
-        tie_word_embeddings="output.weight" not in tensor_names,
-    )
+def config_from_metadata(meta: dict[str, Any], tensor_names: set[str],
+                         rope_freqs: list[float] | None = None) -> ModelConfig:
+    return architectures.config_from_gguf(meta, tensor_names, rope_freqs)
 
 
 def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -191,15 +168,6 @@ def file_fingerprint(path: str) -> str:
     with open(path, "rb") as f:
         digest.update(f.read(1 << 20))
     return digest.hexdigest()[:16]
-
-
-def _hf_name(gguf_name: str) -> str | None:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
-    return None
 
 
 def _dequantize(tensor: Any) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""Byte-level BPE tokenizer rebuilt from GGUF metadata (`tokenizer.ggml.*`) with HF `tokenizers`,
-and the chat template rendered with jinja2 the way transformers renders it."""
+"""Tokenizers rebuilt from GGUF metadata (`tokenizer.ggml.*`) with HF `tokenizers`: byte-level BPE
+("gpt2") and SentencePiece BPE with byte fallback ("llama": Gemma, Llama 2); and the chat template
+rendered with jinja2 the way transformers renders it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from kvserve.config import ConfigError
 
@@ -49,9 +50,12 @@ def byte_alphabet() -> dict[int, str]:
 def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     """A `tokenizers.Tokenizer` from the GGUF metadata dict (keys `tokenizer.ggml.*`)."""
     kind = meta.get("tokenizer.ggml.model")
+    if kind == "llama":
+        return sentencepiece_tokenizer(meta)
     if kind != "gpt2":
         raise ConfigError(
-            f"tokenizer type {kind!r} is not supported; kvserve reads byte-level BPE ('gpt2') GGUF tokenizers"
+            f"tokenizer type {kind!r} is not supported; kvserve reads byte-level BPE ('gpt2') and "
+            "SentencePiece ('llama') GGUF tokenizers"
         )
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     token_types: Sequence[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
@@ -83,13 +87,56 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
     tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
 
+    _add_bos(tok, meta, tokens)
+    return tok
+
+
+def sentencepiece_tokenizer(meta: dict[str, Any]) -> Tokenizer:
+    """SentencePiece BPE as HF `tokenizers` runs it: spaces become "▁", a BPE model with byte
+    fallback (<0x41> tokens), merges recovered from the vocabulary (GGUF files store none): every
+    split of a token into two tokens, ranked by the merged token's priority. Gemma's priority is its
+    position in the file (its scores do not follow the merge order); other models rank by score."""
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    token_types: Sequence[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    # a token of spaces only ("  ") is stored with real spaces; the normalized text spells them "▁"
+    spelled = ["\u2581" * len(t) if t and not t.strip(" ") else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(spelled)}
+    if str(meta.get("general.architecture", "")).startswith("gemma"):
+        priority = {t: -i for t, i in vocab.items()}
+    else:
+        priority = dict(zip(spelled, meta.get("tokenizer.ggml.scores") or [-i for i in range(len(tokens))]))
+    candidates = []
+    for token, rank in priority.items():
+        for cut in range(len(token) - 1, 0, -1):  # longer left piece first
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                candidates.append((-rank, -cut, cut - len(token), left, right))
+    candidates.sort(key=lambda c: c[:3])  # stable: equal keys keep vocabulary order
+    merges = [(left, right) for *_, left, right in candidates]
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if unk_id is not None else None
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    add_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    replace = normalizers.Replace(" ", "\u2581")
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), replace]) if add_prefix else replace
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if add_prefix else []))
+    control = [t for t, k in zip(tokens, token_types) if k == _CONTROL]
+    user = [t for t, k in zip(tokens, token_types) if k == _USER_DEFINED and t in vocab]
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+    _add_bos(tok, meta, tokens)
+    return tok
+
+
+def _add_bos(tok: Tokenizer, meta: dict[str, Any], tokens: list[str]) -> None:
     bos_id = meta.get("tokenizer.ggml.bos_token_id")
     if meta.get("tokenizer.ggml.add_bos_token", False) and bos_id is not None:
         bos = tokens[bos_id]
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
         )
-    return tok
 
 
 def _raise(message: str) -> None:

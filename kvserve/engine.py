@@ -30,7 +30,7 @@ from kvserve.cache_report import CacheReporter
 from kvserve.cache.tiers import HostTier
 from kvserve.config import MODEL_DTYPE_TO_KV, EngineConfig, PrefixCachePolicy, parse_bytes, plan_cache
 from kvserve.lease_usage import grant_leases
-from kvserve.model.gguf_loader import apply_chat_template, load_gguf, resolve_model_path
+from kvserve.model.gguf_loader import load_gguf, resolve_model_path
 from kvserve.model.runner import ModelRunner, calibrate_fp8_scale
 from kvserve.output import OutputProcessor
 from kvserve.request import CacheLease, LeaseInfo, Request, RequestOutput, RequestStatus, SamplingParams
@@ -105,7 +105,7 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False).ids
+            return prompt, self.loaded.encode(prompt)  # (with BOS where the model wants one)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return None, list(prompt["prompt_token_ids"])
         if isinstance(prompt, dict) and "prompt" in prompt:
@@ -115,9 +115,8 @@ class LLMEngine:
         raise ValueError("a prompt is a string, a list of token ids, or {'prompt_token_ids': [...]}")
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:
-        if not self.loaded.chat_template:
-            raise ValueError("this model has no chat template")
-        return apply_chat_template(self.loaded.chat_template, messages, add_generation_prompt=True)
+        """The conversation as the model's chat template renders it (BOS written as text)."""
+        return self.loaded.render_chat(messages)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, tenant: str = "",
@@ -137,7 +136,8 @@ class LLMEngine:
         samples = [
             Request(request_id=request_id if i == 0 else f"{request_id}#{i}", prompt_token_ids=token_ids,
                     sampling_params=replace(params, seed=None if params.seed is None else params.seed + i),
-                    eos_token_id=self.loaded.eos_token_id, namespace=namespace(tenant, params.cache_salt),
+                    eos_token_id=self.loaded.eos_token_id, eos_token_ids=self.loaded.eos_token_ids,
+                    namespace=namespace(tenant, params.cache_salt),
                     tenant=tenant)
             for i in range(params.n)]
         request = samples[0]

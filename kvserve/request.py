@@ -97,6 +97,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # every id that ends generation (eos, end of turn, eom)
     namespace: str = ""  # prefix-cache namespace: cache.hashing.namespace(tenant, cache_salt)
     tenant: str = ""
     arrival_time: float = field(default_factory=time.monotonic)

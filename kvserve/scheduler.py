@@ -290,7 +290,7 @@ class Scheduler:
     def _stop_reason(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params
         last = request.token_ids[-1]
-        if not params.ignore_eos and last == request.eos_token_id:
+        if not params.ignore_eos and (last == request.eos_token_id or last in request.eos_token_ids):
             return RequestStatus.FINISHED_STOPPED
         if params.stop_token_ids and last in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED

@@ -239,7 +239,8 @@ class OpenAIServing:
                            f"{self.max_model_len} tokens however it tokenizes; shorten it",
                            param=param)
         try:  # encode_batch releases the GIL while it works (encode does not)
-            return self.tokenizer.encode_batch([prompt], add_special_tokens=False)[0].ids
+            add_bos = self.engine.engine.loaded.add_bos_token
+            return self.tokenizer.encode_batch([prompt], add_special_tokens=add_bos)[0].ids
         except Exception as err:  # the Rust tokenizer's own errors
             raise APIError(f"cannot tokenize the prompt: {err}", param=param) from None
 

@@ -75,7 +75,8 @@ class KVCacheManager:
         self.events = events  # KV events (vLLM's schema): pages stored in and removed from the pool
         self.history = CacheHistory(page_size)  # what the pool held, to explain misses
         self.recent_prompts: deque[tuple[str, list[int]]] = deque(maxlen=64)  # (namespace, tokens) admitted
-        self.fair = FairShareEviction(self.index, self.pool) if tenant_kv_share == "fair" and self.index else None
+        fair = tenant_kv_share == "fair" and self.index is not None  # evict tenants over their share first
+        self.fair = FairShareEviction(self.index, self.pool) if fair else None
         self._hash_of_cached: dict[int, bytes] = {}  # cached page -> its chained hash
         self.pool.on_evicted = self._evicted
 
@@ -301,7 +302,6 @@ class KVCacheManager:
     def drop_swap(self, seq_id: str) -> None:
         self.offload.drop_swap(seq_id)
 
-    # -- page moves of the step ----------------------------------------------------------------
     def take_page_moves(self) -> tuple[list[tuple[int, SaveTarget]], list[tuple[int, Any]]]:
         """The saves and loads decided since the last call (see batch.PageOps)."""
         return self.offload.take()

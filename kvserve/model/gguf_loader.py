@@ -1,5 +1,6 @@
-"""GGUF file -> ModelConfig, dequantized float32 weights (HF names, HF layout), tokenizer and chat
-template. Loads are memoized by absolute path, so engines in one process share one copy of the weights."""
+"""GGUF file -> ModelConfig, weights (HF names, HF layout: packed blocks as stored, dequantized to
+float32 on first use), tokenizer and chat template. Loads are memoized by absolute path, so engines in
+one process share one copy of the weights."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import functools
 import hashlib
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -15,9 +16,10 @@ import torch
 from tokenizers import Tokenizer
 
 from kvserve.config import ConfigError, ModelConfig
+from kvserve.model.gguf_config import config_from_metadata, gguf_metadata, read_gguf
 from kvserve.model.tokenizer import apply_chat_template, build_tokenizer
 
-__all__ = ["LoadedModel", "apply_chat_template", "bundled_model_path", "load_gguf",
+__all__ = ["GGUFTensor", "LoadedModel", "apply_chat_template", "bundled_model_path", "load_gguf",
            "resolve_model_path"]
 
 BUNDLED_NAMES = ("smollm2", "SmolLM2-135M-Instruct")
@@ -25,7 +27,6 @@ BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Architectures whose converter permuted attn_q/attn_k rows for llama.cpp's interleaved RoPE.
 _PERMUTED_ARCHS = {"llama"}
-_SUPPORTED_ARCHS = {"llama", "qwen2"}
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
 _LAYER_NAMES = {
@@ -49,17 +50,47 @@ _GLOBAL_NAMES = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class GGUFTensor:
+    """One tensor as the file stores it: `data` is the memory-mapped bytes, [rows, row bytes] for
+    block-quantized types. `rope_heads` is set for Q/K rows that llama.cpp permuted (undone on use)."""
+
+    data: np.ndarray
+    qtype: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # torch order: [out, in]
+    rope_heads: int | None = None
+
+    def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
+        """float32 [rows, in] in HF layout (a row slice is only allowed without rope_heads)."""
+        from gguf.quants import dequantize
+
+        assert self.rope_heads is None or rows == slice(None)
+        data = self.data[rows] if len(self.shape) > 1 else self.data
+        values = np.array(dequantize(data, self.qtype), dtype=np.float32)  # a copy: the map is read-only
+        w = torch.from_numpy(values.reshape(-1, *self.shape[1:]))
+        return w if self.rope_heads is None else unpermute_rope_rows(w, self.rope_heads)
+
+
 @dataclass(slots=True, eq=False)  # eq=False: hashable by identity, usable as a cache key
 class LoadedModel:
     path: str
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # HF names, float32, torch layout [out, in]
+    tensors: dict[str, GGUFTensor]  # HF names -> the stored tensor
     tokenizer: Tokenizer
     chat_template: str | None
     bos_token_id: int | None
     eos_token_id: int | None
     add_bos_token: bool
     fingerprint: str  # stable short hash of the file identity (Redis key prefix)
+    _weights: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Every tensor dequantized to float32 (HF names, layout [out, in]); made on first use and
+        kept, so packed-weight modes that never ask for it never hold a float copy."""
+        if self._weights is None:
+            self._weights = {name: t.dequantize() for name, t in self.tensors.items()}
+        return self._weights
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special tokens written in the text (<|im_start|>) are recognised."""
@@ -114,63 +145,33 @@ def load_gguf(path: str) -> LoadedModel:
 
 @functools.lru_cache(maxsize=4)
 def _load(path: str) -> LoadedModel:
-    import gguf
-
     if not os.path.isfile(path):
         raise ConfigError(f"model not found: {path!r}")
-    reader = gguf.GGUFReader(path)
-    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-    tensor_names = {t.name for t in reader.tensors}
-    config = config_from_metadata(meta, tensor_names)
-    weights = {}
+    reader = read_gguf(path)
+    meta = gguf_metadata(reader)
+    config = config_from_metadata(meta, {t.name for t in reader.tensors}, path)
+    permuted = meta["general.architecture"] in _PERMUTED_ARCHS
+    rope_heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads} if permuted else {}
+    tensors = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
         if name is None:
             raise ConfigError(f"{path}: unsupported tensor {tensor.name!r} (kvserve runs plain Llama/Qwen2 decoders)")
-        weights[name] = _dequantize(tensor)
-    if meta["general.architecture"] in _PERMUTED_ARCHS:
-        for i in range(config.num_layers):
-            for proj, heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
-                for kind in ("weight", "bias"):
-                    key = f"model.layers.{i}.self_attn.{proj}.{kind}"
-                    if key in weights:
-                        weights[key] = unpermute_rope_rows(weights[key], heads)
+        proj = name.split(".")[-2] if ".self_attn." in name else ""
+        tensors[name] = GGUFTensor(tensor.data, tensor.tensor_type,
+                                   tuple(int(d) for d in reversed(tensor.shape)),  # GGUF: innermost first
+                                   rope_heads.get(proj))
     tokenizer = build_tokenizer(meta)
     return LoadedModel(
         path=path,
         config=config,
-        weights=weights,
+        tensors=tensors,
         tokenizer=tokenizer,
         chat_template=meta.get("tokenizer.chat_template"),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
         fingerprint=file_fingerprint(path),
-    )
-
-
-def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
-    arch = meta.get("general.architecture")
-    if arch not in _SUPPORTED_ARCHS:
-        raise ConfigError(
-            f"architecture {arch!r} is not supported; kvserve runs {', '.join(sorted(_SUPPORTED_ARCHS))}"
-        )
-    hidden = int(meta[f"{arch}.embedding_length"])
-    heads = int(meta[f"{arch}.attention.head_count"])
-    vocab = meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
-    return ModelConfig(
-        name=str(meta.get("general.basename") or meta.get("general.name") or arch),
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
-        num_layers=int(meta[f"{arch}.block_count"]),
-        num_heads=heads,
-        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
-        tie_word_embeddings="output.weight" not in tensor_names,
     )
 
 
@@ -200,11 +201,3 @@ def _hf_name(gguf_name: str) -> str | None:
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
     return None
-
-
-def _dequantize(tensor: Any) -> torch.Tensor:
-    from gguf.quants import dequantize
-
-    values = dequantize(tensor.data, tensor.tensor_type)  # float32 numpy
-    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
-    return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))

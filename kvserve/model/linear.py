@@ -1,15 +1,6 @@
 """The decoder's linear layers by weight mode: float weights (F.linear), or the GGUF's quantized weights
 kept packed and run by torch's CPU weight-only kernels (int4 groups of 32, int8 per output row).
-
-`WeightBuilder` makes each layer's module once at load: the decoder asks it for "the linear of these
-weights" and gets a `Linear`, `Int4Linear` or `Int8Linear`, which all take and return [T, in] ->
-[T, out] in the compute dtype. Modes:
-
-    float32 / bfloat16 / float16   dequantized weights in that dtype (float32: the exact path)
-    int4   Q4_0/Q4_1 blocks as int4 groups of 32 (the file's own codes and scales), the rest (Q8_0
-           token embedding = tied lm_head, other types) as int8 per row; bfloat16 activations
-    int8   every matrix as int8 per row; bfloat16 activations
-"""
+`WeightBuilder` makes each layer's module once at load (quantization as a swap of one module type)."""
 
 from __future__ import annotations
 
@@ -62,8 +53,10 @@ class Int4Linear(nn.Module):
         # the same codes in a layout cheap to unpack: byte j holds column j (low) and j + in/2 (high)
         half = in_features // 2
         self.register_buffer("nibbles", codes[:, :half] | (codes[:, half:] << 4))  # [out, in / 2]
-        self.register_buffer("scale_g", scale.to(dtype)[..., None])  # [out, in / 32, 1]
-        self.register_buffer("zero_g", (zero - 8 * scale).to(dtype)[..., None])  # w = q * scale + zero_g
+        # float32 (Q4's fp16 d and m exactly): the unpacked weight is rounded once, to the compute dtype
+        self.register_buffer("scale_g", scale.float()[..., None])  # [out, in / 32, 1]
+        self.register_buffer("zero_g", (zero - 8 * scale).float()[..., None])  # w = q * scale + zero_g
+        self.dtype = dtype
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,9 +68,9 @@ class Int4Linear(nn.Module):
 
     def dense(self) -> torch.Tensor:
         """The weight [out, in] in the compute dtype (scratch for one prefill matmul)."""
-        q = torch.cat([self.nibbles & 0x0F, self.nibbles >> 4], 1).to(self.scale_g.dtype)  # [out, in]
+        q = torch.cat([self.nibbles & 0x0F, self.nibbles >> 4], 1).float()  # [out, in]
         q = q.view(self.out_features, -1, GROUP)
-        return torch.addcmul(self.zero_g, q, self.scale_g).view(self.out_features, -1)
+        return torch.addcmul(self.zero_g, q, self.scale_g).view(self.out_features, -1).to(self.dtype)
 
 
 class Int8Linear(nn.Module):
@@ -143,8 +136,15 @@ def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class WeightBuilder:
-    """Builds the decoder's modules for one weight mode from a LoadedModel's stored tensors. Packed
-    modes read the blocks directly: no float32 copy of the whole model is made."""
+    """Builds the decoder's modules for one weight mode from a LoadedModel's stored tensors; every
+    module maps [T, in] -> [T, out] in the mode's compute dtype. Packed modes read the blocks
+    directly: no float32 copy of the whole model is made.
+
+        float32 / bfloat16 / float16   dequantized weights in that dtype (float32: the exact path)
+        int4   Q4_0/Q4_1 blocks as int4 groups of 32 (the file's own codes and scales), the rest (the
+               Q8_0 token embedding = tied lm_head, other types) as int8 per row; bfloat16 activations
+        int8   every matrix as int8 per row; bfloat16 activations
+    """
 
     def __init__(self, tensors: dict[str, GGUFTensor], mode: str, device: torch.device) -> None:
         if mode in PACKED_MODES and device.type != "cpu":

@@ -1,5 +1,5 @@
-"""GGUF metadata -> ModelConfig, without torch: the model loader and `kvserve plan` both call
-`read_gguf_config`, so the two can never read a file's shape differently."""
+"""GGUF metadata -> ModelConfig, without torch: the model loader and `kvserve plan` both go through
+`config_from_metadata`, so the two can never read a file's shape differently."""
 
 from __future__ import annotations
 

@@ -100,7 +100,7 @@ def _load_hf_config(path: Path) -> ModelShape:
 
 
 def _load_gguf(path: Path) -> ModelShape:
-    from kvserve.model.gguf_config import read_gguf_config  # torch-free; the loader calls it too
+    from kvserve.model.gguf_config import read_gguf_config  # torch-free, shared with the loader
 
     cfg, num_params = read_gguf_config(str(path), supported_only=False)
     return ModelShape(cfg, num_params, "gguf", file_bytes=path.stat().st_size)

@@ -44,8 +44,23 @@ KV_DTYPES: dict[str, KVDtype] = {
     "int4": KVDtype("int4", 4, scale_bytes_per_page_head=4, is_float=False),
 }
 
-MODEL_DTYPE_TO_KV = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+# Weight modes (kvserve/model/linear.py) and the KV dtype `--kv-cache-dtype auto` gives each: the
+# packed-weight modes int4 and int8 compute in bfloat16. float32 is the exact path.
+MODEL_DTYPE_TO_KV = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int4": "bf16", "int8": "bf16"}
 MODEL_DTYPES = tuple(MODEL_DTYPE_TO_KV)
+# `--dtype auto`: the fastest mode whose perplexity drift vs float32 is under 1% (README, "Weight
+# formats"); the packed modes need torch's CPU kernels, so other devices get bfloat16.
+AUTO_DTYPE = {"cpu": "int4"}
+AUTO_DTYPE_OTHER = "bfloat16"
+
+
+def resolve_model_dtype(dtype: str, device: str) -> str:
+    """`auto` -> the weight mode for `device`; other names are checked and returned."""
+    if dtype == "auto":
+        return AUTO_DTYPE.get(device.split(":")[0], AUTO_DTYPE_OTHER)
+    if dtype not in MODEL_DTYPES:
+        raise ConfigError(f"--dtype must be one of auto, {', '.join(MODEL_DTYPES)}, got {dtype!r}")
+    return dtype
 
 
 def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: str) -> KVDtype:
@@ -164,7 +179,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     swap_space: str | int = "2GiB"
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"  # resolved on construction: config.dtype is always a concrete mode
     redis_url: str | None = None
     calculate_kv_scales: bool = False  # fp8 KV: per-tensor scale from a start-up calibration pass
     role: str = "both"  # both | prefill (compute prompts, publish their pages) | decode
@@ -185,8 +200,7 @@ class EngineConfig:
             raise ConfigError(
                 f"--preemption-mode must be recompute or swap, got {self.preemption_mode!r}"
             )
-        if self.dtype not in MODEL_DTYPES:
-            raise ConfigError(f"--dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", resolve_model_dtype(self.dtype, self.device))
         resolve_kv_dtype(self.kv_cache_dtype, self.dtype)
         parse_bytes(self.kv_cache_memory)
         parse_bytes(self.swap_space)

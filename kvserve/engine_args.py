@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvserve.config import EngineConfig
+from kvserve.config import MODEL_DTYPES, EngineConfig
 
 ENGINE_DEFAULTS = EngineConfig()
 
@@ -24,7 +24,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--preemption-mode", default=ENGINE_DEFAULTS.preemption_mode, choices=["recompute", "swap"])
     group.add_argument("--swap-space", default=ENGINE_DEFAULTS.swap_space)
     group.add_argument("--device", default=ENGINE_DEFAULTS.device)
-    group.add_argument("--dtype", default=ENGINE_DEFAULTS.dtype, choices=["float32", "bfloat16", "float16"])
+    group.add_argument("--dtype", default="auto", choices=["auto", *MODEL_DTYPES],
+                       help="weights and compute: float32 (exact), bfloat16, float16, int4 / int8 (the "
+                            "GGUF's packed weights on torch's CPU kernels, bfloat16 activations); auto "
+                            "(default): int4 on CPU, bfloat16 elsewhere")
     group.add_argument("--calculate-kv-scales", action="store_true",
                        help="fp8 KV cache: set the per-tensor scale from a calibration pass at start-up "
                             "(default: scale 1.0)")

@@ -15,22 +15,24 @@ _engines: list = []
 
 
 def make_llm(**kwargs):
-    """An LLM whose pool is checked to be empty (no page in use) when the test ends."""
+    """An LLM whose pool is checked to be empty (no page in use) when the test ends. dtype is
+    float32 unless a test asks for another: the engine tests compare with transformers token by token."""
     from kvserve import LLM
 
+    kwargs.setdefault("dtype", "float32")
     llm = LLM(**kwargs)
     _engines.append(llm)
     return llm
 
 
-def pool_memory(num_pages: int, page_size: int = 16, kv_cache_dtype: str = "auto") -> int:
+def pool_memory(num_pages: int, page_size: int = 16, kv_cache_dtype: str = "auto", dtype: str = "float32") -> int:
     """The kv_cache_memory that gives exactly `num_pages` pages (page 0 included) to the bundled model."""
     from kvserve.config import kv_bytes_per_page, resolve_kv_dtype
     from kvserve.model.gguf_loader import bundled_model_path, load_gguf
 
     model = load_gguf(bundled_model_path()).config
     return num_pages * kv_bytes_per_page(model.num_layers, model.num_kv_heads, model.head_dim,
-                                         page_size, resolve_kv_dtype(kv_cache_dtype, "float32"))
+                                         page_size, resolve_kv_dtype(kv_cache_dtype, dtype))
 
 
 @pytest.fixture(autouse=True)

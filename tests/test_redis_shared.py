@@ -17,7 +17,7 @@ from kvserve.cache.hashing import page_hashes
 from kvserve.cache.redis_tier import HEADER
 from tests.redis_server import module_redis, redis_server  # noqa: F401
 
-ENGINE = dict(kv_cache_memory="256MiB", max_model_len=2048)
+ENGINE = dict(kv_cache_memory="256MiB", max_model_len=2048, dtype="float32")
 PAGE = 16
 GREEDY = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -149,7 +149,7 @@ def test_two_processes_share_a_1500_token_prefix(redis_server, tmp_path, capsys)
         import json, sys
         from kvserve import LLM, SamplingParams
         job = json.loads(sys.argv[1])
-        llm = LLM(redis_url=job["url"], kv_cache_memory="256MiB", max_model_len=2048)
+        llm = LLM(redis_url=job["url"], kv_cache_memory="256MiB", max_model_len=2048, dtype="float32")
         llm.generate({"prompt_token_ids": job["warmup"]}, SamplingParams(max_tokens=2))
         out = llm.generate({"prompt_token_ids": job["prompt"]},
                            SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
@@ -236,7 +236,8 @@ def test_kvserve_serve_roles_and_kvserve_proxy_as_commands(pair, redis_server, t
     from tests.redis_server import free_port
 
     ports = [free_port() for _ in range(3)]
-    engine = ["--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--log-level", "warning"]
+    engine = ["--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--dtype", "float32",
+              "--log-level", "warning"]
     commands = [
         ["serve", "--role", "prefill", "--redis-url", redis_server.url, "--port", str(ports[0]),
          *engine],

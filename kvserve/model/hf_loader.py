@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 
 from kvserve.config import ConfigError
 from kvserve.model import architectures
-from kvserve.model.gguf_loader import LoadedModel
+from kvserve.model.loaded import FloatTensor, LoadedModel
 
 # Prefixes that multimodal checkpoints put before the text decoder's "model." names
 _TEXT_PREFIXES = ("model.language_model.", "language_model.model.")
@@ -84,7 +84,7 @@ def _load(path: str) -> LoadedModel:
     return LoadedModel(
         path=path,
         config=config,
-        weights=weights,
+        tensors={name: FloatTensor(w) for name, w in weights.items()},
         tokenizer=tokenizer,
         chat_template=template if isinstance(template, str) else None,
         bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvserve.config import CORPUS_PATH, KV_DTYPES, KVDtype
+from kvserve.config import CORPUS_PATH, KV_DTYPES, KVDtype, resolve_model_dtype
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.gguf_loader import LoadedModel
 from kvserve.model.kv_quant import PagedKV, codec_for, fp8_scale_for
@@ -30,7 +30,6 @@ from kvserve.model.llama import LlamaModel
 from kvserve.batch import PageOps, SampledToken, SchedulerOutput, StepResult
 from kvserve.model.sampler import sample
 
-MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SEQUENCE_CHUNK = 512  # forward_sequence's tokens per pass: bounds attention scores' memory
 CALIBRATION_TOKENS = 512  # corpus tokens of the fp8 calibration pass (--calculate-kv-scales)
 
@@ -44,8 +43,8 @@ def _configure_threads() -> None:
 
 @functools.lru_cache(maxsize=4)
 def build_model(loaded: LoadedModel, dtype: str, device: str) -> LlamaModel:
-    """One model per (weights, dtype, device) in a process: the model holds no per-request state."""
-    return LlamaModel(loaded.config, loaded.weights, MODEL_DTYPES[dtype], device).eval()
+    """One model per (weights, weight mode, device) in a process: the model holds no per-request state."""
+    return LlamaModel(loaded.config, loaded.tensors, dtype, device).eval()
 
 
 class ModelRunner:
@@ -53,8 +52,7 @@ class ModelRunner:
         self, loaded: LoadedModel, num_pages: int, page_size: int, kv_dtype: KVDtype,
         device: str = "cpu", dtype: str = "float32", fp8_scale: float = 1.0,
     ) -> None:
-        if dtype not in MODEL_DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {dtype!r}")
+        dtype = resolve_model_dtype(dtype, device)  # ConfigError for an unknown name
         _configure_threads()
         cfg = loaded.config
         self.config = cfg
@@ -64,7 +62,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.model = build_model(loaded, dtype, str(self.device))
         # zeros, not empty: padded reads of the null page 0 must be finite (masked, but 0 * NaN = NaN)
-        self.codec = codec_for(kv_dtype, MODEL_DTYPES[dtype], fp8_scale=fp8_scale)
+        self.codec = codec_for(kv_dtype, self.model.dtype, fp8_scale=fp8_scale)
         self.kv, self.kv_scales = self.codec.make_cache(
             num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, self.device, num_layers=cfg.num_layers)
         self.kv_caches = [tuple(PagedKV(self.codec, self.kv[i, j], self.kv_scales[i, j]) for j in (0, 1))

@@ -1,11 +1,12 @@
-"""`kvserve eval-kv`: what a quantized KV cache does to the model's predictions, measured on a
-public-domain text shipped with the package (kvserve/data/corpus.txt: Jane Austen, *Persuasion*, 1818).
+"""`kvserve eval-kv`: what a quantized KV cache (or a weight mode, `--dtype`) does to the model's
+predictions, measured on a public-domain text shipped with the package (kvserve/data/corpus.txt:
+Jane Austen, *Persuasion*, 1818).
 
-For each context length C, the first C corpus tokens (from --offset) run through the model with a
-full-precision (fp32) KV cache, and the model then generates 128 tokens greedily (decode steps).
-Then, for each KV dtype, the same C + 128 tokens run teacher-forced through the model with that
-cache (in prefill chunks, as the engine computes them: K/V are quantized on write and every later
-query reads them back dequantized), and the next-token distributions are compared with fp32's:
+For each context length C, the first C corpus tokens (from --offset) run through the float32 model
+with a full-precision (fp32) KV cache, and the model then generates 128 tokens greedily (decode
+steps). Then, for each weight mode and KV dtype, the same C + 128 tokens run teacher-forced through
+that model and cache (in prefill chunks, as the engine computes them: K/V are quantized on write and
+every later query reads them back dequantized), and the next-token distributions are compared:
 
     perplexity   exp(mean NLL of the C - 1 corpus next tokens), and its drift from fp32 in %
     mean KL      mean over those positions of KL(p_fp32 || p_dtype), in nats
@@ -24,10 +25,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvserve.config import CORPUS_PATH, KV_DTYPES, ConfigError, kv_bytes_per_page, parse_bytes, pool_tokens_for
+from kvserve.config import (CORPUS_PATH, KV_DTYPES, MODEL_DTYPES, ConfigError, kv_bytes_per_page, parse_bytes,
+                            pool_tokens_for, resolve_kv_dtype, resolve_model_dtype)
 from kvserve.tools.planner import parse_tokens
 
 REFERENCE = "fp32"
+REFERENCE_DTYPE = "float32"
 DEFAULT_DTYPES = "fp8_e4m3,fp8_e5m2,int8,int4"
 DEFAULT_CONTEXTS = "512,2048"
 LOGIT_BLOCK = 256  # rows of [vocab] logits materialized at once
@@ -37,6 +40,7 @@ LOGIT_BLOCK = 256  # rows of [vocab] logits materialized at once
 class EvalRow:
     context: int
     kv_dtype: str
+    dtype: str  # the weight mode
     perplexity: float
     ppl_drift_pct: float
     mean_kl: float
@@ -49,9 +53,13 @@ class EvalRow:
 
 def add_evalkv_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="a .gguf path (default: bundled SmolLM2-135M-Instruct)")
-    parser.add_argument("--kv-cache-dtype", default=DEFAULT_DTYPES,
-                        help=f"comma list of {', '.join(KV_DTYPES)} or all (default {DEFAULT_DTYPES}); "
-                             f"{REFERENCE} is always run as the reference")
+    parser.add_argument("--kv-cache-dtype", default=None,
+                        help=f"comma list of {', '.join(KV_DTYPES)}, auto (each weight mode's own) or all "
+                             f"(default {DEFAULT_DTYPES} with --dtype float32, else auto); float32 weights "
+                             f"with an {REFERENCE} cache are always run as the reference")
+    parser.add_argument("--dtype", default=REFERENCE_DTYPE,
+                        help=f"comma list of weight modes ({', '.join(MODEL_DTYPES)}, auto) or all "
+                             f"(default {REFERENCE_DTYPE})")
     parser.add_argument("--context", default=DEFAULT_CONTEXTS,
                         help=f"comma list of context lengths in tokens, e.g. 512,2048,8k (default {DEFAULT_CONTEXTS})")
     parser.add_argument("--greedy-tokens", type=int, default=128, help="greedy tokens compared (default 128)")
@@ -66,12 +74,17 @@ def add_evalkv_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
-def _names(value: str) -> list[str]:
+def _names(value: str, modes: str = REFERENCE_DTYPE) -> list[tuple[str, str]]:
+    """(weight mode, KV dtype) variants to run, the float32 + fp32 reference first."""
+    mode_list = list(MODEL_DTYPES) if modes.strip() == "all" else [m.strip() for m in modes.split(",") if m.strip()]
+    mode_list = [resolve_model_dtype(m, "cpu") for m in mode_list]
     names = list(KV_DTYPES) if value.strip() == "all" else [n.strip() for n in value.split(",") if n.strip()]
     for name in names:
-        if name not in KV_DTYPES:
-            raise ConfigError(f"unknown --kv-cache-dtype {name!r}; choose from {', '.join(KV_DTYPES)} or all")
-    return [REFERENCE] + [n for n in dict.fromkeys(names) if n != REFERENCE]
+        if name != "auto" and name not in KV_DTYPES:
+            raise ConfigError(f"unknown --kv-cache-dtype {name!r}; choose from auto, {', '.join(KV_DTYPES)} or all")
+    variants = [(m, resolve_kv_dtype(n, m).name) for m in mode_list for n in names]
+    reference = (REFERENCE_DTYPE, REFERENCE)
+    return [reference] + [v for v in dict.fromkeys(variants) if v != reference]
 
 
 def _contexts(value: str) -> list[int]:
@@ -131,7 +144,7 @@ def _compare(model, ref_logp, hidden, targets: list[int], num_scored: int) -> tu
     return nll / num_scored, kl / num_scored, agree
 
 
-def evaluate(loaded, token_ids: list[int], contexts: list[int], dtypes: list[str], greedy_tokens: int,
+def evaluate(loaded, token_ids: list[int], contexts: list[int], dtypes: list[tuple[str, str]], greedy_tokens: int,
              page_size: int, memory: int, fp8_scale: str = "1.0", offset: int = 0,
              progress=None) -> list[EvalRow]:
     from kvserve.model.kv_quant import codec_for, fp8_scale_for
@@ -149,33 +162,35 @@ def evaluate(loaded, token_ids: list[int], contexts: list[int], dtypes: list[str
         window = token_ids[offset:offset + context]
         total = context + greedy_tokens
         t0 = time.monotonic()
-        ref_runner = ModelRunner.for_one_sequence(loaded, REFERENCE, total, page_size)
+        num_pages = -(-total // page_size) + 1
+        ref_runner = ModelRunner(loaded, num_pages, page_size, KV_DTYPES[REFERENCE], dtype=REFERENCE_DTYPE)
         generated, ref_hidden = _greedy(ref_runner, window, greedy_tokens)
         amax = ref_runner.kv_amax(context)
         sequence = window + generated
         targets = sequence[1:]
         ref_logp = _log_probs(ref_runner.model, ref_hidden[:len(targets)])  # [total - 1, vocab]
-        for name in dtypes:
+        for variant in dtypes:
+            mode, name = variant
             started = time.monotonic()
             scale = 1.0
             if name.startswith("fp8") and fp8_scale == "calibrate":
                 scale = fp8_scale_for(amax, codec_for(name).storage_dtype)
             elif name.startswith("fp8"):
                 scale = float(fp8_scale)
-            if name == REFERENCE:  # the greedy run above: prefill, then decode steps
-                hidden = ref_hidden
-            else:  # teacher-forced through this dtype's cache
-                hidden = ModelRunner.for_one_sequence(loaded, name, total, page_size,
-                                                      scale).forward_sequence(sequence)[:-1]
-            nll, kl, agree = _compare(ref_runner.model, ref_logp, hidden, targets, context - 1)
+            if variant == (REFERENCE_DTYPE, REFERENCE):  # the greedy run above: prefill, then decode steps
+                runner, hidden = ref_runner, ref_hidden
+            else:  # teacher-forced through this weight mode and cache
+                runner = ModelRunner(loaded, num_pages, page_size, KV_DTYPES[name], dtype=mode, fp8_scale=scale)
+                hidden = runner.forward_sequence(sequence)[:-1]
+            nll, kl, agree = _compare(runner.model, ref_logp, hidden, targets, context - 1)
             pool = pool_tokens_for(memory, page_bytes[name], page_size)
             rows.append(EvalRow(
-                context=context, kv_dtype=name, perplexity=math.exp(nll), ppl_drift_pct=0.0,
+                context=context, kv_dtype=name, dtype=mode, perplexity=math.exp(nll), ppl_drift_pct=0.0,
                 mean_kl=max(kl, 0.0), greedy_agreement=agree / greedy_tokens if greedy_tokens else 1.0,
                 greedy_tokens=greedy_tokens, pool_tokens=pool,
                 pool_tokens_vs_fp16=pool / fp16_tokens if fp16_tokens else 0.0,
-                seconds=round(time.monotonic() - (t0 if name == REFERENCE else started), 2)))
-            base = rows[-1 - dtypes.index(name)].perplexity  # this context's fp32 row
+                seconds=round(time.monotonic() - (t0 if variant == dtypes[0] else started), 2)))
+            base = rows[-1 - dtypes.index(variant)].perplexity  # this context's reference row
             rows[-1].ppl_drift_pct = 100.0 * (rows[-1].perplexity - base) / base
             if progress:
                 progress(rows[-1])
@@ -187,7 +202,8 @@ def evaluate(loaded, token_ids: list[int], contexts: list[int], dtypes: list[str
 def run_evalkv(args: argparse.Namespace, progress=None) -> dict:
     from kvserve.model.gguf_loader import load_gguf, resolve_model_path
 
-    dtypes, contexts = _names(args.kv_cache_dtype), _contexts(args.context)
+    kv_names = args.kv_cache_dtype or (DEFAULT_DTYPES if args.dtype == REFERENCE_DTYPE else "auto")
+    dtypes, contexts = _names(kv_names, args.dtype), _contexts(args.context)
     if args.fp8_scale != "calibrate":
         try:
             if not float(args.fp8_scale) > 0:
@@ -209,7 +225,7 @@ def run_evalkv(args: argparse.Namespace, progress=None) -> dict:
                     args.fp8_scale, args.offset, progress)
     return {
         "model": loaded.config.name, "corpus": str(corpus), "corpus_tokens": len(token_ids),
-        "offset": args.offset, "reference": REFERENCE, "fp8_scale": args.fp8_scale,
+        "offset": args.offset, "reference": REFERENCE, "reference_dtype": REFERENCE_DTYPE, "fp8_scale": args.fp8_scale,
         "page_size": args.page_size, "kv_cache_memory_bytes": memory,
         "seconds": round(time.monotonic() - started, 1), "results": [asdict(r) for r in rows],
     }
@@ -219,12 +235,13 @@ def render_evalkv(report: dict) -> str:
     lines = [f"KV cache quantization drift: {report['model']}, {report['corpus_tokens']:,} corpus tokens "
              f"from {Path(report['corpus']).name}, fp8 scale {report['fp8_scale']}, page size "
              f"{report['page_size']}",
-             f"{'context':>7}  {'kv dtype':<9} {'perplexity':>10} {'drift':>8} {'mean KL':>9} "
+             f"{'context':>7}  {'weights':<8} {'kv dtype':<9} {'perplexity':>10} {'drift':>8} {'mean KL':>9} "
              f"{'greedy agree':>12} {'tokens in ' + _gib(report['kv_cache_memory_bytes']):>16} {'vs fp16':>7}"]
     for r in report["results"]:
-        drift = "ref" if r["kv_dtype"] == report["reference"] else f"{r['ppl_drift_pct']:+.2f}%"
+        is_ref = r["kv_dtype"] == report["reference"] and r.get("dtype", REFERENCE_DTYPE) == REFERENCE_DTYPE
+        drift = "ref" if is_ref else f"{r['ppl_drift_pct']:+.2f}%"
         agree = f"{round(r['greedy_agreement'] * r['greedy_tokens'])}/{r['greedy_tokens']}"
-        lines.append(f"{r['context']:>7}  {r['kv_dtype']:<9} {r['perplexity']:>10.3f} {drift:>8} "
+        lines.append(f"{r['context']:>7}  {r.get('dtype', REFERENCE_DTYPE):<8} {r['kv_dtype']:<9} {r['perplexity']:>10.3f} {drift:>8} "
                      f"{r['mean_kl']:>9.5f} {agree:>12} {r['pool_tokens']:>16,} {r['pool_tokens_vs_fp16']:>6.2f}x")
     lines.append(f"({report['seconds']} s)")
     return "\n".join(lines)
@@ -238,7 +255,7 @@ def main_evalkv(args: argparse.Namespace) -> int:
     import sys
 
     progress = None if args.json else (
-        lambda r: print(f"  {r.context} tokens, {r.kv_dtype}: ppl {r.perplexity:.3f} ({r.seconds} s)",
+        lambda r: print(f"  {r.context} tokens, {r.dtype} + {r.kv_dtype}: ppl {r.perplexity:.3f} ({r.seconds} s)",
                         file=sys.stderr, flush=True))
     report = run_evalkv(args, progress)
     print(json.dumps(report, indent=2) if args.json else render_evalkv(report))

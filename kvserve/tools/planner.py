@@ -100,38 +100,9 @@ def _load_hf_config(path: Path) -> ModelShape:
 
 
 def _load_gguf(path: Path) -> ModelShape:
-    from gguf import GGUFReader  # lazy: only this loader needs it
+    from kvserve.model.gguf_config import read_gguf_config  # torch-free, shared with the loader
 
-    try:
-        reader = GGUFReader(str(path))
-    except Exception as exc:  # gguf raises ValueError, OSError, struct errors...
-        raise ConfigError(f"cannot read GGUF file {path}: {exc}") from None
-
-    def get(key, default=None):
-        field = reader.fields.get(key)
-        if field is None:
-            if default is None:
-                raise ConfigError(f"GGUF file {path} has no {key!r} metadata")
-            return default
-        value = field.contents()
-        return max(value) if isinstance(value, list) else value  # per-layer arrays: the largest
-
-    arch = get("general.architecture")
-    hidden, heads = int(get(f"{arch}.embedding_length")), int(get(f"{arch}.attention.head_count"))
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    tensor_names = {t.name for t in reader.tensors}
-    cfg = ModelConfig(
-        name=str(get("general.name", path.stem)),
-        vocab_size=int(get(f"{arch}.vocab_size", len(tokens.data) if tokens else 0)),
-        hidden_size=hidden, intermediate_size=int(get(f"{arch}.feed_forward_length", 0)),
-        num_layers=int(get(f"{arch}.block_count")), num_heads=heads,
-        num_kv_heads=int(get(f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(get(f"{arch}.attention.key_length", hidden // heads)),
-        rope_theta=float(get(f"{arch}.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=int(get(f"{arch}.context_length")),
-        tie_word_embeddings="output.weight" not in tensor_names)
-    num_params = sum(int(t.n_elements) for t in reader.tensors)
+    cfg, num_params = read_gguf_config(str(path), supported_only=False)
     return ModelShape(cfg, num_params, "gguf", file_bytes=path.stat().st_size)
 
 

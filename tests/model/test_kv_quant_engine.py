@@ -15,7 +15,7 @@ from tests.conftest import make_llm
 
 QUANTIZED = ["fp8_e4m3", "fp8_e5m2", "int8", "int4"]
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-SMALL = dict(kv_cache_memory="24MiB", max_model_len=1024)
+SMALL = dict(kv_cache_memory="24MiB", max_model_len=1024, dtype="float32")
 
 
 @pytest.fixture(scope="module")

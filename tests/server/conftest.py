@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-SMALL_ENGINE = dict(kv_cache_memory="256MiB", max_model_len=2048)
+SMALL_ENGINE = dict(kv_cache_memory="256MiB", max_model_len=2048, dtype="float32")
 
 
 class ServerThread:

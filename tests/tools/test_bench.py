@@ -115,7 +115,8 @@ def test_plot_writes_a_png(tmp_path):
 def test_tiny_run_beside_transformers(tmp_path, capsys):
     out = tmp_path / "bench.png"
     assert main(["bench", "--workload", str(tiny_trace(tmp_path)), "--vs", "transformers", "--json",
-                 "--plot", str(out), "--kv-cache-memory", "64MiB", "--max-model-len", "256"]) == 0
+                 "--plot", str(out), "--kv-cache-memory", "64MiB", "--max-model-len", "256",
+                 "--dtype", "float32"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert set(report) == REPORT_KEYS
     peers = ["transformers", "transformers+prompt-cache"]

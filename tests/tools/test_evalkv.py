@@ -57,3 +57,12 @@ def test_int8_perplexity_drift_under_one_percent_at_2048_tokens():
     int8 = report["results"][1]
     assert int8["kv_dtype"] == "int8"
     assert abs(int8["ppl_drift_pct"]) < 1.0, int8
+
+
+def test_weight_modes_are_compared_with_float32():
+    report = run_evalkv(parse("--context", "64", "--dtype", "int4,bfloat16", "--greedy-tokens", "4",
+                              "--kv-cache-memory", "64MiB"))
+    rows = [(r["dtype"], r["kv_dtype"]) for r in report["results"]]
+    assert rows == [("float32", "fp32"), ("int4", "bf16"), ("bfloat16", "bf16")]  # auto KV per mode
+    for r in report["results"][1:]:
+        assert 0 < abs(r["ppl_drift_pct"]) < 5 and r["mean_kl"] > 0

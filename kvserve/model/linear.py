@@ -1,0 +1,194 @@
+"""The decoder's linear layers by weight mode: float weights (F.linear), or the GGUF's quantized weights
+kept packed and run by torch's CPU weight-only kernels (int4 groups of 32, int8 per output row).
+`WeightBuilder` makes each layer's module once at load (quantization as a swap of one module type)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.config import ConfigError
+from kvserve.model.loaded import GGUFTensor, unpermute_rope_rows
+
+GROUP = 32  # elements per int4 group: one GGUF Q4 block
+PACKED_MODES = ("int4", "int8")
+DEQUANT_ROWS = 256  # Int4Linear: more rows than this run as a dense matmul over the unpacked weight
+_EMBED_CHUNK = 4096  # rows dequantized at once while packing the token embedding
+
+
+def compute_dtype(mode: str) -> torch.dtype:
+    """Activation dtype of a weight mode: torch's fast weight-only CPU kernels take bfloat16."""
+    return torch.bfloat16 if mode in PACKED_MODES else getattr(torch, mode)
+
+
+class Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)  # [out, in]
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Int4Linear(nn.Module):
+    """w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g], g = k // 32; q packed two per byte.
+
+    Up to DEQUANT_ROWS rows (decode) run torch's int4 kernel; longer inputs (prefill chunks) unpack
+    the weight to the compute dtype and run one dense matmul, because the int4 kernel's cost grows
+    with the rows faster than a bfloat16 matmul's: 30 ms against 19.5 ms (unpack included) for 512
+    rows of gate+up on one core (docs/performance.md)."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                 bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, in_features = codes.shape
+        codes = codes.to(torch.uint8)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            codes.to(torch.int32).contiguous(), 1))  # [out, in / 2] uint8, the kernel's layout
+        self.register_buffer("scales_zeros",  # [in / 32, out, 2] as the kernel reads them
+                             torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(dtype))
+        # the same codes in a layout cheap to unpack: byte j holds column j (low) and j + in/2 (high)
+        half = in_features // 2
+        self.register_buffer("nibbles", codes[:, :half] | (codes[:, half:] << 4))  # [out, in / 2]
+        # float32 (Q4's fp16 d and m exactly): the unpacked weight is rounded once, to the compute dtype
+        self.register_buffer("scale_g", scale.float()[..., None])  # [out, in / 32, 1]
+        self.register_buffer("zero_g", (zero - 8 * scale).float()[..., None])  # w = q * scale + zero_g
+        self.dtype = dtype
+        self.register_buffer("bias", None if bias is None else bias.to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= DEQUANT_ROWS:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+        else:
+            y = F.linear(x, self.dense())
+        return y if self.bias is None else y + self.bias
+
+    def dense(self) -> torch.Tensor:
+        """The weight [out, in] in the compute dtype (scratch for one prefill matmul)."""
+        q = torch.cat([self.nibbles & 0x0F, self.nibbles >> 4], 1).float()  # [out, in]
+        q = q.view(self.out_features, -1, GROUP)
+        return torch.addcmul(self.zero_g, q, self.scale_g).view(self.out_features, -1).to(self.dtype)
+
+
+class Int8Linear(nn.Module):
+    """w[n, k] = q[n, k] * scale[n]; also the token embedding when tied (`embed` looks rows up)."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features = codes.shape[0]
+        self.register_buffer("codes", codes.contiguous())  # [out, in] int8
+        self.register_buffer("scale", scale.to(dtype))  # [out]
+        self.register_buffer("bias", None if bias is None else bias.to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
+        return y if self.bias is None else y + self.bias
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.codes[ids].to(self.scale.dtype) * self.scale[ids, None]
+
+
+class Embedding(nn.Module):
+    """Token embedding over a float matrix or an Int8Linear's rows (tied lm_head shares it)."""
+
+    def __init__(self, table: torch.Tensor | Int8Linear) -> None:
+        super().__init__()
+        self.table = table if isinstance(table, Int8Linear) else nn.Parameter(table, requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.table, Int8Linear):
+            return self.table.embed(ids)
+        return F.embedding(ids, self.table)
+
+
+def q4_blocks(t: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A Q4_0/Q4_1 tensor's own codes [out, in] (0..15) and per-block scale and zero [out, in / 32]
+    in Int4Linear's form, read from the block bytes without rounding; None for other types."""
+    from gguf import GGMLQuantizationType as Q
+
+    if t.qtype not in (Q.Q4_0, Q.Q4_1):
+        return None
+    rows, cols = t.shape
+    header = 4 if t.qtype == Q.Q4_1 else 2  # fp16 d (+ fp16 m for Q4_1), then 16 bytes of nibbles
+    blocks = np.asarray(t.data).reshape(rows, cols // GROUP, header + GROUP // 2)
+    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    nibbles = blocks[..., header:]
+    # element j of a block is the low nibble of byte j, element j + 16 the high nibble
+    codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, cols)
+    if t.qtype == Q.Q4_1:  # w = d * q + m = (q - 8) * d + (m + 8 d)
+        zero = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) + 8 * d
+    else:  # Q4_0: w = d * (q - 8)
+        zero = np.zeros_like(d)
+    out = [torch.from_numpy(np.ascontiguousarray(a)) for a in (codes, d, zero)]
+    if t.rope_heads is not None:
+        out = [unpermute_rope_rows(a, t.rope_heads) for a in out]
+    return out[0], out[1], out[2]
+
+
+def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row: (codes [out, in] int8, scale [out] float32)."""
+    scale = (w.abs().amax(1) / 127).clamp(min=1e-12)
+    return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
+
+
+class WeightBuilder:
+    """Builds the decoder's modules for one weight mode from a LoadedModel's stored tensors; every
+    module maps [T, in] -> [T, out] in the mode's compute dtype. Packed modes read the blocks
+    directly: no float32 copy of the whole model is made.
+
+        float32 / bfloat16 / float16   dequantized weights in that dtype (float32: the exact path)
+        int4   Q4_0/Q4_1 blocks as int4 groups of 32 (the file's own codes and scales), the rest (the
+               Q8_0 token embedding = tied lm_head, other types) as int8 per row; bfloat16 activations
+        int8   every matrix as int8 per row; bfloat16 activations
+    """
+
+    def __init__(self, tensors: dict[str, GGUFTensor], mode: str, device: torch.device) -> None:
+        if mode in PACKED_MODES and device.type != "cpu":
+            raise ConfigError(f"--dtype {mode} runs on CPU only (torch's weight-only CPU kernels); "
+                              "use --dtype bfloat16 on this device")
+        self.tensors, self.mode, self.device = tensors, mode, device
+        self.dtype = compute_dtype(mode)
+
+    def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A small float tensor (norm weights, biases) in the compute dtype (or `dtype`)."""
+        return self.tensors[name].dequantize().to(self.device, dtype or self.dtype)
+
+    def linear(self, names: list[str], biases: list[str] | None = None) -> nn.Module:
+        """One module for the weights `names` stacked by rows (fused QKV, gate+up)."""
+        bias = self._bias(names, biases or [])
+        parts = [self.tensors[n] for n in names]
+        if self.mode == "int4":
+            blocks = [q4_blocks(t) for t in parts]
+            if all(b is not None for b in blocks):
+                codes, scale, zero = (torch.cat(x) for x in zip(*blocks))
+                return Int4Linear(codes, scale, zero, bias, self.dtype)
+        w = torch.cat([t.dequantize() for t in parts])
+        if self.mode in PACKED_MODES:
+            return Int8Linear(*int8_rows(w), bias, self.dtype)
+        return Linear(w.to(self.device, self.dtype), bias)
+
+    def embedding(self, name: str) -> tuple[Embedding, nn.Module]:
+        """(token embedding, the lm_head made from the same matrix) for tied embeddings."""
+        if self.mode not in PACKED_MODES:
+            table = nn.Parameter(self.tensor(name), requires_grad=False)
+            return Embedding(table), Linear(table)
+        t = self.tensors[name]
+        codes, scales = [], []
+        for start in range(0, t.shape[0], _EMBED_CHUNK):  # bounded float32 scratch
+            c, s = int8_rows(t.dequantize(slice(start, start + _EMBED_CHUNK)))
+            codes.append(c)
+            scales.append(s)
+        head = Int8Linear(torch.cat(codes), torch.cat(scales), None, self.dtype)
+        return Embedding(head), head
+
+    def _bias(self, names: list[str], biases: list[str]) -> torch.Tensor | None:
+        if not any(b in self.tensors for b in biases):
+            return None
+        rows = [self.tensors[n].shape[0] for n in names]
+        return torch.cat([self.tensor(b) if b in self.tensors else torch.zeros(r, dtype=self.dtype,
+                                                                                device=self.device)
+                          for b, r in zip(biases, rows)])

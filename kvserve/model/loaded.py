@@ -1,0 +1,106 @@
+"""A loaded model, whatever file it came from: its ModelConfig, its tensors as stored (GGUF blocks or
+float32 safetensors, under Hugging Face names), its tokenizer, chat template and stop ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from kvserve.config import ConfigError, ModelConfig
+from kvserve.model.tokenizer import apply_chat_template
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFTensor:
+    """One tensor as the file stores it: `data` is the memory-mapped bytes, [rows, row bytes] for
+    block-quantized types. `rope_heads` is set for Q/K rows that llama.cpp permuted (undone on use)."""
+
+    data: np.ndarray
+    qtype: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # torch order: [out, in]
+    rope_heads: int | None = None
+    offset: float = 0.0  # subtracted on use: Gemma's norm weights are stored as 1 + w
+
+    def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
+        """float32 [rows, in] in HF layout (a row slice is only allowed without rope_heads)."""
+        from gguf.quants import dequantize
+
+        assert self.rope_heads is None or rows == slice(None)
+        data = self.data[rows] if len(self.shape) > 1 else self.data
+        values = np.array(dequantize(data, self.qtype), dtype=np.float32)  # a copy: the map is read-only
+        w = torch.from_numpy(values.reshape(-1, *self.shape[1:]))
+        if self.offset:
+            w = w - self.offset
+        return w if self.rope_heads is None else unpermute_rope_rows(w, self.rope_heads)
+
+
+@dataclass(frozen=True, slots=True)
+class FloatTensor:
+    """A float32 tensor (a Hugging Face folder's weights) behind GGUFTensor's interface."""
+
+    value: torch.Tensor
+    qtype: Any = None
+    rope_heads: None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.value.shape)
+
+    def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
+        return self.value[rows] if self.value.dim() > 1 else self.value
+
+
+@dataclass(slots=True, eq=False)  # eq=False: hashable by identity, usable as a cache key
+class LoadedModel:
+    path: str
+    config: ModelConfig
+    tensors: dict[str, GGUFTensor | FloatTensor]  # HF names -> the stored tensor
+    tokenizer: Tokenizer
+    chat_template: str | None
+    bos_token_id: int | None
+    eos_token_id: int | None
+    add_bos_token: bool
+    fingerprint: str  # stable short hash of the file identity (Redis key prefix)
+    eos_token_ids: tuple[int, ...] = ()  # every id that ends generation (eos, end-of-turn, eom)
+    _weights: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Every tensor dequantized to float32 (HF names, layout [out, in]); made on first use and
+        kept, so packed-weight modes that never ask for it never hold a float copy."""
+        if self._weights is None:
+            self._weights = {name: t.dequantize() for name, t in self.tensors.items()}
+        return self._weights
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special tokens written in the text (<|im_start|>) are recognised."""
+        return self.tokenizer.encode(text, add_special_tokens=self.add_bos_token).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise ConfigError(f"the model {self.path!r} has no chat template; send a plain prompt")
+        vocab_size = self.tokenizer.get_vocab_size()
+        special = {
+            name: self.tokenizer.id_to_token(i)
+            for name, i in (("bos_token", self.bos_token_id), ("eos_token", self.eos_token_id))
+            if i is not None and i < vocab_size
+        }
+        return apply_chat_template(self.chat_template, messages, add_generation_prompt, **special)
+
+
+def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row order. Per head, llama.cpp stores rotary pairs interleaved
+    (rows 0,1 = pair 0) for its GPT-J RoPE; HF's rotate_half pairs row i with row i + head_dim/2:
+
+        gguf rows (one head): a0 b0 a1 b1 ...   ->   hf rows: a0 a1 ... b0 b1 ...
+    """
+    half = w.shape[0] // num_heads // 2
+    # [heads, half, 2, ...] -> [heads, 2, half, ...]
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()

@@ -49,7 +49,7 @@ def run_engine(trace: list[TraceRequest]) -> dict:
     for r in trace:
         engine.add_request({"prompt_token_ids": r.prompt_token_ids},
                            SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, cache_salt=r.cache_salt),
-                           request_id=r.id, namespace=r.tenant or "")
+                           request_id=r.id, tenant=r.tenant or "")
     while engine.has_unfinished():
         engine.step()
     assert engine.manager.num_used_pages == 0

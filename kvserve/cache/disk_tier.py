@@ -25,13 +25,13 @@ import os
 import queue
 import struct
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from kvserve.cache.background import drain, stop
 from kvserve.cache.tier_auth import TierAuth
 
 log = logging.getLogger("kvserve.disk")
@@ -218,19 +218,11 @@ class DiskTier:
     # -- lifecycle --------------------------------------------------------------------------------
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until queued writes are on disk; False if `timeout` passed first."""
-        deadline = time.monotonic() + timeout
-        while self._queue.unfinished_tasks:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.002)
-        return True
+        return drain(self._queue, timeout)
 
     def close(self, timeout: float = 30.0) -> None:
         """Write what is queued (up to `timeout`), then stop the writer."""
-        if self._thread.is_alive():
-            self.flush(timeout)
-            self._queue.put(None)
-            self._thread.join(timeout)
+        stop(self._queue, self._thread, timeout)
 
     # -- internals --------------------------------------------------------------------------------
     def _make_room(self) -> list[bytes]:

@@ -33,6 +33,8 @@ from typing import Literal
 import msgpack
 import zmq
 
+from kvserve.cache.background import drain, stop
+
 log = logging.getLogger("kvserve.events")
 
 # where a page lives; vLLM says "GPU"/"CPU", kvserve names its own tiers
@@ -203,19 +205,11 @@ class KVEventPublisher:
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every queued batch is sent; False if `timeout` passed first."""
-        deadline = time.monotonic() + timeout
-        while self._queue.unfinished_tasks:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.002)
-        return True
+        return drain(self._queue, timeout)
 
     def close(self, timeout: float = 2.0) -> None:
         """Send what is queued (up to `timeout`), then close the sockets."""
-        if self._thread.is_alive():
-            self.flush(timeout)
-            self._queue.put(None)
-            self._thread.join(timeout)
+        stop(self._queue, self._thread, timeout)
 
     def _run(self) -> None:
         try:

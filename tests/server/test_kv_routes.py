@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 
 SYSTEM = "You are a tide-table assistant. Answer in one short sentence. " * 6
 
@@ -47,3 +48,28 @@ def test_cache_report_and_lease_metrics(server):
     json.dumps(report)
     metrics = httpx.get(server.url + "/metrics", timeout=60).text
     assert "kvserve:leased_pages" in metrics and "kvserve:lease_grants_total" in metrics
+
+
+@pytest.mark.slow
+def test_the_midprompt_mix_sent_live_is_diagnosed_by_the_cache_report():
+    """The `midprompt` workload (a per-request header before a 1,500-token shared system prompt) over
+    HTTP to a fresh server: the report names the shared span's offset and length."""
+    from kvserve.async_engine import AsyncEngine
+    from kvserve.config import EngineConfig
+    from kvserve.engine import LLMEngine
+    from kvserve.server.api import build_app
+    from kvserve.tools.traces import MIDPROMPT_HEADER_TOKENS, MIDPROMPT_SYSTEM_TOKENS, generate_trace
+    from tests.server.conftest import SMALL_ENGINE, ServerThread
+
+    engine = AsyncEngine(LLMEngine(EngineConfig(**SMALL_ENGINE)))
+    with ServerThread(build_app(engine)) as running:
+        for request in generate_trace("midprompt", 8):
+            response = httpx.post(running.url + "/v1/completions", timeout=300, json={
+                "model": "smollm2", "prompt": request.prompt_token_ids, "max_tokens": 1})
+            assert response.status_code == 200, response.text
+        report = httpx.get(running.url + "/v1/cache/report", timeout=60).json()
+    engine.shutdown()
+    assert report["hit_rate"] < 0.3
+    (advice,) = [a for a in report["advice"] if a["kind"] == "mid_prompt_shared_text"]
+    assert advice["offset"] == MIDPROMPT_HEADER_TOKENS and advice["length"] >= MIDPROMPT_SYSTEM_TOKENS
+    assert advice["num_requests"] == 8

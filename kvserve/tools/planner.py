@@ -60,12 +60,15 @@ def count_params(cfg: ModelConfig, qkv_bias: bool = False) -> int:
 
 
 def load_model(spec: str) -> ModelShape:
-    """A preset name, a HF config.json (or a folder holding one), or a .gguf file."""
+    """A preset name, a model kvserve knows by name (gemma-3-270m), a HF config.json (or a folder
+    holding one), or a .gguf file."""
+    from kvserve.model.known_models import known_model_path  # torch-free
+
     key = spec.strip().lower()
     if key in PRESETS:
         cfg, bias = PRESETS[key]
         return ModelShape(cfg, count_params(cfg, bias), "preset")
-    path = Path(spec)
+    path = Path(known_model_path(spec) or spec)
     if path.is_dir() and (path / "config.json").is_file():
         path = path / "config.json"
     if path.suffix == ".gguf" and path.is_file():

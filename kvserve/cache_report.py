@@ -10,7 +10,7 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.cache.fair_share import tenant_of
+from kvserve.cache.hashing import tenant_of
 from kvserve.cache.history import first_page_key
 from kvserve.cache.pages import PAGE_CACHED, PAGE_FREE, PAGE_LEASED, PAGE_SHARED, PAGE_USED
 from kvserve.cache.spans import find_hidden_spans

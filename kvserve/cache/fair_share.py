@@ -6,14 +6,10 @@ from __future__ import annotations
 
 from collections import Counter
 
+from kvserve.cache.hashing import tenant_of
 from kvserve.cache.pages import PagePool
 from kvserve.cache.prefix_hash import HashPrefixIndex
 from kvserve.cache.prefix_radix import RadixPrefixIndex
-
-
-def tenant_of(namespace: str) -> str:
-    """The tenant part of a namespace (cache.hashing.namespace: tenant, NUL, salt)."""
-    return namespace.split("\x00", 1)[0] if "\x00" in namespace else ""
 
 
 class FairShareEviction:

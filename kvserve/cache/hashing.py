@@ -52,3 +52,8 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
+
+
+def tenant_of(namespace_: str) -> str:
+    """The tenant part of a namespace(tenant, salt) ("" when it holds only a salt)."""
+    return namespace_.split("\x00", 1)[0] if "\x00" in namespace_ else ""

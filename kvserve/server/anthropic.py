@@ -10,7 +10,6 @@ message_start, content_block_start, ping, content_block_delta..., content_block_
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -27,7 +26,7 @@ from kvserve.server.anthropic_protocol import (MessagesRequest, ParsedChat, anth
 from kvserve.server.breakpoints import SYSTEM, ChatRenderer, RenderedChat, make_lease
 from kvserve.server.cache_diagnostics import DiagnosticsStore, PromptFingerprint, fingerprint
 from kvserve.server.protocol import APIError
-from kvserve.server.serving import TextDelta
+from kvserve.server.serving import TextDelta, unless_disconnected
 
 LABELS = ("5m", "1h")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -210,19 +209,8 @@ class MessagesService:
                 last = output
             return last
 
-        work = asyncio.ensure_future(collect())
-        watch = asyncio.ensure_future(_disconnected(raw))
         try:
-            await asyncio.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not work.done():
-                work.cancel()
-                self.engine.abort(stream.request_id)
-        if not work.done():
-            raise APIError("the client closed the connection", 499)
-        try:
-            output = work.result()
+            output = await unless_disconnected(collect(), raw, lambda: self.engine.abort(stream.request_id))
         except EngineDeadError as err:
             raise APIError(str(err), 503) from None
         return _checked(output)
@@ -277,12 +265,6 @@ def _checked(output: RequestOutput | None) -> RequestOutput:
 
 def _event(name: str, payload: dict[str, Any]) -> str:
     return f"event: {name}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-async def _disconnected(raw: Request) -> None:
-    while True:
-        if (await raw.receive())["type"] == "http.disconnect":
-            return
 
 
 async def read_json(raw: Request) -> Any:

@@ -19,7 +19,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -315,18 +315,7 @@ class OpenAIServing:
             finally:
                 await outputs.aclose()
 
-        work = asyncio.ensure_future(collect())
-        watch = asyncio.ensure_future(_disconnected(raw))
-        try:
-            await asyncio.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not work.done():
-                work.cancel()  # the client left: its requests are aborted, pages freed
-                self._abort_unfinished(gen)
-        if not work.done():
-            raise APIError("the client closed the connection", 499, code="client_closed_request")
-        work.result()
+        await unless_disconnected(collect(), raw, lambda: self._abort_unfinished(gen))
 
     async def _sse(self, gen: Generation, body: Any, chat: bool) -> AsyncIterator[str]:
         """The SSE body, returned unstarted: errors before it are plain 4xx responses."""
@@ -374,6 +363,23 @@ def max_token_bytes(tokenizer) -> int:
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def unless_disconnected(work: Awaitable[Any], raw: Request, abort: Callable[[], None]) -> Any:
+    """Await `work`; a client that disconnects first gets it cancelled, `abort()` called (its
+    engine requests aborted, pages freed) and a 499."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(raw))
+    try:
+        await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            abort()
+    if not task.done():
+        raise APIError("the client closed the connection", 499, code="client_closed_request")
+    return task.result()
 
 
 async def _disconnected(raw: Request) -> None:

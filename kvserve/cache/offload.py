@@ -17,8 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvserve.cache.hashing import page_hashes
-from kvserve.cache.tiers import HostTier, Tier
+from kvserve.cache.tiers import HostTier, Tier, page_hashes_from
 
 
 class SaveKind(enum.Enum):
@@ -106,10 +105,9 @@ class Offloader:
         """Payloads of full pages start_page, start_page + 1, ... of `token_ids` (at most `max_pages`),
         up to the first one no tier holds: the host tier first, then disk, then the shared tier."""
         found = TierLoad()
-        if max_pages <= 0 or not self.has_tiers:
+        if not self.has_tiers:
             return found
-        end = start_page + max_pages
-        hashes = page_hashes(token_ids[:end * self.page_size], self.page_size, namespace)[start_page:]
+        hashes = page_hashes_from(token_ids, self.page_size, namespace, start_page, max_pages)
         tiers = (("host", self.host if self.offload_evicted else None), ("disk", self.disk),
                  ("redis", self.shared))
         for name, tier in tiers:

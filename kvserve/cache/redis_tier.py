@@ -46,7 +46,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvserve.cache.tier_auth import TierAuth, default_auth
-from kvserve.cache.tiers import TierChain
+from kvserve.cache.tiers import page_hashes_from
 
 log = logging.getLogger("kvserve.redis")
 
@@ -141,7 +141,7 @@ class RedisTier:
               max_pages: int) -> list[memoryview]:
         """Payloads of full pages start_page, start_page + 1, ... of `token_ids` (at most
         `max_pages`), up to the first one Redis does not hold (or holds damaged)."""
-        return TierChain(self.page_size, [self]).fetch(token_ids, namespace, start_page, max_pages)
+        return self.get_pages(page_hashes_from(token_ids, self.page_size, namespace, start_page, max_pages))
 
     def get_pages(self, hashes: list[bytes]) -> list[memoryview]:
         """Payloads of the leading run of `hashes` that Redis holds, valid."""

@@ -1,8 +1,8 @@
 """Tiers below the device page pool. `HostTier` keeps page payloads in CPU memory for two uses: swap
 (a preempted request's pages, pinned until it resumes) and offload (evicted prefix-cache pages by page
-hash, least recently used dropped first). `TierChain` is where an admitted request's pages after its
-local hit are looked for: the host tier first, then Redis. Payloads are opaque here: the engine makes
-and reads them."""
+hash, least recently used dropped first). `page_hashes_from` names the pages a tier is asked for after
+a local hit (cache/offload.py asks the host tier, disk, then Redis). Payloads are opaque here: the
+runner makes and reads them."""
 
 from __future__ import annotations
 
@@ -25,27 +25,14 @@ class Tier(Protocol):
         """Payloads of the leading run of `hashes` the store holds."""
 
 
-@dataclass
-class TierChain:
-    """Tiers asked in order, each for the pages the ones before it lacked."""
-
-    page_size: int
-    tiers: list[Tier]
-
-    def fetch(self, token_ids: Sequence[int], namespace: str, start_page: int,
-              max_pages: int) -> list[Any]:
-        """Payloads of full pages start_page, start_page + 1, ... of `token_ids` (at most
-        `max_pages`), up to the first one no source holds."""
-        if max_pages <= 0:
-            return []
-        end = start_page + max_pages
-        hashes = page_hashes(token_ids[:end * self.page_size], self.page_size, namespace)[start_page:]
-        found: list[Any] = []
-        for tier in self.tiers:
-            if len(found) == len(hashes):
-                break
-            found += tier.get_pages(hashes[len(found):])
-        return found
+def page_hashes_from(token_ids: Sequence[int], page_size: int, namespace: str, start_page: int,
+                    max_pages: int) -> list[bytes]:
+    """Chained hashes of the full pages start_page, start_page + 1, ... of `token_ids` (at most
+    `max_pages`): what a tier is asked for after a hit that ends at `start_page`."""
+    if max_pages <= 0:
+        return []
+    end = start_page + max_pages
+    return page_hashes(token_ids[:end * page_size], page_size, namespace)[start_page:]
 
 
 @dataclass(slots=True)

@@ -55,6 +55,10 @@ class AttentionMetadata:
     decode_mask: torch.Tensor  # [B, 1, 1, P * page_size] bool, True where position < context_len
     prefills: list[PrefillChunk]
     window: int | None = None  # sliding window: a query at position p sees keys at positions > p - window
+    # fast paths, found on the host once per step (None: not applicable)
+    decode_context: int | None = None  # one decode row: its context length (attend it unmasked)
+    decode_own_run: int | None = None  # one decode row whose own pages are consecutive: the first
+    decode_shared_run: int | None = None  # the shared pages are consecutive: the first
 
     @property
     def num_decode(self) -> int:
@@ -101,6 +105,9 @@ class AttentionMetadata:
         context_lens = (starts + lens)[decode_idx]  # [B]
         span = torch.arange(num_shared * page_size, decode_width * page_size, device=device)
         decode_mask = (span[None, :] < context_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+        single = len(decode) == 1 and not num_shared
+        own = block_tables[decode[0]][:decode_width] if single else []
+        shared = block_tables[decode[0]][:num_shared] if num_shared else []
 
         prefills = []
         rows = first_row.tolist()
@@ -114,7 +121,9 @@ class AttentionMetadata:
                 mask = ctx[None, :] <= (start + torch.arange(n, device=device))[:, None]
             prefills.append(PrefillChunk(rows[i], n, start, padded[i, : num_pages[i]], mask))
         return cls(page_size, positions, slot_mapping, first_row[decode_idx], decode_shared_pages,
-                   decode_block_tables, decode_mask, prefills)
+                   decode_block_tables, decode_mask, prefills,
+                   decode_context=start_positions[decode[0]] + 1 if single else None,
+                   decode_own_run=_run_start(own), decode_shared_run=_run_start(shared))
 
 
     def with_window(self, window: int) -> AttentionMetadata:
@@ -134,15 +143,27 @@ class AttentionMetadata:
             prefills.append(dataclasses.replace(c, mask=(ctx <= q_pos) & (ctx > q_pos - window)))
         return dataclasses.replace(
             self, decode_shared_pages=self.decode_shared_pages[:0], decode_block_tables=tables,
-            decode_mask=decode_mask, prefills=prefills, window=window)
+            decode_mask=decode_mask, prefills=prefills, window=window, decode_context=None,
+            decode_own_run=None, decode_shared_run=None)
+
+
+def _run_start(pages: list[int]) -> int | None:
+    """pages[0] when pages are consecutive ids (then they are one slice of the cache), else None."""
+    if not pages or pages[-1] - pages[0] != len(pages) - 1 or pages != list(range(pages[0], pages[-1] + 1)):
+        return None
+    return pages[0]
 
 
 # --- the two operations -------------------------------------------------------------------------
 
-def gather_pages(cache: PagedKV, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def gather_pages(cache: PagedKV, block_tables: torch.Tensor, dtype: torch.dtype,
+                 first: int | None = None) -> torch.Tensor:
     """block_tables [B, P] -> [B, P * page_size, kvh, hd] values; rotated as stored (a rotating
-    codec's queries and outputs are rotated to match in paged_attention)."""
+    codec's queries and outputs are rotated to match in paged_attention). `first`: the table is
+    the one run of pages first.. (B = 1), read as a view of the cache where the codec allows."""
     b, p = block_tables.shape
+    if first is not None:
+        return cache.read_run(first, p, dtype, rotated=True).view(1, p * cache.shape[1], *cache.shape[2:])
     return cache.read(block_tables, dtype, rotated=True).view(b, p * cache.shape[1], *cache.shape[2:])
 
 
@@ -164,24 +185,34 @@ def paged_attention(
     rotated = k_cache.codec.rotates
     if rotated:
         q = k_cache.codec.rotate_rows(q)
-    out = torch.empty_like(q)
-
     b = meta.num_decode
+    out = torch.empty_like(q) if b < q.shape[0] else None
     if b:
         # query head h uses KV head h // group, so the group becomes SDPA's query-length axis
-        qd = q.index_select(0, meta.decode_rows).view(b, kv_heads, group, head_dim)  # [B, kvh, G, hd]
-        kd = gather_pages(k_cache, meta.decode_block_tables, q.dtype)  # [B, L, kvh, hd]
-        vd = gather_pages(v_cache, meta.decode_block_tables, q.dtype)
+        if b == q.shape[0]:  # decode rows only: rows are in order
+            qd = q.reshape(b, kv_heads, group, head_dim)  # [B, kvh, G, hd]
+        else:
+            qd = q.index_select(0, meta.decode_rows).view(b, kv_heads, group, head_dim)
+        own_run = meta.decode_own_run
+        kd = gather_pages(k_cache, meta.decode_block_tables, q.dtype, own_run)  # [B, L, kvh, hd]
+        vd = gather_pages(v_cache, meta.decode_block_tables, q.dtype, own_run)
         shared = meta.decode_shared_pages
         if shared.numel():
-            ks = gather_pages(k_cache, shared[None], q.dtype)[0].transpose(0, 1)  # [kvh, S * ps, hd]
-            vs = gather_pages(v_cache, shared[None], q.dtype)[0].transpose(0, 1)
+            run = meta.decode_shared_run
+            ks = gather_pages(k_cache, shared[None], q.dtype, run)[0].transpose(0, 1)  # [kvh, S * ps, hd]
+            vs = gather_pages(v_cache, shared[None], q.dtype, run)[0].transpose(0, 1)
             o = _attend_shared_and_own(qd.permute(1, 2, 0, 3), ks, vs, None, kd, vd,
                                        meta.decode_mask[:, 0, 0]).permute(2, 0, 1, 3)  # [B, kvh, G, hd]
+        elif meta.decode_context is not None:  # one row: its context, unpadded, needs no mask
+            ctx = meta.decode_context
+            o = F.scaled_dot_product_attention(qd, kd[:, :ctx].transpose(1, 2), vd[:, :ctx].transpose(1, 2))
         else:
             o = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2),
                                                attn_mask=meta.decode_mask)  # [B, kvh, G, hd]
-        out.index_copy_(0, meta.decode_rows, o.reshape(b, num_heads, head_dim))
+        if b == q.shape[0]:  # no prefill rows to add
+            out = o.reshape(b, num_heads, head_dim)
+        else:
+            out.index_copy_(0, meta.decode_rows, o.reshape(b, num_heads, head_dim))
 
     for chunk, own in zip(meta.prefills, own_pages):
         n, ctx = chunk.num_tokens, chunk.context_len

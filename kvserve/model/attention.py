@@ -249,8 +249,10 @@ def _attend_shared_and_own(
     kv_heads, group, n, head_dim = q.shape
     length = k.shape[1]
     q = q * head_dim**-0.5
-    # the G query heads of a KV head as rows of one matmul (no broadcast copy of k per head)
-    shared = (q.reshape(kv_heads, group * n, head_dim) @ k.transpose(1, 2)).view(kv_heads, group, n, length)
+    # the G query heads of a KV head as columns of one matmul (no broadcast copy of k per head);
+    # k @ q^T reads k's rows where they are (q @ k^T would copy k transposed first)
+    shared = (k @ q.reshape(kv_heads, group * n, head_dim).transpose(1, 2)).transpose(1, 2)
+    shared = shared.view(kv_heads, group, n, length)
     if mask is not None:
         shared = shared.masked_fill(~mask, float("-inf"))
     own = torch.einsum("kgnd,nmkd->kgnm", q, k_own).masked_fill(~own_mask, float("-inf"))  # [kvh, G, n, M]

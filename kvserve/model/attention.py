@@ -57,8 +57,6 @@ class AttentionMetadata:
     window: int | None = None  # sliding window: a query at position p sees keys at positions > p - window
     # fast paths, found on the host once per step (None: not applicable)
     decode_context: int | None = None  # one decode row: its context length (attend it unmasked)
-    decode_own_run: int | None = None  # one decode row whose own pages are consecutive: the first
-    decode_shared_run: int | None = None  # the shared pages are consecutive: the first
 
     @property
     def num_decode(self) -> int:
@@ -106,8 +104,6 @@ class AttentionMetadata:
         span = torch.arange(num_shared * page_size, decode_width * page_size, device=device)
         decode_mask = (span[None, :] < context_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
         single = len(decode) == 1 and not num_shared
-        own = block_tables[decode[0]][:decode_width] if single else []
-        shared = block_tables[decode[0]][:num_shared] if num_shared else []
 
         prefills = []
         rows = first_row.tolist()
@@ -122,8 +118,7 @@ class AttentionMetadata:
             prefills.append(PrefillChunk(rows[i], n, start, padded[i, : num_pages[i]], mask))
         return cls(page_size, positions, slot_mapping, first_row[decode_idx], decode_shared_pages,
                    decode_block_tables, decode_mask, prefills,
-                   decode_context=start_positions[decode[0]] + 1 if single else None,
-                   decode_own_run=_run_start(own), decode_shared_run=_run_start(shared))
+                   decode_context=start_positions[decode[0]] + 1 if single else None)
 
 
     def with_window(self, window: int) -> AttentionMetadata:
@@ -143,27 +138,17 @@ class AttentionMetadata:
             prefills.append(dataclasses.replace(c, mask=(ctx <= q_pos) & (ctx > q_pos - window)))
         return dataclasses.replace(
             self, decode_shared_pages=self.decode_shared_pages[:0], decode_block_tables=tables,
-            decode_mask=decode_mask, prefills=prefills, window=window, decode_context=None,
-            decode_own_run=None, decode_shared_run=None)
-
-
-def _run_start(pages: list[int]) -> int | None:
-    """pages[0] when pages are consecutive ids (then they are one slice of the cache), else None."""
-    if not pages or pages[-1] - pages[0] != len(pages) - 1 or pages != list(range(pages[0], pages[-1] + 1)):
-        return None
-    return pages[0]
+            decode_mask=decode_mask, prefills=prefills, window=window, decode_context=None)
 
 
 # --- the two operations -------------------------------------------------------------------------
 
-def gather_pages(cache: PagedKV, block_tables: torch.Tensor, dtype: torch.dtype,
-                 first: int | None = None) -> torch.Tensor:
+def gather_pages(cache: PagedKV, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """block_tables [B, P] -> [B, P * page_size, kvh, hd] values; rotated as stored (a rotating
-    codec's queries and outputs are rotated to match in paged_attention). `first`: the table is
-    the one run of pages first.. (B = 1), read as a view of the cache where the codec allows."""
+    codec's queries and outputs are rotated to match in paged_attention). The copy is worth it even
+    where a view of the cache would do: attention over the fresh copy is faster than over the cache
+    in place (B = 1, bf16, 1.5k context: 0.32 against 0.46 ms a layer, docs/performance.md)."""
     b, p = block_tables.shape
-    if first is not None:
-        return cache.read_run(first, p, dtype, rotated=True).view(1, p * cache.shape[1], *cache.shape[2:])
     return cache.read(block_tables, dtype, rotated=True).view(b, p * cache.shape[1], *cache.shape[2:])
 
 
@@ -193,14 +178,12 @@ def paged_attention(
             qd = q.reshape(b, kv_heads, group, head_dim)  # [B, kvh, G, hd]
         else:
             qd = q.index_select(0, meta.decode_rows).view(b, kv_heads, group, head_dim)
-        own_run = meta.decode_own_run
-        kd = gather_pages(k_cache, meta.decode_block_tables, q.dtype, own_run)  # [B, L, kvh, hd]
-        vd = gather_pages(v_cache, meta.decode_block_tables, q.dtype, own_run)
+        kd = gather_pages(k_cache, meta.decode_block_tables, q.dtype)  # [B, L, kvh, hd]
+        vd = gather_pages(v_cache, meta.decode_block_tables, q.dtype)
         shared = meta.decode_shared_pages
         if shared.numel():
-            run = meta.decode_shared_run
-            ks = gather_pages(k_cache, shared[None], q.dtype, run)[0].transpose(0, 1)  # [kvh, S * ps, hd]
-            vs = gather_pages(v_cache, shared[None], q.dtype, run)[0].transpose(0, 1)
+            ks = gather_pages(k_cache, shared[None], q.dtype)[0].transpose(0, 1)  # [kvh, S * ps, hd]
+            vs = gather_pages(v_cache, shared[None], q.dtype)[0].transpose(0, 1)
             o = _attend_shared_and_own(qd.permute(1, 2, 0, 3), ks, vs, None, kd, vd,
                                        meta.decode_mask[:, 0, 0]).permute(2, 0, 1, 3)  # [B, kvh, G, hd]
         elif meta.decode_context is not None:  # one row: its context, unpadded, needs no mask

@@ -134,14 +134,6 @@ class KVCodec:
         out = out.to(dtype or self.compute_dtype)
         return out.view(*page_ids.shape, *out.shape[1:])
 
-    def read_run(self, cache: torch.Tensor, scales: torch.Tensor, first: int, count: int,
-                 dtype: torch.dtype | None = None, rotated: bool = False) -> torch.Tensor:
-        """`read` of the consecutive pages first..first+count-1: a view of the cache (no gather)
-        when the stored values are the values."""
-        if type(self).decode is KVCodec.decode and (rotated or not self.rotates):
-            return cache[first:first + count].to(dtype or self.compute_dtype)
-        return self.read(cache, scales, torch.arange(first, first + count, device=cache.device), dtype, rotated)
-
     def decode(self, stored: torch.Tensor, scales: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
         return stored
 
@@ -332,10 +324,6 @@ class PagedKV:
     def read(self, page_ids: torch.Tensor, dtype: torch.dtype | None = None,
              rotated: bool = False) -> torch.Tensor:
         return self.codec.read(self.data, self.scales, page_ids, dtype, rotated)
-
-    def read_run(self, first: int, count: int, dtype: torch.dtype | None = None,
-                 rotated: bool = False) -> torch.Tensor:
-        return self.codec.read_run(self.data, self.scales, first, count, dtype, rotated)
 
     def own_page_views(self, new_rows: torch.Tensor, start_pos: int, block_table: torch.Tensor,
                        ) -> torch.Tensor:

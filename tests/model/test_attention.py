@@ -72,13 +72,11 @@ def test_slot_mapping_and_positions():
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "fp8_e4m3", "int8", "int4"])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-@pytest.mark.parametrize("consecutive", [False, True])
-def test_outputs_do_not_depend_on_chunking(kv_dtype, page_size, consecutive):
+def test_outputs_do_not_depend_on_chunking(kv_dtype, page_size):
     """A sequence attended as one prefill, in uneven chunks (some ending mid-page), or one decode
     token at a time gives the same outputs with every KV dtype. int8/int4 pages share a scale that
     later tokens raise; each prefill query must see its own page as decode saw it, or recompute
-    after preemption would not reproduce what decode computed. Consecutive page ids: a lone decode
-    row reads its pages as one slice of the cache (AttentionMetadata.decode_own_run)."""
+    after preemption would not reproduce what decode computed."""
 
     gen = torch.Generator().manual_seed(page_size)
     n = 45
@@ -88,7 +86,7 @@ def test_outputs_do_not_depend_on_chunking(kv_dtype, page_size, consecutive):
     q = torch.randn(n, HEADS, HEAD_DIM, generator=gen)
     codec = codec_for(kv_dtype)
     pages = -(-n // page_size)
-    block_table = list(range(1, pages + 1)) if consecutive else list(range(pages, 0, -1))  # or reversed
+    block_table = list(range(pages, 0, -1))  # scattered, reversed page ids
 
     def run(chunks: list[int]) -> torch.Tensor:
         (kd, ks), (vd, vs) = (codec.make_cache(pages + 1, page_size, KV_HEADS, HEAD_DIM) for _ in "kv")
@@ -96,7 +94,6 @@ def test_outputs_do_not_depend_on_chunking(kv_dtype, page_size, consecutive):
         outs, start = [], 0
         for size in chunks:
             meta = AttentionMetadata.build([start], [size], [block_table], page_size)
-            assert (meta.decode_own_run == 1) == (consecutive and size == 1)
             rows = slice(start, start + size)
             outs.append(paged_attention(q[rows], k[rows], v[rows], k_cache, v_cache, meta))
             start += size
@@ -108,13 +105,10 @@ def test_outputs_do_not_depend_on_chunking(kv_dtype, page_size, consecutive):
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-@pytest.mark.parametrize("decode_only", [False, True])
-def test_decode_rows_sharing_leading_pages_match_dense_attention(page_size, decode_only):
+def test_decode_rows_sharing_leading_pages_match_dense_attention(page_size):
     """Decode rows whose block tables start with the same pages (a shared prompt, then each its own
     suffix) are attended with the shared pages read once; outputs equal dense attention, also for a
-    row whose context ends right after the shared pages and next to a prefill in the same step.
-    decode_only: no prefill in the step, and the shared pages are consecutive ids (read as one
-    slice of the cache)."""
+    row whose context ends right after the shared pages and next to a prefill in the same step."""
     gen = torch.Generator().manual_seed(100 + page_size)
     shared_len = 3 * page_size + (page_size > 1)  # the last shared-prefix page is partly shared
     suffixes = [5, 0, 17, 2 * page_size]
@@ -127,9 +121,6 @@ def test_decode_rows_sharing_leading_pages_match_dense_attention(page_size, deco
     prefix_k = torch.randn(shared_len, KV_HEADS, HEAD_DIM, generator=gen)
     prefix_v = torch.randn(shared_len, KV_HEADS, HEAD_DIM, generator=gen)
     shared_pages = [pages.pop() for _ in range(shared_len // page_size)]  # full pages only are shared
-    if decode_only:
-        pages = [p for p in pages if p > total_pages // 2]
-        shared_pages = list(range(1, shared_len // page_size + 1))
     rows = []
     for suffix in suffixes:
         ctx = shared_len + suffix + 1
@@ -143,17 +134,14 @@ def test_decode_rows_sharing_leading_pages_match_dense_attention(page_size, deco
     prompt_q = torch.randn(9, HEADS, HEAD_DIM, generator=gen)
     prompt_bt = [pages.pop() for _ in range(-(-9 // page_size))]
 
-    prompt = [] if decode_only else [0]
-    meta = AttentionMetadata.build([k.shape[0] - 1 for _, k, _, _ in rows] + prompt, [1] * len(rows) + [9] * len(prompt),
-                                   [bt for *_, bt in rows] + [prompt_bt] * len(prompt), page_size)
+    meta = AttentionMetadata.build([k.shape[0] - 1 for _, k, _, _ in rows] + [0], [1] * len(rows) + [9],
+                                   [bt for *_, bt in rows] + [prompt_bt], page_size)
     assert meta.decode_shared_pages.tolist() == shared_pages
-    assert (meta.decode_shared_run == 1) == decode_only
-    out = paged_attention(torch.cat([q for q, *_ in rows] + [prompt_q] * len(prompt)),
-                          torch.cat([k[-1:] for _, k, _, _ in rows] + [prompt_k] * len(prompt)),
-                          torch.cat([v[-1:] for _, _, v, _ in rows] + [prompt_v] * len(prompt)), k_cache, v_cache, meta)
+    out = paged_attention(torch.cat([q for q, *_ in rows] + [prompt_q]),
+                          torch.cat([k[-1:] for _, k, _, _ in rows] + [prompt_k]),
+                          torch.cat([v[-1:] for _, _, v, _ in rows] + [prompt_v]), k_cache, v_cache, meta)
     for i, (q, k, v, _) in enumerate(rows):
         torch.testing.assert_close(out[i:i + 1], dense_reference(q, k, v, k.shape[0] - 1),
                                    atol=1e-5, rtol=1e-5)
-    if not decode_only:
-        torch.testing.assert_close(out[len(rows):], dense_reference(prompt_q, prompt_k, prompt_v, 0),
-                                   atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[len(rows):], dense_reference(prompt_q, prompt_k, prompt_v, 0),
+                               atol=1e-5, rtol=1e-5)

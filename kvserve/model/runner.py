@@ -24,7 +24,6 @@ import torch
 
 from kvserve.config import CORPUS_PATH, KV_DTYPES, KVDtype, resolve_model_dtype
 from kvserve.model.attention import AttentionMetadata
-from kvserve.model.compiled import CompiledDecoder
 from kvserve.model.gguf_loader import LoadedModel
 from kvserve.model.kv_quant import PagedKV, codec_for, fp8_scale_for
 from kvserve.model.llama import LlamaModel
@@ -51,7 +50,7 @@ def build_model(loaded: LoadedModel, dtype: str, device: str) -> LlamaModel:
 class ModelRunner:
     def __init__(
         self, loaded: LoadedModel, num_pages: int, page_size: int, kv_dtype: KVDtype,
-        device: str = "cpu", dtype: str = "float32", fp8_scale: float = 1.0, compile: bool = False,
+        device: str = "cpu", dtype: str = "float32", fp8_scale: float = 1.0,
     ) -> None:
         dtype = resolve_model_dtype(dtype, device)  # ConfigError for an unknown name
         _configure_threads()
@@ -62,7 +61,6 @@ class ModelRunner:
         self.kv_dtype = kv_dtype
         self.device = torch.device(device)
         self.model = build_model(loaded, dtype, str(self.device))
-        self.compiled = CompiledDecoder(self.model) if compile else None
         # zeros, not empty: padded reads of the null page 0 must be finite (masked, but 0 * NaN = NaN)
         self.codec = codec_for(kv_dtype, self.model.dtype, fp8_scale=fp8_scale)
         self.kv, self.kv_scales = self.codec.make_cache(
@@ -101,9 +99,7 @@ class ModelRunner:
         rows = [i for i, s in enumerate(seqs) if s.need_sample]
         result: list[SampledToken | None] = [None] * len(seqs)
         with torch.inference_mode():
-            hidden = self.compiled(input_ids, self.kv_caches, meta) if self.compiled else None
-            if hidden is None:  # not compiled, or not a decode-only step
-                hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)  # [T, hidden]
+            hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)  # [T, hidden]
             if not rows:
                 return result
             last_rows = torch.tensor(query_lens, device=self.device).cumsum(0) - 1  # [S]

@@ -182,7 +182,6 @@ class EngineConfig:
     dtype: str = "auto"  # resolved on construction: config.dtype is always a concrete mode
     redis_url: str | None = None
     calculate_kv_scales: bool = False  # fp8 KV: per-tensor scale from a start-up calibration pass
-    compile: bool = False  # torch.compile the decoder for decode steps (kvserve/model/compiled.py)
     role: str = "both"  # both | prefill (compute prompts, publish their pages) | decode
     min_cacheable_tokens: int = 1024  # cache breakpoints on shorter prefixes get no lease
     max_leased_fraction: float = 0.5

@@ -31,9 +31,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--calculate-kv-scales", action="store_true",
                        help="fp8 KV cache: set the per-tensor scale from a calibration pass at start-up "
                             "(default: scale 1.0)")
-    group.add_argument("--compile", action="store_true",
-                       help="torch.compile (inductor) the decoder for decode steps; needs a C++ compiler "
-                            "(falls back to the eager model without one); the first steps compile")
     group.add_argument("--redis-url", default=None,
                        help="share KV pages with other instances through Redis, e.g. "
                             "redis://127.0.0.1:6379/0 (0.25 s timeouts; ?socket_timeout=0.1 to change)")
@@ -70,7 +67,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 preemption_mode=args.preemption_mode, swap_space=args.swap_space,
                 device=args.device, dtype=args.dtype, redis_url=getattr(args, "redis_url", None),
                 calculate_kv_scales=getattr(args, "calculate_kv_scales", False),
-                compile=getattr(args, "compile", False),
                 kv_disk_path=args.kv_disk_path, kv_disk_bytes=args.kv_disk_bytes,
                 kv_events_endpoint=args.kv_events_endpoint, min_cacheable_tokens=args.min_cacheable_tokens,
                 max_leased_fraction=args.max_leased_fraction, lease_ttl_scale=args.lease_ttl_scale,

@@ -8,9 +8,6 @@ gelu-tanh MLP, an embedding scale, and sliding-window layers with their own RoPE
 
 from __future__ import annotations
 
-import functools
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -103,9 +100,9 @@ class DecoderLayer(nn.Module):
         self.down = wb.linear([f"{mlp}.down_proj.weight"])
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attend: Callable[..., torch.Tensor],
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
+        v_cache: torch.Tensor, meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """attend(q, k, v) -> [T, H, hd]: paged attention over this layer's cache."""
         t = x.shape[0]
         qkv = self.qkv(self.input_norm(x))  # [T, (H + 2 KVH) * hd]
         h_q, h_kv, hd = self.num_heads, self.num_kv_heads, self.head_dim
@@ -119,7 +116,7 @@ class DecoderLayer(nn.Module):
         if self.q_scale != 1.0:
             q = q * self.q_scale
         v = qkv[:, (h_q + h_kv) * hd :].view(t, h_kv, hd)
-        attn = attend(q, k, v)  # [T, H, hd]
+        attn = paged_attention(q, k, v, k_cache, v_cache, meta)  # [T, H, hd]
         o = self.o_proj(attn.reshape(t, q_size))  # [T, hidden]
         h = x + (o if self.attn_out_norm is None else self.attn_out_norm(o))
 
@@ -159,28 +156,21 @@ class LlamaModel(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None, meta: AttentionMetadata | None,
-        attend: Callable[..., torch.Tensor] | None = None,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """input_ids [T], positions [T] -> final hidden states [T, hidden]. `attend(layer, q, k, v)`,
-        when given, stands in for paged attention over kv_caches (kvserve/model/compiled.py)."""
-        if attend is None:
-            metas = self.layer_metadata(meta)
-            def attend(i, q, k, v):  # noqa: E306
-                return paged_attention(q, k, v, *kv_caches[i], metas[i])
+        """input_ids [T], positions [T] -> final hidden states [T, hidden]."""
         x = self.embed(input_ids)  # [T, hidden]
         if self.config.embedding_scale != 1.0:  # HF multiplies by the scale cast to the model dtype
             x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
         rope = self.rope(positions)
         local_rope = self.local_rope(positions) if self.local_rope is not None else rope
-        for i, (layer, window) in enumerate(zip(self.layers, self.windows)):
-            x = layer(x, rope if window is None else local_rope, functools.partial(attend, i))
+        windowed = {w: meta.with_window(w) for w in set(self.windows) if w is not None}  # once per step
+        for layer, window, (k_cache, v_cache) in zip(self.layers, self.windows, kv_caches):
+            if window is None:
+                x = layer(x, rope, k_cache, v_cache, meta)
+            else:
+                x = layer(x, local_rope, k_cache, v_cache, windowed[window])
         return self.norm(x)
-
-    def layer_metadata(self, meta: AttentionMetadata) -> list[AttentionMetadata]:
-        """Each layer's view of the step: sliding-window layers get their masks (built once per step)."""
-        windowed = {w: meta.with_window(w) for w in set(self.windows) if w is not None}
-        return [meta if w is None else windowed[w] for w in self.windows]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in float32."""

@@ -311,21 +311,30 @@ def window_slots_needed(config: EngineConfig, window: int) -> int:
     return config.max_num_seqs * per_seq + -(-config.max_num_batched_tokens // config.page_size)
 
 
-def plan_cache(config: EngineConfig, model: ModelConfig) -> tuple[CacheConfig, int]:
-    """Page count from the memory budget, and the start-up capacity check. Returns (cache config,
-    max_model_len). With the hybrid allocator the window pool gets what window_slots_needed asks
-    (never more pages than the main pool) and the main pool, for full-attention layers, the rest."""
-    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, config.dtype)
-    memory = parse_bytes(config.kv_cache_memory)
-    layer_page = kv_bytes_per_page(1, model.num_kv_heads, model.head_dim, config.page_size, kv_dtype)
-    num_windowed = model.num_window_layers if uses_hybrid_kv(config, model) else 0
+def split_kv_budget(memory: int, model: ModelConfig, page_size: int, kv_dtype: KVDtype,
+                    window_slots: int) -> tuple[int, int, int]:
+    """(main pool pages, window pool pages, bytes of one main page) in `memory` bytes. With
+    window_slots > 0 (hybrid allocator) the window pool gets that many pages (and the null page),
+    never more than the main pool, and the main pool, for full-attention layers, the rest."""
+    layer_page = kv_bytes_per_page(1, model.num_kv_heads, model.head_dim, page_size, kv_dtype)
+    num_windowed = model.num_window_layers if window_slots else 0
     num_full = model.num_layers - num_windowed
     num_pages = memory // (layer_page * model.num_layers)  # page 0, the null page, is inside the budget
     num_slots = 0
     if num_windowed:
-        num_slots = min(num_pages, window_slots_needed(config, model.sliding_window) + 1)  # + null page
+        num_slots = min(num_pages, window_slots + 1)
         num_pages = (memory - num_slots * num_windowed * layer_page) // (num_full * layer_page)
-    page_bytes = layer_page * num_full
+    return num_pages, num_slots, layer_page * num_full
+
+
+def plan_cache(config: EngineConfig, model: ModelConfig) -> tuple[CacheConfig, int]:
+    """Page count from the memory budget, and the start-up capacity check (split_kv_budget with the
+    hybrid allocator). Returns (cache config, max_model_len)."""
+    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, config.dtype)
+    memory = parse_bytes(config.kv_cache_memory)
+    hybrid = uses_hybrid_kv(config, model)
+    wanted = window_slots_needed(config, model.sliding_window) if hybrid else 0
+    num_pages, num_slots, page_bytes = split_kv_budget(memory, model, config.page_size, kv_dtype, wanted)
     pool_tokens = pool_tokens_for(num_pages * page_bytes, page_bytes, config.page_size)
     max_model_len = config.max_model_len or model.max_position_embeddings
     if max_model_len > model.max_position_embeddings:
@@ -335,12 +344,12 @@ def plan_cache(config: EngineConfig, model: ModelConfig) -> tuple[CacheConfig, i
         raise ConfigError(capacity_error_message(max_model_len, pool_tokens, memory,
                                                  page_bytes / config.page_size))
     one_seq = window_slots_needed(dataclasses.replace(config, max_num_seqs=1), model.sliding_window or 1)
-    if num_windowed and num_slots - 1 < min(one_seq, -(-max_model_len // config.page_size)):
+    if hybrid and num_slots - 1 < min(one_seq, -(-max_model_len // config.page_size)):
         raise ConfigError(f"--kv-cache-memory {format_bytes(memory)} leaves the sliding-window layers "
                           f"{num_slots - 1} pages; one sequence needs {one_seq}: raise --kv-cache-memory")
     cache = CacheConfig(page_size=config.page_size, num_pages=num_pages, kv_dtype=kv_dtype,
                         prefix_cache=PrefixCachePolicy(config.prefix_cache),
                         max_leased_fraction=config.max_leased_fraction,
                         tenant_kv_share=config.tenant_kv_share, num_window_slots=num_slots,
-                        sliding_window=model.sliding_window if num_windowed else None)
+                        sliding_window=model.sliding_window if hybrid else None)
     return cache, max_model_len

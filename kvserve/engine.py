@@ -245,6 +245,15 @@ class LLMEngine:
     def release_lease(self, tenant: str, lease_id: str) -> bool:
         return self.lease_info(tenant, lease_id) is not None and self.manager.leases.release(lease_id)
 
+    @staticmethod
+    def _window_stats(window: dict[str, int] | None) -> dict[str, float]:
+        """The window pool's gauges (hybrid allocator), zeros without one."""
+        if window is None:
+            return {"window_num_pages_total": 0, "window_num_pages_free": 0, "window_kv_cache_usage_perc": 0.0}
+        return {"window_num_pages_total": window["num_pages_total"],
+                "window_num_pages_free": window["num_pages_free"],
+                "window_kv_cache_usage_perc": window["num_pages_used"] / window["num_pages_total"]}
+
     def _kv_bytes_used(self, stats: dict[str, Any]) -> int:
         """Bytes of the pages running requests hold, in both pools (config.kv_bytes_for_tokens)."""
         window = stats["window_pool"]
@@ -273,6 +282,7 @@ class LLMEngine:
             kv_fp8_scale=self.fp8_scale,
             kv_cache_bytes=self.runner.kv_cache_bytes(),
             kv_bytes_used=self._kv_bytes_used(stats),
+            **self._window_stats(stats["window_pool"]),
             max_model_len=self.max_model_len,
             pool_tokens=(self.cache_config.num_pages - 1) * self.config.page_size,
         )

@@ -315,8 +315,12 @@ class KVCacheManager(TierMoves):
                 below_min_cacheable: int | None = None) -> CacheExplanation:
         """Why the request admitted with `hit` computed what it did (cache/explain.py)."""
         recent = [p for ns, p in list(self.recent_prompts)[:-1] if ns == namespace]  # (the last: this one)
+        matched = 0
+        if self.window is not None and self.index is not None:  # what the window pool cut off
+            matched = min(self.index.match(list(token_ids), namespace)[1], len(token_ids) - 1)
+            matched -= matched % self.page_size
         return explain(token_ids, namespace, hit, self.page_size, self.history,
-                       set(self.leases.page_refs()), self.clock(), below_min_cacheable, recent)
+                       set(self.leases.page_refs()), self.clock(), below_min_cacheable, recent, matched)
 
     def make_room(self) -> bool:
         """Break the lease closest to expiry; False when there is none (nothing else can free pages)."""

@@ -10,6 +10,7 @@ import pytest
 
 from kvserve import SamplingParams
 from kvserve.config import KV_DTYPES, kv_bytes_for_tokens
+from kvserve.metrics import EngineMetrics
 from tests.conftest import make_llm
 from tests.model.test_architectures import reference
 from tests.model.tiny_models import VOCAB, make_hf_model, write_gguf
@@ -88,6 +89,31 @@ def test_sliding_layers_hold_only_their_window(gemma):
     kv_dtype = KV_DTYPES[engine.cache_config.kv_dtype.name]
     assert stats["kv_bytes_used"] == kv_bytes_for_tokens(cfg, kv_dtype, num_tokens, 4)
     assert stats["kv_bytes_used"] < kv_bytes_for_tokens(cfg, kv_dtype, num_tokens, 4, hybrid=False) / 2
+    metrics = EngineMetrics("tiny")
+    metrics.observe(stats)
+    text = metrics.render().decode()
+    usage = stats["window_kv_cache_usage_perc"]
+    assert usage == 3 / stats["window_num_pages_total"] > 0
+    assert f'kvserve:window_kv_cache_usage_perc{{model_name="tiny"}} {usage}' in text
+    assert f'kvserve:kv_cache_used_bytes{{model_name="tiny"}} {float(stats["kv_bytes_used"])}' in text
     while engine.has_unfinished():
         engine.step()
     assert engine.stats()["window_pool"]["num_pages_used"] == 0
+
+
+def test_a_window_cut_hit_is_explained(gemma):
+    """kv_explain names the window pool when it, not the main pool, cut the hit short."""
+    _, path = gemma
+    rng = random.Random(11)
+    first, other = ([rng.randrange(3, VOCAB) for _ in range(48)] for _ in range(2))
+    llm = make_llm(model=path, page_size=4, kv_cache_memory="4MiB", max_num_batched_tokens=8,
+                   max_num_seqs=1)
+    llm.generate([first, other], GREEDY)
+    engine = llm.engine
+    engine.add_request(first, GREEDY, kv_explain=True)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    explanation = outputs[-1].kv_cache
+    assert explanation["reason"] == "window_evicted", explanation
+    assert explanation["cached_tokens"] < 44

@@ -3,7 +3,8 @@ sends each request where its prompt's pages already are.
 
     client -> router: /tokenize on a backend -> page hashes (cache/hashing.py, the request's namespace)
                       -> rank backends (router_index.rank: cached prefix vs load) -> the best one
-                      (connection lost before the answer starts: mark it down, try the next)
+                      (connection lost: mark it down, try the next; a stream broken mid-answer is
+                      resumed on the next, router_stream.py)
     backend KV events (ZMQ, vLLM's schema) -> KVEventSubscriber -> BackendState.pages
     every poll interval: /health, /metrics (running, waiting, KV usage), /v1/kv_events_endpoint
 
@@ -25,8 +26,16 @@ from typing import Any
 from kvserve.cache.events import KVEventSubscriber, external_hash
 from kvserve.cache.hashing import page_hashes
 from kvserve.server.proxy import base_url, prefill_body
-from kvserve.server.router_index import (BackendState, Weights, anthropic_to_chat, events_address,
-                                         parse_load, rank, request_namespace)
+from kvserve.server.router_index import (
+    BackendState,
+    Ticket,
+    Weights,
+    events_address,
+    parse_load,
+    rank,
+    request_namespace,
+    tokenize_request,
+)
 from kvserve.server.router_metrics import RouterMetrics, reported_cached_tokens
 
 log = logging.getLogger("kvserve.router")
@@ -84,7 +93,8 @@ class Router:
         described = [b for b in self.backends if b.healthy and b.page_size]
         if self.policy != "kv" or not described or not isinstance(body, dict):
             return {}
-        source = described[self._turn % len(described)]
+        turn = self._turn % len(described)  # the least busy backend tokenizes, ties in turn
+        source = min(described[turn:] + described[:turn], key=lambda b: (b.backlog, b.load))
         token_ids = await self._token_ids(source, path, body, headers)
         if token_ids is None:
             return {}
@@ -96,24 +106,9 @@ class Router:
 
     async def _token_ids(self, source: BackendState, path: str, body: dict,
                          headers: dict[str, str]) -> list[int] | None:
-        if path == "/v1/completions":
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-                prompt = prompt[0]  # several prompts: route by the first
-            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                return prompt
-            request = ({"prompt": prompt, "add_special_tokens": False} if isinstance(prompt, str)
-                       else None)
-        elif path == "/v1/chat/completions":
-            request = {"messages": body.get("messages"), "add_generation_prompt": True,
-                       "add_special_tokens": False}
-        else:
-            messages = anthropic_to_chat(body)
-            request = None if messages is None else {"messages": messages,
-                                                     "add_generation_prompt": True,
-                                                     "add_special_tokens": False}
-        if request is None:
-            return None
+        request = tokenize_request(path, body)
+        if request is None or isinstance(request, list):
+            return request  # not a text prompt / already token ids
         try:
             response = await self.client.post(source.url + "/tokenize", json=request,
                                               headers=headers, timeout=10.0)
@@ -125,6 +120,35 @@ class Router:
             self.metrics.tokenize_failures.inc()
             return None
         return tokens
+
+    async def send(self, path: str, content: bytes, headers: dict[str, str],
+                   hashes: dict[str, list], tried: set[str]) -> tuple[Ticket, Any, str, int] | str:
+        """The request sent to the best backend not in `tried` (added to it) that takes it: its
+        ticket, the response (status and headers read, body streamed), the decision's reason and
+        the predicted cached pages; or why no backend took it. A backend that fails is marked down."""
+        import httpx
+
+        last_error = "no backend"
+        for b, matched, reason in self.candidates(hashes):
+            if b.url in tried:
+                continue
+            if tried:
+                self.metrics.retries.inc()
+            tried.add(b.url)
+            ticket = b.admit(hashes.get(b.hash_format, []) if b.page_size else [], matched)
+            try:
+                response = await self.client.send(
+                    self.client.build_request("POST", b.url + path, content=content,
+                                              headers=headers), stream=True)
+                if response.status_code in RETRY_STATUSES:
+                    await response.aclose()
+                    raise httpx.HTTPError(f"answered {response.status_code}")
+                return ticket, response, reason, matched
+            except httpx.HTTPError as err:
+                ticket.release()
+                last_error = f"{b.url}: {err or type(err).__name__}"
+                self.mark_down(b, last_error)
+        return last_error
 
     # -- health, load and events ------------------------------------------------------------------
     async def poll_forever(self) -> None:
@@ -139,9 +163,9 @@ class Router:
                 raise ConnectionError(f"/health answered {health.status_code}")
             metrics = await self.client.get(b.url + "/metrics", timeout=2.0)
             load = parse_load(metrics.text)
-            b.num_running = int(load.get("num_requests_running", 0))
-            b.num_waiting = int(load.get("num_requests_waiting", 0))
-            b.kv_usage = float(load.get("kv_cache_usage_perc", 0.0))
+            b.observe_load(int(load.get("num_requests_running", 0)),
+                           int(load.get("num_requests_waiting", 0)),
+                           float(load.get("kv_cache_usage_perc", 0.0)))
             if not b.healthy:
                 log.info("backend %s is up", b.url)
             b.healthy = True
@@ -208,6 +232,12 @@ def build_router_app(backend_urls: list[str], *, policy: str = "kv",
     from starlette.background import BackgroundTask
 
     from kvserve.server.protocol import error_body
+    from kvserve.server.router_stream import (
+        Attempt,
+        ResumingRelay,
+        Transcript,
+        with_seed,
+    )
 
     router = Router(backend_urls, policy, weights, poll_interval_s)
     prefills = [base_url(u) for u in prefill_urls or []]
@@ -254,48 +284,51 @@ def build_router_app(backend_urls: list[str], *, policy: str = "kv",
             body = None  # a backend answers with the right 400
         hashes = await router.prompt_hashes(path, body, headers)
         await prefill(path, body, headers)
-        last_error = "no backend"
-        for attempt, (b, matched, reason) in enumerate(router.candidates(hashes)):
-            if attempt:
-                router.metrics.retries.inc()
-            b.in_flight += 1
-            released = False
+        seeded = with_seed(path, body)
+        if seeded is not None:
+            content = json.dumps(seeded).encode()
+        tried: set[str] = set()
+        while True:
+            sent = await router.send(path, content, headers, hashes, tried)
+            if isinstance(sent, str):
+                return JSONResponse(error_body(f"no backend could answer ({sent})", "server_error"),
+                                    502)
+            ticket, response, reason, matched = sent
+            b, predicted = ticket.backend, matched * (ticket.backend.page_size or 0)
+            kind = response.headers.get("content-type", "application/json")
+            if kind.startswith("text/event-stream"):
+                break
             try:
-                response = await router.client.send(
-                    router.client.build_request("POST", b.url + path, content=content,
-                                                headers=headers), stream=True)
-                if response.status_code in RETRY_STATUSES:
-                    await response.aclose()
-                    raise httpx.HTTPError(f"answered {response.status_code}")
-                kind = response.headers.get("content-type", "application/json")
-                predicted = matched * (b.page_size or 0)
-                if not kind.startswith("text/event-stream"):
-                    data = await response.aread()
-                    await response.aclose()
-                    router.metrics.decided(b.url, reason, predicted)
-                    router.metrics.reported(predicted, reported_cached_tokens(data))
-                    return Response(data, response.status_code, media_type=kind)
-                # wait for the first bytes (the first token): a backend dying before that is retried
-                chunks = response.aiter_raw()
-                try:
-                    first = await chunks.__anext__()
-                except BaseException:
-                    await response.aclose()
-                    raise
-                router.metrics.decided(b.url, reason, predicted)
-                released = True
-                relay = _Relay(response, b, router.metrics, predicted)
-                return StreamingResponse(
-                    relay.chunks(first, chunks), response.status_code, media_type=kind,
-                    headers={"Cache-Control": "no-cache"}, background=BackgroundTask(relay.finish))
-            except (httpx.HTTPError, StopAsyncIteration) as err:
-                last_error = f"{b.url}: {err or type(err).__name__}"
-                router.mark_down(b, last_error)
+                data = await response.aread()
+            except httpx.HTTPError as err:  # died before its whole answer came: try another
+                router.mark_down(b, f"{b.url}: {err or type(err).__name__}")
+                continue
             finally:
-                if not released:
-                    b.in_flight -= 1
-        return JSONResponse(error_body(f"no backend could answer ({last_error})", "server_error"),
-                            502)
+                ticket.release()
+                await response.aclose()
+            router.metrics.decided(b.url, reason, predicted)
+            router.metrics.reported(predicted, reported_cached_tokens(data))
+            return Response(data, response.status_code, media_type=kind)
+        router.metrics.decided(b.url, reason, predicted)
+
+        async def reopen(tried: set[str]) -> Attempt | None:
+            while not isinstance(sent := await router.send(path, content, headers, hashes, tried),
+                                 str):
+                ticket, response, _, matched = sent
+                kind = response.headers.get("content-type", "")
+                if response.status_code == 200 and kind.startswith("text/event-stream"):
+                    return Attempt(ticket, response, matched * (ticket.backend.page_size or 0))
+                ticket.release()
+                await response.aclose()
+            return None
+
+        relay = ResumingRelay(Transcript(anthropic=path == "/v1/messages",
+                                         chat=path == "/v1/chat/completions"),
+                              Attempt(ticket, response, predicted), reopen, router.mark_down,
+                              router.metrics)
+        return StreamingResponse(relay.body(), response.status_code, media_type=kind,
+                                 headers={"Cache-Control": "no-cache"},
+                                 background=BackgroundTask(relay.finish))
 
     @app.post("/v1/completions")
     async def completions(raw: Request):
@@ -341,30 +374,6 @@ def build_router_app(backend_urls: list[str], *, policy: str = "kv",
                 for b in router.backends]
 
     return app
-
-
-class _Relay:
-    """An SSE stream passed through; `finish` (the response's background task, which runs even when
-    the client left before the stream started) closes the backend's answer, releases the backend's
-    in-flight slot and reads the usage from the stream's last chunks."""
-
-    def __init__(self, response, backend: BackendState, metrics: RouterMetrics,
-                 predicted: int) -> None:
-        self.response, self.backend, self.metrics, self.predicted = (response, backend, metrics,
-                                                                     predicted)
-        self.tail = b""
-
-    async def chunks(self, first: bytes, rest):
-        self.tail = first[-65536:]
-        yield first
-        async for chunk in rest:
-            self.tail = (self.tail + chunk)[-65536:]
-            yield chunk
-
-    async def finish(self) -> None:
-        self.backend.in_flight -= 1
-        await self.response.aclose()
-        self.metrics.reported(self.predicted, reported_cached_tokens(self.tail, sse=True))
 
 
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:

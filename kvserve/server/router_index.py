@@ -16,9 +16,10 @@ llm-d's routers weigh overlap against load; `kv_usage_b` in 0..1 is how full b's
 full pool must evict to take new pages). With nothing cached the least-loaded backend wins.
 
 m_b counts a page b announced in its events, or one of a prompt the router sent to b that is still
-in flight or finished less than `predict_grace_s` ago: its events may not have arrived yet, and a
+in flight or finished less than PREDICT_GRACE_S ago: its events may not have arrived yet, and a
 request with the same prefix routed meanwhile belongs there too (llm-d's and Dynamo's "approximate"
-index). Ties go to the backend after the last one chosen (round robin).
+index). Ties go to the backend holding more of the prompt, then to the one after the last one
+chosen (round robin).
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ class Weights:
     decode: float = 2.0  # pages of prefill that one decoding request's share of each step is worth
     unknown: float = 0.5  # share of this prompt each request of unknown size is priced at
     kv_usage: float = 0.25
-    predict_grace_s: float = PREDICT_GRACE_S
 
 
 @dataclass(slots=True)
@@ -178,7 +178,8 @@ class Choice:
 
 def rank(backends: list[BackendState], hashes: list[WireHash], weights: Weights = Weights(),
          start: int = 0) -> list[Choice]:
-    """Backends by cost, best first; equal costs in order from index `start` on (round robin)."""
+    """Backends by cost, best first; at equal cost the one holding more of the prompt (a request
+    queued behind its own prefix's prefill reuses it), then in order from index `start` on."""
     num_pages = max(len(hashes), 1)
     now = time.monotonic()
     n = len(backends)
@@ -188,8 +189,8 @@ def rank(backends: list[BackendState], hashes: list[WireHash], weights: Weights 
         matched = b.matched_pages(hashes, now) if hashes else 0
         cost = ((num_pages - matched) + b.backlog + weights.decode * b.decoding
                 + num_pages * (weights.unknown * b.others + weights.kv_usage * b.kv_usage))
-        choices.append((cost, offset, Choice(b, matched, cost)))
-    return [c for _, _, c in sorted(choices, key=lambda t: (t[0], t[1]))]
+        choices.append((cost, -matched, offset, Choice(b, matched, cost)))
+    return [c[-1] for c in sorted(choices, key=lambda t: t[:3])]
 
 
 def key_namespace(api_key: str) -> str:

@@ -26,16 +26,8 @@ from typing import Any
 from kvserve.cache.events import KVEventSubscriber, external_hash
 from kvserve.cache.hashing import page_hashes
 from kvserve.server.proxy import base_url, prefill_body
-from kvserve.server.router_index import (
-    BackendState,
-    Ticket,
-    Weights,
-    events_address,
-    parse_load,
-    rank,
-    request_namespace,
-    tokenize_request,
-)
+from kvserve.server.router_index import (BackendState, Ticket, Weights, events_address, parse_load,
+                                         rank, request_namespace, tokenize_request)
 from kvserve.server.router_metrics import RouterMetrics, reported_cached_tokens
 
 log = logging.getLogger("kvserve.router")
@@ -232,12 +224,7 @@ def build_router_app(backend_urls: list[str], *, policy: str = "kv",
     from starlette.background import BackgroundTask
 
     from kvserve.server.protocol import error_body
-    from kvserve.server.router_stream import (
-        Attempt,
-        ResumingRelay,
-        Transcript,
-        with_seed,
-    )
+    from kvserve.server.router_stream import Attempt, ResumingRelay, Transcript, with_seed
 
     router = Router(backend_urls, policy, weights, poll_interval_s)
     prefills = [base_url(u) for u in prefill_urls or []]

@@ -35,6 +35,7 @@ log = logging.getLogger("kvserve.router")
 FORWARDED_HEADERS = ("authorization", "content-type", "accept", "x-api-key", "anthropic-version",
                      "anthropic-beta")
 RETRY_STATUSES = (502, 503, 504)  # the backend is going down or its engine died: try another
+POLL_TIMEOUTS_DOWN = 3  # health checks timing out in a row that mark a backend down
 
 
 class Router:
@@ -163,8 +164,12 @@ class Router:
             b.healthy = True
             if self.policy == "kv" and b.url not in self.subscribers:
                 await self.follow_events(b)
+            b.poll_timeouts = 0
         except Exception as err:  # down, hung, or not a kvserve
-            self.mark_down(b, str(err))
+            # a slow answer may be a busy backend: its index stays until several in a row
+            b.poll_timeouts += type(err).__name__.endswith("Timeout")
+            if not type(err).__name__.endswith("Timeout") or b.poll_timeouts >= POLL_TIMEOUTS_DOWN:
+                self.mark_down(b, f"{type(err).__name__}: {err}")
         self.metrics.observe_backend(b)
 
     async def follow_events(self, b: BackendState) -> None:

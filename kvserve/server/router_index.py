@@ -66,6 +66,7 @@ class BackendState:
     hash_format: str = "int"
     namespace_by_api_key: bool = False
     epoch: int = 0  # bumped when the backend is marked down: older subscriptions are void
+    poll_timeouts: int = 0  # health checks timed out in a row
     pages: dict[WireHash, set[str]] = field(default_factory=dict)  # page hash -> media holding it
     predicted: dict[WireHash, Prediction] = field(default_factory=dict)  # (event loop only)
     purged_at: float = 0.0

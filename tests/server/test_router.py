@@ -229,6 +229,44 @@ def test_round_robin_takes_turns_over_healthy_backends():
         Router([], "kv")
 
 
+def test_a_backend_slow_to_answer_its_health_check_keeps_its_index_for_a_while():
+    """A health check timing out may be a busy backend: its pages stay indexed until three in a row
+    time out; a refused connection marks it down at once."""
+    import asyncio
+    import socket
+
+    import httpx
+
+    from kvserve.server.router import POLL_TIMEOUTS_DOWN
+
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(8)  # never accepts: a request to it waits for its answer until the timeout
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
+    urls = [f"http://127.0.0.1:{s.getsockname()[1]}" for s in (hung, closed)]
+    router = Router(urls, "kv")
+    busy, dead = router.backends
+    for b in router.backends:
+        b.healthy, b.pages = True, {1: {"pool"}}
+
+    async def polls(n: int) -> None:
+        async with httpx.AsyncClient() as client:
+            router.client = client
+            for _ in range(n):
+                await asyncio.gather(router.poll(busy), router.poll(dead))
+
+    try:
+        asyncio.run(polls(POLL_TIMEOUTS_DOWN - 1))
+        assert busy.healthy and busy.pages and busy.poll_timeouts == POLL_TIMEOUTS_DOWN - 1
+        assert not dead.healthy and not dead.pages
+        asyncio.run(polls(1))
+        assert not busy.healthy and not busy.pages
+    finally:
+        hung.close()
+        closed.close()
+
+
 # -- real processes ---------------------------------------------------------------------------------
 ENGINE = ["--kv-cache-memory", "64MiB", "--max-model-len", "512", "--max-num-seqs", "4",
           "--log-level", "warning"]

@@ -133,3 +133,4 @@ def test_only_sampled_openai_streams_without_a_seed_get_one():
     assert with_seed("/v1/completions", {"stream": True, "seed": 5}) is None
     assert with_seed("/v1/completions", {"stream": False}) is None
     assert with_seed("/v1/messages", {"stream": True}) is None  # no seed in Anthropic's API
+

@@ -26,8 +26,8 @@ from typing import Any
 from kvserve.cache.events import KVEventSubscriber, external_hash
 from kvserve.cache.hashing import page_hashes
 from kvserve.server.proxy import base_url, prefill_body
-from kvserve.server.router_index import (BackendState, Ticket, Weights, events_address, parse_load,
-                                         rank, request_namespace, tokenize_request)
+from kvserve.server.router_index import (BackendState, Ticket, Weights, bearer, events_address,
+                                         parse_load, rank, request_namespace, tokenize_request)
 from kvserve.server.router_metrics import RouterMetrics, reported_cached_tokens
 
 log = logging.getLogger("kvserve.router")
@@ -91,7 +91,7 @@ class Router:
         token_ids = await self._token_ids(source, path, body, headers)
         if token_ids is None:
             return {}
-        api_key = _bearer(headers) or headers.get("x-api-key")
+        api_key = bearer(headers) or headers.get("x-api-key")
         namespace = request_namespace(api_key, body.get("cache_salt"), source.namespace_by_api_key)
         raw = page_hashes(token_ids, source.page_size, namespace)
         return {fmt: [external_hash(h, fmt) for h in raw]
@@ -137,8 +137,10 @@ class Router:
                     await response.aclose()
                     raise httpx.HTTPError(f"answered {response.status_code}")
                 return ticket, response, reason, matched
-            except httpx.HTTPError as err:
+            except BaseException as err:
                 ticket.release()
+                if not isinstance(err, httpx.HTTPError):
+                    raise  # (a client gone: cancelled)
                 last_error = f"{b.url}: {err or type(err).__name__}"
                 self.mark_down(b, last_error)
         return last_error
@@ -212,11 +214,6 @@ class Router:
         for subscriber in self.subscribers.values():
             subscriber.close()
         self.subscribers.clear()
-
-
-def _bearer(headers: dict[str, str]) -> str | None:
-    scheme, _, token = headers.get("authorization", "").partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
 def build_router_app(backend_urls: list[str], *, policy: str = "kv",
@@ -362,7 +359,8 @@ def build_router_app(backend_urls: list[str], *, policy: str = "kv",
     async def backends():
         return [{"url": b.url, "healthy": b.healthy, "num_requests_running": b.num_running,
                  "num_requests_waiting": b.num_waiting, "kv_cache_usage_perc": b.kv_usage,
-                 "in_flight": b.in_flight, "page_size": b.page_size, "index_pages": len(b.pages)}
+                 "in_flight": b.in_flight, "backlog_pages": b.backlog, "page_size": b.page_size,
+                 "index_pages": len(b.pages)}
                 for b in router.backends]
 
     return app

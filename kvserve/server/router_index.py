@@ -208,6 +208,12 @@ def request_namespace(api_key: str | None, cache_salt: str | None,
     return f"{key_ns}\x00{salt}" if key_ns else salt
 
 
+def bearer(headers: dict[str, str]) -> str | None:
+    """The API key of an `Authorization: Bearer` header."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
 _METRIC = re.compile(r"^kvserve:(\w+?)(?:_total)?(?:\{[^}]*\})?\s+(\S+)$")
 
 

@@ -75,6 +75,8 @@ class Router:
             for fmt, members in ranked_by_hash.items():
                 scored += rank(members, hashes.get(fmt, []), self.weights, start)
             scored.sort(key=lambda c: c.cost)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("route: %s", [(c.backend.url, c.matched_pages, c.cost) for c in scored])
             for c in scored:
                 choices.append((c.backend, c.matched_pages,
                                 "prefix" if c.matched_pages else "least_loaded"))

@@ -5,10 +5,14 @@ is, and the score that picks a backend.
 Score (lower is better, in pages of prefill), for a prompt of P full pages of which backend b holds
 the first m_b:
 
-    cost_b = (P - m_b) + backlog_b + decode * decoding_b + P * (unknown * others_b + kv * kv_usage_b)
+    cost_b = prefill * (P - m_b) + backlog_b + decode * decoding_b
+             + P * (unknown * others_b + kv * kv_usage_b)
 
-`P - m_b` is this prompt's prefill left on b. `backlog_b` is the prefill queued ahead of it: the
-uncached pages of the requests the router sent to b that have not produced their first token.
+`P - m_b` is this prompt's prefill left on b, weighed `prefill` (2) times: besides this request's
+wait, a prefix computed again on a second backend takes compute and cache space from the others
+and splits the prefix's later requests between two copies. `backlog_b` is the prefill queued ahead
+of it: the uncached pages of the router's requests on b that have not produced their first token.
+So a cached prefix moves only when more than two prompts' worth of prefill is queued where it is.
 `decoding_b` counts the router's requests on b past their first token (each decode step they share
 costs about `decode` pages). `others_b` are requests b reports (running + waiting, at the last poll)
 beyond the router's own, of unknown size, each priced as a share of this prompt, as Dynamo's and
@@ -38,6 +42,7 @@ PREDICT_GRACE_S = 5.0  # a finished request's pages count as held until its even
 
 @dataclass(frozen=True, slots=True)
 class Weights:
+    prefill: float = 2.0  # this prompt's uncached pages against the prefill queued ahead of it
     decode: float = 2.0  # pages of prefill that one decoding request's share of each step is worth
     unknown: float = 0.5  # share of this prompt each request of unknown size is priced at
     kv_usage: float = 0.25
@@ -188,7 +193,7 @@ def rank(backends: list[BackendState], hashes: list[WireHash], weights: Weights 
     for offset in range(n):
         b = backends[(start + offset) % n]
         matched = b.matched_pages(hashes, now) if hashes else 0
-        cost = ((num_pages - matched) + b.backlog + weights.decode * b.decoding
+        cost = (weights.prefill * (num_pages - matched) + b.backlog + weights.decode * b.decoding
                 + num_pages * (weights.unknown * b.others + weights.kv_usage * b.kv_usage))
         choices.append((cost, -matched, offset, Choice(b, matched, cost)))
     return [c[-1] for c in sorted(choices, key=lambda t: t[:3])]

@@ -42,11 +42,11 @@ def test_the_backend_holding_the_prefix_wins_at_equal_load():
     assert [x.matched_pages for x in best] == [6, 4, 0]
 
 
-def test_unknown_load_outweighs_a_cached_prefix_only_past_two_requests():
+def test_unknown_load_outweighs_a_cached_prefix_only_past_four_requests():
     hashes = prompt_hashes(list(range(100)))
     cold = backend("cold", load=1)
-    assert rank([backend("warm", load=3, hashes=hashes), cold], hashes)[0].backend.url == "warm"
-    assert rank([backend("warm", load=4, hashes=hashes), cold], hashes)[0].backend.url == "cold"
+    assert rank([backend("warm", load=5, hashes=hashes), cold], hashes)[0].backend.url == "warm"
+    assert rank([backend("warm", load=6, hashes=hashes), cold], hashes)[0].backend.url == "cold"
     full = backend("full", kv=1.0, hashes=hashes)  # a full pool still beats recomputing 6 pages
     assert rank([full, backend("empty")], hashes)[0].backend.url == "full"
 
@@ -57,19 +57,22 @@ def test_the_routers_own_requests_are_priced_by_their_prefill_and_decode_work():
     hashes = prompt_hashes(list(range(100)))  # 6 pages
     warm, cold = backend("warm", hashes=hashes), backend("cold")
     other = prompt_hashes(list(range(500, 600)))
-    busy = warm.admit(other, 0)  # 6 uncached pages in prefill ahead: a tie with recomputing here
-    assert [c.cost for c in rank([warm, cold], hashes)] == [6, 6]
-    more = warm.admit(prompt_hashes([7] * 20), 0)  # 7 pages of backlog: now the cold one wins
+    busy = warm.admit(other, 0)  # 6 uncached pages in prefill ahead: the cached prefix still wins
+    assert [(c.backend, c.cost) for c in rank([warm, cold], hashes)] == [(warm, 6), (cold, 12)]
+    more = warm.admit(prompt_hashes([7] * 100), 0)  # 12 pages of backlog: a tie, the cache wins
+    assert [(c.backend, c.cost) for c in rank([warm, cold], hashes)] == [(warm, 12), (cold, 12)]
+    most = warm.admit(prompt_hashes([8] * 20), 0)  # 13: recomputing on the idle one is cheaper
     assert rank([warm, cold], hashes)[0].backend is cold
     more.release()
+    most.release()
     busy.first_token()  # prefilled, decoding: it costs a decode share, not a prefill
     assert (warm.backlog, warm.decoding, warm.in_flight) == (0, 1, 1)
     assert rank([warm, cold], hashes)[0].backend is warm
     busy.release()
     busy.release()  # idempotent
     assert (warm.backlog, warm.decoding, warm.in_flight) == (0, 0, 0)
-    warm.observe_load(3, 1, 0.0)  # 4 at the backend, none the router's: unknown, priced high
-    assert warm.others == 4 and rank([warm, cold], hashes)[0].backend is cold
+    warm.observe_load(4, 1, 0.0)  # 5 at the backend, none the router's: unknown, priced high
+    assert warm.others == 5 and rank([warm, cold], hashes)[0].backend is cold
 
 
 def test_a_prompt_just_sent_is_predicted_where_it_went_until_its_events_come():

@@ -75,8 +75,7 @@ class Router:
             for fmt, members in ranked_by_hash.items():
                 scored += rank(members, hashes.get(fmt, []), self.weights, start)
             scored.sort(key=lambda c: c.cost)
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("route: %s", [(c.backend.url, c.matched_pages, c.cost) for c in scored])
+            log.debug("route: %s", [(c.backend.url, c.matched_pages, c.cost) for c in scored])
             for c in scored:
                 choices.append((c.backend, c.matched_pages,
                                 "prefix" if c.matched_pages else "least_loaded"))
@@ -390,6 +389,9 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
 def main_router(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from kvserve.server.launch import setup_logging
+
+    setup_logging(args.log_level)  # the router's own lines (backends up and down, decisions)
     if args.poll_interval <= 0:
         raise ValueError("--poll-interval must be positive")
     app = build_router_app(args.backend, policy=args.policy, prefill_urls=args.prefill,

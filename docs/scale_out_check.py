@@ -7,7 +7,8 @@
 `route`: three `kvserve serve --kv-events-endpoint` instances; one `kvserve router --policy kv` and
 one `--policy round-robin` over the same three. The trace (6 personas, each a different ~1,500-token
 system prompt, 60 requests interleaved, 3 clients at a time) runs once through each router and once
-against a single instance, each pass with its own `cache_salt`, so every pass starts cold. Prints
+against a single instance, each pass with its own `cache_salt`, so every pass starts cold (each
+instance runs cores / 3 torch threads, its share of the machine, as it would own a GPU). Prints
 prefix hit rate and TTFT p50/p95 side by side and checks: cluster hit rate >= 0.9 x single's, kv
 TTFT p95 <= 0.5 x round-robin's. Then 12 requests go through the kv router while one instance is
 killed: all must complete, and the router must report the dead instance with no indexed pages.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import shutil
 import signal
@@ -64,10 +66,12 @@ class Procs:
     def __init__(self, logdir: Path) -> None:
         self.logdir, self.procs = logdir, {}
 
-    def start(self, name: str, args: list[str]) -> None:
+    def start(self, name: str, args: list[str], threads: int | None = None) -> None:
+        """`threads`: torch threads of a serving instance (OMP_NUM_THREADS)."""
         log = open(self.logdir / f"{name}.log", "a")
+        env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
         self.procs[name] = subprocess.Popen([sys.executable, "-m", "kvserve.cli", *args],
-                                            stdout=log, stderr=subprocess.STDOUT)
+                                            stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def stop(self, name: str, sig: int = signal.SIGTERM) -> None:
         proc = self.procs.pop(name)
@@ -144,12 +148,21 @@ async def run_trace(url: str, salt: str, concurrency: int = 3) -> dict:
             "ttft_p95": ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))]}
 
 
+async def warm_up(urls: list[str]) -> None:
+    async with httpx.AsyncClient(timeout=600) as client:
+        for url in urls:
+            await chat(client, url, system_prompt(0), "Warm up.", "warm-up", max_tokens=2)
+
+
 def check_route(args: argparse.Namespace, procs: Procs) -> bool:
     ports = [free_port() for _ in range(3)]
     instances = [f"http://127.0.0.1:{p}" for p in ports]
+    # each instance gets its share of the cores, as each would get its own GPU: three instances
+    # of all-core thread pools on a small machine would spend the time fighting over cores
+    threads = max(1, len(os.sched_getaffinity(0)) // len(ports))
     for i, port in enumerate(ports):
         procs.start(f"serve{i}", ["serve", "--port", str(port), "--kv-events-endpoint",
-                                  f"tcp://127.0.0.1:{free_port()}", *args.engine.split()])
+                                  f"tcp://127.0.0.1:{free_port()}", *args.engine.split()], threads)
     for url in instances:
         wait_healthy(url, procs)
     routers = {}
@@ -160,6 +173,9 @@ def check_route(args: argparse.Namespace, procs: Procs) -> bool:
         routers[policy] = f"http://127.0.0.1:{port}"
         wait_healthy(routers[policy], procs)
     time.sleep(2)  # the kv router has read the instances' event descriptions
+    # every instance answers once before any pass is timed: a first request's one-time costs must
+    # not land in whichever pass reaches an instance first (the single pass only reaches instance 0)
+    asyncio.run(warm_up(instances))
     rows = {"single": asyncio.run(run_trace(instances[0], "pass-single"))}
     for policy, url in routers.items():
         rows[policy] = asyncio.run(run_trace(url, f"pass-{policy}"))

@@ -22,6 +22,7 @@ class ScheduledSeq:
     need_sample: bool  # the chunk ends at the last known token: sample the next one
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     num_output_tokens: int = 0  # tokens generated so far; with a seed, makes sampling reproducible
+    window_block_table: list[int] | None = None  # pages of the sliding-window layers (hybrid pool)
 
 
 @dataclass(slots=True)
@@ -32,15 +33,17 @@ class PageOps:
                wants); nothing below has written them yet. Payloads come back in StepResult.saved;
                each save's second item says where the cache layer sends it (opaque here).
     2. loads:  write (page_id, payload) into pages (swap-in, load-back from a tier).
-    3. copies: copy page src -> dst (copy-on-write, partial prefix hits).
+    3. copies: copy page src -> dst (copy-on-write, partial prefix hits); window_copies: the same in
+               the sliding-window layers' pool (hybrid allocator).
     """
 
     saves: list[tuple[int, Any]] = field(default_factory=list)
     loads: list[tuple[int, Any]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
+    window_copies: list[tuple[int, int]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.saves or self.loads or self.copies)
+        return bool(self.saves or self.loads or self.copies or self.window_copies)
 
 
 @dataclass(slots=True)

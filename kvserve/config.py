@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import re
 from dataclasses import dataclass
@@ -145,6 +146,30 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    @property
+    def num_window_layers(self) -> int:
+        """Layers with a sliding window (their KV can live in the window pool)."""
+        return sum(self.layer_window(i) is not None for i in range(self.num_layers))
+
+
+def window_pages_held(num_tokens: int, window: int, page_size: int) -> int:
+    """Pages a sliding-window layer keeps for a sequence of `num_tokens` computed tokens: those its
+    next query (at position num_tokens) can still see, keys at positions > num_tokens - window."""
+    first = max(0, num_tokens - window + 1) // page_size
+    return max(0, -(-num_tokens // page_size) - first)
+
+
+def kv_bytes_for_tokens(model: ModelConfig, kv_dtype: KVDtype, num_tokens: int, page_size: int,
+                        hybrid: bool = True) -> int:
+    """KV bytes one sequence of `num_tokens` holds: whole pages in full-attention layers, and with the
+    hybrid allocator only the window's pages in sliding-window layers (`kvserve plan` and
+    `llm.stats()["kv_bytes_used"]` both count this way)."""
+    layer_page = kv_bytes_per_page(1, model.num_kv_heads, model.head_dim, page_size, kv_dtype)
+    windowed = model.num_window_layers if hybrid else 0
+    pages = -(-num_tokens // page_size)
+    held = window_pages_held(num_tokens, model.sliding_window, page_size) if windowed else 0
+    return layer_page * ((model.num_layers - windowed) * pages + windowed * held)
+
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
@@ -156,6 +181,9 @@ class CacheConfig:
     prefix_cache: PrefixCachePolicy = PrefixCachePolicy.RADIX
     max_leased_fraction: float = 0.5  # of the pool's pages, at most, held by cache leases
     tenant_kv_share: str = "off"  # "fair": under pressure, evict from tenants over an equal share first
+    # Hybrid allocator (sliding-window models): pages of the window pool, 0 = every layer in one pool
+    num_window_slots: int = 0
+    sliding_window: int | None = None
 
     @property
     def partial_page_hits(self) -> bool:
@@ -190,6 +218,9 @@ class EngineConfig:
     kv_events_endpoint: str | None = None  # e.g. tcp://127.0.0.1:5557: KV events, vLLM's schema
     kv_disk_path: str | None = None  # disk tier directory (pages survive restarts)
     kv_disk_bytes: str | int = "10GiB"
+    # Sliding-window layers keep only their window's pages (vLLM's hybrid KV cache manager). Off
+    # when tiers below the pool are asked for (swap, Redis, disk), whose pages carry every layer.
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
         if not (1 <= self.page_size <= 256) or self.page_size & (self.page_size - 1):
@@ -265,15 +296,46 @@ def capacity_error_message(max_model_len: int, pool_tokens: int, kv_cache_memory
             f"--max-model-len to {pool_tokens:,} or less")
 
 
+def uses_hybrid_kv(config: EngineConfig, model: ModelConfig) -> bool:
+    """Sliding-window layers get their own page pool unless disabled or a tier below the pool is
+    configured (swap, Redis, disk: their pages carry every layer's K/V), as vLLM does with connectors."""
+    return (0 < model.num_window_layers < model.num_layers and not config.disable_hybrid_kv_cache_manager
+            and config.preemption_mode == PreemptionMode.RECOMPUTE.value
+            and not config.redis_url and not config.kv_disk_path)
+
+
+def window_slots_needed(config: EngineConfig, window: int) -> int:
+    """Window-pool pages that let max_num_seqs sequences hold their windows while one step's
+    chunks (max_num_batched_tokens) are written: beyond this the pool would only hold idle pages."""
+    per_seq = -(-(window - 1) // config.page_size) + 2  # the window's pages, one at each edge
+    return config.max_num_seqs * per_seq + -(-config.max_num_batched_tokens // config.page_size)
+
+
+def split_kv_budget(memory: int, model: ModelConfig, page_size: int, kv_dtype: KVDtype,
+                    window_slots: int) -> tuple[int, int, int]:
+    """(main pool pages, window pool pages, bytes of one main page) in `memory` bytes. With
+    window_slots > 0 (hybrid allocator) the window pool gets that many pages (and the null page),
+    never more than the main pool, and the main pool, for full-attention layers, the rest."""
+    layer_page = kv_bytes_per_page(1, model.num_kv_heads, model.head_dim, page_size, kv_dtype)
+    num_windowed = model.num_window_layers if window_slots else 0
+    num_full = model.num_layers - num_windowed
+    num_pages = memory // (layer_page * model.num_layers)  # page 0, the null page, is inside the budget
+    num_slots = 0
+    if num_windowed:
+        num_slots = min(num_pages, window_slots + 1)
+        num_pages = (memory - num_slots * num_windowed * layer_page) // (num_full * layer_page)
+    return num_pages, num_slots, layer_page * num_full
+
+
 def plan_cache(config: EngineConfig, model: ModelConfig) -> tuple[CacheConfig, int]:
-    """Page count from the memory budget, and the start-up capacity check. Returns (cache config,
-    max_model_len)."""
+    """Page count from the memory budget, and the start-up capacity check (split_kv_budget with the
+    hybrid allocator). Returns (cache config, max_model_len)."""
     kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, config.dtype)
-    page_bytes = kv_bytes_per_page(model.num_layers, model.num_kv_heads, model.head_dim,
-                                   config.page_size, kv_dtype)
     memory = parse_bytes(config.kv_cache_memory)
-    num_pages = memory // page_bytes  # page 0, the null page, is inside the budget
-    pool_tokens = pool_tokens_for(memory, page_bytes, config.page_size)
+    hybrid = uses_hybrid_kv(config, model)
+    wanted = window_slots_needed(config, model.sliding_window) if hybrid else 0
+    num_pages, num_slots, page_bytes = split_kv_budget(memory, model, config.page_size, kv_dtype, wanted)
+    pool_tokens = pool_tokens_for(num_pages * page_bytes, page_bytes, config.page_size)
     max_model_len = config.max_model_len or model.max_position_embeddings
     if max_model_len > model.max_position_embeddings:
         raise ConfigError(f"--max-model-len {max_model_len} is over the model's context "
@@ -281,8 +343,13 @@ def plan_cache(config: EngineConfig, model: ModelConfig) -> tuple[CacheConfig, i
     if max_model_len > pool_tokens:
         raise ConfigError(capacity_error_message(max_model_len, pool_tokens, memory,
                                                  page_bytes / config.page_size))
+    one_seq = window_slots_needed(dataclasses.replace(config, max_num_seqs=1), model.sliding_window or 1)
+    if hybrid and num_slots - 1 < min(one_seq, -(-max_model_len // config.page_size)):
+        raise ConfigError(f"--kv-cache-memory {format_bytes(memory)} leaves the sliding-window layers "
+                          f"{num_slots - 1} pages; one sequence needs {one_seq}: raise --kv-cache-memory")
     cache = CacheConfig(page_size=config.page_size, num_pages=num_pages, kv_dtype=kv_dtype,
                         prefix_cache=PrefixCachePolicy(config.prefix_cache),
                         max_leased_fraction=config.max_leased_fraction,
-                        tenant_kv_share=config.tenant_kv_share)
+                        tenant_kv_share=config.tenant_kv_share, num_window_slots=num_slots,
+                        sliding_window=model.sliding_window if hybrid else None)
     return cache, max_model_len

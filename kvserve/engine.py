@@ -50,7 +50,8 @@ class LLMEngine:
         if config.calculate_kv_scales and kv_dtype.name.startswith("fp8"):
             self.fp8_scale = calibrate_fp8_scale(self.loaded, kv_dtype.name, config.page_size)
         self.runner = ModelRunner(self.loaded, self.cache_config.num_pages, config.page_size, kv_dtype,
-                                  device=config.device, dtype=config.dtype, fp8_scale=self.fp8_scale)
+                                  device=config.device, dtype=config.dtype, fp8_scale=self.fp8_scale,
+                                  num_window_slots=self.cache_config.num_window_slots)
         self.host_tier = HostTier(parse_bytes(config.swap_space), self.runner.page_bytes)
         self.redis_tier = self._redis_tier() if config.redis_url else None
         self.disk_tier = self._disk_tier() if config.kv_disk_path else None
@@ -61,7 +62,7 @@ class LLMEngine:
                                                     replay_endpoint_for(config.kv_events_endpoint))
         offload = Offloader(
             config.page_size, self.host_tier, shared=self.redis_tier, disk=self.disk_tier,
-            offload_evicted=bool(self.host_tier.capacity_pages)
+            offload_evicted=bool(self.host_tier.capacity_pages) and not self.cache_config.num_window_slots
             and self.cache_config.prefix_cache is not PrefixCachePolicy.OFF,
             publish_sync=config.role == "prefill")
         self.manager = KVCacheManager.from_config(self.cache_config, offload, self.events)
@@ -244,6 +245,22 @@ class LLMEngine:
     def release_lease(self, tenant: str, lease_id: str) -> bool:
         return self.lease_info(tenant, lease_id) is not None and self.manager.leases.release(lease_id)
 
+    @staticmethod
+    def _window_stats(window: dict[str, int] | None) -> dict[str, float]:
+        """The window pool's gauges (hybrid allocator), zeros without one."""
+        if window is None:
+            return {"window_num_pages_total": 0, "window_num_pages_free": 0, "window_kv_cache_usage_perc": 0.0}
+        return {"window_num_pages_total": window["num_pages_total"],
+                "window_num_pages_free": window["num_pages_free"],
+                "window_kv_cache_usage_perc": window["num_pages_used"] / window["num_pages_total"]}
+
+    def _kv_bytes_used(self, stats: dict[str, Any]) -> int:
+        """Bytes of the pages running requests hold, in both pools (config.kv_bytes_for_tokens)."""
+        window = stats["window_pool"]
+        window_bytes = self.runner.kv_cache_bytes() - self.runner.page_bytes * self.cache_config.num_pages
+        return (stats["num_pages_used"] * self.runner.page_bytes
+                + (window["num_pages_used"] * window_bytes // (window["num_pages_total"] + 1) if window else 0))
+
     def stats(self) -> dict[str, Any]:
         self.manager.expire_leases()  # (idle servers publish stats: expiries show without traffic)
         stats = self.manager.stats()
@@ -264,6 +281,8 @@ class LLMEngine:
             kv_cache_dtype=self.cache_config.kv_dtype.name,
             kv_fp8_scale=self.fp8_scale,
             kv_cache_bytes=self.runner.kv_cache_bytes(),
+            kv_bytes_used=self._kv_bytes_used(stats),
+            **self._window_stats(stats["window_pool"]),
             max_model_len=self.max_model_len,
             pool_tokens=(self.cache_config.num_pages - 1) * self.config.page_size,
         )

@@ -49,6 +49,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tenant-kv-share", default=ENGINE_DEFAULTS.tenant_kv_share, choices=["fair", "off"],
                        help="fair: under memory pressure, evict cached pages of tenants (API keys) over "
                             "an equal share first")
+    group.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                       help="sliding-window models (Gemma 3): keep every page in every layer instead of "
+                            "only the window's pages in the windowed layers")
     group.add_argument("--lease-ttl-scale", type=float, default=ENGINE_DEFAULTS.lease_ttl_scale,
                        help=argparse.SUPPRESS)  # tests: 5m/1h TTLs in seconds
     group.add_argument("--kv-tier-secret-file", default=None, metavar="FILE",
@@ -70,7 +73,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_disk_path=args.kv_disk_path, kv_disk_bytes=args.kv_disk_bytes,
                 kv_events_endpoint=args.kv_events_endpoint, min_cacheable_tokens=args.min_cacheable_tokens,
                 max_leased_fraction=args.max_leased_fraction, lease_ttl_scale=args.lease_ttl_scale,
-                tenant_kv_share=args.tenant_kv_share)
+                tenant_kv_share=args.tenant_kv_share,
+                disable_hybrid_kv_cache_manager=getattr(args, "disable_hybrid_kv_cache_manager", False))
 
 
 def configure_tier_secret(args: argparse.Namespace) -> None:

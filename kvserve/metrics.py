@@ -68,6 +68,11 @@ GAUGES = {
     "num_pages_free": ("num_pages_free", "Free KV pages, cached idle ones included."),
     "num_pages_cached": ("num_pages_cached", "Idle pages that still hold a cached prefix."),
     "leased_pages": ("leased_pages", "KV pages held by cache leases."),
+    "kv_cache_used_bytes": ("kv_bytes_used", "KV bytes of the pages running requests hold, both pools."),
+    "window_kv_cache_usage_perc": ("window_kv_cache_usage_perc",
+                                   "Fraction of the sliding-window pool's pages held (hybrid allocator)."),
+    "window_num_pages_total": ("window_num_pages_total", "Pages of the sliding-window layers' pool."),
+    "window_num_pages_free": ("window_num_pages_free", "Free sliding-window pages, cached idle ones included."),
 }
 
 

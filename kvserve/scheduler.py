@@ -124,6 +124,7 @@ class Scheduler:
         if not preempted and not self.swapped:
             self._admit(out, budget)
         out.page_ops.saves, out.page_ops.loads = self.manager.take_page_moves()
+        out.page_ops.window_copies = self.manager.take_window_copies()
         return out
 
     def _chunk(self, request: Request, start: int, budget: int) -> int:
@@ -225,6 +226,7 @@ class Scheduler:
             need_sample=start + num_new == request.num_tokens,
             sampling_params=request.sampling_params,
             num_output_tokens=request.num_output_tokens,
+            window_block_table=self.manager.window_block_table(request.request_id),
         )
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:

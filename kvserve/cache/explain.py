@@ -7,6 +7,8 @@ recorded (CacheHistory), never guessed:
     evicted                the next page was cached once and left (or came back from a tier below)
     lease_expired          ... it left after a lease on it ran out
     below_min_cacheable    the request asked to retain a prefix shorter than --min-cacheable-tokens
+    window_evicted         the full-attention pages are cached further, but the sliding-window layers'
+                           pages under the window before that point were evicted (hybrid allocator)
     diverged               the cache held a different continuation of the matched prefix
     other_tenant_or_salt   the same text is cached, but in another namespace (tenant or cache_salt)
     partial_page           the text shared with recent prompts ends inside a page that never filled
@@ -40,10 +42,12 @@ class CacheExplanation:
 
 def explain(token_ids: Sequence[int], namespace: str, hit: PrefixHit, page_size: int,
             history: CacheHistory, leased_pages: set[int], now: float,
-            below_min_cacheable: int | None = None, recent: Sequence[Sequence[int]] = ()) -> CacheExplanation:
+            below_min_cacheable: int | None = None, recent: Sequence[Sequence[int]] = (),
+            window_matched: int = 0) -> CacheExplanation:
     """`hit` as allocate() left it (the pool's pages and any tier loads); `below_min_cacheable`: the
     longest breakpoint the request asked to retain, when all of them were too short; `recent`: the
-    namespace's recent prompts (where the prompt leaves the text it shares with them)."""
+    namespace's recent prompts (where the prompt leaves the text it shares with them);
+    `window_matched`: tokens the main index matched when a window pool cut the hit shorter."""
     cached = hit.num_cached_tokens
     leased = min(sum(page_size for page in hit.pages if page in leased_pages), hit.num_tokens)
     sources = {"pool": hit.num_tokens - leased, "lease": leased, "host": 0, "disk": 0, "redis": 0}
@@ -68,6 +72,12 @@ def explain(token_ids: Sequence[int], namespace: str, hit: PrefixHit, page_size:
         out.reason = "below_min_cacheable"
         out.detail = (f"the prefix to retain ({below_min_cacheable} tokens) is under "
                       f"--min-cacheable-tokens, so it got no lease and was not kept")
+        return out
+    if window_matched > cached:
+        out.reason = "window_evicted"
+        out.detail = (f"the full-attention pages hold tokens 0..{window_matched - 1}, but the sliding-window "
+                      f"layers' pages of the window before token {window_matched} were evicted, so the hit "
+                      f"stops at {cached}")
         return out
     record = history.record(hashes[first_missing]) if first_missing < len(hashes) else None
     if record is not None and record.evicted_at is not None:

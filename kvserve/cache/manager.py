@@ -14,9 +14,8 @@ A sequence's life, as the scheduler drives it each step:
     free(id)                                      pages back, tail first; cached ones stay reusable
 
 Pages below the pool (swap, offload, load-back, publish) are decided here too, through the
-Offloader: `extend_from_tiers` adds tier pages to a hit, `swap_out`/`swap_in` move a preempted
-sequence, evictions and commits are offered to the tiers. Each step's page moves are handed over by
-`take_page_moves()` and the payloads the runner read come back through `complete()`.
+Offloader (manager_tiers.py). With a sliding-window model the windowed layers' pages live in a
+WindowPool (window.py) that follows every sequence's table here.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvserve.cache.explain import CacheExplanation, explain
 from kvserve.cache.fair_share import FairShareEviction
@@ -32,23 +31,26 @@ from kvserve.cache.hashing import page_hash
 from kvserve.cache.history import CacheHistory
 from kvserve.cache.invariants import check_manager_invariants
 from kvserve.cache.leases import LeaseTable
-from kvserve.cache.offload import Offloader, SaveTarget
+from kvserve.cache.manager_tiers import TierMoves
+from kvserve.cache.offload import Offloader
 from kvserve.cache.pages import PagePool
 from kvserve.cache.prefix_hash import HashPrefixIndex
 from kvserve.cache.prefix_radix import RadixPrefixIndex
 from kvserve.cache.sequence import PrefixHit, SeqPages, cdiv
+from kvserve.cache.window import WindowPool
 from kvserve.config import CacheConfig, ConfigError, PrefixCachePolicy
 
 if TYPE_CHECKING:
     from kvserve.cache.events import KVEventBuffer
 
 
-class KVCacheManager:
+class KVCacheManager(TierMoves):
     def __init__(self, num_pages: int, page_size: int,
                  policy: PrefixCachePolicy | str = PrefixCachePolicy.RADIX,
                  partial_page_hits: bool = True, offload: Offloader | None = None,
                  max_leased_fraction: float = 0.5, clock: Callable[[], float] = time.monotonic,
-                 events: KVEventBuffer | None = None, tenant_kv_share: str = "off") -> None:
+                 events: KVEventBuffer | None = None, tenant_kv_share: str = "off",
+                 window: WindowPool | None = None) -> None:
         if page_size < 1:
             raise ConfigError(f"page_size must be at least 1, got {page_size}")
         if num_pages < 2:
@@ -79,6 +81,9 @@ class KVCacheManager:
         self.fair = FairShareEviction(self.index, self.pool) if fair else None
         self._hash_of_cached: dict[int, bytes] = {}  # cached page -> its chained hash
         self.pool.on_evicted = self._evicted
+        self.window = window  # sliding-window layers' pages (hybrid allocator), or None
+        if window is not None:
+            self.pool.on_freed = window.page_gone
 
     @classmethod
     def from_config(cls, config: CacheConfig, offload: Offloader | None = None,
@@ -86,7 +91,9 @@ class KVCacheManager:
         return cls(config.num_pages, config.page_size, config.prefix_cache,
                    partial_page_hits=config.partial_page_hits, offload=offload,
                    max_leased_fraction=config.max_leased_fraction, events=events,
-                   tenant_kv_share=config.tenant_kv_share)
+                   tenant_kv_share=config.tenant_kv_share,
+                   window=WindowPool(config.num_window_slots, config.page_size, config.sliding_window)
+                   if config.num_window_slots else None)
 
     # -- admission -----------------------------------------------------------------------------
     def lookup(self, token_ids: list[int], namespace: str = "") -> PrefixHit:
@@ -98,6 +105,8 @@ class KVCacheManager:
         num_tokens = min(num_tokens, len(token_ids) - 1)
         if not self.partial_page_hits:
             num_tokens -= num_tokens % self.page_size
+        if self.window is not None:
+            num_tokens = self.window.usable_hit(pages, num_tokens)
         return PrefixHit(pages[:cdiv(num_tokens, self.page_size)], num_tokens)
 
     def allocate(self, seq_id: str, token_ids: list[int], namespace: str, hit: PrefixHit,
@@ -119,13 +128,16 @@ class KVCacheManager:
         shared, partial = pages[:num_full], pages[num_full:]  # partial: [] or [page to copy]
         num_new = cdiv(num_tokens, ps) - num_full
         num_idle_hit = sum(1 for page in pages if self.pool.ref(page) == 0)  # not reclaimable now
-        if num_new > self.pool.num_free - num_idle_hit:
+        if num_new > self.pool.num_free - num_idle_hit or (self.window is not None and not self.window.can_allocate(
+                self.window.num_needed(pages, num_hit, num_new))):
             return None
         for page in pages:  # refs first: the allocation below must not evict the hit
             self.pool.incref(page)
         new_pages = self.pool.allocate(num_new)
         assert new_pages is not None
         copies = [(partial[0], new_pages[0])] if partial else []
+        if self.window is not None:
+            self.window.admit(seq_id, pages, num_hit, new_pages)
         for page in partial:
             self.pool.decref(page)
         seq = SeqPages(namespace, shared + new_pages, num_committed_pages=num_full,
@@ -146,36 +158,6 @@ class KVCacheManager:
             self._load_from_tiers(seq_id, token_ids, hit)
         return copies
 
-    def extend_from_tiers(self, token_ids: list[int], namespace: str, hit: PrefixHit,
-                          max_tokens: int, budget: int) -> PrefixHit:
-        """Add to a pool hit the full pages after it that the tiers hold, asked once per admission:
-        at most up to `max_tokens` and as many as surely fit with this step's chunk of `budget`
-        tokens, so the allocation that follows succeeds. A partial pool hit is cut to its page
-        boundary if the tiers have that page."""
-        if not self.offload.has_tiers or self.index is None:
-            return hit
-        ps = self.page_size
-        first = hit.num_tokens // ps
-        free = self.num_free_pages - len(hit.pages)
-        rest = cdiv(len(token_ids) - first * ps, ps)  # pages from the hit's boundary on
-        room = free if rest <= free else free - cdiv(budget, ps)  # loads + this step's chunk fit
-        found = self.offload.fetch(token_ids, namespace, first, min(max_tokens // ps - first, room))
-        if not found.payloads:
-            return hit
-        return PrefixHit(hit.pages[:first], first * ps, found.payloads, found.sources,
-                         len(found.payloads) * ps)
-
-    def _load_from_tiers(self, seq_id: str, token_ids: list[int], hit: PrefixHit) -> None:
-        """The sequence's pages after its pool hit get their K/V from the tiers: counted as hits,
-        committed, and queued as loads (the runner writes them before this step computes)."""
-        seq = self._seqs[seq_id]
-        start, num_pages = seq.num_committed_pages, len(hit.loads)
-        pages = seq.block_table[start:start + num_pages]
-        self.prefix_cache_hits += hit.num_loaded_tokens
-        # (radix may swap a page for an identical cached one here: then its load is just unused)
-        self.commit(seq_id, token_ids, (start + num_pages) * self.page_size)
-        self.offload.load(pages, hit.loads)
-
     # -- running -------------------------------------------------------------------------------
     def append(self, seq_id: str, num_computed_tokens: int, num_tokens: int) -> list[tuple[int, int]] | None:
         """Cover `num_tokens` positions. Pages the step will write (positions num_computed_tokens..
@@ -193,6 +175,8 @@ class KVCacheManager:
         if num_tokens > num_computed_tokens:
             cow = [i for i in range(num_computed_tokens // ps, min(end_page, len(table)))
                    if self.pool.ref(table[i]) > 1 or self.pool.is_cached(table[i])]
+        if self.window is not None and not self.window.can_allocate(num_grow + len(cow)):
+            return None
         new_pages = self.pool.allocate(num_grow + len(cow))
         if new_pages is None:
             return None
@@ -202,12 +186,16 @@ class KVCacheManager:
             self.pool.decref(table[i])
             table[i] = dst
         table.extend(new_pages[len(cow):])
+        if self.window is not None:
+            self.window.grow(seq_id, table, cow)
         return copies
 
     def commit(self, seq_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
         """Index every page of the sequence now full of computed tokens (prompt and generated ones
         alike); pages committed before are skipped. Call after each step, with the request's tokens."""
         seq = self._seq(seq_id)
+        if self.window is not None:
+            self.window.release_before(seq_id, num_computed_tokens)
         if self.index is None:
             return
         ps = self.page_size
@@ -219,6 +207,8 @@ class KVCacheManager:
         token_ids = list(token_ids)
         self._extend_hashes(seq, token_ids, end)
         end = self.index.insert(token_ids, seq.namespace, seq.block_table, seq.page_hashes, start, end)
+        if self.window is not None:
+            self.window.adopt(seq_id, seq.block_table)
         now = self.clock()
         for i in range(start, end):
             page, h = seq.block_table[i], seq.page_hashes[i]
@@ -248,12 +238,16 @@ class KVCacheManager:
             self.history.evicted(page_hash_, self.clock())
             if self.events is not None:
                 self.events.removed(page_hash_)
+        if self.window is not None:
+            self.window.page_gone(page_id)
 
     def free(self, seq_id: str) -> None:
         """Release the sequence's pages, tail first, so its last pages are the first evicted."""
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise ValueError(f"unknown sequence {seq_id!r}")
+        if self.window is not None:
+            self.window.free(seq_id)
         for page in reversed(seq.block_table):
             self.pool.decref(page)
 
@@ -264,55 +258,22 @@ class KVCacheManager:
             raise ValueError(f"sequence {child_id!r} already has pages")
         for page in parent.block_table:
             self.pool.incref(page)
+        if self.window is not None:
+            self.window.fork(parent_id, child_id)
         self._seqs[child_id] = SeqPages(parent.namespace, list(parent.block_table),
                                     parent.num_committed_pages, list(parent.page_hashes),
                                     list(parent.committed_token_ids))
 
-    # -- swap: a preempted sequence's pages to the host tier and back ---------------------------
-    def swap_out(self, seq_id: str) -> bool:
-        """Move the sequence's pages to the host tier (read before this step writes anything) and
-        free them. False, with nothing changed, when the host tier has no room."""
-        if not self.offload.swap_out(seq_id, self._seq(seq_id).block_table):
-            return False
-        self.free(seq_id)
-        return True
-
-    def num_swapped_pages(self, seq_id: str) -> int:
-        return self.offload.num_swapped_pages(seq_id)
-
-    def swap_in(self, seq_id: str, namespace: str) -> bool:
-        """Fresh pages for a swapped-out sequence, filled from the host tier before this step
-        computes; no prefix lookup, nothing counted (the pages are committed again as the sequence
-        goes on). False, with nothing changed, if pages are short."""
-        pages = self.allocate_pages(seq_id, namespace, self.offload.num_swapped_pages(seq_id))
-        if pages is None:
-            return False
-        self.offload.swap_in(seq_id, pages)
-        return True
-
-    def allocate_pages(self, seq_id: str, namespace: str, num_pages: int) -> list[int] | None:
-        """Fresh pages for a sequence whose contents come from elsewhere; None if pages are short."""
-        if seq_id in self._seqs:
-            raise ValueError(f"sequence {seq_id!r} already has pages")
-        pages = self.pool.allocate(num_pages)
-        if pages is not None:
-            self._seqs[seq_id] = SeqPages(namespace, list(pages))
-        return pages
-
-    def drop_swap(self, seq_id: str) -> None:
-        self.offload.drop_swap(seq_id)
-
-    def take_page_moves(self) -> tuple[list[tuple[int, SaveTarget]], list[tuple[int, Any]]]:
-        """The saves and loads decided since the last call (see batch.PageOps)."""
-        return self.offload.take()
-
-    def complete(self, saves: list[tuple[int, SaveTarget]], payloads: list[Any]) -> None:
-        """The runner read `saves`: hand the payloads to the tiers."""
-        if saves:
-            self.offload.deliver(saves, payloads)
-
     def block_table(self, seq_id: str) -> list[int]:
         return list(self._seq(seq_id).block_table)
+
+    def window_block_table(self, seq_id: str) -> list[int] | None:
+        """The sequence's pages in the window pool (NULL_PAGE where released); None without one."""
+        return None if self.window is None else self.window.block_table(seq_id)
+
+    def take_window_copies(self) -> list[tuple[int, int]]:
+        """Window-pool page copies (copy-on-write, partial hits) decided since the last call."""
+        return [] if self.window is None else self.window.take_copies()
 
     def has_seq(self, seq_id: str) -> bool:
         return seq_id in self._seqs
@@ -354,8 +315,12 @@ class KVCacheManager:
                 below_min_cacheable: int | None = None) -> CacheExplanation:
         """Why the request admitted with `hit` computed what it did (cache/explain.py)."""
         recent = [p for ns, p in list(self.recent_prompts)[:-1] if ns == namespace]  # (the last: this one)
+        matched = 0
+        if self.window is not None and self.index is not None:  # what the window pool cut off
+            matched = min(self.index.match(list(token_ids), namespace)[1], len(token_ids) - 1)
+            matched -= matched % self.page_size
         return explain(token_ids, namespace, hit, self.page_size, self.history,
-                       set(self.leases.page_refs()), self.clock(), below_min_cacheable, recent)
+                       set(self.leases.page_refs()), self.clock(), below_min_cacheable, recent, matched)
 
     def make_room(self) -> bool:
         """Break the lease closest to expiry; False when there is none (nothing else can free pages)."""
@@ -376,6 +341,7 @@ class KVCacheManager:
             **self.leases.stats_dict(),
             "num_fair_share_evictions": self.fair.num_fair_evictions if self.fair else 0,
             "cached_pages_per_tenant": dict(self.fair.pages_per_tenant) if self.fair else {},
+            "window_pool": self.window.stats() if self.window is not None else None,
         }
 
     def page_states(self) -> str:

@@ -48,6 +48,7 @@ class PagePool:
         self._idle: OrderedDict[int, None] = OrderedDict()
         self.listener: PoolListener | None = None
         self.on_evicted: Callable[[int], None] | None = None  # after the index dropped the page
+        self.on_freed: Callable[[int], None] | None = None  # an uncached page went back to `_free`
         self.num_evictions = 0
 
     # -- counts --------------------------------------------------------------------------------
@@ -133,7 +134,12 @@ class PagePool:
                 if self.listener is not None:
                     self.listener.on_idle(page_id)
             else:
-                self._free.append(page_id)
+                self._release(page_id)
+
+    def _release(self, page_id: int) -> None:
+        self._free.append(page_id)
+        if self.on_freed is not None:
+            self.on_freed(page_id)
 
     def mark_cached(self, page_id: int) -> None:
         """The index now holds this (used) page's content."""
@@ -148,7 +154,7 @@ class PagePool:
         self._num_cached -= 1
         if self._ref[page_id] == 0:
             del self._idle[page_id]
-            self._free.append(page_id)
+            self._release(page_id)
 
     def states(self, leased: set[int] = frozenset()) -> str:
         """PAGE_NULL, then per page: PAGE_LEASED (in `leased`), PAGE_SHARED (ref > 1), PAGE_USED,

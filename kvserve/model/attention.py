@@ -128,8 +128,11 @@ class AttentionMetadata:
         device = self.positions.device
         b = self.num_decode
         tables = torch.cat([self.decode_shared_pages[None].expand(b, -1), self.decode_block_tables], dim=1)
-        span = torch.arange(tables.shape[1] * self.page_size, device=device)  # [L]
         last = self.positions.index_select(0, self.decode_rows)[:, None]  # [B, 1]
+        # pages wholly before every row's window are not read at all
+        first = max(0, int(last.min()) - window + 1) // self.page_size if b else 0
+        tables = tables[:, first:]
+        span = torch.arange(first * self.page_size, (first + tables.shape[1]) * self.page_size, device=device)
         decode_mask = ((span[None, :] <= last) & (span[None, :] > last - window))[:, None, None, :]
         prefills = []
         for c in self.prefills:

@@ -157,14 +157,16 @@ class LlamaModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+        window_meta: AttentionMetadata | None = None,
     ) -> torch.Tensor:
-        """input_ids [T], positions [T] -> final hidden states [T, hidden]."""
+        """input_ids [T], positions [T] -> final hidden states [T, hidden]. Sliding-window layers
+        use `window_meta` (their own pool's block tables, hybrid allocator) or else `meta`."""
         x = self.embed(input_ids)  # [T, hidden]
         if self.config.embedding_scale != 1.0:  # HF multiplies by the scale cast to the model dtype
             x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
         rope = self.rope(positions)
         local_rope = self.local_rope(positions) if self.local_rope is not None else rope
-        windowed = {w: meta.with_window(w) for w in set(self.windows) if w is not None}  # once per step
+        windowed = {w: (window_meta or meta).with_window(w) for w in set(self.windows) if w is not None}
         for layer, window, (k_cache, v_cache) in zip(self.layers, self.windows, kv_caches):
             if window is None:
                 x = layer(x, rope, k_cache, v_cache, meta)

@@ -11,6 +11,10 @@ Quantized KV dtypes (fp8, int8, int4) store codes in `kv` (int4: head_dim / 2 by
 `kv_scales[num_layers, 2, num_pages, n]` (int8/int4: n = num_kv_heads; float and fp8: n = 0), made by
 the codec of kvserve/model/kv_quant.py; each layer gets PagedKV views that attention writes and reads
 through, whatever the dtype. A page's payload for the tiers is its bytes: codes, then scales.
+
+With the hybrid allocator (sliding-window models, cache/window.py) the windowed layers' K/V live in a
+second pair of tensors, `window_kv` [num_windowed_layers, 2, num_window_slots, ...], addressed by each
+sequence's window block table; `kv` then holds only the full-attention layers.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ def build_model(loaded: LoadedModel, dtype: str, device: str) -> LlamaModel:
 class ModelRunner:
     def __init__(
         self, loaded: LoadedModel, num_pages: int, page_size: int, kv_dtype: KVDtype,
-        device: str = "cpu", dtype: str = "float32", fp8_scale: float = 1.0,
+        device: str = "cpu", dtype: str = "float32", fp8_scale: float = 1.0, num_window_slots: int = 0,
     ) -> None:
         dtype = resolve_model_dtype(dtype, device)  # ConfigError for an unknown name
         _configure_threads()
@@ -63,13 +67,26 @@ class ModelRunner:
         self.model = build_model(loaded, dtype, str(self.device))
         # zeros, not empty: padded reads of the null page 0 must be finite (masked, but 0 * NaN = NaN)
         self.codec = codec_for(kv_dtype, self.model.dtype, fp8_scale=fp8_scale)
+        windowed = [cfg.layer_window(i) is not None for i in range(cfg.num_layers)] if num_window_slots \
+            else [False] * cfg.num_layers
         self.kv, self.kv_scales = self.codec.make_cache(
-            num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, self.device, num_layers=cfg.num_layers)
-        self.kv_caches = [tuple(PagedKV(self.codec, self.kv[i, j], self.kv_scales[i, j]) for j in (0, 1))
-                          for i in range(cfg.num_layers)]
-        # fp8 tensors have no index_copy_ kernel: page copies move their bytes
-        self._kv_bytes = self.kv.view(torch.uint8) if self.kv.dtype in (
-            torch.float8_e4m3fn, torch.float8_e5m2) else self.kv
+            num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, self.device,
+            num_layers=windowed.count(False))
+        self.window_kv, self.window_kv_scales = self.codec.make_cache(
+            num_window_slots, page_size, cfg.num_kv_heads, cfg.head_dim, self.device,
+            num_layers=windowed.count(True))
+        self.hybrid = bool(num_window_slots)
+        self.kv_caches = []
+        for layer, in_window in enumerate(windowed):
+            kv, scales = (self.window_kv, self.window_kv_scales) if in_window else (self.kv, self.kv_scales)
+            i = windowed[:layer].count(in_window)
+            self.kv_caches.append(tuple(PagedKV(self.codec, kv[i, j], scales[i, j]) for j in (0, 1)))
+        self._kv_bytes, self._window_kv_bytes = self._as_bytes(self.kv), self._as_bytes(self.window_kv)
+
+    @staticmethod
+    def _as_bytes(kv: torch.Tensor) -> torch.Tensor:
+        """fp8 tensors have no index_copy_ kernel: page copies move their bytes."""
+        return kv.view(torch.uint8) if kv.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else kv
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Apply the step's page moves, then run its sequences; `sampled` is aligned with out.seqs
@@ -85,21 +102,26 @@ class ModelRunner:
             self.write_page_bytes(ops.loads)
         if ops.copies:
             self.copy_pages(ops.copies)
+        if ops.window_copies:
+            self._copy(self._window_kv_bytes, self.window_kv_scales, ops.window_copies)
         return saved
 
     def _run(self, seqs: list) -> list[SampledToken | None]:
         query_lens = [len(s.token_ids) for s in seqs]
         assert min(query_lens) > 0, "a scheduled sequence has no tokens"
-        meta = AttentionMetadata.build(
-            [s.start_pos for s in seqs], query_lens, [s.block_table for s in seqs], self.page_size,
-            self.device,
-        )
+        starts = [s.start_pos for s in seqs]
+        meta = AttentionMetadata.build(starts, query_lens, [s.block_table for s in seqs], self.page_size,
+                                       self.device)
+        window_meta = None
+        if self.hybrid:
+            window_meta = AttentionMetadata.build(starts, query_lens, [s.window_block_table for s in seqs],
+                                                  self.page_size, self.device)
         input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64,
                                  device=self.device)  # [T]
         rows = [i for i, s in enumerate(seqs) if s.need_sample]
         result: list[SampledToken | None] = [None] * len(seqs)
         with torch.inference_mode():
-            hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)  # [T, hidden]
+            hidden = self.model(input_ids, meta.positions, self.kv_caches, meta, window_meta)  # [T, hidden]
             if not rows:
                 return result
             last_rows = torch.tensor(query_lens, device=self.device).cumsum(0) - 1  # [S]
@@ -112,12 +134,15 @@ class ModelRunner:
 
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
         """Copy page src -> dst in every layer, K and V (copy-on-write of a shared partial page)."""
+        self._copy(self._kv_bytes, self.kv_scales, pairs)
+
+    def _copy(self, kv: torch.Tensor, scales: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
             return
         src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=self.device)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=self.device)
-        self._kv_bytes.index_copy_(2, dst, self._kv_bytes.index_select(2, src))
-        self.kv_scales.index_copy_(2, dst, self.kv_scales.index_select(2, src))
+        kv.index_copy_(2, dst, kv.index_select(2, src))
+        scales.index_copy_(2, dst, scales.index_select(2, src))
 
     def read_pages(self, page_ids: list[int]) -> torch.Tensor:
         """-> CPU uint8 tensor [n, page_bytes]; row i holds page page_ids[i] across all layers, K and
@@ -180,7 +205,7 @@ class ModelRunner:
         return (self.kv.nbytes + self.kv_scales.nbytes) // self.num_pages
 
     def kv_cache_bytes(self) -> int:
-        return self.kv.nbytes + self.kv_scales.nbytes
+        return self.kv.nbytes + self.kv_scales.nbytes + self.window_kv.nbytes + self.window_kv_scales.nbytes
 
 
 def calibrate_fp8_scale(loaded: LoadedModel, kv_dtype: str, page_size: int = 16,

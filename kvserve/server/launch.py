@@ -100,7 +100,7 @@ def serve(args: argparse.Namespace) -> int:
     from kvserve.engine_args import engine_kwargs
     from kvserve.server.api import build_app
 
-    _setup_logging(args.log_level)
+    setup_logging(args.log_level)
     api_keys = load_api_keys(args)
     engine = LLMEngine(EngineConfig(model=args.model, role=args.role, **engine_kwargs(args)))
     log.info("%s", engine_memory_promise(engine, args).line())
@@ -141,7 +141,7 @@ class _DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def _setup_logging(level: str) -> None:
+def setup_logging(level: str) -> None:
     """kvserve's own log lines (memory promise, tier warnings, shutdown) beside uvicorn's."""
     logger = logging.getLogger("kvserve")
     if not logger.handlers:

@@ -3,7 +3,8 @@ sends each request where its prompt's pages already are.
 
     client -> router: /tokenize on a backend -> page hashes (cache/hashing.py, the request's namespace)
                       -> rank backends (router_index.rank: cached prefix vs load) -> the best one
-                      (connection lost before the answer starts: mark it down, try the next)
+                      (connection lost: mark it down, try the next; a stream broken mid-answer is
+                      resumed on the next, router_stream.py)
     backend KV events (ZMQ, vLLM's schema) -> KVEventSubscriber -> BackendState.pages
     every poll interval: /health, /metrics (running, waiting, KV usage), /v1/kv_events_endpoint
 
@@ -25,8 +26,8 @@ from typing import Any
 from kvserve.cache.events import KVEventSubscriber, external_hash
 from kvserve.cache.hashing import page_hashes
 from kvserve.server.proxy import base_url, prefill_body
-from kvserve.server.router_index import (BackendState, Weights, anthropic_to_chat, events_address,
-                                         parse_load, rank, request_namespace)
+from kvserve.server.router_index import (BackendState, Ticket, Weights, bearer, events_address,
+                                         parse_load, rank, request_namespace, tokenize_request)
 from kvserve.server.router_metrics import RouterMetrics, reported_cached_tokens
 
 log = logging.getLogger("kvserve.router")
@@ -34,6 +35,7 @@ log = logging.getLogger("kvserve.router")
 FORWARDED_HEADERS = ("authorization", "content-type", "accept", "x-api-key", "anthropic-version",
                      "anthropic-beta")
 RETRY_STATUSES = (502, 503, 504)  # the backend is going down or its engine died: try another
+POLL_TIMEOUTS_DOWN = 3  # health checks timing out in a row that mark a backend down
 
 
 class Router:
@@ -73,6 +75,7 @@ class Router:
             for fmt, members in ranked_by_hash.items():
                 scored += rank(members, hashes.get(fmt, []), self.weights, start)
             scored.sort(key=lambda c: c.cost)
+            log.debug("route: %s", [(c.backend.url, c.matched_pages, c.cost) for c in scored])
             for c in scored:
                 choices.append((c.backend, c.matched_pages,
                                 "prefix" if c.matched_pages else "least_loaded"))
@@ -84,11 +87,12 @@ class Router:
         described = [b for b in self.backends if b.healthy and b.page_size]
         if self.policy != "kv" or not described or not isinstance(body, dict):
             return {}
-        source = described[self._turn % len(described)]
+        turn = self._turn % len(described)  # the least busy backend tokenizes, ties in turn
+        source = min(described[turn:] + described[:turn], key=lambda b: (b.backlog, b.load))
         token_ids = await self._token_ids(source, path, body, headers)
         if token_ids is None:
             return {}
-        api_key = _bearer(headers) or headers.get("x-api-key")
+        api_key = bearer(headers) or headers.get("x-api-key")
         namespace = request_namespace(api_key, body.get("cache_salt"), source.namespace_by_api_key)
         raw = page_hashes(token_ids, source.page_size, namespace)
         return {fmt: [external_hash(h, fmt) for h in raw]
@@ -96,24 +100,9 @@ class Router:
 
     async def _token_ids(self, source: BackendState, path: str, body: dict,
                          headers: dict[str, str]) -> list[int] | None:
-        if path == "/v1/completions":
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-                prompt = prompt[0]  # several prompts: route by the first
-            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                return prompt
-            request = ({"prompt": prompt, "add_special_tokens": False} if isinstance(prompt, str)
-                       else None)
-        elif path == "/v1/chat/completions":
-            request = {"messages": body.get("messages"), "add_generation_prompt": True,
-                       "add_special_tokens": False}
-        else:
-            messages = anthropic_to_chat(body)
-            request = None if messages is None else {"messages": messages,
-                                                     "add_generation_prompt": True,
-                                                     "add_special_tokens": False}
-        if request is None:
-            return None
+        request = tokenize_request(path, body)
+        if request is None or isinstance(request, list):
+            return request  # not a text prompt / already token ids
         try:
             response = await self.client.post(source.url + "/tokenize", json=request,
                                               headers=headers, timeout=10.0)
@@ -125,6 +114,37 @@ class Router:
             self.metrics.tokenize_failures.inc()
             return None
         return tokens
+
+    async def send(self, path: str, content: bytes, headers: dict[str, str],
+                   hashes: dict[str, list], tried: set[str]) -> tuple[Ticket, Any, str, int] | str:
+        """The request sent to the best backend not in `tried` (added to it) that takes it: its
+        ticket, the response (status and headers read, body streamed), the decision's reason and
+        the predicted cached pages; or why no backend took it. A backend that fails is marked down."""
+        import httpx
+
+        last_error = "no backend"
+        for b, matched, reason in self.candidates(hashes):
+            if b.url in tried:
+                continue
+            if tried:
+                self.metrics.retries.inc()
+            tried.add(b.url)
+            ticket = b.admit(hashes.get(b.hash_format, []) if b.page_size else [], matched)
+            try:
+                response = await self.client.send(
+                    self.client.build_request("POST", b.url + path, content=content,
+                                              headers=headers), stream=True)
+                if response.status_code in RETRY_STATUSES:
+                    await response.aclose()
+                    raise httpx.HTTPError(f"answered {response.status_code}")
+                return ticket, response, reason, matched
+            except BaseException as err:
+                ticket.release()
+                if not isinstance(err, httpx.HTTPError):
+                    raise  # (a client gone: cancelled)
+                last_error = f"{b.url}: {err or type(err).__name__}"
+                self.mark_down(b, last_error)
+        return last_error
 
     # -- health, load and events ------------------------------------------------------------------
     async def poll_forever(self) -> None:
@@ -139,16 +159,20 @@ class Router:
                 raise ConnectionError(f"/health answered {health.status_code}")
             metrics = await self.client.get(b.url + "/metrics", timeout=2.0)
             load = parse_load(metrics.text)
-            b.num_running = int(load.get("num_requests_running", 0))
-            b.num_waiting = int(load.get("num_requests_waiting", 0))
-            b.kv_usage = float(load.get("kv_cache_usage_perc", 0.0))
+            b.observe_load(int(load.get("num_requests_running", 0)),
+                           int(load.get("num_requests_waiting", 0)),
+                           float(load.get("kv_cache_usage_perc", 0.0)))
             if not b.healthy:
                 log.info("backend %s is up", b.url)
             b.healthy = True
             if self.policy == "kv" and b.url not in self.subscribers:
                 await self.follow_events(b)
+            b.poll_timeouts = 0
         except Exception as err:  # down, hung, or not a kvserve
-            self.mark_down(b, str(err))
+            # a slow answer may be a busy backend: its index stays until several in a row
+            b.poll_timeouts += type(err).__name__.endswith("Timeout")
+            if not type(err).__name__.endswith("Timeout") or b.poll_timeouts >= POLL_TIMEOUTS_DOWN:
+                self.mark_down(b, f"{type(err).__name__}: {err}")
         self.metrics.observe_backend(b)
 
     async def follow_events(self, b: BackendState) -> None:
@@ -193,11 +217,6 @@ class Router:
         self.subscribers.clear()
 
 
-def _bearer(headers: dict[str, str]) -> str | None:
-    scheme, _, token = headers.get("authorization", "").partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
-
-
 def build_router_app(backend_urls: list[str], *, policy: str = "kv",
                      prefill_urls: list[str] | None = None, timeout: float = 600.0,
                      poll_interval_s: float = 0.5, weights: Weights = Weights()):
@@ -208,6 +227,7 @@ def build_router_app(backend_urls: list[str], *, policy: str = "kv",
     from starlette.background import BackgroundTask
 
     from kvserve.server.protocol import error_body
+    from kvserve.server.router_stream import Attempt, ResumingRelay, Transcript, with_seed
 
     router = Router(backend_urls, policy, weights, poll_interval_s)
     prefills = [base_url(u) for u in prefill_urls or []]
@@ -254,48 +274,51 @@ def build_router_app(backend_urls: list[str], *, policy: str = "kv",
             body = None  # a backend answers with the right 400
         hashes = await router.prompt_hashes(path, body, headers)
         await prefill(path, body, headers)
-        last_error = "no backend"
-        for attempt, (b, matched, reason) in enumerate(router.candidates(hashes)):
-            if attempt:
-                router.metrics.retries.inc()
-            b.in_flight += 1
-            released = False
+        seeded = with_seed(path, body)
+        if seeded is not None:
+            content = json.dumps(seeded).encode()
+        tried: set[str] = set()
+        while True:
+            sent = await router.send(path, content, headers, hashes, tried)
+            if isinstance(sent, str):
+                return JSONResponse(error_body(f"no backend could answer ({sent})", "server_error"),
+                                    502)
+            ticket, response, reason, matched = sent
+            b, predicted = ticket.backend, matched * (ticket.backend.page_size or 0)
+            kind = response.headers.get("content-type", "application/json")
+            if kind.startswith("text/event-stream"):
+                break
             try:
-                response = await router.client.send(
-                    router.client.build_request("POST", b.url + path, content=content,
-                                                headers=headers), stream=True)
-                if response.status_code in RETRY_STATUSES:
-                    await response.aclose()
-                    raise httpx.HTTPError(f"answered {response.status_code}")
-                kind = response.headers.get("content-type", "application/json")
-                predicted = matched * (b.page_size or 0)
-                if not kind.startswith("text/event-stream"):
-                    data = await response.aread()
-                    await response.aclose()
-                    router.metrics.decided(b.url, reason, predicted)
-                    router.metrics.reported(predicted, reported_cached_tokens(data))
-                    return Response(data, response.status_code, media_type=kind)
-                # wait for the first bytes (the first token): a backend dying before that is retried
-                chunks = response.aiter_raw()
-                try:
-                    first = await chunks.__anext__()
-                except BaseException:
-                    await response.aclose()
-                    raise
-                router.metrics.decided(b.url, reason, predicted)
-                released = True
-                relay = _Relay(response, b, router.metrics, predicted)
-                return StreamingResponse(
-                    relay.chunks(first, chunks), response.status_code, media_type=kind,
-                    headers={"Cache-Control": "no-cache"}, background=BackgroundTask(relay.finish))
-            except (httpx.HTTPError, StopAsyncIteration) as err:
-                last_error = f"{b.url}: {err or type(err).__name__}"
-                router.mark_down(b, last_error)
+                data = await response.aread()
+            except httpx.HTTPError as err:  # died before its whole answer came: try another
+                router.mark_down(b, f"{b.url}: {err or type(err).__name__}")
+                continue
             finally:
-                if not released:
-                    b.in_flight -= 1
-        return JSONResponse(error_body(f"no backend could answer ({last_error})", "server_error"),
-                            502)
+                ticket.release()
+                await response.aclose()
+            router.metrics.decided(b.url, reason, predicted)
+            router.metrics.reported(predicted, reported_cached_tokens(data))
+            return Response(data, response.status_code, media_type=kind)
+        router.metrics.decided(b.url, reason, predicted)
+
+        async def reopen(tried: set[str]) -> Attempt | None:
+            while not isinstance(sent := await router.send(path, content, headers, hashes, tried),
+                                 str):
+                ticket, response, _, matched = sent
+                kind = response.headers.get("content-type", "")
+                if response.status_code == 200 and kind.startswith("text/event-stream"):
+                    return Attempt(ticket, response, matched * (ticket.backend.page_size or 0))
+                ticket.release()
+                await response.aclose()
+            return None
+
+        relay = ResumingRelay(Transcript(anthropic=path == "/v1/messages",
+                                         chat=path == "/v1/chat/completions"),
+                              Attempt(ticket, response, predicted), reopen, router.mark_down,
+                              router.metrics)
+        return StreamingResponse(relay.body(), response.status_code, media_type=kind,
+                                 headers={"Cache-Control": "no-cache"},
+                                 background=BackgroundTask(relay.finish))
 
     @app.post("/v1/completions")
     async def completions(raw: Request):
@@ -337,34 +360,11 @@ def build_router_app(backend_urls: list[str], *, policy: str = "kv",
     async def backends():
         return [{"url": b.url, "healthy": b.healthy, "num_requests_running": b.num_running,
                  "num_requests_waiting": b.num_waiting, "kv_cache_usage_perc": b.kv_usage,
-                 "in_flight": b.in_flight, "page_size": b.page_size, "index_pages": len(b.pages)}
+                 "in_flight": b.in_flight, "backlog_pages": b.backlog, "page_size": b.page_size,
+                 "index_pages": len(b.pages)}
                 for b in router.backends]
 
     return app
-
-
-class _Relay:
-    """An SSE stream passed through; `finish` (the response's background task, which runs even when
-    the client left before the stream started) closes the backend's answer, releases the backend's
-    in-flight slot and reads the usage from the stream's last chunks."""
-
-    def __init__(self, response, backend: BackendState, metrics: RouterMetrics,
-                 predicted: int) -> None:
-        self.response, self.backend, self.metrics, self.predicted = (response, backend, metrics,
-                                                                     predicted)
-        self.tail = b""
-
-    async def chunks(self, first: bytes, rest):
-        self.tail = first[-65536:]
-        yield first
-        async for chunk in rest:
-            self.tail = (self.tail + chunk)[-65536:]
-            yield chunk
-
-    async def finish(self) -> None:
-        self.backend.in_flight -= 1
-        await self.response.aclose()
-        self.metrics.reported(self.predicted, reported_cached_tokens(self.tail, sse=True))
 
 
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
@@ -389,6 +389,9 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
 def main_router(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from kvserve.server.launch import setup_logging
+
+    setup_logging(args.log_level)  # the router's own lines (backends up and down, decisions)
     if args.poll_interval <= 0:
         raise ValueError("--poll-interval must be positive")
     app = build_router_app(args.backend, policy=args.policy, prefill_urls=args.prefill,

@@ -1,35 +1,59 @@
 """The KV-aware router's bookkeeping, pure Python with no I/O: which backend holds which page hashes
-(fed by each backend's KV events), how loaded each one is, and the score that picks a backend.
+(fed by each backend's KV events, plus the pages of prompts just sent there), how loaded each one
+is, and the score that picks a backend.
 
-Score (lower is better), for a prompt of P full pages of which backend b holds the first m_b:
+Score (lower is better, in pages of prefill), for a prompt of P full pages of which backend b holds
+the first m_b:
 
-    cost_b = (P - m_b) + P * (load_weight * load_b + kv_weight * kv_usage_b)
+    cost_b = prefill * (P - m_b) + backlog_b + decode * decoding_b
+             + P * (unknown * others_b + kv * kv_usage_b)
 
-`P - m_b` is the prefill work left on b; `load_b` (running + waiting requests, or the requests the
-router has in flight there if that is more recent and higher) prices the queue a request joins,
-each queued request costing about as much as this one, as Dynamo's and llm-d's routers weigh
-overlap against load; `kv_usage_b` in 0..1 is how full b's page pool is (a full pool must evict
-to take new pages). With nothing cached anywhere the cost is lowest on the least-loaded backend.
-With the default weights a full hit wins until the cached backend has 2 more requests queued
-than a cold one. Ties go to the backend after the last one chosen (round robin).
+`P - m_b` is this prompt's prefill left on b, weighed `prefill` (2) times: besides this request's
+wait, a prefix computed again on a second backend takes compute and cache space from the others
+and splits the prefix's later requests between two copies. `backlog_b` is the prefill queued ahead
+of it: the uncached pages of the router's requests on b that have not produced their first token.
+So a cached prefix moves only when more than two prompts' worth of prefill is queued where it is.
+`decoding_b` counts the router's requests on b past their first token (each decode step they share
+costs about `decode` pages). `others_b` are requests b reports (running + waiting, at the last poll)
+beyond the router's own, of unknown size, each priced as a share of this prompt, as Dynamo's and
+llm-d's routers weigh overlap against load; `kv_usage_b` in 0..1 is how full b's page pool is (a
+full pool must evict to take new pages). With nothing cached the least-loaded backend wins.
+
+m_b counts a page b announced in its events, or one of a prompt the router sent to b that is still
+in flight or finished less than PREDICT_GRACE_S ago: its events may not have arrived yet, and a
+request with the same prefix routed meanwhile belongs there too (llm-d's and Dynamo's "approximate"
+index). Ties go to the backend holding more of the prompt, then to the one after the last one
+chosen (round robin).
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from kvserve.cache.events import MEDIUM_REDIS, WireEvent
 
 WireHash = int | bytes
+PREDICT_GRACE_S = 5.0  # a finished request's pages count as held until its events come
 
 
 @dataclass(frozen=True, slots=True)
 class Weights:
-    load: float = 0.5
+    prefill: float = 2.0  # this prompt's uncached pages against the prefill queued ahead of it
+    decode: float = 2.0  # pages of prefill that one decoding request's share of each step is worth
+    unknown: float = 0.5  # share of this prompt each request of unknown size is priced at
     kv_usage: float = 0.25
+
+
+@dataclass(slots=True)
+class Prediction:
+    """Pages of prompts sent to a backend: held while a request with them is in flight, and for a
+    grace period after the last one finished."""
+    in_flight: int = 0
+    until: float = 0.0
 
 
 @dataclass(slots=True)
@@ -38,17 +62,27 @@ class BackendState:
     healthy: bool = False
     num_running: int = 0  # reported by the backend's /metrics
     num_waiting: int = 0
+    others: int = 0  # running + waiting beyond the router's own in flight, at the last poll
     kv_usage: float = 0.0
     in_flight: int = 0  # requests the router sent there and has not seen finish
+    decoding: int = 0  # ... of which past their first token
+    backlog: int = 0  # uncached prompt pages of the router's requests there still in prefill
     page_size: int | None = None  # from its KV events description; None: no events
     hash_format: str = "int"
     namespace_by_api_key: bool = False
     epoch: int = 0  # bumped when the backend is marked down: older subscriptions are void
+    poll_timeouts: int = 0  # health checks timed out in a row
     pages: dict[WireHash, set[str]] = field(default_factory=dict)  # page hash -> media holding it
+    predicted: dict[WireHash, Prediction] = field(default_factory=dict)  # (event loop only)
+    purged_at: float = 0.0
 
     @property
     def load(self) -> int:
-        return max(self.num_running + self.num_waiting, self.in_flight)
+        return self.in_flight + self.others
+
+    def observe_load(self, running: int, waiting: int, kv_usage: float) -> None:
+        self.num_running, self.num_waiting, self.kv_usage = running, waiting, kv_usage
+        self.others = max(0, running + waiting - self.in_flight)
 
     def apply(self, events: list[WireEvent]) -> None:
         """One batch of this backend's KV events. Redis pages are every instance's, so they say
@@ -70,17 +104,75 @@ class BackendState:
                             del self.pages[h]
 
     def forget(self) -> None:
-        """A dead or restarted backend: nothing it announced is trusted any more."""
+        """A dead or restarted backend: nothing it announced or was sent is trusted any more."""
         self.pages.clear()
+        self.predicted.clear()
         self.page_size = None
 
-    def matched_pages(self, hashes: list[WireHash]) -> int:
-        """Length of the leading run of `hashes` this backend holds (a prefix hit needs every page
-        before it)."""
+    def holds(self, h: WireHash, now: float) -> bool:
+        if h in self.pages:
+            return True
+        p = self.predicted.get(h)
+        return p is not None and (p.in_flight > 0 or p.until > now)
+
+    def matched_pages(self, hashes: list[WireHash], now: float | None = None) -> int:
+        """Length of the leading run of `hashes` this backend holds or is predicted to hold (a
+        prefix hit needs every page before it)."""
+        now = time.monotonic() if now is None else now
         for i, h in enumerate(hashes):
-            if h not in self.pages:
+            if not self.holds(h, now):
                 return i
         return len(hashes)
+
+    def admit(self, hashes: list[WireHash], matched: int) -> Ticket:
+        """A request sent here: its uncached pages join the backlog, its pages are predicted."""
+        ticket = Ticket(self, list(hashes), len(hashes) - matched)
+        self.in_flight += 1
+        self.backlog += ticket.new_pages
+        for h in ticket.hashes:
+            self.predicted.setdefault(h, Prediction()).in_flight += 1
+        return ticket
+
+    def _purge(self, now: float) -> None:
+        if now - self.purged_at >= 1.0:
+            self.purged_at = now
+            for h in [h for h, p in self.predicted.items() if not p.in_flight and p.until <= now]:
+                del self.predicted[h]
+
+
+@dataclass(slots=True)
+class Ticket:
+    """One request's claim on a backend, from routing until its answer ends."""
+    backend: BackendState
+    hashes: list[WireHash]
+    new_pages: int
+    prefilling: bool = True
+    open: bool = True
+
+    def first_token(self) -> None:
+        """Its prefill is done: off the backlog, now decoding."""
+        if self.open and self.prefilling:
+            self.prefilling = False
+            self.backend.backlog -= self.new_pages
+            self.backend.decoding += 1
+
+    def release(self, grace_s: float = PREDICT_GRACE_S) -> None:
+        if not self.open:
+            return
+        self.open = False
+        b = self.backend
+        if self.prefilling:
+            b.backlog -= self.new_pages
+        else:
+            b.decoding -= 1
+        b.in_flight -= 1
+        now = time.monotonic()
+        for h in self.hashes:
+            p = b.predicted.get(h)
+            if p is not None:  # (gone if the backend was forgotten meanwhile)
+                p.in_flight = max(0, p.in_flight - 1)
+                p.until = now + grace_s
+        b._purge(now)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,17 +184,19 @@ class Choice:
 
 def rank(backends: list[BackendState], hashes: list[WireHash], weights: Weights = Weights(),
          start: int = 0) -> list[Choice]:
-    """Backends by cost, best first; equal costs in order from index `start` on (round robin)."""
+    """Backends by cost, best first; at equal cost the one holding more of the prompt (a request
+    queued behind its own prefix's prefill reuses it), then in order from index `start` on."""
     num_pages = max(len(hashes), 1)
+    now = time.monotonic()
     n = len(backends)
     choices = []
     for offset in range(n):
         b = backends[(start + offset) % n]
-        matched = b.matched_pages(hashes) if hashes else 0
-        cost = (num_pages - matched) + num_pages * (weights.load * b.load
-                                                    + weights.kv_usage * b.kv_usage)
-        choices.append((cost, offset, Choice(b, matched, cost)))
-    return [c for _, _, c in sorted(choices, key=lambda t: (t[0], t[1]))]
+        matched = b.matched_pages(hashes, now) if hashes else 0
+        cost = (weights.prefill * (num_pages - matched) + b.backlog + weights.decode * b.decoding
+                + num_pages * (weights.unknown * b.others + weights.kv_usage * b.kv_usage))
+        choices.append((cost, -matched, offset, Choice(b, matched, cost)))
+    return [c[-1] for c in sorted(choices, key=lambda t: t[:3])]
 
 
 def key_namespace(api_key: str) -> str:
@@ -117,6 +211,12 @@ def request_namespace(api_key: str | None, cache_salt: str | None,
     key_ns = key_namespace(api_key) if (namespace_by_api_key and api_key) else ""
     salt = cache_salt or ""
     return f"{key_ns}\x00{salt}" if key_ns else salt
+
+
+def bearer(headers: dict[str, str]) -> str | None:
+    """The API key of an `Authorization: Bearer` header."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
 _METRIC = re.compile(r"^kvserve:(\w+?)(?:_total)?(?:\{[^}]*\})?\s+(\S+)$")
@@ -172,3 +272,25 @@ def anthropic_to_chat(body: dict) -> list[dict[str, str]] | None:
             return None
         messages.append({"role": message.get("role", "user"), "content": content})
     return messages
+
+
+def tokenize_request(path: str, body: dict) -> dict | list[int] | None:
+    """What to ask a backend's /tokenize for the prompt of a request to `path`: a request body, the
+    token ids themselves (a completion given as ids), or None (not a text prompt)."""
+    if path == "/v1/completions":
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # several prompts: route by the first
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return prompt
+        request = ({"prompt": prompt, "add_special_tokens": False} if isinstance(prompt, str)
+                   else None)
+    elif path == "/v1/chat/completions":
+        request = {"messages": body.get("messages"), "add_generation_prompt": True,
+                   "add_special_tokens": False}
+    else:
+        messages = anthropic_to_chat(body)
+        request = None if messages is None else {"messages": messages,
+                                                 "add_generation_prompt": True,
+                                                 "add_special_tokens": False}
+    return request

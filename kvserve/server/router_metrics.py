@@ -31,6 +31,8 @@ class RouterMetrics:
                                 "Cached prompt tokens the backends reported in usage.", registry=r)
         self.retries = Counter(PREFIX + "retries", "Requests sent again to another backend.",
                                registry=r)
+        self.stream_resumes = Counter(PREFIX + "stream_resumes", "Streams whose backend broke "
+                                      "mid-answer, resumed on another backend.", registry=r)
         self.backend_failures = Counter(PREFIX + "backend_failures",
                                         "Times a backend was marked down.", ["backend"], registry=r)
         self.tokenize_failures = Counter(PREFIX + "tokenize_failures",

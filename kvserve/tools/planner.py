@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvserve.config import (KV_DTYPES, ConfigError, EngineConfig, ModelConfig, capacity_error_message,
-                            format_bytes, format_number, kv_bytes_per_page, parse_bytes, pool_tokens_for)
+                            format_bytes, format_number, kv_bytes_for_tokens, kv_bytes_per_page, parse_bytes,
+                            pool_tokens_for, split_kv_budget, uses_hybrid_kv, window_pages_held,
+                            window_slots_needed)
 
 GIB = 1024**3
 CONTEXT_STEPS = (2048, 8192, 32768, 131072)
@@ -110,9 +112,10 @@ def _load_gguf(path: Path) -> ModelShape:
 
 
 def kv_cache_bytes(cfg: ModelConfig, kv_dtype: str, context: int, concurrency: int, page_size: int = 16) -> int:
-    """Bytes the engine allocates for `concurrency` requests of `context` tokens: whole pages each."""
-    per_page = kv_bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size, KV_DTYPES[kv_dtype])
-    return math.ceil(context / page_size) * per_page * concurrency
+    """Bytes the engine holds for `concurrency` requests of `context` tokens: whole pages each, and in
+    sliding-window layers only the window's pages (the hybrid allocator, on by default)."""
+    hybrid = uses_hybrid_kv(EngineConfig(page_size=page_size), cfg)
+    return kv_bytes_for_tokens(cfg, KV_DTYPES[kv_dtype], context, page_size, hybrid) * concurrency
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -182,21 +185,30 @@ def run_plan(args: argparse.Namespace) -> dict:
     concurrencies = sorted(set(CONCURRENCY_STEPS) | {args.concurrency})
     fp16_token = page_bytes("fp16") / page_size
     mha_token = fp16_token * cfg.num_heads / cfg.num_kv_heads
+    defaults = EngineConfig(page_size=page_size)
+    hybrid = uses_hybrid_kv(defaults, cfg)
+    wanted_slots = window_slots_needed(defaults, cfg.sliding_window) if hybrid else 0
     dtypes = []
     for name in _kv_dtypes(args.kv_cache_dtype):
         per_page = page_bytes(name)
-        pool_tokens = pool_tokens_for(kv_budget, per_page, page_size)
+        num_pages, num_slots, main_page = split_kv_budget(kv_budget, cfg, page_size, KV_DTYPES[name], wanted_slots)
+        pool_tokens = pool_tokens_for(num_pages * main_page, main_page, page_size)
         usable_pages = pool_tokens // page_size
         pages_per_request = math.ceil(context / page_size)
         needed = kv_cache_bytes(cfg, name, context, args.concurrency, page_size)
         weights_ok = memory is None or memory["weights_fit"]
+        window_ok = not hybrid or args.concurrency * window_pages_held(context, cfg.sliding_window, page_size) \
+            < num_slots
         dtypes.append({
             "kv_dtype": name, "bytes_per_token": per_page / page_size, "bytes_per_page": per_page,
             "table": [{"context": c, "bytes": [kv_cache_bytes(cfg, name, c, n, page_size) for n in concurrencies],
                        "gib": [kv_cache_bytes(cfg, name, c, n, page_size) / GIB for n in concurrencies]}
                       for c in contexts],
+            "request_bytes": kv_cache_bytes(cfg, name, context, 1, page_size),
             "needed_bytes": needed, "needed_gib": needed / GIB, "pool_tokens": pool_tokens,
-            "fits": weights_ok and pages_per_request * args.concurrency <= usable_pages,
+            "window_pool_pages": max(0, num_slots - 1),
+            "room_bytes": usable_pages * main_page + max(0, num_slots - 1) * (per_page - main_page),
+            "fits": weights_ok and window_ok and pages_per_request * args.concurrency <= usable_pages,
             "max_context_at_concurrency": min(usable_pages // args.concurrency * page_size, model_max),
             "max_concurrency_at_context": usable_pages // pages_per_request,
             "startup_ok": context <= pool_tokens,
@@ -207,7 +219,9 @@ def run_plan(args: argparse.Namespace) -> dict:
         "model": {"name": cfg.name, "source": shape.source, "num_layers": cfg.num_layers, "num_heads": cfg.num_heads,
                   "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_size": cfg.hidden_size,
                   "max_position_embeddings": model_max, "num_params": shape.num_params,
-                  "weights_dtype": weights_dtype, "weights_bytes": weights_bytes},
+                  "weights_dtype": weights_dtype, "weights_bytes": weights_bytes,
+                  "sliding_window": cfg.sliding_window, "num_window_layers": cfg.num_window_layers},
+        "hybrid_kv": hybrid,
         "page_size": page_size, "context": context, "concurrency": args.concurrency,
         "context_beyond_model_max": context > model_max,
         "bytes_per_token": {name: page_bytes(name) / page_size for name in KV_DTYPES},
@@ -246,6 +260,10 @@ def render_plan(result: dict, console) -> None:
                   f"{m['max_position_embeddings']:,}, {m['num_params'] / 1e9:.2f}B params, weights "
                   f"{format_bytes(m['weights_bytes'])} ({m['weights_dtype']})")
     console.print(result["gqa"]["note"])
+    if result["hybrid_kv"]:
+        console.print(f"Sliding window of {m['sliding_window']:,} tokens in {m['num_window_layers']} of "
+                      f"{m['num_layers']} layers: they keep only the window's pages (the hybrid allocator), "
+                      "and the tables below count them that way")
     per_token = Table(title="KV bytes per token")
     for col in ("kv dtype", "bytes/token", f"bytes/page of {result['page_size']}", "vs fp16"):
         per_token.add_column(col, justify="right")
@@ -262,7 +280,7 @@ def render_plan(result: dict, console) -> None:
         table.add_column("context", justify="right")
         for n in result["concurrencies"]:
             table.add_column(f"x{n}", justify="right")
-        room = d["pool_tokens"] // result["page_size"] * d["bytes_per_page"]  # bytes of usable pages
+        room = d["room_bytes"]  # bytes of usable pages
         if result["memory"] is not None and not result["memory"]["weights_fit"]:
             room = -1
         for row in d["table"]:

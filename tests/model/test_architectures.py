@@ -264,3 +264,34 @@ def test_transformers4_config_json_fields_are_read():
     factors = llama.rope_freq_factors
     assert len(factors) == 64 and factors[0] == 1.0 and factors[-1] == 8.0
     assert all(a <= b for a, b in zip(factors, factors[1:]))  # longer wavelengths are stretched more
+
+
+@pytest.mark.slow
+def test_gemma_4096_token_request_holds_what_kvserve_plan_says(gemma, capsys):
+    """Hybrid allocator: the 15 sliding layers hold the last 512 tokens' pages, the 3 global ones all
+    4,096, i.e. (5/6 x 512 + 1/6 x 4,096) tokens per layer on average; stats and plan agree."""
+    import json
+
+    from kvserve.tools.planner import main_plan
+    from tests.tools.test_planner import plan_args
+
+    llm = make_llm(model=gemma, page_size=16, kv_cache_memory="512MiB", max_model_len=8192,
+                   max_num_batched_tokens=2048)
+    engine = llm.engine
+    prompt = gemma_prompt(engine.loaded, 4096, seed=3)
+    assert len(prompt) == 4096
+    engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    engine.step()
+    engine.step()  # two chunks of 2,048: the prompt is computed and the first token sampled
+    stats = engine.stats()
+    kv_dtype = engine.cache_config.kv_dtype.name
+    assert main_plan(plan_args("--model", gemma, "--context", "4096", "--kv-cache-dtype", kv_dtype,
+                               "--json")) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["hybrid_kv"] and plan["model"]["num_window_layers"] == 15
+    assert stats["kv_bytes_used"] == plan["dtypes"][0]["request_bytes"]
+    assert stats["num_pages_used"] == 4096 // 16 and stats["window_pool"]["num_pages_used"] == 512 // 16
+    per_layer_token = plan["dtypes"][0]["bytes_per_token"] / 18
+    assert stats["kv_bytes_used"] == per_layer_token * (15 * 512 + 3 * 4096)
+    while engine.has_unfinished():
+        engine.step()

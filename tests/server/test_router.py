@@ -27,7 +27,8 @@ def prompt_hashes(tokens: list[int], ns: str = "") -> list[int]:
 
 
 def backend(url: str, *, load: int = 0, kv: float = 0.0, hashes=()) -> BackendState:
-    b = BackendState(url, healthy=True, num_running=load, kv_usage=kv, page_size=PAGE)
+    b = BackendState(url, healthy=True, page_size=PAGE)
+    b.observe_load(load, 0, kv)  # requests not sent by this router: of unknown size
     b.apply([WireEvent("BlockStored", list(hashes), "pool")])
     return b
 
@@ -41,13 +42,58 @@ def test_the_backend_holding_the_prefix_wins_at_equal_load():
     assert [x.matched_pages for x in best] == [6, 4, 0]
 
 
-def test_load_outweighs_a_cached_prefix_only_past_two_queued_requests():
+def test_unknown_load_outweighs_a_cached_prefix_only_past_four_requests():
     hashes = prompt_hashes(list(range(100)))
     cold = backend("cold", load=1)
-    assert rank([backend("warm", load=3, hashes=hashes), cold], hashes)[0].backend.url == "warm"
-    assert rank([backend("warm", load=4, hashes=hashes), cold], hashes)[0].backend.url == "cold"
+    assert rank([backend("warm", load=5, hashes=hashes), cold], hashes)[0].backend.url == "warm"
+    assert rank([backend("warm", load=6, hashes=hashes), cold], hashes)[0].backend.url == "cold"
     full = backend("full", kv=1.0, hashes=hashes)  # a full pool still beats recomputing 6 pages
     assert rank([full, backend("empty")], hashes)[0].backend.url == "full"
+
+
+def test_the_routers_own_requests_are_priced_by_their_prefill_and_decode_work():
+    """A request in prefill costs its uncached pages (the backlog a new request waits behind); one
+    past its first token costs little (a share of each decode step), so a cached prefix stays put."""
+    hashes = prompt_hashes(list(range(100)))  # 6 pages
+    warm, cold = backend("warm", hashes=hashes), backend("cold")
+    other = prompt_hashes(list(range(500, 600)))
+    busy = warm.admit(other, 0)  # 6 uncached pages in prefill ahead: the cached prefix still wins
+    assert [(c.backend, c.cost) for c in rank([warm, cold], hashes)] == [(warm, 6), (cold, 12)]
+    more = warm.admit(prompt_hashes([7] * 100), 0)  # 12 pages of backlog: a tie, the cache wins
+    assert [(c.backend, c.cost) for c in rank([warm, cold], hashes)] == [(warm, 12), (cold, 12)]
+    most = warm.admit(prompt_hashes([8] * 20), 0)  # 13: recomputing on the idle one is cheaper
+    assert rank([warm, cold], hashes)[0].backend is cold
+    more.release()
+    most.release()
+    busy.first_token()  # prefilled, decoding: it costs a decode share, not a prefill
+    assert (warm.backlog, warm.decoding, warm.in_flight) == (0, 1, 1)
+    assert rank([warm, cold], hashes)[0].backend is warm
+    busy.release()
+    busy.release()  # idempotent
+    assert (warm.backlog, warm.decoding, warm.in_flight) == (0, 0, 0)
+    warm.observe_load(4, 1, 0.0)  # 5 at the backend, none the router's: unknown, priced high
+    assert warm.others == 5 and rank([warm, cold], hashes)[0].backend is cold
+
+
+def test_a_prompt_just_sent_is_predicted_where_it_went_until_its_events_come():
+    """Pages of a prompt routed to a backend count as held there while it is in flight and for a
+    grace period after, so the same prefix routed before the events arrive follows it."""
+    hashes = prompt_hashes(list(range(100)))
+    a, b = backend("a"), backend("b")
+    ticket = b.admit(hashes, 0)
+    assert b.matched_pages(hashes) == 6 and a.matched_pages(hashes) == 0
+    assert b.matched_pages(prompt_hashes(list(range(50)) + [1] * 50)) == 3  # a shared prefix
+    ticket.release(grace_s=30.0)
+    assert b.matched_pages(hashes) == 6  # finished: its events may still be on their way
+    now = time.monotonic()
+    assert b.matched_pages(hashes, now + 31.0) == 0
+    again = b.admit(hashes, 6)
+    again.release(grace_s=0.0)
+    b._purge(time.monotonic() + 2.0)
+    assert not b.predicted and b.matched_pages(hashes) == 0
+    b.admit(hashes, 0)
+    b.forget()  # a dead backend: predictions go too
+    assert b.matched_pages(hashes) == 0
 
 
 def test_nothing_cached_goes_to_the_least_loaded_and_ties_take_turns():
@@ -160,8 +206,8 @@ def test_router_follows_real_publishers_and_forgets_a_dead_backend():
         pubs[1].publish([BlockRemoved(raw[2:])])
         wait_for(lambda: len(b.pages) == 2)
         assert router.candidates(hashes)[0][:2] == (b, 2)
-        a.num_running = 0
-        b.num_running = 5  # two cached pages do not outweigh a queue of five
+        a.observe_load(0, 0, 0.0)
+        b.observe_load(5, 0, 0.0)  # two cached pages do not outweigh a queue of five
         assert router.candidates(hashes)[0][0] is a
         router.mark_down(b, "test")
         assert not b.pages and b.url not in router.subscribers and b.page_size is None
@@ -184,6 +230,44 @@ def test_round_robin_takes_turns_over_healthy_backends():
         Router(["http://a:1"], "random")
     with pytest.raises(ValueError, match="at least one"):
         Router([], "kv")
+
+
+def test_a_backend_slow_to_answer_its_health_check_keeps_its_index_for_a_while():
+    """A health check timing out may be a busy backend: its pages stay indexed until three in a row
+    time out; a refused connection marks it down at once."""
+    import asyncio
+    import socket
+
+    import httpx
+
+    from kvserve.server.router import POLL_TIMEOUTS_DOWN
+
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(8)  # never accepts: a request to it waits for its answer until the timeout
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
+    urls = [f"http://127.0.0.1:{s.getsockname()[1]}" for s in (hung, closed)]
+    router = Router(urls, "kv")
+    busy, dead = router.backends
+    for b in router.backends:
+        b.healthy, b.pages = True, {1: {"pool"}}
+
+    async def polls(n: int) -> None:
+        async with httpx.AsyncClient() as client:
+            router.client = client
+            for _ in range(n):
+                await asyncio.gather(router.poll(busy), router.poll(dead))
+
+    try:
+        asyncio.run(polls(POLL_TIMEOUTS_DOWN - 1))
+        assert busy.healthy and busy.pages and busy.poll_timeouts == POLL_TIMEOUTS_DOWN - 1
+        assert not dead.healthy and not dead.pages
+        asyncio.run(polls(1))
+        assert not busy.healthy and not busy.pages
+    finally:
+        hung.close()
+        closed.close()
 
 
 # -- real processes ---------------------------------------------------------------------------------

@@ -1,0 +1,299 @@
+"""A streamed answer relayed whole to the client even when its backend dies mid-stream: the router
+sends the request again to another backend and the new stream resumes where the client is, its
+events cut so the client never sees text twice (OpenAI chat and completions, Anthropic messages).
+
+Exact when both backends generate the same text: greedy, or seeded sampling (seeded draws depend
+only on the seed and the token's position, kvserve/model/sampler.py). The router gives a sampled
+OpenAI stream without a seed one of its own for that reason (`with_seed`). When the replacement's
+text still disagrees with what the client has (Anthropic sampling has no seed), the stream ends
+with an error event rather than splice two different answers.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from kvserve.server.router_index import BackendState, Ticket
+from kvserve.server.router_metrics import RouterMetrics, reported_cached_tokens
+
+DELTA_KEYS = ("text", "thinking", "partial_json")  # an Anthropic delta's growing field
+
+
+class BackendBroke(Exception):
+    """The backend's stream ended (or reported its own shutdown) before the answer did."""
+
+
+class Diverged(Exception):
+    """The replacement stream's text differs from what the client already has."""
+
+
+@dataclass(slots=True)
+class Event:
+    raw: bytes  # as the backend sent it, blank line included
+    name: str | None  # the `event:` field (Anthropic)
+    data: Any  # the `data:` field as JSON, "[DONE]", or None
+
+
+def parse_event(raw: bytes) -> Event:
+    name, data = None, []
+    for line in raw.split(b"\n"):
+        if line.startswith(b"event:"):
+            name = line[6:].strip().decode("utf-8", "replace")
+        elif line.startswith(b"data:"):
+            data.append(line[5:].removeprefix(b" "))
+    joined = b"\n".join(data)
+    if joined == b"[DONE]":
+        return Event(raw, name, "[DONE]")
+    try:
+        return Event(raw, name, json.loads(joined))
+    except ValueError:
+        return Event(raw, name, None)
+
+
+def encode(name: str | None, payload: Any) -> bytes:
+    line = "data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+    return ((f"event: {name}\n" if name else "") + line).encode()
+
+
+async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[Event]:
+    """Whole events from a byte stream; a trailing partial event (the stream broke) is dropped."""
+    buffer = b""
+    async for chunk in chunks:
+        buffer += chunk
+        while (end := buffer.find(b"\n\n")) >= 0:
+            raw, buffer = buffer[:end + 2], buffer[end + 2:]
+            if raw.strip():
+                yield parse_event(raw)
+
+
+def with_seed(path: str, body: Any) -> dict | None:
+    """An OpenAI stream that samples without a seed, given a random one (so a resumed stream draws
+    the same tokens); None when the body needs none."""
+    if (path == "/v1/messages" or not isinstance(body, dict) or body.get("stream") is not True
+            or body.get("seed") is not None or body.get("temperature") == 0):
+        return None
+    return {**body, "seed": secrets.randbelow(2**63)}
+
+
+@dataclass
+class Transcript:
+    """What the client has of one streamed answer, and the filter that turns a replacement stream
+    into the rest of it."""
+    anthropic: bool
+    chat: bool = True
+    text: dict[int, str] = field(default_factory=dict)  # per choice / content block: client's text
+    read: dict[int, int] = field(default_factory=dict)  # ... of which the current stream repeated
+    opened: set[int] = field(default_factory=set)  # chat roles / Anthropic blocks started
+    closed: set[int] = field(default_factory=set)  # finish_reasons / Anthropic blocks stopped
+    sent: set[str] = field(default_factory=set)  # Anthropic message_start, message_delta
+    ids: dict[str, Any] | None = None  # the first stream's id and created (OpenAI)
+    attempt: int = 0
+    done: bool = False
+
+    def resume(self) -> None:
+        self.attempt += 1
+        self.read = {}
+
+    def accept(self, event: Event) -> bytes | None:
+        """The bytes to send the client for `event` of the current stream, or None."""
+        return self._anthropic(event) if self.anthropic else self._openai(event)
+
+    def first_output(self, event: Event) -> bool:
+        """Whether the event shows the prompt's prefill is done."""
+        if self.anthropic:
+            return event.name == "message_start"
+        choices = event.data.get("choices") if isinstance(event.data, dict) else None
+        return bool(choices) and any(
+            c.get("finish_reason") or (c.get("delta") or {}).get("content") or c.get("text")
+            for c in choices if isinstance(c, dict))
+
+    def error_event(self, message: str) -> bytes:
+        if self.anthropic:
+            return encode("error", {"type": "error",
+                                    "error": {"type": "api_error", "message": message}})
+        return encode(None, {"error": {"message": message, "type": "server_error", "param": None,
+                                       "code": "stream_resume_failed"}}) + b"data: [DONE]\n\n"
+
+    def _fresh(self, i: int, piece: str) -> tuple[str, bool]:
+        """The part of `piece` (the current stream's next text of item i) the client lacks, and
+        whether the piece began inside what the client has."""
+        have, pos = self.text.get(i, ""), self.read.get(i, 0)
+        self.read[i] = pos + len(piece)
+        if pos >= len(have):
+            self.text[i] = have + piece
+            return piece, False
+        seen = have[pos:pos + len(piece)]
+        if piece[:len(seen)] != seen:
+            raise Diverged(f"the resumed answer differs from the one being streamed at character "
+                           f"{pos} (sampling without a seed?)")
+        fresh = piece[len(seen):]
+        self.text[i] = have + fresh
+        return fresh, True
+
+    # -- OpenAI: data-only events, `data: [DONE]` last --------------------------------------------
+    def _openai(self, event: Event) -> bytes | None:
+        data = event.data
+        if data == "[DONE]":
+            self.done = True
+            return event.raw
+        if not isinstance(data, dict):
+            return event.raw
+        error = data.get("error")
+        if isinstance(error, dict):
+            if error.get("code") == "shutting_down" or error.get("type") == "server_error":
+                raise BackendBroke(str(error.get("message")))
+            return event.raw
+        changed = False
+        if self.ids is None:
+            self.ids = {k: data[k] for k in ("id", "created") if k in data}
+        for key, value in self.ids.items():
+            if key in data and data[key] != value:
+                data[key], changed = value, True
+        choices = data.get("choices")
+        if isinstance(choices, list) and choices:
+            kept = []
+            for choice in choices:
+                out = self._choice(choice) if isinstance(choice, dict) else choice
+                if out is not None:
+                    kept.append(out)
+                changed |= out is not choice
+            if not kept and not data.get("usage"):
+                return None
+            data["choices"] = kept
+        return encode(event.name, data) if changed else event.raw
+
+    def _choice(self, choice: dict) -> dict | None:
+        """The choice as the client should get it, or None when it has all of it."""
+        i = choice.get("index", 0)
+        holder = dict(choice.get("delta") or {}) if self.chat else choice
+        key = "content" if self.chat else "text"
+        piece = holder.get(key) or ""
+        fresh, old = self._fresh(i, piece if isinstance(piece, str) else "")
+        role_repeated = self.chat and "role" in holder and i in self.opened
+        finish = choice.get("finish_reason")
+        new_finish = bool(finish) and i not in self.closed
+        if not fresh and not new_finish and (old or role_repeated):
+            return None
+        if fresh == piece and not role_repeated and (new_finish or not finish):
+            out = choice
+        else:
+            holder[key] = fresh
+            if role_repeated:
+                del holder["role"]
+            out = {**choice, "finish_reason": finish if new_finish else None}
+            if self.chat:
+                out["delta"] = holder
+            else:
+                out["text"] = fresh
+        if self.chat and "role" in holder:
+            self.opened.add(i)
+        if new_finish:
+            self.closed.add(i)
+        return out
+
+    # -- Anthropic: named events, message_stop last -----------------------------------------------
+    def _anthropic(self, event: Event) -> bytes | None:
+        data = event.data if isinstance(event.data, dict) else {}
+        name = event.name or data.get("type")
+        if name in ("message_start", "message_delta"):
+            if name in self.sent:
+                return None
+            self.sent.add(name)
+        elif name == "ping":
+            return event.raw if self.attempt == 0 else None
+        elif name in ("content_block_start", "content_block_stop"):
+            marks = self.opened if name == "content_block_start" else self.closed
+            i = data.get("index", 0)
+            if i in marks:
+                return None
+            marks.add(i)
+        elif name == "content_block_delta":
+            return self._anthropic_delta(event, data)
+        elif name == "message_stop":
+            self.done = True
+        elif name == "error":
+            error = data.get("error") or {}
+            if error.get("type") in ("overloaded_error", "api_error"):
+                raise BackendBroke(str(error.get("message")))
+            self.done = True
+        return event.raw
+
+    def _anthropic_delta(self, event: Event, data: dict) -> bytes | None:
+        delta = data.get("delta") or {}
+        key = next((k for k in DELTA_KEYS if isinstance(delta.get(k), str)), None)
+        if key is None:
+            return event.raw if self.attempt == 0 else None
+        fresh, _ = self._fresh(data.get("index", 0), delta[key])
+        if not fresh:
+            return None
+        if fresh == delta[key]:
+            return event.raw
+        return encode(event.name, {**data, "delta": {**delta, key: fresh}})
+
+
+@dataclass
+class Attempt:
+    """One backend's streamed answer to the request."""
+    ticket: Ticket
+    response: Any  # httpx.Response opened with stream=True
+    predicted_tokens: int = 0
+
+
+class ResumingRelay:
+    """The client's stream: events of the current attempt through the transcript; when the attempt
+    breaks, `reopen` (the router: the request sent to a backend not yet tried) gives the next.
+    `finish` (the response's background task, run even when the client left before the stream
+    started) closes whatever attempt is still open."""
+
+    def __init__(self, transcript: Transcript, first: Attempt,
+                 reopen: Callable[[set[str]], Awaitable[Attempt | None]],
+                 broken: Callable[[BackendState, str], None], metrics: RouterMetrics) -> None:
+        self.transcript, self.current, self.reopen = transcript, first, reopen
+        self.broken, self.metrics = broken, metrics
+        self.tried = {first.ticket.backend.url}
+        self.tail = b""
+
+    async def body(self) -> AsyncIterator[bytes]:
+        while self.current is not None:
+            attempt = self.current
+            try:
+                async for event in sse_events(attempt.response.aiter_raw()):
+                    if attempt.ticket.prefilling and self.transcript.first_output(event):
+                        attempt.ticket.first_token()
+                    out = self.transcript.accept(event)
+                    if out:
+                        self.tail = (self.tail + out)[-65536:]
+                        yield out
+                    if self.transcript.done:
+                        self.metrics.reported(attempt.predicted_tokens,
+                                              reported_cached_tokens(self.tail, sse=True))
+                        return
+                raise BackendBroke("the stream ended before the answer did")
+            except (httpx.HTTPError, BackendBroke) as err:
+                self.broken(attempt.ticket.backend, f"stream broke: {err or type(err).__name__}")
+            except Diverged as err:
+                yield self.transcript.error_event(str(err))
+                return
+            finally:
+                await self._close(attempt)
+            self.current = await self.reopen(self.tried)
+            if self.current is not None:
+                self.tried.add(self.current.ticket.backend.url)
+                self.transcript.resume()
+                self.metrics.stream_resumes.inc()
+        yield self.transcript.error_event("the backend died mid-stream and no other could resume it")
+
+    async def finish(self) -> None:
+        if self.current is not None:
+            await self._close(self.current)
+
+    @staticmethod
+    async def _close(attempt: Attempt) -> None:
+        attempt.ticket.release()
+        await attempt.response.aclose()

@@ -14,7 +14,6 @@ from kvserve.model.loaded import GGUFTensor, unpermute_rope_rows
 
 GROUP = 32  # elements per int4 group: one GGUF Q4 block
 PACKED_MODES = ("int4", "int8")
-INT8_CHUNK = 1024  # Int8Linear: output rows per kernel call for multi-row inputs (a 576 KiB slice)
 DEQUANT_ROWS = 256  # Int4Linear: more rows than this run as a dense matmul over the unpacked weight
 _EMBED_CHUNK = 4096  # rows dequantized at once while packing the token embedding
 
@@ -86,14 +85,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > 1 and self.out_features > 2 * INT8_CHUNK:
-            # the kernel streams the whole weight once per input row; slices of INT8_CHUNK output
-            # rows stay in L2 across the rows (lm_head at 8 rows: 20 -> 14.5 ms on one core)
-            y = torch.cat([torch.ops.aten._weight_int8pack_mm(x, self.codes[i:i + INT8_CHUNK],
-                                                              self.scale[i:i + INT8_CHUNK])
-                           for i in range(0, self.out_features, INT8_CHUNK)], dim=1)
-        else:
-            y = torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
+        y = torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
         return y if self.bias is None else y + self.bias
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

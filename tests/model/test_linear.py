@@ -11,8 +11,7 @@ import torch.nn.functional as F
 from kvserve.config import CORPUS_PATH, KV_DTYPES, ConfigError, EngineConfig, resolve_model_dtype
 from kvserve.model.gguf_loader import bundled_model_path, load_gguf
 from kvserve.model.gguf_config import read_gguf_config
-from kvserve.model.linear import (DEQUANT_ROWS, INT8_CHUNK, Int4Linear, Int8Linear, WeightBuilder, int8_rows,
-                                  q4_blocks)
+from kvserve.model.linear import DEQUANT_ROWS, Int4Linear, Int8Linear, WeightBuilder, int8_rows, q4_blocks
 from kvserve.model.runner import ModelRunner
 from kvserve.tools.planner import load_model
 
@@ -67,16 +66,6 @@ def test_int4_mode_builds_int4_layers_and_an_int8_tied_head(loaded):
     ids = torch.tensor([5, 700, 49151])
     rows = loaded.tensors["model.embed_tokens.weight"].dequantize(slice(0, None))[ids]
     assert (embed(ids).float() - rows).abs().max() < 0.02 * rows.abs().max()
-
-
-def test_int8_head_in_slices_equals_one_kernel_call_per_row():
-    """Multi-row inputs run the int8 kernel over slices of output rows (L2-sized): bit-identical to
-    one call per row, including a last slice shorter than the others."""
-    gen = torch.Generator().manual_seed(0)
-    w = torch.randn(3 * INT8_CHUNK + 100, 64, generator=gen)
-    head = Int8Linear(*int8_rows(w), None, torch.bfloat16)
-    x = torch.randn(8, 64, generator=gen).to(torch.bfloat16)
-    assert torch.equal(head(x), torch.cat([head(row[None]) for row in x]))
 
 
 def test_packed_modes_refuse_other_devices(loaded):

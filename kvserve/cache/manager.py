@@ -128,8 +128,9 @@ class KVCacheManager(TierMoves):
         shared, partial = pages[:num_full], pages[num_full:]  # partial: [] or [page to copy]
         num_new = cdiv(num_tokens, ps) - num_full
         num_idle_hit = sum(1 for page in pages if self.pool.ref(page) == 0)  # not reclaimable now
-        if num_new > self.pool.num_free - num_idle_hit or (self.window is not None and not self.window.can_allocate(
-                self.window.num_needed(pages, num_hit, num_new))):
+        if num_new > self.pool.num_free - num_idle_hit:
+            return None
+        if self.window is not None and not self.window.can_allocate(self.window.num_needed(pages, num_hit, num_new)):
             return None
         for page in pages:  # refs first: the allocation below must not evict the hit
             self.pool.incref(page)

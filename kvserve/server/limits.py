@@ -1,9 +1,9 @@
 """What one client can make the server hold: a request body cap (413 before parsing) and admission
 control over engine requests (429 with Retry-After before any work is queued).
 
-`BodyLimit` is plain ASGI middleware: a declared Content-Length over the cap is refused without
-reading a byte; otherwise the body is read (counting bytes, which also covers chunked uploads) and
-refused as soon as it passes the cap, then handed to the app whole. `Admission` counts the engine
+`BodyLimit` is plain ASGI middleware: a declared Content-Length over the cap is refused before
+any of it reaches the app; otherwise the body is read (counting bytes, which also covers chunked
+uploads) and refused as soon as it passes the cap, then handed to the app whole. `Admission` counts the engine
 requests (prompts x n) each API request holds from admission until its last output.
 """
 
@@ -19,6 +19,10 @@ from typing import Any
 from kvserve.server.protocol import APIError, error_body
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+# A refused body is still read (and dropped) up to this much before the 413, so the client, which
+# sends its whole body before it reads an answer, gets the answer rather than a reset connection
+# (nginx's lingering close). Past it the connection is closed mid-upload.
+DRAIN_BYTES = 64 << 20
 
 Scope = dict[str, Any]
 Receive = Callable[[], Any]
@@ -35,6 +39,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.strip().isdigit() and int(declared) > self.max_bytes:
+            await self._drain(receive, 0)
             return await self._refuse(send, int(declared))
         chunks: list[bytes] = []
         size = 0
@@ -45,6 +50,8 @@ class BodyLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
+                if message.get("more_body", False):
+                    await self._drain(receive, size)
                 return await self._refuse(send, None)
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -60,6 +67,15 @@ class BodyLimit:
             return await receive()  # later reads wait for the disconnect, as the app expects
 
         await self.app(scope, replay, send)
+
+    @staticmethod
+    async def _drain(receive: Receive, size: int) -> None:
+        """Read and drop the rest of a refused body, up to DRAIN_BYTES in all."""
+        while size <= DRAIN_BYTES:
+            message = await receive()
+            if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                return
+            size += len(message.get("body", b""))
 
     async def _refuse(self, send: Send, declared: int | None) -> None:
         size = f"{declared:,} bytes" if declared is not None else "over the limit"

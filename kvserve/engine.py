@@ -257,9 +257,8 @@ class LLMEngine:
     def _kv_bytes_used(self, stats: dict[str, Any]) -> int:
         """Bytes of the pages running requests hold, in both pools (config.kv_bytes_for_tokens)."""
         window = stats["window_pool"]
-        window_bytes = self.runner.kv_cache_bytes() - self.runner.page_bytes * self.cache_config.num_pages
         return (stats["num_pages_used"] * self.runner.page_bytes
-                + (window["num_pages_used"] * window_bytes // (window["num_pages_total"] + 1) if window else 0))
+                + (window["num_pages_used"] * self.runner.window_page_bytes if window else 0))
 
     def stats(self) -> dict[str, Any]:
         self.manager.expire_leases()  # (idle servers publish stats: expiries show without traffic)

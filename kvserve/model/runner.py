@@ -204,6 +204,11 @@ class ModelRunner:
         """Bytes of one page across all layers, K and V, scales included (= config.kv_bytes_per_page)."""
         return (self.kv.nbytes + self.kv_scales.nbytes) // self.num_pages
 
+    @property
+    def window_page_bytes(self) -> int:
+        """Bytes of one window-pool page across the sliding-window layers (0 without the pool)."""
+        return (self.window_kv.nbytes + self.window_kv_scales.nbytes) // max(1, self.window_kv.shape[2])
+
     def kv_cache_bytes(self) -> int:
         return self.kv.nbytes + self.kv_scales.nbytes + self.window_kv.nbytes + self.window_kv_scales.nbytes
 

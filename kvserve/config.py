@@ -152,11 +152,16 @@ class ModelConfig:
         return sum(self.layer_window(i) is not None for i in range(self.num_layers))
 
 
+def first_window_page(num_tokens: int, window: int, page_size: int) -> int:
+    """First page a sliding-window layer's query at position `num_tokens` can see (keys at
+    positions > num_tokens - window); the pages before it are released."""
+    return max(0, num_tokens - window + 1) // page_size
+
+
 def window_pages_held(num_tokens: int, window: int, page_size: int) -> int:
     """Pages a sliding-window layer keeps for a sequence of `num_tokens` computed tokens: those its
-    next query (at position num_tokens) can still see, keys at positions > num_tokens - window."""
-    first = max(0, num_tokens - window + 1) // page_size
-    return max(0, -(-num_tokens // page_size) - first)
+    next query (at position num_tokens) can still see."""
+    return max(0, -(-num_tokens // page_size) - first_window_page(num_tokens, window, page_size))
 
 
 def kv_bytes_for_tokens(model: ModelConfig, kv_dtype: KVDtype, num_tokens: int, page_size: int,
@@ -343,10 +348,11 @@ def plan_cache(config: EngineConfig, model: ModelConfig) -> tuple[CacheConfig, i
     if max_model_len > pool_tokens:
         raise ConfigError(capacity_error_message(max_model_len, pool_tokens, memory,
                                                  page_bytes / config.page_size))
-    one_seq = window_slots_needed(dataclasses.replace(config, max_num_seqs=1), model.sliding_window or 1)
-    if hybrid and num_slots - 1 < min(one_seq, -(-max_model_len // config.page_size)):
-        raise ConfigError(f"--kv-cache-memory {format_bytes(memory)} leaves the sliding-window layers "
-                          f"{num_slots - 1} pages; one sequence needs {one_seq}: raise --kv-cache-memory")
+    if hybrid:
+        one_seq = window_slots_needed(dataclasses.replace(config, max_num_seqs=1), model.sliding_window)
+        if num_slots - 1 < min(one_seq, -(-max_model_len // config.page_size)):
+            raise ConfigError(f"--kv-cache-memory {format_bytes(memory)} leaves the sliding-window layers "
+                              f"{num_slots - 1} pages; one sequence needs {one_seq}: raise --kv-cache-memory")
     cache = CacheConfig(page_size=config.page_size, num_pages=num_pages, kv_dtype=kv_dtype,
                         prefix_cache=PrefixCachePolicy(config.prefix_cache),
                         max_leased_fraction=config.max_leased_fraction,

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from kvserve.cache.pages import NULL_PAGE, PagePool
 from kvserve.cache.sequence import cdiv
+from kvserve.config import first_window_page
 
 
 @dataclass(slots=True)
@@ -42,7 +43,7 @@ class WindowPool:
 
     def first_needed(self, num_tokens: int) -> int:
         """First logical page the query at position `num_tokens` can see."""
-        return max(0, num_tokens - self.window + 1) // self.page_size
+        return first_window_page(num_tokens, self.window, self.page_size)
 
     # -- prefix hits ---------------------------------------------------------------------------
     def usable_hit(self, pages: list[int], num_tokens: int) -> int:

@@ -6,12 +6,14 @@
 
 `route`: three `kvserve serve --kv-events-endpoint` instances; one `kvserve router --policy kv` and
 one `--policy round-robin` over the same three. The trace (6 personas, each a different ~1,500-token
-system prompt, 60 requests interleaved, 3 clients at a time) runs once through each router and once
-against a single instance, each pass with its own `cache_salt`, so every pass starts cold (each
-instance runs cores / 3 torch threads, its share of the machine, as it would own a GPU). Prints
-prefix hit rate and TTFT p50/p95 side by side and checks: cluster hit rate >= 0.9 x single's, kv
-TTFT p95 <= 0.5 x round-robin's. Then 12 requests go through the kv router while one instance is
-killed: all must complete, and the router must report the dead instance with no indexed pages.
+system prompt, 60 requests interleaved) runs through each router and against a single instance, each
+pass with its own `cache_salt`, so every pass starts cold (each instance runs cores / 3 torch
+threads, its share of the machine, as it would own a GPU): once closed loop (3 clients) and once open
+loop (Poisson arrivals at `--rate` requests/s, default 1, which do not wait for answers). Prints
+prefix hit rate and TTFT p50/p95 side by side and checks, on the open-loop passes: cluster hit rate
+>= 0.9 x single's, kv TTFT p95 <= 0.5 x round-robin's. Then 12 requests go through the kv router
+while one instance is killed: all must complete, and the router must report the dead instance with
+no indexed pages.
 
 `restart`: one instance with `--kv-disk-path`; a ~1,500-token prompt cold, the same after a restart
 (TTFT <= 0.3 x cold, same text), and after a restart with one page file corrupted (same text; the log

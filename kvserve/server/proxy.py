@@ -20,9 +20,6 @@ from typing import Any
 
 log = logging.getLogger("kvserve.proxy")
 
-FORWARDED_HEADERS = ("authorization", "content-type", "accept")
-
-
 def base_url(url: str) -> str:
     """`http://host:8001/v1/` -> `http://host:8001`."""
     return url.rstrip("/").removesuffix("/v1")
@@ -43,6 +40,7 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], timeout: fl
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.background import BackgroundTask
 
+    from kvserve.server.forwarding import add_forward_routes, forwarded_headers, relay_get
     from kvserve.server.protocol import error_body
 
     if not prefill_urls or not decode_urls:
@@ -70,7 +68,7 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], timeout: fl
 
     async def forward(path: str, raw: Request):
         content = await raw.body()
-        headers = {k: v for k, v in raw.headers.items() if k.lower() in FORWARDED_HEADERS}
+        headers = forwarded_headers(raw)
         try:
             body = json.loads(content)
         except ValueError:
@@ -93,24 +91,15 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], timeout: fl
         await response.aclose()
         return Response(data, response.status_code, media_type=kind)
 
-    @app.post("/v1/completions")
-    async def completions(raw: Request):
-        return await forward("/v1/completions", raw)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(raw: Request):
-        return await forward("/v1/chat/completions", raw)
+    add_forward_routes(app, forward, ("/v1/completions", "/v1/chat/completions"))
 
     @app.get("/v1/models")
     async def models(raw: Request):
-        headers = {k: v for k, v in raw.headers.items() if k.lower() in FORWARDED_HEADERS}
         try:
-            response = await state["client"].get(next(decodes) + "/v1/models", headers=headers)
+            return await relay_get(state["client"], next(decodes) + "/v1/models", raw)
         except httpx.HTTPError as err:
             return JSONResponse(error_body(f"the decode instance is unreachable: {err}",
                                            "server_error"), 502)
-        return Response(response.content, response.status_code,
-                        media_type=response.headers.get("content-type"))
 
     @app.get("/health")
     async def health():

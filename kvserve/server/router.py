@@ -32,8 +32,6 @@ from kvserve.server.router_metrics import RouterMetrics, reported_cached_tokens
 
 log = logging.getLogger("kvserve.router")
 
-FORWARDED_HEADERS = ("authorization", "content-type", "accept", "x-api-key", "anthropic-version",
-                     "anthropic-beta")
 RETRY_STATUSES = (502, 503, 504)  # the backend is going down or its engine died: try another
 POLL_TIMEOUTS_DOWN = 3  # health checks timing out in a row that mark a backend down
 
@@ -226,6 +224,7 @@ def build_router_app(backend_urls: list[str], *, policy: str = "kv",
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.background import BackgroundTask
 
+    from kvserve.server.forwarding import add_forward_routes, forwarded_headers, relay_get
     from kvserve.server.protocol import error_body
     from kvserve.server.router_stream import Attempt, ResumingRelay, Transcript, with_seed
 
@@ -267,7 +266,7 @@ def build_router_app(backend_urls: list[str], *, policy: str = "kv",
 
     async def forward(path: str, raw: Request):
         content = await raw.body()
-        headers = {k: v for k, v in raw.headers.items() if k.lower() in FORWARDED_HEADERS}
+        headers = forwarded_headers(raw)
         try:
             body = json.loads(content)
         except ValueError:
@@ -320,29 +319,15 @@ def build_router_app(backend_urls: list[str], *, policy: str = "kv",
                                  headers={"Cache-Control": "no-cache"},
                                  background=BackgroundTask(relay.finish))
 
-    @app.post("/v1/completions")
-    async def completions(raw: Request):
-        return await forward("/v1/completions", raw)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(raw: Request):
-        return await forward("/v1/chat/completions", raw)
-
-    @app.post("/v1/messages")
-    async def messages(raw: Request):
-        return await forward("/v1/messages", raw)
+    add_forward_routes(app, forward, ("/v1/completions", "/v1/chat/completions", "/v1/messages"))
 
     @app.get("/v1/models")
     async def models(raw: Request):
-        headers = {k: v for k, v in raw.headers.items() if k.lower() in FORWARDED_HEADERS}
         for b, _, _ in router.candidates({}):
             try:
-                response = await router.client.get(b.url + "/v1/models", headers=headers)
+                return await relay_get(router.client, b.url + "/v1/models", raw)
             except httpx.HTTPError as err:
                 router.mark_down(b, str(err))
-                continue
-            return Response(response.content, response.status_code,
-                            media_type=response.headers.get("content-type"))
         return JSONResponse(error_body("no backend is reachable", "server_error"), 502)
 
     @app.get("/health")

@@ -31,16 +31,8 @@ def run_llama_cpp(spec: RunSpec, report: Reporter) -> dict:
                 break
         return out, first
 
-    report.phase("warm-up")
-    generate(WARMUP_IDS, 4)
-    report.phase("running")
-    requests, done = [], 0
-
-    def on_token() -> None:
-        nonlocal done
-        done += 1
-        report.tokens(done)
-
+    on_token = report.warm_up_then_count(lambda: generate(WARMUP_IDS, 4))
+    requests = []
     t0 = time.monotonic()
     for ids, max_tokens, arrival in zip(spec.token_ids, spec.max_tokens, spec.arrivals):
         wait_until(t0 + arrival)

@@ -4,6 +4,7 @@ by the process launcher and every engine runner."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 WARMUP_IDS = list(range(1000, 1064))
@@ -37,6 +38,21 @@ class Reporter:
         if now - self.last > 0.1:
             self.last = now
             self.queue.put(("tokens", done))
+
+    def warm_up_then_count(self, warm_up: Callable[[], object]) -> Callable[[], None]:
+        """Run `warm_up()` as the warm-up phase, enter the running phase, and return a callback a
+        one-token-at-a-time peer calls per output token to report its count."""
+        self.phase("warm-up")
+        warm_up()
+        self.phase("running")
+        done = 0
+
+        def on_token() -> None:
+            nonlocal done
+            done += 1
+            self.tokens(done)
+
+        return on_token
 
 
 def wait_until(t: float) -> None:

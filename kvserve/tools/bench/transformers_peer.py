@@ -61,17 +61,12 @@ def run_transformers(spec: RunSpec, report: Reporter) -> dict:
         assert len(new) == max_tokens, f"generate stopped after {len(new)} of {max_tokens} tokens"
         return new
 
-    report.phase("warm-up")
-    with torch.inference_mode():
-        generate(WARMUP_IDS, 4)
-    report.phase("running")
-    requests, done = [], 0
+    def warm_up() -> None:
+        with torch.inference_mode():
+            generate(WARMUP_IDS, 4)
 
-    def on_token() -> None:
-        nonlocal done
-        done += 1
-        report.tokens(done)
-
+    on_token = report.warm_up_then_count(warm_up)
+    requests = []
     t0 = time.monotonic()
     with torch.inference_mode():
         prefix = None

@@ -226,8 +226,11 @@ class EngineConfig:
     # Sliding-window layers keep only their window's pages (vLLM's hybrid KV cache manager). Off
     # when tiers below the pool are asked for (swap, Redis, disk), whose pages carry every layer.
     disable_hybrid_kv_cache_manager: bool = False
+    threads: int | None = None  # torch threads (llama.cpp's -t); None: $OMP_NUM_THREADS, else every usable core
 
     def __post_init__(self) -> None:
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {self.threads}")
         if not (1 <= self.page_size <= 256) or self.page_size & (self.page_size - 1):
             raise ConfigError(f"--page-size must be a power of two from 1 to 256, got {self.page_size}")
         if self.prefix_cache not in {p.value for p in PrefixCachePolicy}:

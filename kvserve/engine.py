@@ -51,7 +51,7 @@ class LLMEngine:
             self.fp8_scale = calibrate_fp8_scale(self.loaded, kv_dtype.name, config.page_size)
         self.runner = ModelRunner(self.loaded, self.cache_config.num_pages, config.page_size, kv_dtype,
                                   device=config.device, dtype=config.dtype, fp8_scale=self.fp8_scale,
-                                  num_window_slots=self.cache_config.num_window_slots)
+                                  num_window_slots=self.cache_config.num_window_slots, threads=config.threads)
         self.host_tier = HostTier(parse_bytes(config.swap_space), self.runner.page_bytes)
         self.redis_tier = self._redis_tier() if config.redis_url else None
         self.disk_tier = self._disk_tier() if config.kv_disk_path else None

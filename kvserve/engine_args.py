@@ -24,6 +24,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--preemption-mode", default=ENGINE_DEFAULTS.preemption_mode, choices=["recompute", "swap"])
     group.add_argument("--swap-space", default=ENGINE_DEFAULTS.swap_space)
     group.add_argument("--device", default=ENGINE_DEFAULTS.device)
+    group.add_argument("--threads", "-t", type=int, default=None,
+                       help="torch threads (default: $OMP_NUM_THREADS, else every usable core). On a "
+                            "small machine that also runs the clients, one thread fewer than the cores "
+                            "can serve faster (docs/performance.md)")
     group.add_argument("--dtype", default="auto", choices=["auto", *MODEL_DTYPES],
                        help="weights and compute: float32 (exact), bfloat16, float16, int4 / int8 (the "
                             "GGUF's packed weights on torch's CPU kernels, bfloat16 activations); auto "
@@ -74,7 +78,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_events_endpoint=args.kv_events_endpoint, min_cacheable_tokens=args.min_cacheable_tokens,
                 max_leased_fraction=args.max_leased_fraction, lease_ttl_scale=args.lease_ttl_scale,
                 tenant_kv_share=args.tenant_kv_share,
-                disable_hybrid_kv_cache_manager=getattr(args, "disable_hybrid_kv_cache_manager", False))
+                disable_hybrid_kv_cache_manager=getattr(args, "disable_hybrid_kv_cache_manager", False),
+                threads=args.threads)
 
 
 def configure_tier_secret(args: argparse.Namespace) -> None:

@@ -32,6 +32,19 @@ def test_bad_flag_values_are_one_line(capsys):
     assert "max_tokens" in capsys.readouterr().err
     assert main(["generate", "hi", "--temperature", "-1"]) == 2
     assert "temperature" in capsys.readouterr().err
+    assert main(["generate", "hi", "--threads", "0"]) == 2
+    assert "--threads must be >= 1" in capsys.readouterr().err
+
+
+def test_threads_flag_sets_torchs_threads(capsys):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        assert main(["generate", "hi", "--max-tokens", "2", "-t", "1"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_console_script_runs_as_a_process():

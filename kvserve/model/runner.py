@@ -38,10 +38,12 @@ SEQUENCE_CHUNK = 512  # forward_sequence's tokens per pass: bounds attention sco
 CALIBRATION_TOKENS = 512  # corpus tokens of the fp8 calibration pass (--calculate-kv-scales)
 
 
-@functools.cache
-def _configure_threads() -> None:
-    """Use every core this process may run on, unless the user chose (OMP_NUM_THREADS)."""
-    if "OMP_NUM_THREADS" not in os.environ and hasattr(os, "sched_getaffinity"):
+def configure_threads(threads: int | None = None) -> None:
+    """torch's threads for this process: `threads` when given, else $OMP_NUM_THREADS when set, else
+    every core this process may run on."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    elif "OMP_NUM_THREADS" not in os.environ and hasattr(os, "sched_getaffinity"):
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
 
 
@@ -55,9 +57,10 @@ class ModelRunner:
     def __init__(
         self, loaded: LoadedModel, num_pages: int, page_size: int, kv_dtype: KVDtype,
         device: str = "cpu", dtype: str = "float32", fp8_scale: float = 1.0, num_window_slots: int = 0,
+        threads: int | None = None,
     ) -> None:
         dtype = resolve_model_dtype(dtype, device)  # ConfigError for an unknown name
-        _configure_threads()
+        configure_threads(threads)
         cfg = loaded.config
         self.config = cfg
         self.page_size = page_size

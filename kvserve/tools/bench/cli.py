@@ -50,7 +50,6 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--llama-server-context", type=int, default=None, metavar="TOKENS",
                         help="llama-server -c, shared by its --parallel slots (default: slots x the longest "
                              "request, rounded up to 256)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads per engine (default: usable cores)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--plot", default=None, metavar="OUT.png", help="draw the bars and TTFT distributions")
     add_engine_arguments(parser)
@@ -68,8 +67,6 @@ def _check(args: argparse.Namespace) -> tuple[list[str], bool]:
         raise ConfigError(f"--transformers-modes is a comma list of {', '.join(TRANSFORMERS_MODES)}")
     if args.request_rate is not None and args.request_rate <= 0:
         raise ConfigError(f"--request-rate must be > 0 requests/s, got {args.request_rate}")
-    if args.threads is not None and args.threads < 1:
-        raise ConfigError(f"--threads must be >= 1, got {args.threads}")
     if args.concurrency is not None and args.concurrency < 1:
         raise ConfigError(f"--concurrency must be >= 1 streaming clients, got {args.concurrency}")
     if args.llama_server_context is not None and args.llama_server_context < 1:

@@ -35,7 +35,7 @@ def run_http(engine: str, model_path: str, token_ids: list[list[int]], max_token
     num_threads = threads or len(os.sched_getaffinity(0))
     extra: dict = {}
     if engine == "kvserve":
-        server = kvserve_server(model_path, engine_kwargs, threads)
+        server = kvserve_server(model_path, engine_kwargs)
     else:
         context = llama_server_context_tokens or llama_server_context(token_ids, max_tokens, concurrency)
         server = llama_server(llama_server_binary, model_path, concurrency, context, num_threads)

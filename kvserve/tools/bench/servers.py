@@ -101,8 +101,8 @@ class ServerProcess:
         self.stop()
 
 
-def kvserve_server(model_path: str, engine_kwargs: dict, threads: int | None) -> ServerProcess:
-    """`python -m kvserve.cli serve` with the bench's engine flags."""
+def kvserve_server(model_path: str, engine_kwargs: dict) -> ServerProcess:
+    """`python -m kvserve.cli serve` with the bench's engine flags (`--threads` among them)."""
     port = free_port()
     argv = [sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--model", model_path, "--served-model-name", SERVED_MODEL_NAME, "--log-level", "warning"]
@@ -111,8 +111,7 @@ def kvserve_server(model_path: str, engine_kwargs: dict, threads: int | None) ->
             continue
         flag = "--" + key.replace("_", "-")
         argv += [flag] if value is True else [flag, str(value)]
-    env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
-    return ServerProcess("kvserve", argv, port, env)
+    return ServerProcess("kvserve", argv, port, {})
 
 
 def llama_server(binary: Path, model_path: str, parallel: int, context_tokens: int,

@@ -20,6 +20,7 @@ from typing import Any
 
 log = logging.getLogger("kvserve.proxy")
 
+
 def base_url(url: str) -> str:
     """`http://host:8001/v1/` -> `http://host:8001`."""
     return url.rstrip("/").removesuffix("/v1")

@@ -35,11 +35,16 @@ class PrefillChunk:
     num_tokens: int  # query length
     start_pos: int  # position of its first query token
     block_table: torch.Tensor  # [ceil(context_len / page_size)] int64
-    mask: torch.Tensor | None  # [num_tokens, context_len] bool (True = attend); None: plain causal
+    mask: torch.Tensor | None  # [num_tokens, context_len - key_start] bool (True = attend); None: causal
+    first_page: int = 0  # pages before it hold no key any query sees (sliding window): not read
 
     @property
     def context_len(self) -> int:
         return self.start_pos + self.num_tokens
+
+    def key_start(self, page_size: int) -> int:
+        """Position of the first key read."""
+        return self.first_page * page_size
 
 
 @dataclass(slots=True)
@@ -136,9 +141,12 @@ class AttentionMetadata:
         decode_mask = ((span[None, :] <= last) & (span[None, :] > last - window))[:, None, None, :]
         prefills = []
         for c in self.prefills:
+            # the chunk's first query sees keys from start_pos - window + 1 on, the later ones less
+            first_page = max(0, c.start_pos - window + 1) // self.page_size
             q_pos = c.start_pos + torch.arange(c.num_tokens, device=device)[:, None]  # [n, 1]
-            ctx = torch.arange(c.context_len, device=device)[None, :]  # [1, ctx]
-            prefills.append(dataclasses.replace(c, mask=(ctx <= q_pos) & (ctx > q_pos - window)))
+            ctx = torch.arange(first_page * self.page_size, c.context_len, device=device)[None, :]  # [1, keys]
+            prefills.append(dataclasses.replace(c, mask=(ctx <= q_pos) & (ctx > q_pos - window),
+                                                first_page=first_page))
         return dataclasses.replace(
             self, decode_shared_pages=self.decode_shared_pages[:0], decode_block_tables=tables,
             decode_mask=decode_mask, prefills=prefills, window=window, decode_context=None)
@@ -202,9 +210,11 @@ def paged_attention(
 
     for chunk, own in zip(meta.prefills, own_pages):
         n, ctx = chunk.num_tokens, chunk.context_len
+        key_start = chunk.key_start(meta.page_size)
         qp = q[chunk.row : chunk.row + n].transpose(0, 1)  # [heads, n, hd]
-        kp = gather_pages(k_cache, chunk.block_table[None], q.dtype)[0, :ctx].transpose(0, 1)  # [kvh, ctx, hd]
-        vp = gather_pages(v_cache, chunk.block_table[None], q.dtype)[0, :ctx].transpose(0, 1)
+        pages = chunk.block_table[None, chunk.first_page:]
+        kp = gather_pages(k_cache, pages, q.dtype)[0, : ctx - key_start].transpose(0, 1)  # [kvh, keys, hd]
+        vp = gather_pages(v_cache, pages, q.dtype)[0, : ctx - key_start].transpose(0, 1)
         if own is None:
             o = F.scaled_dot_product_attention(
                 qp[None], kp[None], vp[None], attn_mask=chunk.mask, is_causal=chunk.mask is None,
@@ -212,10 +222,11 @@ def paged_attention(
         else:  # each query sees the pages before its own page as stored, its own page as decode did
             positions = chunk.start_pos + torch.arange(n, device=q.device)  # [n]
             own_start = positions - positions % meta.page_size
-            earlier = torch.arange(ctx, device=q.device)[None, :] < own_start[:, None]  # [n, ctx]
+            keys = torch.arange(key_start, ctx, device=q.device)[None, :]  # [1, keys]
+            earlier = keys < own_start[:, None]  # [n, keys]
             upto = torch.arange(meta.page_size, device=q.device)[None, :] <= (positions - own_start)[:, None]
             if meta.window is not None:
-                earlier &= torch.arange(ctx, device=q.device)[None, :] > (positions - meta.window)[:, None]
+                earlier &= keys > (positions - meta.window)[:, None]
                 own_pos = own_start[:, None] + torch.arange(meta.page_size, device=q.device)[None, :]
                 upto &= own_pos > (positions - meta.window)[:, None]
             o = _attend_shared_and_own(qp.reshape(kv_heads, group, n, head_dim), kp, vp, earlier,

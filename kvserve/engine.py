@@ -74,9 +74,9 @@ class LLMEngine:
 
     def _page_layout(self) -> str:
         """What makes two instances' pages interchangeable: KV dtype and the weight mode that
-        computed them (int4, int8 and bfloat16 all store bf16 K/V, with different numbers)."""
+        computed them (int4, int8, native and bfloat16 all store bf16 K/V, with different numbers)."""
         kv_dtype = self.cache_config.kv_dtype.name
-        if kv_dtype != MODEL_DTYPE_TO_KV[self.config.dtype] or self.config.dtype in ("int4", "int8"):
+        if kv_dtype != MODEL_DTYPE_TO_KV[self.config.dtype] or self.config.dtype in ("int4", "int8", "native"):
             kv_dtype += "+" + self.config.dtype
         return kv_dtype
 

@@ -18,9 +18,10 @@ from pathlib import Path
 from kvserve.kernels import ISAS, LIB_DIR, library_path
 
 SRC_DIR = Path(__file__).with_name("src")
-BASE_FLAGS = ["-std=c++17", "-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-Wall",
+BASE_FLAGS = ["-std=c++17", "-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-Wall",
               "-fvisibility=hidden"]
-# no -ffast-math: the kernels' results must not depend on the compiler's reassociation
+# no -ffast-math, no FMA contraction: the kernels' results must not depend on how the compiler
+# reassociates or fuses (an element's arithmetic must be the same in every code path that computes it)
 ISA_COMPILER_FLAGS = {
     "scalar": ["-march=x86-64", "-mtune=generic", "-DKVS_ISA_SCALAR", '-DKVS_ISA_NAME="scalar"'],
     "avx2": ["-march=haswell", "-mtune=znver3", "-DKVS_ISA_AVX2", '-DKVS_ISA_NAME="avx2"'],

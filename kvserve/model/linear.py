@@ -1,6 +1,7 @@
-"""The decoder's linear layers by weight mode: float weights (F.linear), or the GGUF's quantized weights
-kept packed and run by torch's CPU weight-only kernels (int4 groups of 32, int8 per output row).
-`WeightBuilder` makes each layer's module once at load (quantization as a swap of one module type)."""
+"""The decoder's linear layers by weight mode: float weights (F.linear), the GGUF's own blocks run by
+kvserve's native kernels (`native`), or the GGUF's quantized weights kept packed for torch's CPU
+weight-only kernels (int4 groups of 32, int8 per output row). `WeightBuilder` makes each layer's
+module once at load (quantization as a swap of one module type)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve import kernels
 from kvserve.config import ConfigError
-from kvserve.model.loaded import GGUFTensor, unpermute_rope_rows
+from kvserve.kernels import matmul as native_matmul
+from kvserve.model.loaded import FloatTensor, GGUFTensor, unpermute_rope_rows
 
 GROUP = 32  # elements per int4 group: one GGUF Q4 block
 PACKED_MODES = ("int4", "int8")
+NATIVE_MODE = "native"
 DEQUANT_ROWS = 256  # Int4Linear: more rows than this run as a dense matmul over the unpacked weight
 _EMBED_CHUNK = 4096  # rows dequantized at once while packing the token embedding
 
 
 def compute_dtype(mode: str) -> torch.dtype:
-    """Activation dtype of a weight mode: torch's fast weight-only CPU kernels take bfloat16."""
+    """Activation dtype of a weight mode: torch's fast weight-only CPU kernels take bfloat16, the
+    native kernels float32."""
+    if mode == NATIVE_MODE:
+        return torch.float32
     return torch.bfloat16 if mode in PACKED_MODES else getattr(torch, mode)
 
 
@@ -92,15 +99,55 @@ class Int8Linear(nn.Module):
         return self.codes[ids].to(self.scale.dtype) * self.scale[ids, None]
 
 
-class Embedding(nn.Module):
-    """Token embedding over a float matrix or an Int8Linear's rows (tied lm_head shares it)."""
+class NativeLinear(nn.Module):
+    """y = x @ W^T over the file's own blocks, run by kvserve's native kernels in float32. The
+    weight's parts stacked by rows (fused QKV, gate+up) each keep their own format and fill their
+    columns of one output; also the token embedding when tied (`embed` decodes the looked-up rows)."""
 
-    def __init__(self, table: torch.Tensor | Int8Linear) -> None:
+    def __init__(self, parts: list[tuple[int, torch.Tensor]], in_features: int, bias: torch.Tensor | None,
+                 library: kernels.KernelLibrary) -> None:
         super().__init__()
-        self.table = table if isinstance(table, Int8Linear) else nn.Parameter(table, requires_grad=False)
+        self.in_features, self.library = in_features, library
+        self.qtypes = [int(q) for q, _ in parts]
+        self.widths = [int(b.shape[0]) for _, b in parts]
+        self.out_features = sum(self.widths)
+        for i, (_, blocks) in enumerate(parts):
+            self.register_buffer(f"blocks{i}", blocks)  # [rows, row bytes] uint8, the file's layout
+        self.register_buffer("bias", None if bias is None else bias.float())
+
+    def blocks(self, i: int) -> torch.Tensor:
+        return getattr(self, f"blocks{i}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float().contiguous()
+        if len(self.qtypes) == 1:
+            y = native_matmul.matmul(self.library, self.qtypes[0], self.blocks0, self.in_features, x)
+        else:
+            y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+            col = 0
+            for i, (qtype, width) in enumerate(zip(self.qtypes, self.widths)):
+                native_matmul.matmul(self.library, qtype, self.blocks(i), self.in_features, x,
+                                     out=y[:, col:col + width])
+                col += width
+        return y if self.bias is None else y + self.bias
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        assert len(self.qtypes) == 1
+        rows = native_matmul.dequantize_rows(self.library, self.qtypes[0], self.blocks0, self.in_features,
+                                             ids.reshape(-1))
+        return rows.view(*ids.shape, self.in_features)
+
+
+class Embedding(nn.Module):
+    """Token embedding over a float matrix or a packed head's rows (tied lm_head shares it)."""
+
+    def __init__(self, table: torch.Tensor | Int8Linear | NativeLinear) -> None:
+        super().__init__()
+        packed = isinstance(table, (Int8Linear, NativeLinear))
+        self.table = table if packed else nn.Parameter(table, requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.table, Int8Linear):
+        if isinstance(self.table, (Int8Linear, NativeLinear)):
             return self.table.embed(ids)
         return F.embedding(ids, self.table)
 
@@ -129,6 +176,23 @@ def q4_blocks(t: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] 
     return out[0], out[1], out[2]
 
 
+def native_blocks(t: GGUFTensor | FloatTensor) -> tuple[int, torch.Tensor]:
+    """(ggml type, [rows, row bytes] uint8) of a matrix as the native kernels read it: the file's own
+    blocks copied out of the memory map (rows in HF order), or a float32 matrix's bytes as F32."""
+    if isinstance(t, FloatTensor):
+        return 0, t.value.float().contiguous().view(torch.uint8)
+    qtype = int(t.qtype)
+    if not native_matmul.supported(qtype):
+        raise ConfigError(f"--dtype native has no kernel for ggml type {t.qtype.name}; use --dtype int8")
+    rows, cols = t.shape
+    data = np.array(t.data, copy=True).view(np.uint8).reshape(rows, -1)
+    assert data.shape[1] == native_matmul.row_bytes(qtype, cols), (t.shape, data.shape)
+    blocks = torch.from_numpy(data)
+    if t.rope_heads is not None:
+        blocks = unpermute_rope_rows(blocks, t.rope_heads)
+    return qtype, blocks
+
+
 def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per output row: (codes [out, in] int8, scale [out] float32)."""
     scale = (w.abs().amax(1) / 127).clamp(min=1e-12)
@@ -144,12 +208,23 @@ class WeightBuilder:
         int4   Q4_0/Q4_1 blocks as int4 groups of 32 (the file's own codes and scales), the rest (the
                Q8_0 token embedding = tied lm_head, other types) as int8 per row; bfloat16 activations
         int8   every matrix as int8 per row; bfloat16 activations
+        native every matrix in its own GGUF format (float folders' weights as F32) run by kvserve's
+               native kernels; float32 activations
     """
 
     def __init__(self, tensors: dict[str, GGUFTensor], mode: str, device: torch.device) -> None:
         if mode in PACKED_MODES and device.type != "cpu":
             raise ConfigError(f"--dtype {mode} runs on CPU only (torch's weight-only CPU kernels); "
                               "use --dtype bfloat16 on this device")
+        self.library = None
+        if mode == NATIVE_MODE:
+            if device.type != "cpu":
+                raise ConfigError("--dtype native runs on CPU only (kvserve's native kernels); "
+                                  "use --dtype bfloat16 on this device")
+            self.library = kernels.library()
+            if self.library is None:
+                raise ConfigError("--dtype native needs kvserve's native kernels (built by `make install`, "
+                                  "not disabled by KVSERVE_KERNELS=off); use --dtype int4 or float32")
         self.tensors, self.mode, self.device = tensors, mode, device
         self.dtype = compute_dtype(mode)
 
@@ -161,6 +236,8 @@ class WeightBuilder:
         """One module for the weights `names` stacked by rows (fused QKV, gate+up)."""
         bias = self._bias(names, biases or [])
         parts = [self.tensors[n] for n in names]
+        if self.mode == NATIVE_MODE:
+            return self._native(parts, bias)
         if self.mode == "int4":
             blocks = [q4_blocks(t) for t in parts]
             if all(b is not None for b in blocks):
@@ -173,6 +250,9 @@ class WeightBuilder:
 
     def embedding(self, name: str) -> tuple[Embedding, nn.Module]:
         """(token embedding, the lm_head made from the same matrix) for tied embeddings."""
+        if self.mode == NATIVE_MODE:
+            head = self._native([self.tensors[name]], None)
+            return Embedding(head), head
         if self.mode not in PACKED_MODES:
             table = nn.Parameter(self.tensor(name), requires_grad=False)
             return Embedding(table), Linear(table)
@@ -184,6 +264,17 @@ class WeightBuilder:
             scales.append(s)
         head = Int8Linear(torch.cat(codes), torch.cat(scales), None, self.dtype)
         return Embedding(head), head
+
+    def _native(self, parts: list[GGUFTensor], bias: torch.Tensor | None) -> NativeLinear:
+        """Parts of one format next to each other share one block matrix (one kernel call)."""
+        merged: list[tuple[int, list[torch.Tensor]]] = []
+        for qtype, blocks in map(native_blocks, parts):  # one tensor at a time out of the map
+            if merged and merged[-1][0] == qtype:
+                merged[-1][1].append(blocks)
+            else:
+                merged.append((qtype, [blocks]))
+        joined = [(q, b[0] if len(b) == 1 else torch.cat(b)) for q, b in merged]
+        return NativeLinear(joined, parts[0].shape[1], bias, self.library)
 
     def _bias(self, names: list[str], biases: list[str]) -> torch.Tensor | None:
         if not any(b in self.tensors for b in biases):

@@ -223,6 +223,12 @@ class EngineConfig:
     tenant_kv_share: str = "off"  # fair | off
     lease_ttl_scale: float = 1.0  # multiplies lease TTLs (tests scale 5 minutes down to seconds)
     kv_events_endpoint: str | None = None  # e.g. tcp://127.0.0.1:5557: KV events, vLLM's schema
+    kv_events_topic: str = ""  # vLLM's topic; {pod_ip} {port} {model} filled in by `kvserve serve`
+    kv_events_encoding: str = "array"  # array (vLLM <= 0.11, Dynamo, llm-d) | map (current vLLM)
+    kv_events_mode: str = "bind"  # bind | connect (the PUB socket; replay always binds)
+    kv_events_token_ids: bool = True  # False: BlockStored carries no token ids
+    kv_events_allow_remote: bool = False  # bind a non-loopback address without CURVE
+    kv_events_curve_secret_file: str | None = None  # CURVE secret key (Z85): subscribers need its public key
     kv_disk_path: str | None = None  # disk tier directory (pages survive restarts)
     kv_disk_bytes: str | int = "10GiB"
     # Sliding-window layers keep only their window's pages (vLLM's hybrid KV cache manager). Off
@@ -251,6 +257,10 @@ class EngineConfig:
         if self.kv_events_endpoint and not self.kv_events_endpoint.startswith(("tcp://", "ipc://")):
             raise ConfigError(f"--kv-events-endpoint must look like tcp://HOST:PORT, "
                               f"got {self.kv_events_endpoint!r}")
+        if self.kv_events_encoding not in ("array", "map"):
+            raise ConfigError(f"--kv-events-encoding must be array or map, got {self.kv_events_encoding!r}")
+        if self.kv_events_mode not in ("bind", "connect"):
+            raise ConfigError(f"--kv-events-mode must be bind or connect, got {self.kv_events_mode!r}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -20,7 +20,7 @@ from typing import Any
 
 from kvserve.batch import PageOps
 from kvserve.cache.disk_tier import DiskTier, TierAuthSealer
-from kvserve.cache.events import KVEventBuffer, KVEventPublisher, replay_endpoint_for
+from kvserve.cache.events import KVEventBuffer
 from kvserve.cache.hashing import namespace
 from kvserve.cache.manager import KVCacheManager
 from kvserve.cache.offload import Offloader
@@ -29,6 +29,7 @@ from kvserve.cache.tier_auth import default_auth
 from kvserve.cache_report import CacheReporter
 from kvserve.cache.tiers import HostTier
 from kvserve.config import MODEL_DTYPE_TO_KV, EngineConfig, PrefixCachePolicy, parse_bytes, plan_cache
+from kvserve.kv_events import attach_tiers, publisher_for
 from kvserve.lease_usage import grant_leases
 from kvserve.model.gguf_loader import load_gguf, resolve_model_path
 from kvserve.model.runner import ModelRunner, calibrate_fp8_scale
@@ -58,8 +59,8 @@ class LLMEngine:
         self.events, self.event_publisher = None, None
         if config.kv_events_endpoint:
             self.events = KVEventBuffer(config.page_size)
-            self.event_publisher = KVEventPublisher(config.kv_events_endpoint,
-                                                    replay_endpoint_for(config.kv_events_endpoint))
+            self.event_publisher = publisher_for(config)
+            attach_tiers(self.events, self.host_tier, self.disk_tier)
         offload = Offloader(
             config.page_size, self.host_tier, shared=self.redis_tier, disk=self.disk_tier,
             offload_evicted=bool(self.host_tier.capacity_pages) and not self.cache_config.num_window_slots
@@ -221,6 +222,16 @@ class LLMEngine:
     def _apply_page_ops(self, ops: PageOps) -> None:
         if ops:
             self.manager.complete(ops.saves, self.runner.apply_page_ops(ops))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached page of the pool and the host tier (the disk tier keeps its pages);
+        KV events say AllBlocksCleared at once. False (nothing done) while requests hold pages."""
+        if not self.manager.reset_prefix_cache():
+            return False
+        self.host_tier.offloaded.clear()  # (AllBlocksCleared covers them: no removal events)
+        if self.event_publisher is not None:
+            self.event_publisher.publish(self.events.drain())
+        return True
 
     def decode(self, token_ids: list[int]) -> str:
         return self.outputs.decode(token_ids)

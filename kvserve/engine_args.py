@@ -45,7 +45,31 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="byte budget of the disk tier (LRU within it)")
     group.add_argument("--kv-events-endpoint", default=None, metavar="tcp://HOST:PORT",
                        help="publish KV events (vLLM's BlockStored/BlockRemoved schema, msgpack over "
-                            "ZMQ PUB); replay socket on the next port")
+                            "ZMQ PUB); replay socket on the next port. Loopback addresses only unless "
+                            "--kv-events-allow-remote or a CURVE key is given")
+    group.add_argument("--kv-events-topic", default=ENGINE_DEFAULTS.kv_events_topic, metavar="TOPIC",
+                       help="the events' ZMQ topic, with {pod_ip} ($POD_IP, else this host's "
+                            "address), {port} (the HTTP port) and {model} (the served model name) "
+                            "filled in; llm-d: 'kv@{pod_ip}:{port}@{model}'")
+    group.add_argument("--kv-events-encoding", default=ENGINE_DEFAULTS.kv_events_encoding,
+                       choices=["array", "map"],
+                       help="array: vLLM's positional msgpack (Dynamo, llm-d, vLLM <= 0.11); map: "
+                            "field-name maps as current vLLM sends")
+    group.add_argument("--kv-events-mode", default=ENGINE_DEFAULTS.kv_events_mode,
+                       choices=["bind", "connect"],
+                       help="bind the events socket (subscribers connect) or connect it to a "
+                            "subscriber that binds (an indexer's address); replay always binds")
+    group.add_argument("--kv-events-token-ids", default="on", choices=["on", "off"],
+                       help="off: BlockStored carries no token ids (no prompt text leaves the "
+                            "process); only routers matching kvserve's block hashes (kvserve "
+                            "router) still route by them, llm-d and Dynamo do not")
+    group.add_argument("--kv-events-allow-remote", action="store_true",
+                       help="allow binding the events and replay sockets on a non-loopback address "
+                            "without CURVE (anyone who reaches the port reads every tenant's tokens)")
+    group.add_argument("--kv-events-curve-secret-file", default=None, metavar="FILE",
+                       help="a CURVE secret key (Z85, 40 characters; make one with python -c "
+                            "'import zmq; print(zmq.curve_keypair()[1].decode())'): the sockets "
+                            "encrypt, and only subscribers given its public key connect")
     group.add_argument("--min-cacheable-tokens", type=int, default=ENGINE_DEFAULTS.min_cacheable_tokens,
                        help="cache breakpoints (cache_control, kv_retention) on shorter prefixes get no lease")
     group.add_argument("--max-leased-fraction", type=float, default=ENGINE_DEFAULTS.max_leased_fraction,
@@ -75,7 +99,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 device=args.device, dtype=args.dtype, redis_url=getattr(args, "redis_url", None),
                 calculate_kv_scales=getattr(args, "calculate_kv_scales", False),
                 kv_disk_path=args.kv_disk_path, kv_disk_bytes=args.kv_disk_bytes,
-                kv_events_endpoint=args.kv_events_endpoint, min_cacheable_tokens=args.min_cacheable_tokens,
+                kv_events_endpoint=args.kv_events_endpoint, kv_events_topic=args.kv_events_topic,
+                kv_events_encoding=args.kv_events_encoding, kv_events_mode=args.kv_events_mode,
+                kv_events_token_ids=args.kv_events_token_ids == "on",
+                kv_events_allow_remote=args.kv_events_allow_remote,
+                kv_events_curve_secret_file=args.kv_events_curve_secret_file,
+                min_cacheable_tokens=args.min_cacheable_tokens,
                 max_leased_fraction=args.max_leased_fraction, lease_ttl_scale=args.lease_ttl_scale,
                 tenant_kv_share=args.tenant_kv_share,
                 disable_hybrid_kv_cache_manager=getattr(args, "disable_hybrid_kv_cache_manager", False),

@@ -1,5 +1,8 @@
 """Prometheus collectors for the server, named as vLLM names them but under `kvserve:` (DESIGN.md §4),
-so a vLLM dashboard works after a rename.
+so a vLLM dashboard works after a rename; `prefix="vllm"` (`--metrics-name-prefix vllm`) serves the
+same series under vLLM's own names and labels (`model_name`, `engine`), for scrapers that cannot be
+told another name (llm-d's endpoint picker reads `vllm:num_requests_waiting`, `..._running`,
+`vllm:kv_cache_usage_perc`, `vllm:lora_requests_info` and `vllm:cache_config_info` by default).
 
 `EngineMetrics` owns its own `CollectorRegistry` (tests build several servers in one process). It is
 fed from the engine loop: `observe(stats, outputs)` after every step turns the engine's cumulative
@@ -10,6 +13,7 @@ requests that finished in that step.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -19,6 +23,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from kvserve.request import RequestOutput
 
 PREFIX = "kvserve:"
+PREFIXES = ("kvserve", "vllm")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # vLLM's buckets, so quantiles line up with a vLLM deployment's.
@@ -49,6 +54,14 @@ COUNTERS = {
     "num_fair_share_evictions": ("num_fair_share_evictions",
                                  "Evictions taken from a tenant over its fair share (--tenant-kv-share fair)."),
     "num_thrash_pages": ("num_thrash_pages", "Pages committed again within a minute of their eviction."),
+    "disk_tier_hits": ("disk_cache_hits", "Pages read back valid from the disk tier."),
+    "disk_tier_misses": ("disk_cache_misses", "Disk tier reads of pages not there (or unreadable)."),
+    "disk_tier_writes": ("disk_cache_writes", "Page files the disk tier wrote."),
+    "disk_tier_evictions": ("disk_cache_evictions", "Pages the disk tier dropped for its byte budget."),
+    "disk_tier_corrupt_pages": ("disk_cache_corrupt_pages",
+                                "Disk tier files rejected (bad header, length or MAC): recomputed."),
+    "disk_tier_errors": ("disk_cache_errors", "Disk tier I/O failures (each one a miss, never an error)."),
+    "disk_tier_dropped_writes": ("disk_cache_dropped_writes", "Pages not written: the write queue was full."),
 }
 
 # per-tenant series (label "tenant", at most cache_report.MAX_TENANTS + "other"): stats key -> help
@@ -73,6 +86,8 @@ GAUGES = {
                                    "Fraction of the sliding-window pool's pages held (hybrid allocator)."),
     "window_num_pages_total": ("window_num_pages_total", "Pages of the sliding-window layers' pool."),
     "window_num_pages_free": ("window_num_pages_free", "Free sliding-window pages, cached idle ones included."),
+    "disk_tier_pages": ("disk_cache_pages", "Pages held by the disk tier."),
+    "disk_tier_used_bytes": ("disk_cache_used_bytes", "Bytes of the disk tier's page files."),
 }
 
 
@@ -84,33 +99,52 @@ def hit_rate(stats: dict[str, Any]) -> float:
 class EngineMetrics:
     """The server's Prometheus collectors in a registry of their own."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, *, prefix: str = "kvserve",
+                 cache_config: dict[str, str] | None = None) -> None:
+        """`cache_config`: the labels of `cache_config_info` (vLLM's CacheConfig names:
+        block_size, num_gpu_blocks, cache_dtype, ...)."""
+        if prefix not in PREFIXES:
+            raise ValueError(f"--metrics-name-prefix is kvserve or vllm, not {prefix!r}")
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        labels = ["model_name"]
+        p = prefix + ":"
+        vllm = prefix == "vllm"
+        labels = ["model_name", "engine"] if vllm else ["model_name"]  # vLLM v1: engine index "0"
+        base = (model_name, "0") if vllm else (model_name,)
+        self._base = base
         self.counters = {
-            name: Counter(PREFIX + name, help_, labels, registry=self.registry).labels(model_name)
+            name: Counter(p + name, help_, labels, registry=self.registry).labels(*base)
             for name, (_, help_) in COUNTERS.items()
         }
         self.gauges = {
-            name: Gauge(PREFIX + name, help_, labels, registry=self.registry).labels(model_name)
+            name: Gauge(p + name, help_, labels, registry=self.registry).labels(*base)
             for name, (_, help_) in GAUGES.items()
         }
         self.tenant_counters = {
-            name: Counter(PREFIX + name, help_, labels + ["tenant"], registry=self.registry)
+            name: Counter(p + name, help_, labels + ["tenant"], registry=self.registry)
             for name, (_, help_) in TENANT_COUNTERS.items()}
-        self.tenant_pages = Gauge(PREFIX + "tenant_cached_pages", "Cached KV pages per tenant "
+        self.tenant_pages = Gauge(p + "tenant_cached_pages", "Cached KV pages per tenant "
                                   "(with --tenant-kv-share fair).", labels + ["tenant"], registry=self.registry)
         self.request_success = Counter(
-            PREFIX + "request_success", "Finished requests by finish reason.",
+            p + "request_success", "Finished requests by finish reason.",
             labels + ["finished_reason"], registry=self.registry)
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.",
-                              labels, buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
-        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds",
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token.",
+                              labels, buckets=TTFT_BUCKETS, registry=self.registry).labels(*base)
+        self.tpot = Histogram(p + "time_per_output_token_seconds",
                               "Time per output token after the first.", labels,
-                              buckets=TPOT_BUCKETS, registry=self.registry).labels(model_name)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "End-to-end request latency.",
-                             labels, buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
+                              buckets=TPOT_BUCKETS, registry=self.registry).labels(*base)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "End-to-end request latency.",
+                             labels, buckets=E2E_BUCKETS, registry=self.registry).labels(*base)
+        # vLLM's info gauges: the labels are the information, the value 1 (cache config) or the
+        # time of the last update (LoRA: no adapters here, so both adapter lists stay empty)
+        config = dict(cache_config or {})
+        info_labels = [*config, "engine"]
+        Gauge(p + "cache_config_info", "Information of the LLMEngine CacheConfig", info_labels,
+              registry=self.registry).labels(*config.values(), "0").set(1)
+        self.lora_info = Gauge(p + "lora_requests_info", "Running stats on lora requests.",
+                               ["running_lora_adapters", "max_lora", "waiting_lora_adapters"],
+                               registry=self.registry).labels("", "0", "")
+        self.lora_info.set(time.time())
         self._seen: dict[str, float] = {}  # cumulative engine values already counted
         self._lock = threading.Lock()
 
@@ -131,10 +165,11 @@ class EngineMetrics:
                     seen = f"{key}:{tenant}"
                     delta = value - self._seen.get(seen, 0)
                     if delta > 0:
-                        self.tenant_counters[name].labels(self.model_name, tenant).inc(delta)
+                        self.tenant_counters[name].labels(*self._base, tenant).inc(delta)
                     self._seen[seen] = value
             for tenant, pages in (stats.get("cached_pages_per_tenant") or {}).items():
-                self.tenant_pages.labels(self.model_name, tenant or "default").set(pages)
+                self.tenant_pages.labels(*self._base, tenant or "default").set(pages)
+            self.lora_info.set(time.time())
         for output in outputs:
             if output.finished:
                 self.observe_finished(output)
@@ -142,7 +177,7 @@ class EngineMetrics:
     def observe_finished(self, output: RequestOutput) -> None:
         metrics = output.metrics
         reason = output.outputs[0].finish_reason if output.outputs else None
-        self.request_success.labels(self.model_name, reason or "unknown").inc()
+        self.request_success.labels(*self._base, reason or "unknown").inc()
         if metrics.first_token_time is not None:
             self.ttft.observe(max(metrics.first_token_time - metrics.arrival_time, 0.0))
         if metrics.finish_time is not None:

@@ -112,7 +112,8 @@ class DiskTier:
     def __init__(self, path: str | os.PathLike, capacity_bytes: int, page_bytes: int, *,
                  layout: str = "", sealer: PageSealer | None = None,
                  queue_bytes: int = 64 << 20,
-                 on_evict: Callable[[bytes], None] | None = None) -> None:
+                 on_evict: Callable[[bytes], None] | None = None,
+                 on_store: Callable[[bytes], None] | None = None) -> None:
         if page_bytes < 1:
             raise ValueError(f"page_bytes must be positive, got {page_bytes}")
         self.page_bytes = page_bytes
@@ -125,6 +126,7 @@ class DiskTier:
         # told (page_hash) of every page that leaves the tier: budget, corruption, write failure
         # (the KV events' BlockRemoved(medium="disk")); called without the tier's lock held
         self.on_evict = on_evict
+        self.on_store = on_store  # told (page_hash) of every page taken (BlockStored(medium="STORAGE"))
         self._lock = threading.Lock()  # _index, _pending, stats
         self._index: OrderedDict[bytes, None] = OrderedDict()  # pages on disk or queued, LRU first
         self._pending: dict[bytes, bytes] = {}  # queued, not yet on disk
@@ -181,6 +183,8 @@ class DiskTier:
         for victim in victims:  # a queued write of a victim sees it gone and skips itself
             self.file_of(victim).unlink(missing_ok=True)
             self._evicted(victim)
+        if self.on_store is not None and page_hash not in victims:
+            self._tell(self.on_store, page_hash)
         return True
 
     def get(self, page_hash: bytes) -> bytes | None:
@@ -288,10 +292,14 @@ class DiskTier:
 
     def _evicted(self, page_hash: bytes) -> None:
         if self.on_evict is not None:
-            try:
-                self.on_evict(page_hash)
-            except Exception:  # a listener's bug must not break the tier
-                log.exception("disk tier on_evict failed")
+            self._tell(self.on_evict, page_hash)
+
+    @staticmethod
+    def _tell(listener: Callable[[bytes], None], page_hash: bytes) -> None:
+        try:
+            listener(page_hash)
+        except Exception:  # a listener's bug must not break the tier
+            log.exception("disk tier listener failed")
 
     def _load_index(self) -> None:
         """Pages already on disk, oldest access first (file mtimes; a hit touches its file). Files of
@@ -338,7 +346,7 @@ class DiskTier:
         path = self.file_of(page_hash)
         tmp = path.with_suffix(f".{threading.get_ident()}.tmp")
         try:
-            path.parent.mkdir(exist_ok=True)
+            path.parent.mkdir(parents=True, exist_ok=True)  # (re-creates a deleted tier directory)
             tmp.write_bytes(self._pack(page_hash, data))
             os.replace(tmp, path)
         except OSError as err:

@@ -221,7 +221,7 @@ class KVCacheManager(TierMoves):
                 if self.fair is not None:
                     self.fair.cached(page, seq.namespace)
                 if self.events is not None:
-                    self.events.stored(h, parent, token_ids[i * ps:(i + 1) * ps])
+                    self.events.stored(h, parent, token_ids[i * ps:(i + 1) * ps], namespace=seq.namespace)
         seq.committed_token_ids.extend(token_ids[start * ps:end * ps])
         seq.num_committed_pages = end
         self.offload.committed(list(zip(seq.page_hashes[start:end], seq.block_table[start:end])))

@@ -170,5 +170,8 @@ class Offloader:
         if self.disk is not None:
             disk = self.disk.stats
             stats.update(disk_cache_pages=self.disk.num_pages, disk_cache_hits=disk.hits,
-                         disk_cache_corrupt_pages=disk.corrupt)
+                         disk_cache_corrupt_pages=disk.corrupt, disk_cache_misses=disk.misses,
+                         disk_cache_writes=disk.writes, disk_cache_evictions=disk.evictions,
+                         disk_cache_errors=disk.errors, disk_cache_dropped_writes=disk.drops,
+                         disk_cache_used_bytes=self.disk.used_bytes)
         return stats

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvserve.cache.events import MEDIUM_HOST
 from kvserve.cache.hashing import page_hashes
 
 
@@ -23,6 +24,13 @@ class Tier(Protocol):
 
     def get_pages(self, hashes: list[bytes]) -> list[Any]:
         """Payloads of the leading run of `hashes` the store holds."""
+
+
+class TierListener(Protocol):
+    """Told of every page a tier takes or drops by hash (cache/events.KVEventBuffer)."""
+
+    def tier_stored(self, page_hash: bytes, medium: str) -> None: ...
+    def removed(self, page_hash: bytes, medium: str) -> None: ...
 
 
 def page_hashes_from(token_ids: Sequence[int], page_size: int, namespace: str, start_page: int,
@@ -53,6 +61,7 @@ class HostTier:
     swapped: dict[str, list[Any]] = field(default_factory=dict)  # request id -> its pages, in order
     offloaded: OrderedDict[bytes, Any] = field(default_factory=OrderedDict)  # LRU first
     stats: HostTierStats = field(default_factory=HostTierStats)
+    listener: TierListener | None = None  # KV events: offloaded pages stored and dropped ("CPU")
 
     @property
     def capacity_pages(self) -> int:
@@ -100,6 +109,8 @@ class HostTier:
         self._make_room(1)
         self.offloaded[page_hash] = payload
         self.stats.offloads += 1
+        if self.listener is not None:
+            self.listener.tier_stored(page_hash, MEDIUM_HOST)
         return True
 
     def get(self, page_hash: bytes) -> Any | None:
@@ -123,5 +134,7 @@ class HostTier:
 
     def _make_room(self, num_pages: int) -> None:
         while self.offloaded and self.num_pages + num_pages > self.capacity_pages:
-            self.offloaded.popitem(last=False)
+            page_hash, _ = self.offloaded.popitem(last=False)
             self.stats.offload_evictions += 1
+            if self.listener is not None:
+                self.listener.removed(page_hash, MEDIUM_HOST)

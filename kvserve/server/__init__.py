@@ -41,6 +41,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
                         help="disaggregated serving behind `kvserve proxy`: prefill computes each "
                              "prompt and publishes its pages to --redis-url, decode loads them")
+    parser.add_argument("--metrics-name-prefix", default="kvserve", choices=["kvserve", "vllm"],
+                        help="vllm: /metrics under vLLM's names and labels (vllm:num_requests_waiting, "
+                             "...), for scrapers that cannot be configured (llm-d's default picker); "
+                             "`kvserve router` reads the kvserve names")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
     add_engine_arguments(parser)

@@ -53,10 +53,12 @@ def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
               api_keys: list[str] | None = None, shared_cache_namespace: bool = False,
               extra_model_names: list[str] | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_waiting_requests: int = 0,
-              max_requests_per_tenant: int = 0) -> FastAPI:
+              max_requests_per_tenant: int = 0, metrics_name_prefix: str = "kvserve") -> FastAPI:
     owns_engine = isinstance(engine, LLMEngine)
-    model_name = model_name or default_model_name(engine if owns_engine else engine.engine)
-    metrics = EngineMetrics(model_name)
+    llm_engine = engine if owns_engine else engine.engine
+    model_name = model_name or default_model_name(llm_engine)
+    metrics = EngineMetrics(model_name, prefix=metrics_name_prefix,
+                            cache_config=cache_config_labels(llm_engine))
     if owns_engine:
         async_engine = AsyncEngine(engine, on_step=metrics.observe)
     else:
@@ -158,6 +160,14 @@ def dashboard_payload(stats: dict[str, Any], pages: str | None, model_name: str)
     payload.update(model=model_name, time=time.time(), prefix_cache_hit_rate=hit_rate(stats),
                    pages=pages)
     return payload
+
+
+def cache_config_labels(engine: LLMEngine) -> dict[str, str]:
+    """`cache_config_info`'s labels, named as vLLM's CacheConfig fields (llm-d reads block_size)."""
+    cache = engine.cache_config
+    return {"block_size": str(cache.page_size), "num_gpu_blocks": str(cache.num_pages),
+            "num_cpu_blocks": str(engine.host_tier.capacity_pages), "cache_dtype": cache.kv_dtype.name,
+            "enable_prefix_caching": str(cache.prefix_cache.value != "off")}
 
 
 def default_model_name(engine: LLMEngine) -> str:

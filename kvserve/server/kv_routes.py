@@ -1,12 +1,13 @@
 """HTTP routes about the KV cache itself rather than completions: `POST /tokenize` (vLLM's shape:
 find the token offset of your own text), `GET /v1/cache/report` (the live cache report) and
-`GET /v1/kv_events_endpoint` (where a KV-aware router subscribes to this instance's KV events)."""
+`GET /v1/kv_events_endpoint` (where a KV-aware router subscribes to this instance's KV events) and
+`POST /reset_prefix_cache` (vLLM's: forget every cached page; KV events send AllBlocksCleared)."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from kvserve.async_engine import AsyncEngine
@@ -54,8 +55,18 @@ def kv_routes(async_engine: AsyncEngine, namespace: Callable[..., Awaitable[str]
             return JSONResponse({"error": {"message": "KV events are off; start with --kv-events-endpoint",
                                            "type": "not_found_error"}}, 404)
         return {"endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint,
-                "page_size": engine.config.page_size, "hash_format": "int", "topic": "",
+                "page_size": engine.config.page_size, "hash_format": publisher.hash_format,
+                "topic": publisher.topic.decode(), "encoding": publisher.encoding,
+                "curve_public_key": publisher.curve_public_key,
                 "namespace_by_api_key": namespace_by_api_key}
+
+    @router.post("/reset_prefix_cache")
+    async def reset_prefix_cache(ns: str = Depends(namespace)):
+        """Refused (409) while requests hold pages, as vLLM refuses it."""
+        if not await async_engine.call(engine.reset_prefix_cache):
+            return JSONResponse({"error": {"message": "requests are running; reset the prefix cache "
+                                           "when the server is idle", "type": "conflict_error"}}, 409)
+        return Response(status_code=200)
 
     return router
 

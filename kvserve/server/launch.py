@@ -60,9 +60,10 @@ def engine_memory_promise(engine, args: argparse.Namespace):
     from kvserve.config import parse_bytes
     from kvserve.memory_promise import memory_promise
 
-    disk = getattr(args, "kv_disk_bytes", None)
+    config = engine.config  # (--kv-disk-bytes has a default: it counts only with a --kv-disk-path)
+    disk = parse_bytes(config.kv_disk_bytes) if config.kv_disk_path else 0
     return memory_promise(weights_bytes(engine), engine.runner.kv_cache_bytes(),
-                          parse_bytes(engine.config.swap_space), parse_bytes(disk) if disk else 0)
+                          parse_bytes(config.swap_space), disk)
 
 
 class _Drain:
@@ -98,7 +99,8 @@ def serve(args: argparse.Namespace) -> int:
     from kvserve.config import EngineConfig
     from kvserve.engine import LLMEngine
     from kvserve.engine_args import engine_kwargs
-    from kvserve.server.api import build_app
+    from kvserve.kv_events import fill_topic, pod_ip
+    from kvserve.server.api import build_app, default_model_name
 
     setup_logging(args.log_level)
     api_keys = load_api_keys(args)
@@ -109,7 +111,12 @@ def serve(args: argparse.Namespace) -> int:
                     extra_model_names=[args.model] if args.model else None,
                     max_request_bytes=args.max_request_bytes,
                     max_waiting_requests=args.max_waiting_requests,
-                    max_requests_per_tenant=args.max_requests_per_tenant)
+                    max_requests_per_tenant=args.max_requests_per_tenant,
+                    metrics_name_prefix=args.metrics_name_prefix)
+    if engine.event_publisher is not None:  # the topic's {pod_ip}, {port} and {model}
+        engine.event_publisher.set_topic(fill_topic(
+            engine.config.kv_events_topic, pod_ip=pod_ip(engine.config.kv_events_endpoint),
+            port=args.port, model=args.served_model_name or default_model_name(engine)))
     drain = _Drain(app, args.shutdown_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)

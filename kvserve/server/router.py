@@ -23,7 +23,7 @@ import json
 import logging
 from typing import Any
 
-from kvserve.cache.events import KVEventSubscriber, external_hash
+from kvserve.kv_events import KVEventSubscriber, external_hash
 from kvserve.cache.hashing import page_hashes
 from kvserve.server.proxy import base_url, prefill_body
 from kvserve.server.router_index import (BackendState, Ticket, Weights, bearer, events_address,
@@ -196,7 +196,7 @@ class Router:
         self.subscribers[b.url] = KVEventSubscriber(
             events_address(info["endpoint"], b.url),
             events_address(replay, b.url) if replay else None,
-            apply, topic=info.get("topic", ""))
+            apply, topic=info.get("topic", ""), curve_server_key=info.get("curve_public_key"))
         log.info("following %s's KV events at %s", b.url, info["endpoint"])
 
     def mark_down(self, b: BackendState, why: str) -> None:

@@ -34,7 +34,8 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from kvserve.cache.events import MEDIUM_REDIS, WireEvent
+from kvserve.cache.events import MEDIUM_REDIS
+from kvserve.kv_events import WireEvent
 
 WireHash = int | bytes
 PREDICT_GRACE_S = 5.0  # a finished request's pages count as held until its events come

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from kvserve.cache.events import (MEDIUM_HOST, MEDIUM_REDIS, BlockRemoved, BlockStored,
-                                  KVEventPublisher, KVEventSubscriber, WireEvent, external_hash)
+from kvserve.cache.events import MEDIUM_HOST, MEDIUM_REDIS, BlockRemoved, BlockStored
+from kvserve.kv_events import KVEventPublisher, KVEventSubscriber, WireEvent, external_hash
 from kvserve.cache.hashing import page_hashes
 from kvserve.server.router import Router
 from kvserve.server.router_index import (BackendState, anthropic_to_chat, events_address,

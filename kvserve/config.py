@@ -226,6 +226,7 @@ class EngineConfig:
     kv_events_topic: str = ""  # vLLM's topic; {pod_ip} {port} {model} filled in by `kvserve serve`
     kv_events_encoding: str = "array"  # array (vLLM <= 0.11, Dynamo, llm-d) | map (current vLLM)
     kv_events_mode: str = "bind"  # bind | connect (the PUB socket; replay always binds)
+    kv_events_replay_endpoint: str | None = None  # None: events port + 1 when binding, none when connecting; "off"
     kv_events_token_ids: bool = True  # False: BlockStored carries no token ids
     kv_events_allow_remote: bool = False  # bind a non-loopback address without CURVE
     kv_events_curve_secret_file: str | None = None  # CURVE secret key (Z85): subscribers need its public key

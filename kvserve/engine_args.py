@@ -59,6 +59,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        choices=["bind", "connect"],
                        help="bind the events socket (subscribers connect) or connect it to a "
                             "subscriber that binds (an indexer's address); replay always binds")
+    group.add_argument("--kv-events-replay-endpoint", default=None, metavar="tcp://HOST:PORT|off",
+                       help="where the replay socket binds (default: the events port + 1 in bind "
+                            "mode, none in connect mode)")
     group.add_argument("--kv-events-token-ids", default="on", choices=["on", "off"],
                        help="off: BlockStored carries no token ids (no prompt text leaves the "
                             "process); only routers matching kvserve's block hashes (kvserve "
@@ -101,6 +104,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_disk_path=args.kv_disk_path, kv_disk_bytes=args.kv_disk_bytes,
                 kv_events_endpoint=args.kv_events_endpoint, kv_events_topic=args.kv_events_topic,
                 kv_events_encoding=args.kv_events_encoding, kv_events_mode=args.kv_events_mode,
+                kv_events_replay_endpoint=args.kv_events_replay_endpoint,
                 kv_events_token_ids=args.kv_events_token_ids == "on",
                 kv_events_allow_remote=args.kv_events_allow_remote,
                 kv_events_curve_secret_file=args.kv_events_curve_secret_file,

@@ -32,8 +32,12 @@ def publisher_for(config: EngineConfig) -> KVEventPublisher:
                 curve = CurveKeys.from_secret(f.read())
         except OSError as err:
             raise ValueError(f"cannot read --kv-events-curve-secret-file: {err}") from None
-    endpoint = config.kv_events_endpoint
-    return KVEventPublisher(endpoint, replay_endpoint_for(endpoint), topic=config.kv_events_topic,
+    endpoint, replay = config.kv_events_endpoint, config.kv_events_replay_endpoint
+    if replay is None:
+        replay = replay_endpoint_for(endpoint) if config.kv_events_mode == "bind" else None
+    elif replay == "off":
+        replay = None
+    return KVEventPublisher(endpoint, replay, topic=config.kv_events_topic,
                             encoding=config.kv_events_encoding,  # type: ignore[arg-type]
                             connect=config.kv_events_mode == "connect",
                             allow_remote=config.kv_events_allow_remote,

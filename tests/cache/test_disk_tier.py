@@ -228,3 +228,18 @@ def test_pages_leaving_the_tier_are_reported_for_kv_events(tmp_path):
     assert gone == [h(0), h(1)]  # corruption
     assert t.page_hashes() == [h(2)]
     t.close()
+
+
+def test_a_deleted_tier_directory_is_recreated_and_listeners_hear_of_every_page(tmp_path):
+    stored, evicted = [], []
+    t = tier(tmp_path, pages=2, on_store=stored.append, on_evict=evicted.append)
+    assert t.put(h(0), payload(0))
+    t.flush()
+    shutil.rmtree(tmp_path)  # an operator cleaned up the directory under a running server
+    assert t.get(h(0)) is None and t.stats.misses == 1  # its page is gone: a miss, not an error
+    assert t.put(h(1), payload(1)) and t.put(h(2), payload(2))
+    t.flush()
+    assert t.file_of(h(2)).exists() and t.stats.errors == 0
+    assert t.get(h(2)) == payload(2)
+    assert stored == [h(0), h(1), h(2)] and h(0) in evicted
+    t.close()

@@ -27,10 +27,11 @@ out (`send_token_ids=False`; only routers that match kvserve's own block hashes 
 from kvserve.kv_events.publisher import CurveKeys, KVEventPublisher, attach_tiers, publisher_for
 from kvserve.kv_events.subscriber import KVEventSubscriber
 from kvserve.kv_events.wire import (END_SEQ, ENCODINGS, Encoding, HashFormat, WireEvent, decode_batch,
-                                    encode_batch, encode_event, external_hash, fill_topic,
+                                    encode_batch, encode_event, event_cache_salt, external_hash,
+                                    fill_topic,
                                     is_loopback, pod_ip, replay_endpoint_for)
 
 __all__ = ["END_SEQ", "ENCODINGS", "CurveKeys", "Encoding", "HashFormat", "KVEventPublisher",
            "KVEventSubscriber", "WireEvent", "attach_tiers", "decode_batch", "encode_batch",
-           "encode_event", "external_hash", "fill_topic", "is_loopback", "pod_ip", "publisher_for",
+           "encode_event", "event_cache_salt", "external_hash", "fill_topic", "is_loopback", "pod_ip", "publisher_for",
            "replay_endpoint_for"]

@@ -11,7 +11,8 @@ from typing import Any, Literal
 
 import msgpack
 
-from kvserve.cache.events import BlockRemoved, BlockStored, Event
+from kvserve.cache.events import BlockRemoved, BlockStored, Event, namespace_extra_keys
+from kvserve.cache.hashing import namespace
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 HashFormat = Literal["int", "bytes"]
@@ -55,6 +56,13 @@ def fill_topic(template: str, *, pod_ip: str, port: int | str, model: str) -> st
     """vLLM's `topic` with `{pod_ip}`, `{port}` and `{model}` filled in (llm-d reads
     `kv@<pod>@<model>`: `--kv-events-topic 'kv@{pod_ip}:{port}@{model}'`)."""
     return template.replace("{pod_ip}", pod_ip).replace("{port}", str(port)).replace("{model}", model)
+
+
+def event_cache_salt(tenant: str, cache_salt: str | None) -> str | None:
+    """The string a request's first page carries in `extra_keys` (its salt, or with a tenant an
+    opaque digest of the namespace): what a router folds into its block keys (render routes)."""
+    extra = namespace_extra_keys(namespace(tenant, cache_salt))
+    return extra[0] if extra else None
 
 
 def pod_ip(endpoint: str = "") -> str:

@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException
 from kvserve.async_engine import AsyncEngine
 from kvserve.engine import LLMEngine
 from kvserve.metrics import CONTENT_TYPE, EngineMetrics, hit_rate
-from kvserve.server import anthropic, caches
+from kvserve.server import anthropic, caches, render_routes
 from kvserve.server.kv_routes import kv_routes
 from kvserve.server.limits import DEFAULT_MAX_REQUEST_BYTES, Admission, BodyLimit
 from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
@@ -130,6 +130,7 @@ def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
 
     anthropic.register(app, async_engine, names, namespace)
     caches.register(app, async_engine, names, namespace)
+    render_routes.register(app, render_routes.ServingRenderer(serving), names, namespace)
 
     @app.get("/health")
     async def health():

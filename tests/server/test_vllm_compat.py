@@ -67,3 +67,33 @@ def test_reset_prefix_cache_needs_the_key_and_forgets_cached_pages(async_engine,
         assert reset.status_code == 200
         again = client.completions.create(model=model_name, prompt=prompt, max_tokens=1)
         assert (again.usage.prompt_tokens_details.cached_tokens or 0) == 0
+
+
+def test_render_gives_the_token_ids_the_request_is_served_with(server, client, model_name):
+    """llm-d's tokenizer plugin reads `token_ids` of /v1/completions/render (a list, one per prompt)
+    and /v1/chat/completions/render (one object): the ids the completion routes serve."""
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "Name three rivers of Europe."}]
+    chat = httpx.post(server.url + "/v1/chat/completions/render",
+                      json={"model": model_name, "messages": messages}).json()
+    tokenized = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()
+    served = client.chat.completions.create(model=model_name, messages=messages, max_tokens=1)
+    assert chat["token_ids"] == tokenized["tokens"]
+    assert len(chat["token_ids"]) == served.usage.prompt_tokens
+    assert chat["model"] == model_name and chat["cache_salt"] is None
+
+    prompts = ["The capital of France is", "One, two, three,"]
+    rendered = httpx.post(server.url + "/v1/completions/render",
+                          json={"model": model_name, "prompt": prompts, "cache_salt": "s1"}).json()
+    assert [r["cache_salt"] for r in rendered] == ["s1", "s1"]  # as the events' extra_keys carry it
+    for prompt, one in zip(prompts, rendered):
+        tokenized = httpx.post(server.url + "/tokenize", json={"prompt": prompt}).json()
+        served = client.completions.create(model=model_name, prompt=prompt, max_tokens=1)
+        assert one["token_ids"] == tokenized["tokens"]
+        assert len(one["token_ids"]) == served.usage.prompt_tokens
+    ids = [5, 6, 7]
+    (given,) = httpx.post(server.url + "/v1/completions/render", json={"prompt": ids}).json()
+    assert given["token_ids"] == ids
+    missing = httpx.post(server.url + "/v1/chat/completions/render",
+                         json={"model": "nope", "messages": messages})
+    assert missing.status_code == 404 and "error" in missing.json()

@@ -9,46 +9,76 @@ sends each request where its prompt's pages already are.
     every poll interval: /health, /metrics (running, waiting, KV usage), /v1/kv_events_endpoint
 
 Each backend describes its event stream at `GET /v1/kv_events_endpoint` (docs/scale-out.md), so the
-router needs no flag per backend. A backend that fails a health check or a request is marked down and
-its pages forgotten; when it answers again its stream is followed anew, from a replay of everything
-its publisher still buffers. With `--policy round-robin`, or before a backend's events are known,
-requests go round robin or to the least loaded. With `--prefill URL`, each request is first computed
-by a prefill instance (max_tokens=1, pages to Redis) as `kvserve proxy` does, then routed.
+router needs no flag per backend; keyed backends need the router's own key for it and for /tokenize
+(`--backend-api-key-file`; clients' keys are forwarded as they came). A router that follows no
+backend's events says so at start-up: it would route by load alone.
+
+A backend that refuses a connection, fails a health check or answers garbage is marked down and its
+pages forgotten; when it answers again its stream is followed anew, from a replay of everything its
+publisher still buffers. One that stops answering its health checks is marked down and the reads
+still waiting on it end (router_reads.Alarm), so their requests move on; a read past its deadline
+moves its request on without marking the backend down (it may only be busy). The HTTP app is in
+router_app.py. With `--policy round-robin`, or before a backend's events are known, requests go
+round robin or to the least loaded. With `--prefill URL`, each request is first computed by a
+prefill instance (max_tokens=1, pages to Redis) as `kvserve proxy` does, then routed.
 """
 
 import argparse
 import asyncio
-import contextlib
-import json
 import logging
+from pathlib import Path
 from typing import Any
 
 from kvserve.kv_events import KVEventSubscriber, external_hash
 from kvserve.cache.hashing import page_hashes
-from kvserve.server.proxy import base_url, prefill_body
+from kvserve.server.proxy import base_url
 from kvserve.server.router_index import (BackendState, Ticket, Weights, bearer, events_address,
                                          parse_load, rank, request_namespace, tokenize_request)
-from kvserve.server.router_metrics import RouterMetrics, reported_cached_tokens
+from kvserve.server.router_metrics import RouterMetrics
+from kvserve.server.router_reads import Alarm, ReadTimeouts, Stalled, within
 
 log = logging.getLogger("kvserve.router")
 
+EVENTS_NOTES = {
+    401: "401 on /v1/kv_events_endpoint: give the router its key with --backend-api-key-file",
+    403: "403 on /v1/kv_events_endpoint: give the router its key with --backend-api-key-file",
+    404: "404 on /v1/kv_events_endpoint: start it with --kv-events-endpoint"}
 RETRY_STATUSES = (502, 503, 504)  # the backend is going down or its engine died: try another
 POLL_TIMEOUTS_DOWN = 3  # health checks timing out in a row that mark a backend down
+
+
+def failure_kind(err: BaseException) -> str:
+    """Router.failed's kind for an error of a request to a backend."""
+    import httpx
+
+    if isinstance(err, Stalled):
+        return "stalled"
+    if isinstance(err, httpx.WriteError):
+        return "refused"
+    return "down" if isinstance(err, (httpx.ConnectError, httpx.ConnectTimeout)) else "broken"
 
 
 class Router:
     """Backends, their indexes and subscribers, and the choice for each request."""
 
     def __init__(self, urls: list[str], policy: str = "kv", weights: Weights = Weights(),
-                 poll_interval_s: float = 0.5) -> None:
+                 poll_interval_s: float = 0.5, backend_keys: dict[str, str] | None = None,
+                 timeouts: ReadTimeouts = ReadTimeouts()) -> None:
         if not urls:
             raise ValueError("the router needs at least one --backend URL")
         if policy not in ("kv", "round-robin"):
             raise ValueError(f"--policy is kv or round-robin, not {policy!r}")
         self.backends = [BackendState(base_url(u)) for u in dict.fromkeys(urls)]
         self.policy, self.weights, self.poll_interval_s = policy, weights, poll_interval_s
+        self.timeouts = timeouts
+        self.backend_keys = {(base_url(u) if u else ""): k for u, k in (backend_keys or {}).items()}
+        unknown = set(self.backend_keys) - {"", *(b.url for b in self.backends)}
+        if unknown:
+            raise ValueError(f"--backend-api-key-file names a URL that is no --backend: "
+                             f"{sorted(unknown)[0]}")
         self.metrics = RouterMetrics()
         self.subscribers: dict[str, KVEventSubscriber] = {}
+        self.alarms = {b.url: Alarm() for b in self.backends}
         self._turn = 0
         self.client = None  # httpx.AsyncClient, set by the app's lifespan
 
@@ -79,6 +109,11 @@ class Router:
                                 "prefix" if c.matched_pages else "least_loaded"))
         return choices
 
+    def own_headers(self, b: BackendState) -> dict[str, str]:
+        """The router's own credentials at backend b (its health, load, events and /tokenize)."""
+        key = self.backend_keys.get(b.url) or self.backend_keys.get("")
+        return {"authorization": f"Bearer {key}"} if key else {}
+
     async def prompt_hashes(self, path: str, body: Any, headers: dict[str, str]) -> dict[str, list]:
         """The request's full-page hashes, per wire format, as the backends hash them; {} when they
         cannot be known (no backend with events, tokenizing failed, not a text prompt)."""
@@ -103,7 +138,8 @@ class Router:
             return request  # not a text prompt / already token ids
         try:
             response = await self.client.post(source.url + "/tokenize", json=request,
-                                              headers=headers, timeout=10.0)
+                                              headers={**headers, **self.own_headers(source)},
+                                              timeout=10.0)
             tokens = response.json().get("tokens") if response.status_code == 200 else None
         except Exception as err:  # httpx errors, a body that is not JSON
             log.debug("tokenize on %s failed: %s", source.url, err)
@@ -114,10 +150,14 @@ class Router:
         return tokens
 
     async def send(self, path: str, content: bytes, headers: dict[str, str],
-                   hashes: dict[str, list], tried: set[str]) -> tuple[Ticket, Any, str, int] | str:
+                   hashes: dict[str, list], tried: set[str],
+                   stream: bool = False) -> tuple[Ticket, Any, str, int] | str:
         """The request sent to the best backend not in `tried` (added to it) that takes it: its
         ticket, the response (status and headers read, body streamed), the decision's reason and
-        the predicted cached tokens; or why no backend took it. A backend that fails is marked down."""
+        the predicted cached tokens; or why no backend took it. A backend that cannot be reached
+        or answers 502-504 is marked down; one that stalls (a stream's head within the first-byte
+        deadline, a whole answer's within the whole one) or stops reading the body (it refused
+        it) is only skipped."""
         import httpx
 
         last_error = "no backend"
@@ -128,21 +168,38 @@ class Router:
                 self.metrics.retries.inc()
             tried.add(b.url)
             ticket = b.admit(hashes.get(b.hash_format, []) if b.page_size else [], matched)
+            deadline = self.timeouts.first_byte_s if stream else self.timeouts.whole_s
             try:
-                response = await self.client.send(
+                response = await within(self.client.send(
                     self.client.build_request("POST", b.url + path, content=content,
-                                              headers=headers), stream=True)
+                                              headers=headers), stream=True),
+                    deadline, self.alarms[b.url], "the answer's head")
                 if response.status_code in RETRY_STATUSES:
                     await response.aclose()
-                    raise httpx.HTTPError(f"answered {response.status_code}")
+                    raise httpx.ConnectError(f"answered {response.status_code}")
                 return ticket, response, reason, matched * (b.page_size or 0)
             except BaseException as err:
                 ticket.release()
-                if not isinstance(err, httpx.HTTPError):
+                if not isinstance(err, (httpx.HTTPError, Stalled)):
                     raise  # (a client gone: cancelled)
                 last_error = f"{b.url}: {err or type(err).__name__}"
-                self.mark_down(b, last_error)
+                await self.failed(b, last_error, failure_kind(err))
         return last_error
+
+    async def failed(self, b: BackendState, why: str, kind: str) -> None:
+        """A request's attempt on b failed (the request moves on either way):
+        "down" (connection refused, 502-504) and "invalid" (a malformed answer) mark b down;
+        "broken" (the connection lost mid-request) has b's health checked now, which decides;
+        "stalled" (past a read deadline) and "refused" (it stopped reading the body: its own size
+        limit) are counted only. So a busy backend, or one whose connection a client's upload
+        reset, keeps its index."""
+        self.metrics.attempt_failures.labels(b.url, kind).inc()
+        if kind in ("down", "invalid"):
+            self.mark_down(b, why)
+            return
+        log.info("request moved off %s: %s", b.url, why)
+        if kind == "broken" and b.healthy:
+            await self.poll(b)
 
     # -- health, load and events ------------------------------------------------------------------
     async def poll_forever(self) -> None:
@@ -151,11 +208,12 @@ class Router:
             await asyncio.sleep(self.poll_interval_s)
 
     async def poll(self, b: BackendState) -> None:
+        headers = self.own_headers(b)
         try:
-            health = await self.client.get(b.url + "/health", timeout=2.0)
+            health = await self.client.get(b.url + "/health", headers=headers, timeout=2.0)
             if health.status_code != 200:
                 raise ConnectionError(f"/health answered {health.status_code}")
-            metrics = await self.client.get(b.url + "/metrics", timeout=2.0)
+            metrics = await self.client.get(b.url + "/metrics", headers=headers, timeout=2.0)
             load = parse_load(metrics.text)
             b.observe_load(int(load.get("num_requests_running", 0)),
                            int(load.get("num_requests_waiting", 0)),
@@ -172,18 +230,29 @@ class Router:
             b.poll_timeouts += timed_out
             if not timed_out or b.poll_timeouts >= POLL_TIMEOUTS_DOWN:
                 self.mark_down(b, f"{type(err).__name__}: {err}")
+            if timed_out and b.poll_timeouts >= POLL_TIMEOUTS_DOWN:
+                self.alarms[b.url].ring()  # hung: requests waiting on it move on now
         self.metrics.observe_backend(b)
 
     async def follow_events(self, b: BackendState) -> None:
         """Learn the backend's event stream from the backend itself and subscribe to it."""
-        response = await self.client.get(b.url + "/v1/kv_events_endpoint", timeout=2.0)
-        if response.status_code != 200:
-            return  # no events (flag not set, or an older server): routed by load
-        info = response.json()
-        if not isinstance(info, dict) or not info.get("endpoint") or not info.get("page_size"):
+        response = await self.client.get(b.url + "/v1/kv_events_endpoint",
+                                         headers=self.own_headers(b), timeout=2.0)
+        if response.status_code != 200:  # routed by load
+            self._events_note(b, EVENTS_NOTES.get(response.status_code,
+                                                  f"/v1/kv_events_endpoint answered "
+                                                  f"{response.status_code}"))
+            return
+        try:
+            info = response.json()
+            page_size = int(info["page_size"])
+            if not info.get("endpoint") or page_size < 1:
+                raise ValueError(info)
+        except (ValueError, TypeError, KeyError):
+            self._events_note(b, "its /v1/kv_events_endpoint answer is malformed")
             return
         b.forget()
-        b.page_size = int(info["page_size"])
+        b.page_size = page_size
         b.hash_format = info.get("hash_format", "int")
         b.namespace_by_api_key = bool(info.get("namespace_by_api_key", False))
         replay = info.get("replay_endpoint")
@@ -197,9 +266,25 @@ class Router:
             events_address(info["endpoint"], b.url),
             events_address(replay, b.url) if replay else None,
             apply, topic=info.get("topic", ""), curve_server_key=info.get("curve_public_key"))
+        b.events_note = f"following {info['endpoint']}"
         log.info("following %s's KV events at %s", b.url, info["endpoint"])
 
+    def _events_note(self, b: BackendState, note: str) -> None:
+        if note != b.events_note:
+            level = logging.INFO if "404" in note else logging.WARNING
+            log.log(level, "backend %s: no KV events (%s); it is routed by load", b.url, note)
+        b.events_note = note
+
+    def blind_warning(self) -> str | None:
+        """Why the kv policy can route nothing by prefix, when no backend's events are followed."""
+        if self.policy != "kv" or any(b.page_size for b in self.backends):
+            return None
+        notes = "; ".join(f"{b.url}: {b.events_note or 'not reachable'}" for b in self.backends)
+        return (f"the router follows no backend's KV events ({notes}): its index stays empty and "
+                f"every request goes to the least loaded backend")
+
     def mark_down(self, b: BackendState, why: str) -> None:
+        """b is down: its index and subscription are dropped until a health check answers."""
         if b.healthy:
             log.warning("backend %s is down (%s); forgetting its pages", b.url, why)
             self.metrics.backend_failures.labels(b.url).inc()
@@ -216,144 +301,31 @@ class Router:
         self.subscribers.clear()
 
 
-def build_router_app(backend_urls: list[str], *, policy: str = "kv",
-                     prefill_urls: list[str] | None = None, timeout: float = 600.0,
-                     poll_interval_s: float = 0.5, weights: Weights = Weights()):
-    # (no `from __future__ import annotations` here: FastAPI must see the endpoint signatures' types)
-    import httpx
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
-    from starlette.background import BackgroundTask
-
-    from kvserve.server.forwarding import add_forward_routes, forwarded_headers, relay_get
-    from kvserve.server.protocol import error_body
-    from kvserve.server.router_stream import Attempt, ResumingRelay, Transcript, with_seed
-
-    router = Router(backend_urls, policy, weights, poll_interval_s)
-    prefills = [base_url(u) for u in prefill_urls or []]
-    prefill_turn = [0]
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0)) as client:
-            router.client = client
-            await asyncio.gather(*(router.poll(b) for b in router.backends))
-            poller = asyncio.create_task(router.poll_forever())
-            try:
-                yield
-            finally:
-                poller.cancel()
-                router.close()
-
-    app = FastAPI(title="kvserve router", lifespan=lifespan)
-    app.state.router = router
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, err: Exception):
-        log.exception("unhandled error in the router")
-        return JSONResponse(error_body(f"internal error: {type(err).__name__}", "server_error"), 500)
-
-    async def prefill(path: str, body: Any, headers: dict[str, str]) -> None:
-        if not prefills or not isinstance(body, dict):
-            return
-        url = prefills[prefill_turn[0] % len(prefills)] + path
-        prefill_turn[0] += 1
-        try:
-            response = await router.client.post(url, json=prefill_body(body), headers=headers)
-            if response.status_code != 200:
-                log.warning("prefill %s answered %d", url, response.status_code)
-        except httpx.HTTPError as err:
-            log.warning("prefill %s failed (%s); the decode instance computes the prompt", url, err)
-
-    async def forward(path: str, raw: Request):
-        content = await raw.body()
-        headers = forwarded_headers(raw)
-        try:
-            body = json.loads(content)
-        except ValueError:
-            body = None  # a backend answers with the right 400
-        hashes = await router.prompt_hashes(path, body, headers)
-        await prefill(path, body, headers)
-        seeded = with_seed(path, body)
-        if seeded is not None:
-            content = json.dumps(seeded).encode()
-        tried: set[str] = set()
-        while True:
-            sent = await router.send(path, content, headers, hashes, tried)
-            if isinstance(sent, str):
-                return JSONResponse(error_body(f"no backend could answer ({sent})", "server_error"),
-                                    502)
-            ticket, response, reason, predicted = sent
-            b = ticket.backend
-            kind = response.headers.get("content-type", "application/json")
-            if kind.startswith("text/event-stream"):
-                break
-            try:
-                data = await response.aread()
-            except httpx.HTTPError as err:  # died before its whole answer came: try another
-                router.mark_down(b, f"{b.url}: {err or type(err).__name__}")
-                continue
-            finally:
-                ticket.release()
-                await response.aclose()
-            router.metrics.decided(b.url, reason, predicted)
-            router.metrics.reported(predicted, reported_cached_tokens(data))
-            return Response(data, response.status_code, media_type=kind)
-        router.metrics.decided(b.url, reason, predicted)
-
-        async def reopen(tried: set[str]) -> Attempt | None:
-            while not isinstance(sent := await router.send(path, content, headers, hashes, tried),
-                                 str):
-                ticket, response, _, predicted = sent
-                kind = response.headers.get("content-type", "")
-                if response.status_code == 200 and kind.startswith("text/event-stream"):
-                    return Attempt(ticket, response, predicted)
-                ticket.release()
-                await response.aclose()
-            return None
-
-        relay = ResumingRelay(Transcript(anthropic=path == "/v1/messages",
-                                         chat=path == "/v1/chat/completions"),
-                              Attempt(ticket, response, predicted), reopen, router.mark_down,
-                              router.metrics)
-        return StreamingResponse(relay.body(), response.status_code, media_type=kind,
-                                 headers={"Cache-Control": "no-cache"},
-                                 background=BackgroundTask(relay.finish))
-
-    add_forward_routes(app, forward, ("/v1/completions", "/v1/chat/completions", "/v1/messages"))
-
-    @app.get("/v1/models")
-    async def models(raw: Request):
-        for b, _, _ in router.candidates({}):
-            try:
-                return await relay_get(router.client, b.url + "/v1/models", raw)
-            except httpx.HTTPError as err:
-                router.mark_down(b, str(err))
-        return JSONResponse(error_body("no backend is reachable", "server_error"), 502)
-
-    @app.get("/health")
-    async def health():
-        """200 while at least one backend is healthy."""
-        if any(b.healthy for b in router.backends):
-            return Response(status_code=200)
-        return JSONResponse(error_body("no backend is healthy", "server_error"), 503)
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(router.metrics.render(), media_type=router.metrics.content_type)
-
-    @app.get("/router/backends")
-    async def backends():
-        return [{"url": b.url, "healthy": b.healthy, "num_requests_running": b.num_running,
-                 "num_requests_waiting": b.num_waiting, "kv_cache_usage_perc": b.kv_usage,
-                 "in_flight": b.in_flight, "backlog_pages": b.backlog, "page_size": b.page_size,
-                 "index_pages": len(b.pages)}
-                for b in router.backends]
-
-    return app
+def load_backend_keys(path: str) -> dict[str, str]:
+    """--backend-api-key-file: lines `KEY` (every backend) or `URL KEY` (that backend); blank lines
+    and # comments skipped."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"cannot read --backend-api-key-file {path}: {err}") from None
+    keys: dict[str, str] = {}
+    for number, line in enumerate(lines, 1):
+        fields = line.split()
+        if not fields or fields[0].startswith("#"):
+            continue
+        if len(fields) > 2:
+            raise ValueError(f"--backend-api-key-file {path}, line {number}: put `KEY` or "
+                             f"`URL KEY` on a line")
+        url, key = ("", fields[0]) if len(fields) == 1 else fields
+        keys[url] = key
+    if not keys:
+        raise ValueError(f"--backend-api-key-file {path} holds no key")
+    return keys
 
 
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvserve.server.limits import DEFAULT_MAX_REQUEST_BYTES
+
     parser.add_argument("--backend", action="append", required=True, metavar="URL",
                         help="a `kvserve serve` instance (repeat for several)")
     parser.add_argument("--policy", default="kv", choices=["kv", "round-robin"],
@@ -362,10 +334,23 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", action="append", default=[], metavar="URL",
                         help="a `kvserve serve --role prefill` instance that computes each prompt "
                              "first (repeat for several); the --backend instances then decode")
+    parser.add_argument("--backend-api-key-file", default=None, metavar="FILE",
+                        help="the router's own key at backends started with API keys, for their "
+                             "KV events description and /tokenize: a line `KEY` (every backend) "
+                             "or `URL KEY` (one); clients' keys are forwarded as they came")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                        metavar="N", help="larger request bodies get a 413 before any backend "
+                                          "sees them (default 4 MiB, as `kvserve serve`)")
     parser.add_argument("--timeout", type=float, default=600.0,
-                        help="seconds to wait for a backend's answer")
+                        help="seconds to wait for a backend's whole (not streamed) answer")
+    parser.add_argument("--first-byte-timeout", type=float, default=60.0, metavar="S",
+                        help="seconds to wait for a stream's head and first output (its "
+                             "prefill) before resuming it on another backend (default 60)")
+    parser.add_argument("--chunk-timeout", type=float, default=30.0, metavar="S",
+                        help="seconds to wait between two chunks of a stream before resuming it "
+                             "on another backend (default 30)")
     parser.add_argument("--poll-interval", type=float, default=0.5,
                         help="seconds between health and load checks of each backend")
     parser.add_argument("--log-level", default="info",
@@ -376,11 +361,17 @@ def main_router(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvserve.server.launch import setup_logging
+    from kvserve.server.router_app import build_router_app
 
     setup_logging(args.log_level)  # the router's own lines (backends up and down, decisions)
-    if args.poll_interval <= 0:
-        raise ValueError("--poll-interval must be positive")
+    for flag in ("poll_interval", "timeout", "first_byte_timeout", "chunk_timeout",
+                 "max_request_bytes"):
+        if getattr(args, flag) <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive")
+    keys = load_backend_keys(args.backend_api_key_file) if args.backend_api_key_file else None
+    timeouts = ReadTimeouts(args.first_byte_timeout, args.chunk_timeout, args.timeout)
     app = build_router_app(args.backend, policy=args.policy, prefill_urls=args.prefill,
-                           timeout=args.timeout, poll_interval_s=args.poll_interval)
+                           timeouts=timeouts, poll_interval_s=args.poll_interval,
+                           backend_keys=keys, max_request_bytes=args.max_request_bytes)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -71,6 +71,7 @@ class BackendState:
     page_size: int | None = None  # from its KV events description; None: no events
     hash_format: str = "int"
     namespace_by_api_key: bool = False
+    events_note: str = ""  # following its events, or why not (for the log and /router/backends)
     epoch: int = 0  # bumped when the backend is marked down: older subscriptions are void
     poll_timeouts: int = 0  # health checks timed out in a row
     pages: dict[WireHash, set[str]] = field(default_factory=dict)  # page hash -> media holding it

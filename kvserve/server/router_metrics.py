@@ -35,6 +35,11 @@ class RouterMetrics:
                                       "mid-answer, resumed on another backend.", registry=r)
         self.backend_failures = Counter(PREFIX + "backend_failures",
                                         "Times a backend was marked down.", ["backend"], registry=r)
+        self.attempt_failures = Counter(
+            PREFIX + "attempt_failures", "Requests' attempts that failed on a backend, by kind: "
+            "broken (connection lost, 502-504), invalid (a malformed answer or event), stalled "
+            "(past a read deadline), refused (it stopped reading the request body).",
+            ["backend", "kind"], registry=r)
         self.tokenize_failures = Counter(PREFIX + "tokenize_failures",
                                          "Prompts routed by load alone: /tokenize failed.",
                                          registry=r)

@@ -7,10 +7,15 @@ only on the seed and the token's position, kvserve/model/sampler.py). The router
 OpenAI stream without a seed one of its own for that reason (`with_seed`). When the replacement's
 text still disagrees with what the client has (Anthropic sampling has no seed), the stream ends
 with an error event rather than splice two different answers.
+
+Every event is checked before it is relayed (router_checks.py): a malformed one, a stream that
+stalls past its read deadline (router_reads.py) or breaks are the backend's failure, and the
+stream resumes on the next backend; the client never sees the bad event.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -19,14 +24,20 @@ from typing import Any
 
 import httpx
 
+from kvserve.server.router_checks import MAX_EVENT_BYTES, event_problem
 from kvserve.server.router_index import BackendState, Ticket
 from kvserve.server.router_metrics import RouterMetrics, reported_cached_tokens
+from kvserve.server.router_reads import Alarm, ReadTimeouts, Stalled, timed_chunks
 
 DELTA_KEYS = ("text", "thinking", "partial_json")  # an Anthropic delta's growing field
 
 
 class BackendBroke(Exception):
     """The backend's stream ended (or reported its own shutdown) before the answer did."""
+
+
+class BackendInvalid(BackendBroke):
+    """The backend's stream holds an event no client should get."""
 
 
 class Diverged(Exception):
@@ -61,15 +72,23 @@ def encode(name: str | None, payload: Any) -> bytes:
     return ((f"event: {name}\n" if name else "") + line).encode()
 
 
+def is_comment(raw: bytes) -> bool:
+    """An event of SSE comment lines only (`: keep-alive`): clients ignore it, so it is dropped."""
+    return all(line.startswith(b":") for line in raw.strip().split(b"\n"))
+
+
 async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[Event]:
-    """Whole events from a byte stream; a trailing partial event (the stream broke) is dropped."""
+    """Whole events from a byte stream; a trailing partial event (the stream broke) is dropped, one
+    longer than MAX_EVENT_BYTES is the backend's fault."""
     buffer = b""
     async for chunk in chunks:
         buffer += chunk
         while (end := buffer.find(b"\n\n")) >= 0:
             raw, buffer = buffer[:end + 2], buffer[end + 2:]
-            if raw.strip():
+            if raw.strip() and not is_comment(raw):
                 yield parse_event(raw)
+        if len(buffer) > MAX_EVENT_BYTES:
+            raise BackendInvalid(f"an event longer than {MAX_EVENT_BYTES:,} bytes")
 
 
 def with_seed(path: str, body: Any) -> dict | None:
@@ -101,7 +120,11 @@ class Transcript:
         self.read = {}
 
     def accept(self, event: Event) -> bytes | None:
-        """The bytes to send the client for `event` of the current stream, or None."""
+        """The bytes to send the client for `event` of the current stream, or None; BackendInvalid
+        when the event is malformed."""
+        problem = event_problem(self.anthropic, self.chat, event.name, event.data)
+        if problem is not None:
+            raise BackendInvalid(f"a malformed event: {problem}")
         return self._anthropic(event) if self.anthropic else self._openai(event)
 
     def first_output(self, event: Event) -> bool:
@@ -243,30 +266,44 @@ class Attempt:
     ticket: Ticket
     response: Any  # httpx.Response opened with stream=True
     predicted_tokens: int = 0
+    alarm: Alarm | None = None  # rings when the backend is found hung
 
 
 class ResumingRelay:
     """The client's stream: events of the current attempt through the transcript; when the attempt
-    breaks, `reopen` (the router: the request sent to a backend not in `tried`, which it adds) gives
-    the next. `finish` (the response's background task, run even when the client left before the stream
-    started) closes whatever attempt is still open."""
+    breaks, stalls or sends a malformed event, `failed(backend, why, kind)` is awaited (kind
+    "broken", "stalled" or "invalid") and `reopen` (the router: the request sent to a backend not
+    in `tried`, which it adds) gives the next. `finish` (the response's background task, run even
+    when the client left before the stream started) closes whatever attempt is still open. A
+    client that leaves is no backend's failure: the attempt is closed and nothing is told."""
 
     def __init__(self, transcript: Transcript, first: Attempt,
                  reopen: Callable[[set[str]], Awaitable[Attempt | None]],
-                 broken: Callable[[BackendState, str], None], metrics: RouterMetrics) -> None:
+                 failed: Callable[[BackendState, str, str], Awaitable[None]],
+                 metrics: RouterMetrics,
+                 timeouts: ReadTimeouts = ReadTimeouts()) -> None:
         self.transcript, self.current, self.reopen = transcript, first, reopen
-        self.broken, self.metrics = broken, metrics
+        self.failed, self.metrics, self.timeouts = failed, metrics, timeouts
         self.tried = {first.ticket.backend.url}
         self.tail = b""
+
+    def _deadline(self, attempt: Attempt) -> float | None:
+        """Until its first output a stream may be prefilling a long prompt; after it, chunks come
+        every few decode steps."""
+        if attempt.ticket.prefilling:
+            return self.timeouts.first_byte_s
+        return self.timeouts.between_chunks_s
 
     async def body(self) -> AsyncIterator[bytes]:
         while self.current is not None:
             attempt = self.current
+            chunks = timed_chunks(attempt.response.aiter_raw(), lambda: self._deadline(attempt),
+                                  attempt.alarm)
             try:
-                async for event in sse_events(attempt.response.aiter_raw()):
+                async for event in sse_events(chunks):
+                    out = self.transcript.accept(event)
                     if attempt.ticket.prefilling and self.transcript.first_output(event):
                         attempt.ticket.first_token()
-                    out = self.transcript.accept(event)
                     if out:
                         self.tail = (self.tail + out)[-65536:]
                         yield out
@@ -275,8 +312,13 @@ class ResumingRelay:
                                               reported_cached_tokens(self.tail, sse=True))
                         return
                 raise BackendBroke("the stream ended before the answer did")
+            except Stalled as err:
+                await self.failed(attempt.ticket.backend, f"stream stalled: {err}", "stalled")
+            except BackendInvalid as err:
+                await self.failed(attempt.ticket.backend, f"stream invalid: {err}", "invalid")
             except (httpx.HTTPError, BackendBroke) as err:
-                self.broken(attempt.ticket.backend, f"stream broke: {err or type(err).__name__}")
+                await self.failed(attempt.ticket.backend,
+                                  f"stream broke: {err or type(err).__name__}", "broken")
             except Diverged as err:
                 yield self.transcript.error_event(str(err))
                 return
@@ -286,7 +328,8 @@ class ResumingRelay:
             if self.current is not None:
                 self.transcript.resume()
                 self.metrics.stream_resumes.inc()
-        yield self.transcript.error_event("the backend died mid-stream and no other could resume it")
+        yield self.transcript.error_event("the backend died mid-stream and no other could "
+                                          "resume it")
 
     async def finish(self) -> None:
         if self.current is not None:
@@ -295,4 +338,5 @@ class ResumingRelay:
     @staticmethod
     async def _close(attempt: Attempt) -> None:
         attempt.ticket.release()
-        await attempt.response.aclose()
+        with contextlib.suppress(Exception):  # (a stalled read may leave the connection broken)
+            await attempt.response.aclose()

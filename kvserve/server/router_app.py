@@ -21,7 +21,7 @@ from kvserve.server.forwarding import add_forward_routes, forwarded_headers
 from kvserve.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from kvserve.server.protocol import error_body
 from kvserve.server.proxy import base_url, prefill_body
-from kvserve.server.router import Router, failure_kind
+from kvserve.server.router_core import Router, failure_kind
 from kvserve.server.router_checks import MAX_ANSWER_BYTES, answer_problem
 from kvserve.server.router_index import Weights
 from kvserve.server.router_metrics import reported_cached_tokens

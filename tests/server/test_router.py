@@ -14,7 +14,7 @@ import pytest
 from kvserve.cache.events import MEDIUM_HOST, MEDIUM_REDIS, BlockRemoved, BlockStored
 from kvserve.kv_events import KVEventPublisher, KVEventSubscriber, WireEvent, external_hash
 from kvserve.cache.hashing import page_hashes
-from kvserve.server.router import Router
+from kvserve.server.router_core import Router
 from kvserve.server.router_index import (BackendState, anthropic_to_chat, events_address,
                                          parse_load, rank, request_namespace)
 from kvserve.server.router_metrics import reported_cached_tokens
@@ -240,7 +240,7 @@ def test_a_backend_slow_to_answer_its_health_check_keeps_its_index_for_a_while()
 
     import httpx
 
-    from kvserve.server.router import POLL_TIMEOUTS_DOWN
+    from kvserve.server.router_core import POLL_TIMEOUTS_DOWN
 
     hung = socket.socket()
     hung.bind(("127.0.0.1", 0))

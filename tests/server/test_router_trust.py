@@ -131,6 +131,7 @@ def text_of_stream(response: httpx.Response) -> str:
     return text
 
 
+@pytest.mark.slow  # (about 20 real requests)
 def test_a_hostile_backends_answers_never_reach_a_client(routed, hostile, server, model_name):
     body = {"model": model_name, "prompt": "Ships passing the lighthouse:", "max_tokens": 2,
             "temperature": 0}
@@ -444,3 +445,56 @@ def test_keyed_backends_stopped_mid_answer_and_a_200mb_body(tmp_path):
         for proc in stopped:
             os.kill(proc.pid, signal.SIGCONT)
         stop(procs)
+
+
+def test_the_checks_pass_real_shapes_and_name_the_problem_of_bad_ones():
+    from kvserve.server.router_checks import answer_problem, event_problem
+
+    ok = {"choices": [{"index": 0, "text": "hi", "finish_reason": "length"}], "usage": {}}
+    assert answer_problem("/v1/completions", 200, "application/json", json.dumps(ok).encode(),
+                          False) is None
+    chat = {"choices": [{"index": 0, "message": {"role": "assistant", "content": None}}]}
+    assert answer_problem("/v1/chat/completions", 200, "application/json",
+                          json.dumps(chat).encode(), False) is None
+    message = {"type": "message", "content": [{"type": "text", "text": "hi"}], "usage": {}}
+    assert answer_problem("/v1/messages", 200, "application/json", json.dumps(message).encode(),
+                          False) is None
+    error = {"error": {"message": "bad", "type": "invalid_request_error"}}
+    assert answer_problem("/v1/messages", 400, "application/json", json.dumps(error).encode(),
+                          True) is None  # an error answer to a stream request is relayed
+    assert "not a message" in answer_problem("/v1/messages", 200, "application/json",
+                                             json.dumps(ok).encode(), False)
+    assert "not a string" in answer_problem("/v1/chat/completions", 200, "application/json",
+                                            b'{"choices": [{"message": {"content": 1}}]}', False)
+    assert event_problem(False, True, None, "[DONE]") is None
+    assert event_problem(False, True, None, {"choices": [], "usage": {"prompt_tokens": 1}}) is None
+    assert "error.message" in event_problem(False, True, None, {"error": "x"})
+    assert event_problem(True, False, "content_block_delta", {
+        "type": "content_block_delta", "index": 0, "delta": {"text": "a"}}) is None
+    assert "unknown event" in event_problem(True, False, "message_start",
+                                            {"type": "content_block_delta"})
+    assert "not a string" in event_problem(True, False, None, {
+        "type": "content_block_delta", "index": 0, "delta": {"text": 5}})
+    assert "index" in event_problem(False, False, None, {"choices": [{"index": True, "text": ""}]})
+
+
+def test_backend_key_files_take_one_key_or_one_per_url(tmp_path):
+    from kvserve.server.router import load_backend_keys
+    from kvserve.server.router_core import Router
+
+    path = tmp_path / "keys"
+    path.write_text("# comment\nsk-all\nhttp://b:1/v1 sk-b\n")
+    keys = load_backend_keys(str(path))
+    assert keys == {"": "sk-all", "http://b:1/v1": "sk-b"}
+    router = Router(["http://a:1", "http://b:1"], backend_keys=keys)
+    a, b = router.backends
+    assert router.own_headers(a) == {"authorization": "Bearer sk-all"}
+    assert router.own_headers(b) == {"authorization": "Bearer sk-b"}
+    with pytest.raises(ValueError, match="no --backend"):
+        Router(["http://a:1"], backend_keys={"http://c:1": "k"})
+    path.write_text("a b c\n")
+    with pytest.raises(ValueError, match="line 1"):
+        load_backend_keys(str(path))
+    path.write_text("\n# only a comment\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        load_backend_keys(str(path))

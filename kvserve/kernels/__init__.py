@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvserve.config import ConfigError
+from kvserve.errors import ConfigError
 
 ISAS = ("scalar", "avx2", "avx512")
 LIB_DIR = Path(__file__).with_name("_lib")
@@ -100,6 +100,17 @@ def _load(isa: str) -> KernelLibrary | None:
     if lib.kvs_isa().decode() != isa:
         raise RuntimeError(f"{path} was built for {lib.kvs_isa().decode()}, not {isa}")
     return KernelLibrary(isa, lib)
+
+
+def available() -> bool:
+    """Whether `library()` would give kernels (enabled and built for this CPU), without loading them
+    (no torch import: `--dtype auto` is resolved with it)."""
+    if not enabled():
+        return False
+    try:
+        return library_path(selected_isa()).is_file()
+    except ConfigError:
+        return False
 
 
 def library() -> KernelLibrary | None:

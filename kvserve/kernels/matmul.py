@@ -17,7 +17,7 @@ FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16: float32 activations, no int8 roundin
 
 _c_int, _c_i64, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {
-    "kvs_matmul": [_c_int, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_int],
+    "kvs_matmul": [_c_int, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_int, _c_int],
     "kvs_dequantize_rows": [_c_int, _ptr, _c_i64, _ptr, _c_i64, _ptr],
     "kvs_quantize_activations": [_ptr, _c_i64, _c_i64, _ptr, _ptr],
     "kvs_matmul_supported": [_c_int],
@@ -51,9 +51,11 @@ def _check(rc: int, qtype: int, k: int) -> None:
 
 
 def matmul(kl: KernelLibrary, qtype: int, weight: torch.Tensor, k: int, x: torch.Tensor,
-           out: torch.Tensor | None = None, num_threads: int | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, num_threads: int | None = None,
+           float_activations: bool = False) -> torch.Tensor:
     """x [T, k] float32 (rows contiguous) @ W^T -> [T, N] float32; `out` may be a column slice of a
-    wider matrix (its row stride is kept), so parts of a fused layer fill one output."""
+    wider matrix (its row stride is kept), so parts of a fused layer fill one output.
+    `float_activations`: block formats take x unrounded too (slower; the lm_head uses it)."""
     n = weight.shape[0]
     assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1
     assert weight.dtype == torch.uint8 and weight.is_contiguous() and weight.shape[1] == row_bytes(qtype, k)
@@ -63,9 +65,28 @@ def matmul(kl: KernelLibrary, qtype: int, weight: torch.Tensor, k: int, x: torch
     assert out.shape == (t, n) and out.stride(1) == 1 and out.dtype == torch.float32
     threads = torch.get_num_threads() if num_threads is None else num_threads
     rc = _fn(kl, "kvs_matmul")(int(qtype), weight.data_ptr(), n, k, x.data_ptr(), x.stride(0), t,
-                               out.data_ptr(), out.stride(0), threads)
+                               out.data_ptr(), out.stride(0), threads, int(float_activations))
     _check(rc, qtype, k)
     return out
+
+
+class PreparedMatmul:
+    """`matmul` for one weight whose shape was checked once: the decode path's per-call cost is one
+    ctypes call and one output tensor (a step makes ~120 of them)."""
+
+    def __init__(self, kl: KernelLibrary, qtype: int, weight: torch.Tensor, k: int,
+                 float_activations: bool = False) -> None:
+        assert weight.dtype == torch.uint8 and weight.is_contiguous() and weight.shape[1] == row_bytes(qtype, k)
+        self.fn = _fn(kl, "kvs_matmul")
+        self.qtype, self.weight, self.n, self.k = int(qtype), weight, int(weight.shape[0]), k
+        self.float_activations = int(float_activations)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor, threads: int) -> None:
+        """x [T, k] float32 with contiguous rows, out [T, n] float32 (rows may be strided)."""
+        rc = self.fn(self.qtype, self.weight.data_ptr(), self.n, self.k, x.data_ptr(), x.stride(0), x.shape[0],
+                     out.data_ptr(), out.stride(0), threads, self.float_activations)
+        if rc:
+            _check(rc, self.qtype, self.k)
 
 
 def dequantize_rows(kl: KernelLibrary, qtype: int, weight: torch.Tensor, k: int, rows: torch.Tensor) -> torch.Tensor:

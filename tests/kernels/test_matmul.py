@@ -83,18 +83,34 @@ def test_matmul_matches_float64_within_activation_rounding(lib, qtype):
     np.testing.assert_array_less(np.abs(y - exact), bound)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.F16], ids=lambda q: q.name)
-def test_each_row_is_bitwise_the_same_in_any_batch_and_thread_count(lib, qtype):
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda q: q.name)
+def test_float_activations_match_float64_up_to_accumulation(lib, qtype):
+    n, k, t = 21, 512, 5
+    w = random_weight(qtype, n, k, seed=6)
+    wf = reference(qtype, w, k).astype(np.float64)
+    x = torch.randn(t, k, generator=torch.Generator().manual_seed(7))
+    y = km.matmul(lib, qtype, torch.from_numpy(w), k, x, float_activations=True).numpy()
+    xd = x.double().numpy()
+    np.testing.assert_array_less(np.abs(y - xd @ wf.T), 1e-5 * (np.abs(xd) @ np.abs(wf).T) + 1e-6)
+
+
+@pytest.mark.parametrize("qtype, float_act", [(Q.Q4_1, False), (Q.Q8_0, False), (Q.Q4_K, False), (Q.Q6_K, False),
+                                              (Q.Q5_0, False), (Q.F16, False), (Q.Q8_0, True), (Q.Q6_K, True)],
+                         ids=str)
+def test_each_row_is_bitwise_the_same_in_any_batch_and_thread_count(lib, qtype, float_act):
     n, k = 70, 256
     w = torch.from_numpy(random_weight(qtype, n, k, seed=3))
     x = torch.randn(300, k, generator=torch.Generator().manual_seed(4)) * 3
-    alone = torch.cat([km.matmul(lib, qtype, w, k, x[i:i + 1], num_threads=1) for i in range(len(x))])
+
+    def mm(rows: torch.Tensor, threads: int) -> torch.Tensor:
+        return km.matmul(lib, qtype, w, k, rows, num_threads=threads, float_activations=float_act)
+
+    alone = torch.cat([mm(x[i:i + 1], 1) for i in range(len(x))])
     for rows, threads in [(1, 2), (2, 1), (3, 2), (5, 1), (17, 2), (64, 1), (300, 2), (300, 1)]:
-        y = km.matmul(lib, qtype, w, k, x[:rows], num_threads=threads)
-        assert torch.equal(y, alone[:rows]), (rows, threads)
+        assert torch.equal(mm(x[:rows], threads), alone[:rows]), (rows, threads)
     # a row's neighbours do not matter either
     shuffled = torch.randperm(300, generator=torch.Generator().manual_seed(5))
-    assert torch.equal(km.matmul(lib, qtype, w, k, x[shuffled], num_threads=2), alone[shuffled])
+    assert torch.equal(mm(x[shuffled], 2), alone[shuffled])
 
 
 def test_output_into_a_column_slice_of_a_wider_matrix(lib):

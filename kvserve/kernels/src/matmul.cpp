@@ -82,6 +82,8 @@ template <int NR>
 void tile(int type, const uint8_t* wrow, const ActRow* x, const float* const* xf, int64_t K, float* out) {
     if (is_float_type(type)) {
         dot_float<NR>(type, wrow, xf, K, out);
+    } else if (x == nullptr) {
+        dot_blocks_float<NR>(type, wrow, xf, K, out);
     } else {
         dot_quant<NR>(type, wrow, x, K, out);
     }
@@ -116,38 +118,6 @@ void run(int type, const uint8_t* w, int64_t N, int64_t K, const ActRow* x, cons
     }
 }
 
-float dequant_one(int type, const uint8_t* row, int64_t k) {
-    const Geometry g = geometry(type);
-    const uint8_t* blk = row + k / g.block * g.bytes;
-    const int e = int(k % g.block);
-    switch (type) {
-        case T_F32: case T_F16: case T_BF16: return float_weight(type, row, k);
-        case T_Q8_0: return load_f16(blk) * float(reinterpret_cast<const int8_t*>(blk + 2)[e]);
-        case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: {
-            const bool has_min = type == T_Q4_1 || type == T_Q5_1;
-            const bool five = type == T_Q5_0 || type == T_Q5_1;
-            const uint8_t* qs = blk + 2 + (has_min ? 2 : 0) + (five ? 4 : 0);
-            int c = e < 16 ? qs[e] & 15 : qs[e - 16] >> 4;
-            if (five) c |= q5_high(load_u32(blk + 2 + (has_min ? 2 : 0)), e);
-            const float d = load_f16(blk);
-            if (has_min) return d * float(c) + load_f16(blk + 2);
-            return d * float(c - (five ? 16 : 8));
-        }
-        case T_Q4_K: case T_Q5_K: {
-            const bool five = type == T_Q5_K;
-            int sc, m;
-            k4_scale_min(e / 32, blk + 4, &sc, &m);
-            const int c = k_code(blk + 16 + (five ? 32 : 0), five ? blk + 16 : nullptr, e / 32, e % 32);
-            return load_f16(blk) * float(sc) * float(c) - load_f16(blk + 2) * float(m);
-        }
-        case T_Q6_K: {
-            const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
-            return load_f16(blk + 208) * float(sc[e / 16]) * float(q6_code(blk, e) - 32);
-        }
-        default: return NAN;
-    }
-}
-
 }  // namespace
 }  // namespace kvs
 
@@ -156,16 +126,17 @@ using namespace kvs;
 // 1 if the kernels run weights of ggml type `type`
 KVS_EXPORT int kvs_matmul_supported(int type) { return geometry(type).block != 0; }
 
-// y[t * ldy + n] = sum_k x[t * ldx + k] * W[n, k]; W: N rows of K / block blocks. 0, or -1 for an
+// y[t * ldy + n] = sum_k x[t * ldx + k] * W[n, k]; W: N rows of K / block blocks. float_act: block
+// formats take x in float32 too (no int8 rounding: slower, for the lm_head). 0, or -1 for an
 // unsupported type, -2 for K not a multiple of the type's block.
 KVS_EXPORT int kvs_matmul(int type, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t ldx, int64_t T,
-                          float* y, int64_t ldy, int nthreads) {
+                          float* y, int64_t ldy, int nthreads, int float_act) {
     const Geometry g = geometry(type);
     if (g.block == 0) return -1;
     if (K % g.block != 0 || (!is_float_type(type) && K % 32 != 0)) return -2;
     if (T <= 0 || N <= 0) return 0;
     nthreads = std::max(1, nthreads);
-    if (is_float_type(type)) {
+    if (is_float_type(type) || float_act) {
         std::vector<const float*> rows(T);
         for (int64_t t = 0; t < T; ++t) rows[t] = x + t * ldx;
         run(type, w, N, K, nullptr, rows.data(), T, y, ldy, nthreads);

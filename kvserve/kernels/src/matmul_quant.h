@@ -133,6 +133,38 @@ inline float float_weight(int type, const uint8_t* w, int64_t k) {
     }
 }
 
+inline float dequant_one(int type, const uint8_t* row, int64_t k) {
+    const Geometry g = geometry(type);
+    const uint8_t* blk = row + k / g.block * g.bytes;
+    const int e = int(k % g.block);
+    switch (type) {
+        case T_F32: case T_F16: case T_BF16: return float_weight(type, row, k);
+        case T_Q8_0: return load_f16(blk) * float(reinterpret_cast<const int8_t*>(blk + 2)[e]);
+        case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: {
+            const bool has_min = type == T_Q4_1 || type == T_Q5_1;
+            const bool five = type == T_Q5_0 || type == T_Q5_1;
+            const uint8_t* qs = blk + 2 + (has_min ? 2 : 0) + (five ? 4 : 0);
+            int c = e < 16 ? qs[e] & 15 : qs[e - 16] >> 4;
+            if (five) c |= q5_high(load_u32(blk + 2 + (has_min ? 2 : 0)), e);
+            const float d = load_f16(blk);
+            if (has_min) return d * float(c) + load_f16(blk + 2);
+            return d * float(c - (five ? 16 : 8));
+        }
+        case T_Q4_K: case T_Q5_K: {
+            const bool five = type == T_Q5_K;
+            int sc, m;
+            k4_scale_min(e / 32, blk + 4, &sc, &m);
+            const int c = k_code(blk + 16 + (five ? 32 : 0), five ? blk + 16 : nullptr, e / 32, e % 32);
+            return load_f16(blk) * float(sc) * float(c) - load_f16(blk + 2) * float(m);
+        }
+        case T_Q6_K: {
+            const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+            return load_f16(blk + 208) * float(sc[e / 16]) * float(q6_code(blk, e) - 32);
+        }
+        default: return NAN;
+    }
+}
+
 #if KVS_SIMD
 // ---------------------------------------------------------------- AVX2 (+FMA, F16C)
 
@@ -331,6 +363,47 @@ inline void dot_float(int type, const uint8_t* w, const float* const* x, int64_t
     for (; k < K; ++k) {
         const float wk = float_weight(type, w, k);
         for (int r = 0; r < NR; ++r) out[r] = out[r] + wk * x[r][k];
+    }
+}
+
+// NR float32 activation rows against one weight row of a block format: per block, the sum of
+// codes times x, scaled by the block's d (Q8_0 vectorized; other formats decode each element)
+template <int NR>
+inline void dot_blocks_float(int type, const uint8_t* w, const float* const* x, int64_t K, float* out) {
+#if KVS_SIMD
+    if (type == T_Q8_0) {
+        __m256 acc[NR];
+        for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < K / 32; ++b) {
+            const uint8_t* blk = w + 34 * b;
+            const __m256 d = _mm256_set1_ps(half_at(blk));
+            __m256 q[4];
+            for (int i = 0; i < 4; ++i) {
+                const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * i));
+                q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
+            }
+            for (int r = 0; r < NR; ++r) {
+                const float* xb = x[r] + 32 * b;
+                const __m256 s01 = _mm256_add_ps(_mm256_mul_ps(q[0], _mm256_loadu_ps(xb)),
+                                                 _mm256_mul_ps(q[1], _mm256_loadu_ps(xb + 8)));
+                const __m256 s23 = _mm256_add_ps(_mm256_mul_ps(q[2], _mm256_loadu_ps(xb + 16)),
+                                                 _mm256_mul_ps(q[3], _mm256_loadu_ps(xb + 24)));
+                acc[r] = _mm256_fmadd_ps(d, _mm256_add_ps(s01, s23), acc[r]);
+            }
+        }
+        for (int r = 0; r < NR; ++r) out[r] = hsum8(acc[r]);
+        return;
+    }
+#endif
+    for (int r = 0; r < NR; ++r) out[r] = 0.0f;
+    float wb[32];
+    for (int64_t b = 0; b < K / 32; ++b) {
+        for (int j = 0; j < 32; ++j) wb[j] = dequant_one(type, w, 32 * b + j);
+        for (int r = 0; r < NR; ++r) {
+            float s = 0.0f;
+            for (int j = 0; j < 32; ++j) s = s + wb[j] * x[r][32 * b + j];
+            out[r] = out[r] + s;
+        }
     }
 }
 

@@ -59,18 +59,19 @@ def test_evicted_pages_loaded_back_from_the_host_tier_are_said_so():
     assert back["cached_by_source"]["host"] > 0 and back["cached_tokens"] == 288
 
 
-def test_other_tenant_or_salt_partial_page_and_below_min_cacheable():
+def test_other_namespaces_are_never_revealed_partial_page_and_below_min_cacheable():
     # hash: page-granular hits, so a shared head shorter than a page is never cached (radix would
     # hit it token by token)
     llm = make_llm(dtype="float32", kv_cache_memory=pool_memory(40, 64), max_model_len=256, swap_space=0,
                    page_size=64, min_cacheable_tokens=128, prefix_cache="hash")
     a = prompt(4, 150)
     explained(llm, a, tenant="key:a")
-    other = explained(llm, a, tenant="key:b")
-    assert other["reason"] == "other_tenant_or_salt" and other["cached_tokens"] == 0
+    other = explained(llm, a, tenant="key:b")  # to B, A's prefix is cold: nothing about A
+    assert other == explained(llm, prompt(40, 150), tenant="key:c")  # as a never-seen prompt's
+    assert other["reason"] == "cold" and other["cached_tokens"] == 0
     salted = explained(llm, a, tenant="key:a", params=SamplingParams(max_tokens=2, ignore_eos=True,
                                                                       cache_salt="s"))
-    assert salted["reason"] == "other_tenant_or_salt"
+    assert salted["reason"] == "cold"
     # a shared head of 40 tokens, shorter than the 64-token page: never cacheable
     head = prompt(5, 40)
     explained(llm, head + prompt(6, 100))

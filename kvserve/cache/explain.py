@@ -10,10 +10,13 @@ recorded (CacheHistory), never guessed:
     window_evicted         the full-attention pages are cached further, but the sliding-window layers'
                            pages under the window before that point were evicted (hybrid allocator)
     diverged               the cache held a different continuation of the matched prefix
-    other_tenant_or_salt   the same text is cached, but in another namespace (tenant or cache_salt)
     partial_page           the text shared with recent prompts ends inside a page that never filled
                            (e.g. a page size longer than the shared prefix): only full pages are cached
     cold                   nothing of this prompt was ever cached in its namespace
+
+Only the request's own namespace is looked at: whether the same text is cached for another tenant
+or cache_salt is never said (it would tell one tenant what another sent), so to B, A's prefix is
+`cold`.
 """
 
 from __future__ import annotations
@@ -109,13 +112,6 @@ def explain(token_ids: Sequence[int], namespace: str, hit: PrefixHit, page_size:
         out.detail = (f"tokens {cached}..{shared - 1} are shared with a recent prompt but lie in a page that "
                       f"was never full (page size {page_size}); only full pages are cached")
         out.diverged_at = shared
-        return out
-    others = history.other_namespaces(token_ids, namespace)
-    if cached == 0 and others:
-        out.reason = "other_tenant_or_salt"
-        out.detail = (f"this text is cached in {len(others)} other namespace(s) (another API key or "
-                      f"cache_salt); namespaces never share pages")
-        out.diverged_at = None
         return out
     out.diverged_at = None if cached == 0 else cached
     out.reason = "cold" if cached == 0 else "diverged"

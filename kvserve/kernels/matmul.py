@@ -19,7 +19,7 @@ _c_int, _c_i64, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {
     "kvs_matmul": [_c_int, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_int, _c_int],
     "kvs_dequantize_rows": [_c_int, _ptr, _c_i64, _ptr, _c_i64, _ptr],
-    "kvs_quantize_activations": [_ptr, _c_i64, _c_i64, _ptr, _ptr],
+    "kvs_quantize_activations": [_ptr, _c_i64, _c_i64, _ptr, _ptr, _ptr, _ptr],
     "kvs_matmul_supported": [_c_int],
 }
 _bound: set[int] = set()
@@ -101,10 +101,12 @@ def dequantize_rows(kl: KernelLibrary, qtype: int, weight: torch.Tensor, k: int,
 
 
 def quantize_activations(kl: KernelLibrary, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q [T, K] int8, d [T, K / 32] float32) with x ~ q * d per block of 32, as the block formats see x."""
+    """x as the block formats see it: (q [2, T, K] int8, d [2, T, K / 32] float32), two levels per
+    block of 32 (the second rounds the first's residual): x ~ q[0] * d[0] + q[1] * d[1]."""
     x = x.float().contiguous()
     t, k = x.shape
-    q = torch.empty(t, k, dtype=torch.int8)
-    d = torch.empty(t, k // 32, dtype=torch.float32)
-    _check(_fn(kl, "kvs_quantize_activations")(x.data_ptr(), t, k, q.data_ptr(), d.data_ptr()), 8, k)
+    q = torch.empty(2, t, k, dtype=torch.int8)
+    d = torch.empty(2, t, k // 32, dtype=torch.float32)
+    _check(_fn(kl, "kvs_quantize_activations")(x.data_ptr(), t, k, q[0].data_ptr(), d[0].data_ptr(),
+                                               q[1].data_ptr(), d[1].data_ptr()), 8, k)
     return q, d

@@ -74,12 +74,15 @@ def test_matmul_matches_float64_within_activation_rounding(lib, qtype):
     if qtype in FLOAT_TYPES:
         bound = accumulation
     else:
-        # |x - q d| <= d / 2 per element; the kernel must equal x_q @ W up to float32 accumulation
+        # two int8 levels: |x - q0 d0 - q1 d1| <= d1 / 2 per element; the kernel must equal x_q @ W up
+        # to float32 accumulation
         q, d = km.quantize_activations(lib, x)
-        xq = (q.double().view(t, -1, 32) * d.double()[..., None]).view(t, k).numpy()
-        assert np.all(np.abs(xq - x.double().numpy()) <= np.repeat(d.double().numpy(), 32, 1) / 2 * 1.0001)
+        levels = q.double().view(2, t, -1, 32) * d.double()[..., None]
+        xq = levels.sum(0).view(t, k).numpy()
+        half_step = np.repeat(d[1].double().numpy(), 32, 1) / 2 * 1.0001 + 1e-12
+        assert np.all(np.abs(xq - x.double().numpy()) <= half_step)
         np.testing.assert_array_less(np.abs(y - xq @ wf.T), 1e-5 * (np.abs(xq) @ np.abs(wf).T) + 1e-6)
-        bound = (np.repeat(d.double().numpy(), 32, 1) / 2) @ np.abs(wf).T * 1.0001 + accumulation
+        bound = half_step @ np.abs(wf).T + accumulation
     np.testing.assert_array_less(np.abs(y - exact), bound)
 
 

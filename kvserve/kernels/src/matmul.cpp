@@ -16,8 +16,10 @@ namespace {
 constexpr int TILE_ROWS = 4;           // activation rows sharing one decoded weight block
 constexpr int64_t BLOCK_BYTES = 1 << 15;  // weight rows a thread keeps in cache while T is walked
 
-// One row: q[k] = round(x[k] / d), d = max|x| / 127 per block of 32 (the same ops on every ISA)
-void quantize_row(const float* x, int64_t K, int8_t* q, float* d, int32_t* s16, float* sd) {
+// One row, two levels per block of 32: q = round(x / d), d = max|x| / 127, then the residual
+// q2 = round((x - q d) / d2), d2 = d / 250: x ~ q d + q2 d2 within d / 500 (the same ops on every ISA)
+void quantize_row(const float* x, int64_t K, int8_t* q, float* d, int32_t* s16, float* sd, int8_t* q2, float* d2,
+                  int32_t* s16_2, float* sd2) {
     for (int64_t b = 0; b < K / 32; ++b) {
         const float* xb = x + 32 * b;
         float amax = 0.0f;
@@ -53,15 +55,32 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, int32_t* s16, 
             qb[i] = int8_t(std::min(127.0f, std::max(-127.0f, s)));
         }
 #endif
-        int32_t lo = 0, hi = 0;
-        for (int i = 0; i < 16; ++i) { lo += qb[i]; hi += qb[i + 16]; }
+        const float db2 = db / 250.0f;  // |x - q d| <= d / 2 (1 + eps): fits 125 steps, no clamp
+        const float id2 = db > 0.0f ? 250.0f / db : 0.0f;
+        int8_t* qb2 = q2 + 32 * b;
+        for (int i = 0; i < 32; ++i) {
+            const float s = std::nearbyint((xb[i] - float(qb[i]) * db) * id2);
+            qb2[i] = int8_t(std::min(127.0f, std::max(-127.0f, s)));
+        }
+        int32_t lo = 0, hi = 0, lo2 = 0, hi2 = 0;
+        for (int i = 0; i < 16; ++i) {
+            lo += qb[i];
+            hi += qb[i + 16];
+            lo2 += qb2[i];
+            hi2 += qb2[i + 16];
+        }
         d[b] = db;
         s16[2 * b] = lo;
         s16[2 * b + 1] = hi;
         sd[b] = db * float(lo + hi);
+        d2[b] = db2;
+        s16_2[2 * b] = lo2;
+        s16_2[2 * b + 1] = hi2;
+        sd2[b] = db2 * float(lo2 + hi2);
     }
 }
 
+// rows[2 t + l]: level l of activation row t
 struct ActBuffer {
     std::vector<int8_t> q;
     std::vector<float> d, sd;
@@ -69,11 +88,18 @@ struct ActBuffer {
     std::vector<ActRow> rows;
 
     ActBuffer(const float* x, int64_t ldx, int64_t T, int64_t K, int nthreads)
-        : q(T * K), d(T * K / 32), sd(T * K / 32), s16(T * K / 16), rows(T) {
+        : q(2 * T * K), d(2 * T * K / 32), sd(2 * T * K / 32), s16(2 * T * K / 16), rows(2 * T) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && T > 1)
         for (int64_t t = 0; t < T; ++t) {
-            quantize_row(x + t * ldx, K, &q[t * K], &d[t * K / 32], &s16[t * K / 16], &sd[t * K / 32]);
-            rows[t] = ActRow{&q[t * K], &d[t * K / 32], &s16[t * K / 16], &sd[t * K / 32]};
+            for (int64_t l = 0; l < 2; ++l) {
+                const int64_t i = 2 * t + l;
+                rows[i] = ActRow{&q[i * K], &d[i * K / 32], &s16[i * K / 16], &sd[i * K / 32]};
+            }
+            const ActRow& a = rows[2 * t];
+            const ActRow& b = rows[2 * t + 1];
+            quantize_row(x + t * ldx, K, const_cast<int8_t*>(a.q), const_cast<float*>(a.d),
+                         const_cast<int32_t*>(a.s16), const_cast<float*>(a.sd), const_cast<int8_t*>(b.q),
+                         const_cast<float*>(b.d), const_cast<int32_t*>(b.s16), const_cast<float*>(b.sd));
         }
     }
 };
@@ -84,8 +110,10 @@ void tile(int type, const uint8_t* wrow, const ActRow* x, const float* const* xf
         dot_float<NR>(type, wrow, xf, K, out);
     } else if (x == nullptr) {
         dot_blocks_float<NR>(type, wrow, xf, K, out);
-    } else {
-        dot_quant<NR>(type, wrow, x, K, out);
+    } else {  // both levels of each row as rows of their own, then their sum
+        float o[2 * NR];
+        dot_quant<2 * NR>(type, wrow, x, K, o);
+        for (int r = 0; r < NR; ++r) out[r] = o[2 * r] + o[2 * r + 1];
     }
 }
 
@@ -101,7 +129,7 @@ void run(int type, const uint8_t* w, int64_t N, int64_t K, const ActRow* x, cons
         const int64_t n0 = ib * per, n1 = std::min(N, n0 + per);
         for (int64_t t = 0; t < T; t += TILE_ROWS) {
             const int nr = int(std::min<int64_t>(TILE_ROWS, T - t));
-            const ActRow* xt = x != nullptr ? x + t : nullptr;
+            const ActRow* xt = x != nullptr ? x + 2 * t : nullptr;
             const float* const* xft = xf != nullptr ? xf + t : nullptr;
             for (int64_t n = n0; n < n1; ++n) {
                 float o[TILE_ROWS];
@@ -161,11 +189,15 @@ KVS_EXPORT int kvs_dequantize_rows(int type, const uint8_t* w, int64_t K, const 
     return 0;
 }
 
-// The int8 activation rows the block formats use: q [T, K], d [T, K / 32] (tests bound the error by it)
-KVS_EXPORT int kvs_quantize_activations(const float* x, int64_t T, int64_t K, int8_t* q, float* d) {
+// The two int8 levels the block formats see x as: q, q2 [T, K], d, d2 [T, K / 32] (tests bound the error)
+KVS_EXPORT int kvs_quantize_activations(const float* x, int64_t T, int64_t K, int8_t* q, float* d, int8_t* q2,
+                                        float* d2) {
     if (K % 32 != 0) return -2;
-    std::vector<int32_t> s16(K / 16);
-    std::vector<float> sd(K / 32);
-    for (int64_t t = 0; t < T; ++t) quantize_row(x + t * K, K, q + t * K, d + t * K / 32, s16.data(), sd.data());
+    std::vector<int32_t> s16(K / 16), s16_2(K / 16);
+    std::vector<float> sd(K / 32), sd2(K / 32);
+    for (int64_t t = 0; t < T; ++t) {
+        quantize_row(x + t * K, K, q + t * K, d + t * K / 32, s16.data(), sd.data(), q2 + t * K, d2 + t * K / 32,
+                     s16_2.data(), sd2.data());
+    }
     return 0;
 }

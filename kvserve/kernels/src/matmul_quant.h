@@ -15,7 +15,8 @@
 
 namespace kvs {
 
-// One activation row quantized to int8 blocks of 32: x[k] ~ q[k] * d[k / 32].
+// One level of an activation row quantized to int8 blocks of 32: x[k] ~ q[k] * d[k / 32]. A row is
+// two levels (the second quantizes the first's residual), and the kernels take the levels as rows.
 struct ActRow {
     const int8_t* q;     // [K]
     const float* d;      // [K / 32] block scales

@@ -32,7 +32,7 @@ def grant_leases(manager: KVCacheManager, request: Request, min_cacheable_tokens
     for breakpoint in eligible:
         lease = manager.leases.lease_prefix(request.prompt_token_ids, request.namespace, breakpoint.num_tokens,
                                             breakpoint.ttl_s * ttl_scale, manager.clock(), breakpoint.label,
-                                            owner=request.tenant)
+                                            owner=request.tenant, shared=breakpoint.shared)
         if isinstance(lease, str):
             usage.refused = lease
             continue

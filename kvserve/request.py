@@ -69,6 +69,7 @@ class CacheLease:
     num_tokens: int
     ttl_s: float
     label: str = "5m"  # "5m" | "1h": how usage reports the tokens it wrote
+    shared: bool = True  # False (a named cache): its own lease, never merged with an equal one
 
 
 @dataclass(slots=True)

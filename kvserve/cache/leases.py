@@ -6,7 +6,7 @@ leases are broken oldest first rather than deadlock the pool. Pure Python over p
 
 from __future__ import annotations
 
-import itertools
+import secrets
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,7 +51,6 @@ class LeaseTable:
     max_leased_fraction: float = 0.5
     leases: dict[str, Lease] = field(default_factory=dict)
     stats: LeaseStats = field(default_factory=LeaseStats)
-    _ids: itertools.count = field(default_factory=itertools.count)
     _by_pages: dict[tuple[str, tuple[int, ...]], str] = field(default_factory=dict)
 
     @property
@@ -60,7 +59,7 @@ class LeaseTable:
         return len({page for lease in self.leases.values() for page in lease.pages})
 
     def lease_prefix(self, token_ids: list[int], namespace: str, num_tokens: int, ttl_s: float, now: float,
-                     label: str = "5m", owner: str = "") -> Lease | str:
+                     label: str = "5m", owner: str = "", shared: bool = True) -> Lease | str:
         """Lease the cached pages covering the first `num_tokens` of `token_ids` (the page holding
         the last of them too, when it is full and cached). Returns the lease or a LeaseRefusal."""
         if self.index is None:
@@ -70,14 +69,15 @@ class LeaseTable:
         if wanted == 0 or matched // self.page_size < wanted:
             self.stats.refusals += 1
             return LeaseRefusal.NOT_CACHED
-        return self.grant(namespace, pages[:wanted], num_tokens, ttl_s, now, label, owner)
+        return self.grant(namespace, pages[:wanted], num_tokens, ttl_s, now, label, owner, shared)
 
     def grant(self, namespace: str, pages: list[int], num_tokens: int, ttl_s: float, now: float,
-              label: str = "5m", owner: str = "") -> Lease | str:
-        """Lease `pages` (a cached prefix of `num_tokens` tokens) or refresh the lease that holds
-        exactly them. Returns the lease, or a LeaseRefusal reason."""
+              label: str = "5m", owner: str = "", shared: bool = True) -> Lease | str:
+        """Lease `pages` (a cached prefix of `num_tokens` tokens) or refresh the shared lease that
+        holds exactly them; `shared=False` (a named cache, released by its own id) always makes a
+        lease of its own. Returns the lease, or a LeaseRefusal reason."""
         key = (namespace, tuple(pages))
-        existing = self.leases.get(self._by_pages.get(key, ""))
+        existing = self.leases.get(self._by_pages.get(key, "")) if shared else None
         if existing is not None:
             existing.ttl_s = max(existing.ttl_s, ttl_s)
             existing.expires_at = max(existing.expires_at, now + ttl_s)
@@ -88,12 +88,13 @@ class LeaseTable:
         if len(held | set(pages)) > self.max_leased_fraction * self.pool.num_usable:
             self.stats.refusals += 1
             return LeaseRefusal.LEASED_FRACTION_CAP
-        lease = Lease(f"lease-{next(self._ids)}", namespace, list(pages), num_tokens, ttl_s,
+        lease = Lease(f"lease-{secrets.token_hex(12)}", namespace, list(pages), num_tokens, ttl_s,
                       now + ttl_s, label, owner)
         for page in pages:
             self.pool.incref(page)
         self.leases[lease.lease_id] = lease
-        self._by_pages[key] = lease.lease_id
+        if shared:
+            self._by_pages[key] = lease.lease_id
         self.stats.grants += 1
         return lease
 
@@ -121,7 +122,9 @@ class LeaseTable:
         lease = self.leases.pop(lease_id, None)
         if lease is None:
             return False
-        del self._by_pages[(lease.namespace, tuple(lease.pages))]
+        key = (lease.namespace, tuple(lease.pages))
+        if self._by_pages.get(key) == lease_id:
+            del self._by_pages[key]
         for page in reversed(lease.pages):  # tail first, as a sequence frees its pages
             self.pool.decref(page)
         return True

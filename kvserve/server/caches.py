@@ -120,6 +120,7 @@ class CacheService:
             raise APIError("the cache's text is empty")
         llm = self.engine.engine
         lease = make_lease(llm, len(token_ids), body.ttl)
+        lease.shared = False  # its own lease: deleting another cache of this prefix leaves it
         cache_id = f"kvc_{uuid.uuid4().hex}"
         try:
             stream = await self.engine.add_request(token_ids, SamplingParams(max_tokens=1), cache_id,

@@ -1,6 +1,7 @@
 """The disk tier on the real model: committed pages are written through to disk, a restarted engine
 finds them (its first request with a known prefix is a hit), and a corrupted page file is detected,
-dropped and recomputed, never served. Outputs equal the cold run's every time (float32)."""
+dropped and recomputed, never served. Outputs equal the cold run's every time, in each
+of IDENTITY_MODES."""
 
 from __future__ import annotations
 
@@ -10,14 +11,14 @@ import pytest
 
 from kvserve import SamplingParams
 from kvserve.cache.hashing import page_hashes
-from tests.conftest import make_llm, pool_memory
+from tests.conftest import IDENTITY_MODES, make_llm, pool_memory
 
 PROMPT = [1 + (j * 7) % 4000 for j in range(200)]  # 12 full pages of 16 and 8 tokens
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
-def run_once(disk: Path):
-    llm = make_llm(dtype="float32", kv_cache_memory=pool_memory(40), max_model_len=256,
+def run_once(disk: Path, dtype: str):
+    llm = make_llm(dtype=dtype, kv_cache_memory=pool_memory(40, dtype=dtype), max_model_len=256,
                    swap_space=0, kv_disk_path=str(disk), kv_disk_bytes="256MiB")
     out = llm.generate({"prompt_token_ids": PROMPT}, PARAMS)[0]
     stats = llm.stats()
@@ -26,22 +27,24 @@ def run_once(disk: Path):
 
 
 @pytest.mark.slow
-def test_a_restarted_engine_reads_its_pages_back_from_disk(tmp_path):
-    cold, cold_stats, _ = run_once(tmp_path)
+@pytest.mark.parametrize("dtype", IDENTITY_MODES)
+def test_a_restarted_engine_reads_its_pages_back_from_disk(tmp_path, dtype):
+    cold, cold_stats, _ = run_once(tmp_path, dtype)
     assert cold.num_cached_tokens == 0 and cold_stats["disk_cache_pages"] >= 12
-    warm, warm_stats, _ = run_once(tmp_path)  # a new engine: empty pool, pages only on disk
+    warm, warm_stats, _ = run_once(tmp_path, dtype)  # a new engine: empty pool, pages only on disk
     assert warm.num_cached_tokens == 192 and warm_stats["disk_cache_hits"] == 12
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
 
 
 @pytest.mark.slow
-def test_a_corrupted_page_on_disk_is_recomputed_not_served(tmp_path):
-    cold, _, disk = run_once(tmp_path)
+@pytest.mark.parametrize("dtype", IDENTITY_MODES)
+def test_a_corrupted_page_on_disk_is_recomputed_not_served(tmp_path, dtype):
+    cold, _, disk = run_once(tmp_path, dtype)
     victim = disk.file_of(page_hashes(PROMPT, 16, "")[5])  # the prompt's sixth page
     raw = bytearray(victim.read_bytes())
     raw[-100] ^= 0xFF  # one flipped byte in the K/V payload
     victim.write_bytes(bytes(raw))
-    warm, stats, _ = run_once(tmp_path)
+    warm, stats, _ = run_once(tmp_path, dtype)
     assert stats["disk_cache_corrupt_pages"] == 1
     assert warm.num_cached_tokens == 5 * 16  # the pages before the bad one; the rest recomputed
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve import BeamSearchParams, SamplingParams
-from tests.conftest import make_llm, pool_memory
+from tests.conftest import IDENTITY_MODES, make_llm, pool_memory
 
 GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)
 
@@ -21,20 +21,20 @@ def _run(llm, prompts):
             llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
 
 
-@pytest.fixture(scope="module")
-def unconstrained():
+@pytest.fixture(scope="module", params=IDENTITY_MODES)
+def unconstrained(request):
     prompts = _prompts(32)
-    llm = make_llm(prefix_cache="off")
-    return prompts, _run(llm, prompts)
+    llm = make_llm(prefix_cache="off", dtype=request.param)
+    return request.param, prompts, _run(llm, prompts)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_a_quarter_of_the_pool_still_gives_identical_outputs(mode, unconstrained):
-    prompts, expected = unconstrained
+    dtype, prompts, expected = unconstrained
     needed_pages = sum(-(-(len(p) + 32) // 16) for p in prompts)  # what all 32 need at once
-    llm = make_llm(prefix_cache="off", kv_cache_memory=pool_memory(needed_pages // 4 + 1),
-                   max_model_len=128, preemption_mode=mode, swap_space="1GiB")
+    llm = make_llm(prefix_cache="off", kv_cache_memory=pool_memory(needed_pages // 4 + 1, dtype=dtype),
+                   max_model_len=128, preemption_mode=mode, swap_space="1GiB", dtype=dtype)
     assert _run(llm, prompts) == expected
     stats = llm.stats()
     assert stats["num_preemptions"] > 0
@@ -108,8 +108,9 @@ def test_aborts_in_every_state_leave_no_page_behind():
     assert not engine.has_unfinished()
 
 
+@pytest.mark.parametrize("dtype", IDENTITY_MODES)
 @pytest.mark.parametrize("policy", ["radix", "hash"])
-def test_evicted_prefix_pages_load_back_from_the_host_tier(policy):
+def test_evicted_prefix_pages_load_back_from_the_host_tier(policy, dtype):
     """A 300-token prompt (18 full pages) is cached, then a foreign prompt in a 29-page pool evicts
     most of it. With a host tier the evicted pages were offloaded and the prompt's second run loads
     them back (cached tokens 288 of 300); without one (swap_space=0) only what stayed in the pool
@@ -119,8 +120,8 @@ def test_evicted_prefix_pages_load_back_from_the_host_tier(policy):
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     results = {}
     for swap_space in ("0", "64MiB"):
-        llm = make_llm(prefix_cache=policy, kv_cache_memory=pool_memory(30), max_model_len=320,
-                       swap_space=swap_space)
+        llm = make_llm(prefix_cache=policy, kv_cache_memory=pool_memory(30, dtype=dtype), max_model_len=320,
+                       swap_space=swap_space, dtype=dtype)
         cold, _, warm = (llm.generate({"prompt_token_ids": p}, params)[0]
                          for p in (prompt, foreign, prompt))
         assert cold.num_cached_tokens == 0 and llm.stats()["num_evictions"] >= 9

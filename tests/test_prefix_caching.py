@@ -9,7 +9,7 @@ import json
 import pytest
 
 from kvserve import SamplingParams
-from tests.conftest import WORKLOADS, make_llm, pool_memory
+from tests.conftest import IDENTITY_MODES, WORKLOADS, make_llm, pool_memory
 
 W1_SUBSET = 6
 NEW_TOKENS = 12
@@ -27,9 +27,14 @@ def _generate(llm, prompts):
             llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
 
 
+@pytest.fixture(scope="module", params=IDENTITY_MODES)
+def mode(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def w1_reference():
-    llm = make_llm(prefix_cache="off")
+def w1_reference(mode):
+    llm = make_llm(prefix_cache="off", dtype=mode)
     prompts = _w1_prompts(llm.get_tokenizer(), W1_SUBSET)
     return prompts, _generate(llm, prompts)
 
@@ -37,20 +42,20 @@ def w1_reference():
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["radix", "hash"])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
-def test_w1_outputs_with_prefix_cache_equal_no_cache(policy, page_size, w1_reference):
+def test_w1_outputs_with_prefix_cache_equal_no_cache(policy, page_size, w1_reference, mode):
     prompts, expected = w1_reference
-    llm = make_llm(prefix_cache=policy, page_size=page_size)
+    llm = make_llm(prefix_cache=policy, page_size=page_size, dtype=mode)
     assert _generate(llm, prompts) == expected
     stats = llm.stats()
     assert stats["prefix_cache_hits"] >= (len(prompts) - 1) * 1400
 
 
 @pytest.mark.parametrize("policy", ["radix", "hash"])
-def test_small_pool_evicts_and_outputs_stay_equal(policy, w1_reference):
+def test_small_pool_evicts_and_outputs_stay_equal(policy, w1_reference, mode):
     prompts, expected = w1_reference
     # room for one W1 request and a bit: the shared prefix is evicted and recomputed along the way
-    llm = make_llm(prefix_cache=policy, page_size=16, kv_cache_memory=pool_memory(110),
-                   max_model_len=1600, max_num_seqs=2)
+    llm = make_llm(prefix_cache=policy, page_size=16, kv_cache_memory=pool_memory(110, dtype=mode),
+                   max_model_len=1600, max_num_seqs=2, dtype=mode)
     assert llm.stats()["pool_tokens"] == 109 * 16
     # interleave foreign prompts so that the shared prefix must be evicted in between
     tokenizer = llm.get_tokenizer()
@@ -75,13 +80,13 @@ def test_w1_token_hit_rate_is_at_least_90_percent():
 
 @pytest.mark.parametrize("policy, page_size", [("radix", 16), ("hash", 16), ("radix", 1),
                                                ("hash", 64)])
-def test_six_turn_conversation_hits_previous_turns_and_matches_no_cache(policy, page_size):
+def test_six_turn_conversation_hits_previous_turns_and_matches_no_cache(policy, page_size, mode):
     questions = ["Hi! What is a cache?", "Why do CPUs have several levels of it?",
                  "What is a cache line?", "And false sharing?", "How do I avoid it?",
                  "Summarise our chat in one sentence."]
     results = {}
     for name in ("off", policy):
-        llm = make_llm(prefix_cache=name, page_size=page_size)
+        llm = make_llm(prefix_cache=name, page_size=page_size, dtype=mode)
         history: list[dict[str, str]] = []
         outputs, cached = [], []
         for question in questions:
@@ -97,8 +102,8 @@ def test_six_turn_conversation_hits_previous_turns_and_matches_no_cache(policy, 
         assert hit >= previous_len - page_size
 
 
-def test_namespaces_share_no_page_and_no_hit():
-    llm = make_llm(prefix_cache="radix")
+def test_namespaces_share_no_page_and_no_hit(mode):
+    llm = make_llm(prefix_cache="radix", dtype=mode)
     prompt = {"prompt_token_ids": [1 + (j * 7) % 4000 for j in range(300)]}
     a = llm.generate(prompt, SamplingParams(max_tokens=4, cache_salt="tenant-a"))[0]
     b = llm.generate(prompt, SamplingParams(max_tokens=4, cache_salt="tenant-b"))[0]

@@ -15,6 +15,7 @@ import pytest
 
 from kvserve.cache.hashing import page_hashes
 from kvserve.cache.redis_tier import HEADER
+from tests.conftest import IDENTITY_MODES
 from tests.redis_server import module_redis, redis_server  # noqa: F401
 
 ENGINE = dict(kv_cache_memory="256MiB", max_model_len=2048, dtype="float32")
@@ -50,12 +51,14 @@ def remote_stats(llm) -> dict:
     return {k: v for k, v in llm.stats().items() if k.startswith(("remote_", "prefix_cache"))}
 
 
-@pytest.fixture(scope="module")
-def pair(module_redis):
+@pytest.fixture(scope="module", params=IDENTITY_MODES)
+def pair(module_redis, request):
     """Instances A and B: separate pools, one Redis. Same process (the model weights are shared)."""
     from kvserve import LLM
 
-    a, b = LLM(redis_url=module_redis.url, **ENGINE), LLM(redis_url=module_redis.url, **ENGINE)
+    module_redis.client().flushall()  # a mode's pages are not another's (the key has the layout)
+    engine = {**ENGINE, "dtype": request.param}
+    a, b = LLM(redis_url=module_redis.url, **engine), LLM(redis_url=module_redis.url, **engine)
     yield a, b
     a.engine.close()
     b.engine.close()

@@ -81,3 +81,21 @@ def test_logprobs():
     assert math.isclose(sum(math.exp(v) for v in logp[0].tolist()), 1.0, rel_tol=1e-5)
     assert out[1].logprob is None and out[2].top_logprobs == {}
     assert out[2].logprob <= 0.0
+
+
+def test_a_row_samples_the_same_alone_and_among_others():
+    """Batch neighbours never change a row's token or logprobs, bit for bit, whatever they ask for
+    (greedy or seeded, no logprobs or more of them), with 1 or 2 threads."""
+    logits = logits_rows(6, 49152, seed=3)
+    seqs = [seq(logprobs=0), seq(), seq(logprobs=5), seq(temperature=0.8, seed=1, logprobs=2),
+            seq(logprobs=20), seq(temperature=1.0, seed=2, top_k=50, top_p=0.9)]
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            together = sample(logits, seqs)
+            alone = [sample(logits[i:i + 1], [s])[0] for i, s in enumerate(seqs)]
+            assert [(t.token_id, t.logprob, t.top_logprobs) for t in together] == \
+                   [(t.token_id, t.logprob, t.top_logprobs) for t in alone]
+    finally:
+        torch.set_num_threads(threads)

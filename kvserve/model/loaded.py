@@ -11,7 +11,7 @@ import torch
 from tokenizers import Tokenizer
 
 from kvserve.config import ConfigError, ModelConfig
-from kvserve.model.tokenizer import apply_chat_template
+from kvserve.model.tokenizer import Encoded, apply_chat_template, encode_prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +77,13 @@ class LoadedModel:
         return self._weights
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special tokens written in the text (<|im_start|>) are recognised."""
-        return self.tokenizer.encode(text, add_special_tokens=self.add_bos_token).ids
+        """Token ids of `text`; special tokens written in the text (<|im_start|>) are recognised,
+        and a BOS leads where the model wants one, once (tokenizer.encode_prompt)."""
+        return encode_prompt(self.tokenizer, text, self.add_bos_token, self.bos_token_id).ids
+
+    def encode_with_ends(self, text: str) -> Encoded:
+        """`encode`, with the character offset where each token ends (placing cache breakpoints)."""
+        return encode_prompt(self.tokenizer, text, self.add_bos_token, self.bos_token_id, True)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

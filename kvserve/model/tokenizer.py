@@ -1,12 +1,14 @@
 """Tokenizers rebuilt from GGUF metadata (`tokenizer.ggml.*`) with HF `tokenizers`: byte-level BPE
 ("gpt2") and SentencePiece BPE with byte fallback ("llama": Gemma, Llama 2); and the chat template
-rendered with jinja2 the way transformers renders it."""
+rendered with jinja2 the way transformers renders it; and `encode_prompt`, the one rule that turns a
+prompt text into token ids (BOS included where the model wants one, never twice)."""
 
 from __future__ import annotations
 
 import functools
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
@@ -164,3 +166,26 @@ def apply_chat_template(
     return _compile(template).render(
         messages=messages, add_generation_prompt=add_generation_prompt, **extra
     )
+
+
+@dataclass(slots=True)
+class Encoded:
+    """A text's prompt token ids and, when asked for, the character offset where each token ends."""
+
+    ids: list[int]
+    ends: list[int] | None = None
+
+
+def encode_prompt(tokenizer: Tokenizer, text: str, add_bos: bool, bos_token_id: int | None,
+                  with_ends: bool = False) -> Encoded:
+    """The one tokenization rule for every prompt text (plain prompts and rendered chats alike):
+    special tokens written in the text are recognised, and a BOS is added where the model wants one
+    unless the text already starts with it (chat templates write `{{ bos_token }}` themselves), so
+    a prompt never starts with two. encode_batch releases the GIL while it works (encode does not),
+    so worker threads tokenizing long prompts leave the event loop free."""
+    encoding = tokenizer.encode_batch([text], add_special_tokens=add_bos)[0]
+    ids = encoding.ids
+    skip = int(add_bos and bos_token_id is not None and len(ids) >= 2
+               and ids[0] == ids[1] == bos_token_id)
+    ends = [end for _, end in encoding.offsets[skip:]] if with_ends else None
+    return Encoded(ids[skip:], ends)

@@ -24,6 +24,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "commas or whitespace")
     parser.add_argument("--max-request-bytes", type=_positive_int, default=4 << 20, metavar="N",
                         help="larger request bodies get a 413 before parsing (default 4 MiB)")
+    parser.add_argument("--request-read-timeout", type=float, default=30.0, metavar="S",
+                        help="a request body must arrive whole within S seconds, or the "
+                             "connection gets a 408 and is closed (default 30)")
+    parser.add_argument("--max-unauthenticated-connections", type=_positive_int, default=64,
+                        metavar="N",
+                        help="with API keys: at most N requests without a valid key are read "
+                             "(and dropped) at once before their 401; more get it at once")
     parser.add_argument("--max-waiting-requests", type=_non_negative_int, default=0, metavar="N",
                         help="429 with Retry-After once N engine requests (prompts x n) are "
                              "waiting beyond those running (default 0: no limit)")

@@ -17,19 +17,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from kvserve.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from kvserve.request import RequestOutput, SamplingParams
 from kvserve.server.anthropic_protocol import (MessagesRequest, ParsedChat, anthropic_error,
                                                parse_chat, parse_request)
-from kvserve.server.breakpoints import SYSTEM, ChatRenderer, RenderedChat, make_lease
+from kvserve.server.breakpoints import SYSTEM, RenderedChat, make_lease
 from kvserve.server.cache_diagnostics import DiagnosticsStore, PromptFingerprint, fingerprint
 from kvserve.server.protocol import APIError
-from kvserve.server.serving import TextDelta, unless_disconnected
+from kvserve.server.front import FrontDoor, sse_response
+from kvserve.server.serving import SSEResult, TextDelta, unless_disconnected
 
 LABELS = ("5m", "1h")
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 @dataclass(slots=True)
@@ -102,46 +102,88 @@ def lease_summary(output: RequestOutput) -> dict[str, Any] | None:
     return None if lease is None else {"lease_ids": list(lease.lease_ids), "refused": lease.refused}
 
 
+@dataclass(slots=True)
+class Prepared:
+    """A /v1/messages request rendered and tokenized (on a worker thread), ready to queue."""
+
+    chat: ParsedChat
+    rendered: RenderedChat
+    offsets: list[int]  # prompt tokens up to each breakpoint
+    record: PromptFingerprint | None  # for cache diagnostics, when asked for
+
+
 class MessagesService:
-    def __init__(self, engine: AsyncEngine, model_names: list[str], store: DiagnosticsStore) -> None:
-        self.engine = engine
+    def __init__(self, door: FrontDoor, model_names: list[str], store: DiagnosticsStore) -> None:
+        self.door = door
+        self.engine = door.engine
         self.model_names = model_names
         self.store = store
-        llm = engine.engine
-        self.renderer = ChatRenderer(llm.chat_prompt, llm.tokenizer)
-        self.decode = llm.decode
-        self.max_model_len = llm.max_model_len
+        self.renderer = door.renderer
+        self.decode = self.engine.engine.decode
+        self.max_model_len = door.max_model_len
 
-    def _render(self, body: MessagesRequest) -> tuple[ParsedChat, RenderedChat]:
+    def _parse(self, body: MessagesRequest) -> ParsedChat:
         if body.model not in self.model_names:
             raise APIError(f"model: {body.model} (this server serves {', '.join(self.model_names)})",
                            404)
         chat = parse_chat(body)
-        return chat, self.renderer.render(chat.system, chat.turns)
+        system = len(chat.system.text) if chat.system is not None else 0
+        self.door.check_chars(system + sum(len(t.text) for t in chat.turns), "messages")
+        return chat
 
-    def count_tokens(self, payload: Any) -> dict[str, int]:
+    async def count_tokens(self, payload: Any) -> dict[str, int]:
         """POST /v1/messages/count_tokens: the prompt tokens a request would have."""
         if isinstance(payload, dict):
             payload = {"max_tokens": 1, **payload}
-        return {"input_tokens": len(self._render(parse_request(payload))[1].token_ids)}
+        chat = self._parse(parse_request(payload))
+        rendered = await self.door.off_loop(lambda: self.renderer.render(chat.system, chat.turns))
+        return {"input_tokens": len(rendered.token_ids)}
 
-    async def create(self, body: MessagesRequest, raw: Request, namespace: str):
-        chat, rendered = self._render(body)
+    def _prepare(self, body: MessagesRequest, chat: ParsedChat) -> Prepared:
+        """Blocking (render, tokenize, place breakpoints): runs on the front door's threads."""
+        rendered = self.renderer.render(chat.system, chat.turns)
         n = len(rendered.token_ids)
-        if n >= self.max_model_len:
-            raise APIError(f"prompt is too long: {n} tokens > {self.max_model_len - 1} maximum")
+        self.door.check_fits(n)
         offsets = (self.renderer.token_offsets(chat.system, chat.turns, rendered,
                                                [b.ref for b in chat.breakpoints])
                    if chat.breakpoints else [])
+        record = (self._fingerprint(body, chat, rendered, max(offsets, default=n))
+                  if body.wants_diagnostics else None)
+        return Prepared(chat, rendered, offsets, record)
+
+    async def create(self, body: MessagesRequest, raw: Request, namespace: str):
+        chat = self._parse(body)
+        release = self.door.admit(namespace, 1)
+        try:
+            prepared = await self.door.off_loop(lambda: self._prepare(body, chat))
+            pending, stream = await self._queue(body, prepared, namespace)
+        except BaseException:
+            release()
+            raise
+        if body.stream:
+            def close() -> None:  # however the response ends, even if its body never started
+                if not stream.finished:
+                    self.engine.abort(stream.request_id)
+                release()
+            return SSEResult(self._events(pending, stream), close)
+        try:
+            output = await self._final(stream, raw)
+        finally:
+            release()
+        return message_body(pending, output, self.decode)
+
+    async def _queue(self, body: MessagesRequest, prepared: Prepared, namespace: str
+                     ) -> tuple[Pending, RequestStream]:
+        chat, rendered, offsets = prepared.chat, prepared.rendered, prepared.offsets
+        n = len(rendered.token_ids)
         best: dict[int, str] = {}  # token offset -> label; equal offsets keep the longer TTL
         for offset, point in zip(offsets, chat.breakpoints):
             if offset > 0 and best.get(offset) != "1h":
                 best[offset] = point.ttl
         leases = [make_lease(self.engine.engine, k, label) for k, label in sorted(best.items())]
-        record, diagnosis = None, None
+        diagnosis = None
         if body.wants_diagnostics:
-            record = self._fingerprint(body, chat, rendered, max(offsets, default=n))
-            diagnosis = self._diagnose(body, record, namespace)
+            diagnosis = self._diagnose(body, prepared.record, namespace)
         max_tokens = min(max(body.max_tokens, 1), self.max_model_len - n)
         try:
             params = SamplingParams(
@@ -153,13 +195,12 @@ class MessagesService:
         pending = Pending(f"msg_{uuid.uuid4().hex}", body.model, n, body.stop_sequences or [],
                           body.max_tokens == 0, max_tokens < max(body.max_tokens, 1), bool(leases),
                           diagnosis, body.kv_explain)
+        self.door.check_open()
         stream = await self._submit(rendered.token_ids, params, pending.id, namespace, leases,
                                     body.kv_explain)
-        if record is not None:
-            self.store.put(namespace, pending.id, record)
-        if body.stream:
-            return self._events(pending, stream)
-        return message_body(pending, await self._final(stream, raw), self.decode)
+        if prepared.record is not None:
+            self.store.put(namespace, pending.id, prepared.record)
+        return pending, stream
 
     # -- steps ---------------------------------------------------------------------------------
     def _fingerprint(self, body: MessagesRequest, chat: ParsedChat, rendered: RenderedChat,
@@ -213,12 +254,17 @@ class MessagesService:
             output = await unless_disconnected(collect(), raw, lambda: self.engine.abort(stream.request_id))
         except EngineDeadError as err:
             raise APIError(str(err), 503) from None
-        return _checked(output)
+        return self._checked(output)
+
+    def _checked(self, output: RequestOutput | None) -> RequestOutput:
+        if output is None or output.outputs[0].finish_reason == "abort":
+            raise APIError(self.door.abort_note or "the request was aborted before it finished", 503)
+        return output
 
     async def _events(self, pending: Pending, stream: RequestStream) -> AsyncIterator[str]:
         delta = TextDelta(pending.stop_sequences or None)
         try:
-            output = _checked(await anext(stream))
+            output = self._checked(await anext(stream))
             start = message_body(pending, output, self.decode)
             start.update(content=[], stop_reason=None, stop_sequence=None)
             start["usage"]["output_tokens"] = 0
@@ -235,7 +281,7 @@ class MessagesService:
                                                          "delta": {"type": "text_delta", "text": text}})
                 if output.finished:
                     break
-                output = _checked(await anext(stream))
+                output = self._checked(await anext(stream))
             if not pending.is_prewarm:
                 yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
             final = message_body(pending, output, self.decode)
@@ -257,12 +303,6 @@ class MessagesService:
                 self.engine.abort(stream.request_id)
 
 
-def _checked(output: RequestOutput | None) -> RequestOutput:
-    if output is None or output.outputs[0].finish_reason == "abort":
-        raise APIError("the request was aborted before it finished", 503)
-    return output
-
-
 def _event(name: str, payload: dict[str, Any]) -> str:
     return f"event: {name}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -274,10 +314,10 @@ async def read_json(raw: Request) -> Any:
         raise APIError(f"the request body is not valid JSON: {err}") from None
 
 
-def register(app: FastAPI, engine: AsyncEngine, model_names: list[str],
+def register(app: FastAPI, door: FrontDoor, model_names: list[str],
              namespace: Callable[[Request], Awaitable[str]]) -> None:
     """Add /v1/messages; `namespace` is the app's tenant dependency (API key -> cache namespace)."""
-    service = MessagesService(engine, model_names, DiagnosticsStore())
+    service = MessagesService(door, model_names, DiagnosticsStore())
     app.state.messages = service
 
     @app.post("/v1/messages")
@@ -287,15 +327,17 @@ def register(app: FastAPI, engine: AsyncEngine, model_names: list[str],
             body = parse_request(await read_json(raw))
             result = await service.create(body, raw, tenant)
         except APIError as err:
-            return JSONResponse(anthropic_error(err.message, err.status), err.status)
+            return JSONResponse(anthropic_error(err.message, err.status), err.status,
+                                headers=err.headers)
         if isinstance(result, dict):
             return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream", headers=SSE_HEADERS)
+        return sse_response(result)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(raw: Request):
         try:
             await namespace(raw)
-            return JSONResponse(service.count_tokens(await read_json(raw)))
+            return JSONResponse(await service.count_tokens(await read_json(raw)))
         except APIError as err:
-            return JSONResponse(anthropic_error(err.message, err.status), err.status)
+            return JSONResponse(anthropic_error(err.message, err.status), err.status,
+                                headers=err.headers)

@@ -12,8 +12,6 @@ the admission limits a 429 with Retry-After (limits.py). `kvserve serve` itself 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import hmac
 import logging
 import time
 from pathlib import Path
@@ -22,15 +20,19 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from kvserve.async_engine import AsyncEngine
 from kvserve.engine import LLMEngine
 from kvserve.metrics import CONTENT_TYPE, EngineMetrics, hit_rate
 from kvserve.server import anthropic, caches, render_routes
+from kvserve.server.auth import (DEFAULT_MAX_UNAUTHENTICATED, INVALID_KEY, NAMESPACE_SCOPE_KEY,
+                                 ApiKeys, KeyGate, key_namespace)  # noqa: F401 (re-exported)
+from kvserve.server.front import FrontDoor, sse_response
 from kvserve.server.kv_routes import kv_routes
-from kvserve.server.limits import DEFAULT_MAX_REQUEST_BYTES, Admission, BodyLimit
+from kvserve.server.limits import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_READ_TIMEOUT_S, Admission,
+                                   BodyLimit)
 from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from kvserve.server.serving import OpenAIServing, SSEResult
 
@@ -44,16 +46,13 @@ STATS_KEYS = ("kv_cache_usage_perc", "cpu_cache_usage_perc", "num_pages_total", 
               "max_model_len")
 
 
-def key_namespace(api_key: str) -> str:
-    """A tenant's cache namespace: derived from its key, never the key itself."""
-    return "key:" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
-
-
 def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
               api_keys: list[str] | None = None, shared_cache_namespace: bool = False,
               extra_model_names: list[str] | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_waiting_requests: int = 0,
-              max_requests_per_tenant: int = 0, metrics_name_prefix: str = "kvserve") -> FastAPI:
+              max_requests_per_tenant: int = 0, metrics_name_prefix: str = "kvserve",
+              read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+              max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED) -> FastAPI:
     owns_engine = isinstance(engine, LLMEngine)
     llm_engine = engine if owns_engine else engine.engine
     model_name = model_name or default_model_name(llm_engine)
@@ -66,9 +65,9 @@ def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
         previous = async_engine.on_step  # several apps may watch one engine (tests)
         async_engine.on_step = _chain(previous, metrics.observe)
     names = [model_name, *(n for n in extra_model_names or [] if n and n != model_name)]
-    admission = Admission(max_waiting_requests, max_requests_per_tenant)
-    serving = OpenAIServing(async_engine, names, admission)
-    namespaces = {key: ("" if shared_cache_namespace else key_namespace(key)) for key in api_keys or []}
+    door = FrontDoor(async_engine, Admission(max_waiting_requests, max_requests_per_tenant))
+    serving = OpenAIServing(door, names)
+    keys = ApiKeys(api_keys, shared_cache_namespace)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -76,29 +75,31 @@ def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
         try:
             yield
         finally:
+            door.close()
             if owns_engine:
                 async_engine.shutdown()
 
-    hidden = bool(namespaces)  # with keys, the schema is served below, behind the key
+    hidden = bool(keys)  # with keys, the schema is served below, behind the key
     app = FastAPI(title="kvserve", lifespan=lifespan, docs_url=None if hidden else "/docs",
                   redoc_url=None, openapi_url=None if hidden else "/openapi.json")
     app.state.engine = async_engine
     app.state.metrics = metrics
     app.state.serving = serving
-    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    app.state.door = door
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes, read_timeout_s=read_timeout_s)
+    # added last, so outermost: the key is checked before the body cap reads a byte of the body
+    app.add_middleware(KeyGate, keys=keys, max_unauthenticated=max_unauthenticated,
+                       read_timeout_s=read_timeout_s)
     _add_error_handlers(app)
 
     async def namespace(request: Request) -> str:
-        if not namespaces:
-            return ""
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        bearer = token.strip() if scheme.lower() == "bearer" else ""
-        for token in filter(None, (bearer, request.headers.get("x-api-key", "").strip())):
-            for key, ns in namespaces.items():  # x-api-key: Anthropic clients
-                if hmac.compare_digest(token.encode(), key.encode()):
-                    return ns
-        raise APIError("Incorrect API key provided; send it as `Authorization: Bearer KEY` or "
-                       "`x-api-key: KEY`", 401, "invalid_request_error", None, "invalid_api_key")
+        """The tenant's cache namespace, as KeyGate found it from the headers."""
+        found = request.scope.get(NAMESPACE_SCOPE_KEY)
+        if found is None:
+            found = keys.namespace_of({k.lower(): v for k, v in request.headers.items()})
+        if found is None:
+            raise APIError(INVALID_KEY, 401, "invalid_request_error", None, "invalid_api_key")
+        return found
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request, ns: str = Depends(namespace)):
@@ -117,7 +118,7 @@ def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
              "root": names[0], "max_model_len": async_engine.engine.max_model_len}
             for name in names]}
 
-    app.include_router(kv_routes(async_engine, namespace, bool(namespaces) and not shared_cache_namespace))
+    app.include_router(kv_routes(door, namespace, bool(keys) and not shared_cache_namespace))
 
     if hidden:
         @app.get("/openapi.json", include_in_schema=False)
@@ -128,15 +129,15 @@ def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
         async def docs(ns: str = Depends(namespace)):
             return get_swagger_ui_html(openapi_url="/openapi.json", title="kvserve")
 
-    anthropic.register(app, async_engine, names, namespace)
-    caches.register(app, async_engine, names, namespace)
-    render_routes.register(app, render_routes.ServingRenderer(serving), names, namespace)
+    anthropic.register(app, door, names, namespace)
+    caches.register(app, door, names, namespace)
+    render_routes.register(app, door, names, namespace)
 
     @app.get("/health")
     async def health():
         if not async_engine.is_running:
             return JSONResponse(error_body("the engine loop is not running", "server_error"), 503)
-        if serving.draining:  # load balancers: route new requests elsewhere
+        if door.draining:  # load balancers: route new requests elsewhere
             return JSONResponse(error_body("the server is shutting down", "server_error"), 503)
         return Response(status_code=200)
 
@@ -205,24 +206,7 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "function-a
 
 
 def _respond(result: dict | SSEResult) -> Any:
-    if isinstance(result, dict):
-        return JSONResponse(result)
-    return _ClosingStream(result.body, result.close, media_type="text/event-stream",
-                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-class _ClosingStream(StreamingResponse):
-    """Runs `on_close` when the response ends, also if its body never started (client gone)."""
-
-    def __init__(self, body, on_close, **kwargs) -> None:
-        super().__init__(body, **kwargs)
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.on_close()
+    return JSONResponse(result) if isinstance(result, dict) else sse_response(result)
 
 
 def _chain(first, second):

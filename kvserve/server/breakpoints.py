@@ -16,10 +16,13 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvserve.request import CacheLease
 from kvserve.server.protocol import APIError
+
+if TYPE_CHECKING:
+    from kvserve.model.tokenizer import Encoded
 
 BLOCK_SEPARATOR = "\n"  # text blocks of one message (or of `system`) are joined with it
 SYSTEM = -1  # the message index of the system prompt in a BlockRef
@@ -60,13 +63,15 @@ class RenderedChat:
 
 
 class ChatRenderer:
-    """Renders `system` + turns with `chat_prompt` (the engine's template, generation prompt added).
+    """Renders `system` + turns with `chat_prompt` (the engine's template, generation prompt added)
+    and tokenizes with `encode` (text -> Encoded with token ends: the front door's one rule).
     A chat that ends with an assistant turn is continued, as Anthropic's API does: the template
     renders the turns before it, and the assistant text follows the generation prompt unclosed."""
 
-    def __init__(self, chat_prompt: Callable[[list[dict[str, str]]], str], tokenizer) -> None:
+    def __init__(self, chat_prompt: Callable[[list[dict[str, str]]], str],
+                 encode: Callable[[str], Encoded]) -> None:
         self.chat_prompt = chat_prompt
-        self.tokenizer = tokenizer
+        self.encode = encode
 
     def render_text(self, system: Turn | None, turns: list[Turn]) -> str:
         messages = ([{"role": "system", "content": system.text}] if system is not None else [])
@@ -82,12 +87,9 @@ class ChatRenderer:
 
     def render(self, system: Turn | None, turns: list[Turn]) -> RenderedChat:
         text = self.render_text(system, turns)
-        try:
-            encoding = self.tokenizer.encode(text, add_special_tokens=False)
-        except Exception as err:  # the Rust tokenizer's own errors
-            raise APIError(f"cannot tokenize the prompt: {err}", param="messages") from None
-        ends = [end for _, end in encoding.offsets]
-        return RenderedChat(text, list(encoding.ids), ends, all(a <= b for a, b in zip(ends, ends[1:])))
+        encoded = self.encode(text)
+        ends = encoded.ends or []
+        return RenderedChat(text, encoded.ids, ends, all(a <= b for a, b in zip(ends, ends[1:])))
 
     def block_ends(self, system: Turn | None, turns: list[Turn], chat: RenderedChat,
                    refs: list[BlockRef]) -> list[int] | None:

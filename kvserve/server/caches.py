@@ -21,10 +21,11 @@ from typing import Annotated, Any, Literal
 from fastapi import Depends, FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvserve.async_engine import AsyncEngine, EngineDeadError
+from kvserve.async_engine import EngineDeadError
 from kvserve.request import SamplingParams
 from kvserve.server.anthropic_protocol import Block, InputMessage, parse_chat, MessagesRequest
-from kvserve.server.breakpoints import ChatRenderer, lease_ttl_s, make_lease
+from kvserve.server.breakpoints import lease_ttl_s, make_lease
+from kvserve.server.front import FrontDoor
 from kvserve.server.protocol import APIError, Text
 
 MAX_CACHES_PER_TENANT = 256
@@ -87,19 +88,23 @@ class CacheRegistry:
 
 
 class CacheService:
-    def __init__(self, engine: AsyncEngine, model_names: list[str]) -> None:
-        self.engine = engine
+    def __init__(self, door: FrontDoor, model_names: list[str]) -> None:
+        self.door = door
+        self.engine = door.engine
         self.model_names = model_names
         self.registry = CacheRegistry()
-        self.renderer = ChatRenderer(engine.engine.chat_prompt, engine.engine.tokenizer)
+        self.renderer = door.renderer
 
     def prefix_tokens(self, body: CreateCache) -> list[int]:
+        """The cache's token ids, by the front door's rule (blocking: run it off the event loop)."""
         if body.prompt is not None:
-            return list(self.engine.engine.tokenizer.encode(body.prompt, add_special_tokens=False).ids)
+            return self.door.encode(body.prompt)
         request = MessagesRequest(model=self.model_names[0], max_tokens=1, system=body.system,
                                   messages=body.messages or [InputMessage(role="user", content="")])
         chat = parse_chat(request)
         turns = chat.turns if body.messages else []
+        system = len(chat.system.text) if chat.system is not None else 0
+        self.door.check_chars(system + sum(len(t.text) for t in turns), "messages")
         rendered = self.renderer.render(chat.system, turns)
         last = chat.message_ends[-1] if body.messages else None
         if last is None:
@@ -115,13 +120,24 @@ class CacheService:
         if len(self.registry.all(tenant)) >= MAX_CACHES_PER_TENANT:
             raise APIError(f"at most {MAX_CACHES_PER_TENANT} named caches per API key; delete some",
                            429)
-        token_ids = self.prefix_tokens(body)
+        if body.prompt is not None:
+            self.door.check_chars(len(body.prompt))
+        release = self.door.admit(tenant, 1)
+        try:
+            token_ids = await self.door.off_loop(lambda: self.prefix_tokens(body))
+            output, cache_id = await self._prefill(token_ids, body.ttl, tenant)
+        finally:
+            release()
+        return await self._register(tenant, body, token_ids, output, cache_id)
+
+    async def _prefill(self, token_ids: list[int], ttl: str, tenant: str) -> tuple[Any, str]:
+        """Compute the prefix once under a lease (prefill only); a shutdown cut is a 503."""
         if not token_ids:
             raise APIError("the cache's text is empty")
-        llm = self.engine.engine
-        lease = make_lease(llm, len(token_ids), body.ttl)
+        lease = make_lease(self.engine.engine, len(token_ids), ttl)
         lease.shared = False  # its own lease: deleting another cache of this prefix leaves it
         cache_id = f"kvc_{uuid.uuid4().hex}"
+        self.door.check_open()
         try:
             stream = await self.engine.add_request(token_ids, SamplingParams(max_tokens=1), cache_id,
                                                    tenant, leases=[lease])
@@ -132,6 +148,14 @@ class CacheService:
             raise APIError(str(err), param="prompt") from None
         except EngineDeadError as err:
             raise APIError(str(err), 503, "server_error") from None
+        cut = self.door.cut_by_shutdown([output.outputs[0].finish_reason if output else "abort"])
+        if cut is not None:
+            raise cut
+        return output, cache_id
+
+    async def _register(self, tenant: str, body: CreateCache, token_ids: list[int], output: Any,
+                        cache_id: str) -> dict[str, Any]:
+        llm = self.engine.engine
         usage = getattr(output, "lease_usage", None)
         if usage is None or not usage.lease_ids:
             reason = getattr(usage, "refused", None) or "not granted"
@@ -179,9 +203,9 @@ class CacheService:
         return {"id": cache_id, "object": "cache.deleted", "deleted": True}
 
 
-def register(app: FastAPI, engine: AsyncEngine, model_names: list[str],
+def register(app: FastAPI, door: FrontDoor, model_names: list[str],
              namespace: Callable[[Request], Awaitable[str]]) -> None:
-    service = CacheService(engine, model_names)
+    service = CacheService(door, model_names)
     app.state.caches = service
 
     @app.post("/v1/caches")

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
-from kvserve.async_engine import AsyncEngine
+from kvserve.server.front import FrontDoor
 from kvserve.server.protocol import ChatCompletionRequest, ChatMessage
 
 
@@ -21,26 +21,27 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
-    add_special_tokens: bool = False
+    # accepted for vLLM's clients; the ids are always those the completion endpoints would use
+    add_special_tokens: bool | None = None
 
 
-def kv_routes(async_engine: AsyncEngine, namespace: Callable[..., Awaitable[str]],
+def kv_routes(door: FrontDoor, namespace: Callable[..., Awaitable[str]],
               namespace_by_api_key: bool) -> APIRouter:
     router = APIRouter()
+    async_engine = door.engine
     engine = async_engine.engine
 
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest, ns: str = Depends(namespace)):
-        """The token ids the completion endpoints give the engine for the same prompt or messages."""
+        """The token ids the completion endpoints give the engine for the same prompt or messages
+        (the front door's rendering and rule, off the event loop)."""
         if (body.prompt is None) == (body.messages is None):
             return JSONResponse({"error": {"message": "send exactly one of `prompt` or `messages`",
                                            "type": "invalid_request_error"}}, 400)
-        try:
-            text = body.prompt if body.messages is None else engine.chat_prompt(
-                ChatCompletionRequest(messages=body.messages).conversation())
-        except ValueError as err:
-            return JSONResponse({"error": {"message": str(err), "type": "invalid_request_error"}}, 400)
-        ids = engine.tokenizer.encode(text, add_special_tokens=body.add_special_tokens).ids
+        if body.messages is None:
+            ids = (await door.tokenize([body.prompt]))[0]
+        else:
+            ids = await door.render_chat(ChatCompletionRequest(messages=body.messages).conversation())
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
     @router.get("/v1/cache/report")

@@ -70,7 +70,7 @@ class _Drain:
     """After the first signal: no new requests; after `timeout_s`, abort what is still running."""
 
     def __init__(self, app, timeout_s: float) -> None:
-        self.serving = app.state.serving
+        self.door = app.state.door  # every route's requests are held there (front.py)
         self.engine = app.state.engine
         self.timeout_s = timeout_s
         self.done = threading.Event()
@@ -78,21 +78,20 @@ class _Drain:
 
     def begin(self) -> None:
         """Called in the signal handler: only flags and a thread (no locks, no logging here)."""
-        self.serving.draining = True
+        self.door.draining = True
         threading.Thread(target=self._wait, name="kvserve-drain", daemon=True).start()
 
     def _wait(self) -> None:
-        running = self.serving.admission.held
         log.info("shutting down: stopped accepting; %d requests in flight get up to %g s to finish",
-                 running, self.timeout_s)
+                 self.door.num_in_flight, self.timeout_s)
         if self.done.wait(self.timeout_s):
             return
-        self.num_aborted = self.serving.admission.held
-        self.serving.abort_note = (f"the server is shutting down: this request was stopped after "
-                                   f"the {self.timeout_s:g} s shutdown timeout")
+        self.num_aborted = self.door.num_in_flight
+        self.door.abort_note = (f"the server is shutting down: this request was stopped after "
+                                f"the {self.timeout_s:g} s shutdown timeout")
         log.warning("shutdown timeout (%g s): aborting %d requests still in flight",
                     self.timeout_s, self.num_aborted)
-        self.engine.abort_all(self.serving.abort_note)
+        self.engine.abort_all(self.door.abort_note)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -112,7 +111,9 @@ def serve(args: argparse.Namespace) -> int:
                     max_request_bytes=args.max_request_bytes,
                     max_waiting_requests=args.max_waiting_requests,
                     max_requests_per_tenant=args.max_requests_per_tenant,
-                    metrics_name_prefix=args.metrics_name_prefix)
+                    metrics_name_prefix=args.metrics_name_prefix,
+                    read_timeout_s=args.request_read_timeout,
+                    max_unauthenticated=args.max_unauthenticated_connections)
     if engine.event_publisher is not None:  # the topic's {pod_ip}, {port} and {model}
         engine.event_publisher.set_topic(fill_topic(
             engine.config.kv_events_topic, pod_ip=pod_ip(engine.config.kv_events_endpoint),

@@ -1,16 +1,21 @@
-"""What one client can make the server hold: a request body cap (413 before parsing) and admission
-control over engine requests (429 with Retry-After before any work is queued).
+"""What one client can make the server hold: a request body cap (413 before parsing), a read
+timeout on the body (408), and admission control over engine requests (429 with Retry-After
+before any work is queued, 400 for a request that could never be admitted).
 
 `BodyLimit` is plain ASGI middleware: a declared Content-Length over the cap is refused before
 any of it reaches the app; otherwise the body is read (counting bytes, which also covers chunked
-uploads) and refused as soon as it passes the cap, then handed to the app whole. `Admission` counts the engine
-requests (prompts x n) each API request holds from admission until its last output.
+uploads) and refused as soon as it passes the cap, then handed to the app whole. The whole body
+must arrive within `read_timeout_s` of the request's start (a client trickling bytes is cut
+off, not only an idle one). `Admission` counts the engine requests (prompts x n) each API request
+holds from admission until its last output.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +24,7 @@ from typing import Any
 from kvserve.server.protocol import APIError, error_body
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+DEFAULT_READ_TIMEOUT_S = 30.0
 # A refused body is still read (and dropped) up to this much before the 413, so the client, which
 # sends its whole body before it reads an answer, gets the answer rather than a reset connection
 # (nginx's lingering close). Past it the connection is closed mid-upload.
@@ -30,28 +36,34 @@ Send = Callable[[dict[str, Any]], Any]
 
 
 class BodyLimit:
-    def __init__(self, app, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+    def __init__(self, app, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.read_timeout_s = read_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
+        deadline = time.monotonic() + self.read_timeout_s
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.strip().isdigit() and int(declared) > self.max_bytes:
-            await self._drain(receive, 0)
+            await self._drain(receive, 0, deadline)
             return await self._refuse(send, int(declared))
         chunks: list[bytes] = []
         size = 0
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0))
+            except asyncio.TimeoutError:
+                return await self._timed_out(send, size)
             if message["type"] == "http.disconnect":
                 return  # the client left before sending its body: nothing to answer
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
                 if message.get("more_body", False):
-                    await self._drain(receive, size)
+                    await self._drain(receive, size, deadline)
                 return await self._refuse(send, None)
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -69,10 +81,13 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     @staticmethod
-    async def _drain(receive: Receive, size: int) -> None:
-        """Read and drop the rest of a refused body, up to DRAIN_BYTES in all."""
+    async def _drain(receive: Receive, size: int, deadline: float) -> None:
+        """Read and drop the rest of a refused body, up to DRAIN_BYTES in all, until `deadline`."""
         while size <= DRAIN_BYTES:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0))
+            except asyncio.TimeoutError:
+                return
             if message["type"] == "http.disconnect" or not message.get("more_body", False):
                 return
             size += len(message.get("body", b""))
@@ -81,13 +96,24 @@ class BodyLimit:
         size = f"{declared:,} bytes" if declared is not None else "over the limit"
         message = (f"the request body is {size}; this server accepts at most {self.max_bytes:,} "
                    f"bytes (--max-request-bytes)")
-        payload = json.dumps(error_body(message, "invalid_request_error", None,
-                                        "request_too_large")).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(payload)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": payload})
+        await close_with(send, 413, error_body(message, "invalid_request_error", None,
+                                               "request_too_large"))
+
+    async def _timed_out(self, send: Send, size: int) -> None:
+        message = (f"the request body did not arrive within {self.read_timeout_s:g} s "
+                   f"({size:,} bytes came); send it faster (--request-read-timeout)")
+        await close_with(send, 408, error_body(message, "invalid_request_error", None,
+                                               "request_timeout"))
+
+
+async def close_with(send: Send, status: int, body: dict[str, Any]) -> None:
+    """Answer `status` with a JSON body and close the connection (the body was not read whole)."""
+    payload = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(payload)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": payload})
 
 
 @dataclass(slots=True)
@@ -105,7 +131,16 @@ class Admission:
     by_tenant: Counter = field(default_factory=Counter)
 
     def admit(self, tenant: str, count: int, running: int) -> None:
-        """Reserve `count` engine requests or raise a 429 APIError (nothing reserved)."""
+        """Reserve `count` engine requests or raise a 429 APIError (nothing reserved); a 400 when
+        `count` is over a limit by itself, so that no retry could ever succeed."""
+        if self.max_waiting and count > self.max_waiting:
+            raise APIError(f"this request needs {count} engine requests (prompts x n) and this "
+                           f"server queues at most {self.max_waiting} (--max-waiting-requests); "
+                           f"send fewer prompts or a smaller n", param="n", code="request_too_large")
+        if self.max_per_tenant and count > self.max_per_tenant:
+            raise APIError(f"this request needs {count} engine requests (prompts x n) and one API "
+                           f"key may hold at most {self.max_per_tenant} (--max-requests-per-tenant); "
+                           f"send fewer prompts or a smaller n", param="n", code="request_too_large")
         waiting = max(self.held - running, 0)
         if self.max_waiting and waiting + count > self.max_waiting:
             raise self._busy(f"the server has {waiting} requests waiting and this one adds {count} "

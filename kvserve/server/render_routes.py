@@ -17,26 +17,13 @@ from typing import Any
 from fastapi import Depends, FastAPI
 
 from kvserve.kv_events import event_cache_salt
+from kvserve.server.front import FrontDoor
 from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 
 _ids = itertools.count()
 
 
-class ServingRenderer:
-    """The completion routes' own render + tokenize (OpenAIServing's), off the event loop."""
-
-    def __init__(self, serving) -> None:
-        self.serving = serving
-
-    async def render_completion_request(self, body: CompletionRequest) -> list[list[int]]:
-        texts = body.prompts()
-        return await self.serving._off_loop(lambda: [self.serving._tokenize(p) for p in texts])
-
-    async def render_chat_request(self, body: ChatCompletionRequest) -> list[int]:
-        return await self.serving._off_loop(lambda: self.serving._render_chat(body))
-
-
-def register(app: FastAPI, door: ServingRenderer, model_names: list[str],
+def register(app: FastAPI, door: FrontDoor, model_names: list[str],
              namespace: Callable[..., Awaitable[str]]) -> None:
     def check_model(model: str | None) -> str:
         if model is not None and model not in model_names:

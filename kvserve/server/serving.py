@@ -6,11 +6,10 @@ back a trailing U+FFFD (a multi-byte character split across tokens decodes to it
 byte arrives) and, when stop strings are set, the last len(stop) - 1 characters (they may turn out
 to be the start of a stop string, which the engine cuts from the final text).
 
-Tokenization and chat rendering run on a small thread pool, never on the event loop, so a large
-prompt does not delay /health or other clients. Each API request holds its engine requests in
-`Admission` from before tokenization until `close()` (429 beyond the limits); during shutdown new
-requests get a 503, and requests the shutdown deadline aborts end with finish_reason "abort" and,
-when streamed, an error event that says why.
+Admission, drain, the size bounds and tokenization are the front door's (front.py): each API
+request holds its engine requests there from before tokenization until `close()`. Requests the
+shutdown deadline aborts get a 503 with an error body, or, when streamed, finish_reason "abort"
+and an error event that says why.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -29,14 +27,12 @@ from starlette.requests import Request
 from kvserve.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from kvserve.request import RequestOutput, SamplingParams
 from kvserve.server import render
-from kvserve.server.limits import Admission
 from kvserve.server.breakpoints import retained_requests
+from kvserve.server.front import MAX_CHOICES, FrontDoor
 from kvserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                      error_body)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
-MAX_CHOICES = 128  # engine requests one API request may start (prompts x n)
-TOKENIZER_THREADS = 2
 
 
 class TextDelta:
@@ -114,26 +110,19 @@ class SSEResult:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_names: list[str],
-                 admission: Admission | None = None) -> None:
-        self.engine = engine
+    def __init__(self, door: FrontDoor, model_names: list[str]) -> None:
+        self.door = door
+        self.engine = door.engine
         self.model_names = model_names
-        self.tokenizer = engine.engine.tokenizer
-        self.max_model_len = engine.engine.max_model_len
-        # no token is longer than this many bytes (so characters): a longer text cannot fit
-        self.max_prompt_chars = self.max_model_len * max_token_bytes(self.tokenizer)
-        self.admission = admission or Admission()
-        self.draining = False  # shutting down: no new requests
-        self.abort_note: str | None = None  # why in-flight requests were aborted (shutdown)
-        self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvserve-tokenize")
+        self.tokenizer = self.engine.engine.tokenizer
+        self.max_model_len = door.max_model_len
 
     # -- entry points --------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, raw: Request, namespace: str):
         self._check_model(body.model)
-        texts = body.prompts()
-        release = self._admit(namespace, len(texts) * body.n)
+        release = self.door.admit(namespace, len(body.prompts()) * body.n)
         try:
-            prompts = await self._off_loop(lambda: [self._tokenize(p) for p in texts])
+            prompts = await self.door.render_completion_request(body)
             params = body.sampling_params(body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS,
                                           body.logprobs)
             gen = await self._submit("cmpl", prompts, params, body.n, namespace, release,
@@ -143,10 +132,7 @@ class OpenAIServing:
             raise
         if body.stream:
             return SSEResult(self._sse(gen, body, chat=False), lambda: self.close(gen))
-        try:
-            await self._wait_all(gen, raw)
-        finally:
-            self.close(gen)
+        await self._finish(gen, raw)
         choices = [render.completion_choice(c.index, c.output.outputs[0], self.tokenizer,
                                             body.logprobs) for c in gen.choices]
         return gen.respond(render.completion_response(gen.request_id, gen.created, gen.model, choices,
@@ -154,16 +140,13 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, raw: Request, namespace: str):
         self._check_model(body.model)
-        release = self._admit(namespace, body.n)
+        release = self.door.admit(namespace, body.n)
         try:
-            prompt = await self._off_loop(lambda: self._render_chat(body))
+            prompt = await self.door.render_chat_request(body)
             max_tokens = body.requested_max_tokens
             if max_tokens is None:
+                self.door.check_fits(len(prompt))
                 max_tokens = self.max_model_len - len(prompt)
-                if max_tokens < 1:
-                    raise APIError(f"the conversation is {len(prompt)} tokens, at or over "
-                                   f"max_model_len {self.max_model_len}; shorten it",
-                                   param="messages")
             params = body.sampling_params(max_tokens, body.num_logprobs)
             gen = await self._submit("chatcmpl", [prompt], params, body.n, namespace, release,
                                      retention=body.kv_retention, kv_explain=body.kv_explain)
@@ -172,10 +155,7 @@ class OpenAIServing:
             raise
         if body.stream:
             return SSEResult(self._sse(gen, body, chat=True), lambda: self.close(gen))
-        try:
-            await self._wait_all(gen, raw)
-        finally:
-            self.close(gen)
+        await self._finish(gen, raw)
         choices = [render.chat_choice(c.index, c.output.outputs[0], self.tokenizer,
                                       body.num_logprobs) for c in gen.choices]
         return gen.respond(render.chat_response(gen.request_id, gen.created, gen.model, choices, gen.usage()))
@@ -194,55 +174,15 @@ class OpenAIServing:
                            f"{', '.join(self.model_names)}", 404, "NotFoundError", "model",
                            "model_not_found")
 
-    def _admit(self, namespace: str, count: int) -> Callable[[], None]:
-        """Reserve `count` engine requests (429/503 if not); returns the release, safe to call
-        more than once."""
-        if self.draining:
-            raise APIError("the server is shutting down; send the request to another instance",
-                           503, "server_error", None, "shutting_down")
-        if count > MAX_CHOICES:
-            raise APIError(f"{count} choices (prompts x n) is over {MAX_CHOICES} choices per "
-                           f"request; send fewer prompts or a smaller n", param="n")
-        running = int(self.engine.latest_stats.get("num_requests_running", 0))
-        self.admission.admit(namespace, count, running)
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self.admission.release(namespace, count)
-        return release
-
-    async def _off_loop(self, fn: Callable[[], Any]) -> Any:
-        """Run CPU-heavy request preparation on the tokenizer threads."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
-
-    def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
+    async def _finish(self, gen: Generation, raw: Request) -> None:
+        """Wait for every final output (non-streamed); a shutdown cut is a 503, not a 200."""
         try:
-            conversation = body.conversation()
-            if sum(len(m["content"]) for m in conversation) > self.max_prompt_chars:
-                raise APIError(f"the messages are over max_model_len {self.max_model_len} tokens "
-                               f"however they tokenize; shorten them", param="messages")
-            text = self.engine.engine.chat_prompt(conversation)
-        except APIError:
-            raise
-        except Exception as err:  # template errors: jinja raises its own types
-            raise APIError(f"cannot apply the chat template: {err}", param="messages") from None
-        return self._tokenize(text, "messages")
-
-    def _tokenize(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
-        if isinstance(prompt, list):
-            return prompt
-        if len(prompt) > self.max_prompt_chars:  # more tokens than max_model_len, surely
-            raise APIError(f"the prompt is {len(prompt):,} characters: over max_model_len "
-                           f"{self.max_model_len} tokens however it tokenizes; shorten it",
-                           param=param)
-        try:  # encode_batch releases the GIL while it works (encode does not)
-            add_bos = self.engine.engine.loaded.add_bos_token
-            return self.tokenizer.encode_batch([prompt], add_special_tokens=add_bos)[0].ids
-        except Exception as err:  # the Rust tokenizer's own errors
-            raise APIError(f"cannot tokenize the prompt: {err}", param=param) from None
+            await self._wait_all(gen, raw)
+        finally:
+            self.close(gen)
+        cut = self.door.cut_by_shutdown([c.output.outputs[0].finish_reason for c in gen.choices])
+        if cut is not None:
+            raise cut
 
     async def _submit(self, kind: str, prompts: list[list[int]], params: SamplingParams, n: int,
                       namespace: str, release: Callable[[], None] | None = None,
@@ -252,8 +192,7 @@ class OpenAIServing:
                            f"request; send fewer prompts or a smaller n", param="n")
         request_id = f"{kind}-{uuid.uuid4().hex}"
         items, choices = [], []
-        if self.abort_note is not None:  # tokenized after the shutdown deadline
-            raise APIError(self.abort_note, 503, "server_error", None, "shutting_down")
+        self.door.check_open()
         for p, prompt in enumerate(prompts):
             for i in range(n):
                 seed = params.seed
@@ -347,18 +286,13 @@ class OpenAIServing:
             if body.include_usage_chunk:
                 yield _sse(gen.respond(render.usage_chunk(gen, chat)))
             aborted = any(c.output.outputs[0].finish_reason == "abort" for c in gen.choices)
-            if aborted and self.abort_note is not None:
-                yield _sse(error_body(self.abort_note, "server_error", None, "shutting_down"))
+            if aborted and self.door.abort_note is not None:
+                yield _sse(error_body(self.door.abort_note, "server_error", None, "shutting_down"))
         except APIError as err:
             yield _sse(error_body(err.message, err.type, err.param, err.code))
         finally:
             await outputs.aclose()
         yield "data: [DONE]\n\n"
-
-
-def max_token_bytes(tokenizer) -> int:
-    vocab = tokenizer.get_vocab(with_added_tokens=True)
-    return max((len(render.token_bytes(tokenizer, i)) for i in vocab.values()), default=1)
 
 
 def _sse(payload: dict[str, Any]) -> str:

@@ -62,8 +62,10 @@ def save_folder(model, folder: Path) -> Path:
     return folder
 
 
-def write_gguf(model, kind: str, path: Path) -> Path:
-    """Write `model` as an F32 GGUF in llama.cpp's conventions, with the bundled tokenizer."""
+def write_gguf(model, kind: str, path: Path, add_bos: bool = False,
+               chat_template: str | None = None) -> Path:
+    """Write `model` as an F32 GGUF in llama.cpp's conventions, with the bundled tokenizer (a BOS
+    added to prompts, and a chat template, when asked: Gemma's conventions)."""
     import gguf
 
     arch_name = {"llama3": "llama"}.get(kind, kind)
@@ -83,7 +85,9 @@ def write_gguf(model, kind: str, path: Path) -> Path:
     w.add_rope_freq_base(float(rope["full_attention"]["rope_theta"] if kind == "gemma3" else rope["rope_theta"]))
     if kind == "gemma3":
         w.add_sliding_window(cfg.sliding_window)
-    _copy_tokenizer(w)
+    _copy_tokenizer(w, add_bos)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
 
     to_gguf = {hf: g for g, hf in arch.layer_names.items()}
     for name, tensor in model.state_dict().items():
@@ -131,7 +135,7 @@ def _bundled_tokenizer_meta() -> dict:
                    "tokenizer.ggml.token_type": meta["tokenizer.ggml.token_type"][:VOCAB]}
 
 
-def _copy_tokenizer(w) -> None:
+def _copy_tokenizer(w, add_bos: bool = False) -> None:
     field = _bundled_tokenizer_meta()
     w.add_tokenizer_model(field["tokenizer.ggml.model"])
     w.add_tokenizer_pre(field.get("tokenizer.ggml.pre", "default"))
@@ -140,4 +144,4 @@ def _copy_tokenizer(w) -> None:
     w.add_token_merges(field["tokenizer.ggml.merges"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
+    w.add_add_bos_token(add_bos)

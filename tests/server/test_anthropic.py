@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from kvserve.model.tokenizer import Encoded
 from kvserve.server.anthropic import Pending, stop_reason, usage
 from kvserve.server.anthropic_protocol import MessagesRequest, parse_chat
 from kvserve.server.breakpoints import SYSTEM, ChatRenderer, RenderedChat, Turn
@@ -252,7 +253,7 @@ def test_diagnostics_name_the_change_that_missed_the_cache(claude, model_name, k
 # -- breakpoints: where a block ends, in prompt tokens ---------------------------------------------
 def test_breakpoint_offsets_end_exactly_at_the_system_block_and_at_a_message_end(async_engine):
     llm = async_engine.engine
-    renderer = ChatRenderer(llm.chat_prompt, llm.tokenizer)
+    renderer = ChatRenderer(llm.chat_prompt, llm.loaded.encode_with_ends)
     system, question = handbook(200), "Which rule covers visitors?"
     request = MessagesRequest.model_validate({
         "model": "m", "max_tokens": 1,
@@ -272,11 +273,9 @@ def test_breakpoint_offsets_end_exactly_at_the_system_block_and_at_a_message_end
     assert mid - 1 <= offsets[1] <= mid
 
 
-class CharTokenizer:
+def char_encode(text: str) -> Encoded:
     """A stand-in tokenizer: one token per character."""
-
-    def encode(self, text, add_special_tokens=False):
-        return SimpleNamespace(ids=[ord(c) for c in text], offsets=[(i, i + 1) for i in range(len(text))])
+    return Encoded([ord(c) for c in text], [i + 1 for i in range(len(text))])
 
 
 def test_a_template_that_rewrites_text_cannot_place_breakpoints():
@@ -287,10 +286,10 @@ def test_a_template_that_rewrites_text_cannot_place_breakpoints():
         return "".join(f"[{m['role']}]{m['content']}" for m in messages) + "[assistant]"
 
     system, turns = Turn("system", ["be brief"]), [Turn("user", ["hi", "there"])]
-    loud = ChatRenderer(clipping, CharTokenizer())
+    loud = ChatRenderer(clipping, char_encode)
     with pytest.raises(APIError, match="verbatim"):
         loud.token_offsets(system, turns, loud.render(system, turns), [(SYSTEM, 0)])
-    plain = ChatRenderer(verbatim, CharTokenizer())
+    plain = ChatRenderer(verbatim, char_encode)
     chat = plain.render(system, turns)
     assert plain.token_offsets(system, turns, chat, [(0, 0), (SYSTEM, 0), (0, 1)]) == [
         len("[system]be brief[user]hi"), len("[system]be brief"), len("[system]be brief[user]hi\nthere")]

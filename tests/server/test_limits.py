@@ -88,9 +88,9 @@ def test_413_names_the_limit(server):
 def test_tokenization_does_not_delay_health(server, model_name, async_engine):
     """Eight prompts of the longest text that might fit max_model_len (~0.3 s each to tokenize)
     at once: tokenized on worker threads that release the GIL."""
-    serving = server.server.config.app.state.serving
-    prompt = ("lorem ipsum dolor sit amet " * (serving.max_prompt_chars // 27 + 1))
-    prompt = prompt[:serving.max_prompt_chars]
+    door = server.server.config.app.state.door
+    prompt = ("lorem ipsum dolor sit amet " * (door.max_prompt_chars // 27 + 1))
+    prompt = prompt[:door.max_prompt_chars]
     done: list[httpx.Response] = []
     workers = [threading.Thread(target=lambda: done.append(httpx.post(
         server.url + "/v1/completions", json={"model": model_name, "prompt": prompt,
@@ -120,11 +120,12 @@ def test_text_too_long_for_any_tokenization_is_refused_without_tokenizing(server
 
 
 def test_worker_tokenization_matches_the_engine(async_engine):
-    from kvserve.server.serving import OpenAIServing
+    from kvserve.server.front import FrontDoor
 
-    serving = OpenAIServing(async_engine, ["m"])
+    door = FrontDoor(async_engine)
     for text in ("Hello, world!", "<|im_start|>user\nhé 日本語 🙂<|im_end|>", "  spaced\n\ttabs"):
-        assert serving._tokenize(text) == async_engine.engine.tokenize(text)[1]
+        assert door.encode(text) == async_engine.engine.tokenize(text)[1]
+    door.close()
 
 
 @pytest.mark.parametrize("body, expected", [
@@ -184,17 +185,22 @@ def test_a_flood_beyond_max_waiting_requests_gets_429_and_the_admitted_complete(
         else:
             choices = r.json()["choices"]
             assert len(choices) == 2 and all(c["finish_reason"] == "length" for c in choices)
-    serving = limited.server.config.app.state.serving
-    assert serving.admission.held == 0 and not serving.admission.by_tenant
+    door = limited.server.config.app.state.door
+    assert door.admission.held == 0 and not door.admission.by_tenant
 
 
-def test_a_batch_counts_each_prompt_and_sample(limited):
+def test_a_batch_counts_each_prompt_and_sample_and_one_that_can_never_fit_is_a_400(limited):
+    """Issue 28 item 11: over a limit by itself, a request could never be admitted: 400, not 429."""
     results: list[httpx.Response] = []
     _complete(limited.url, "sk-a", results, prompt=["a", "b"], n=2)  # 4 > 3 per key
     _complete(limited.url, "sk-b", results, prompt=["a", "b", "c"], n=2)  # 6 > 4 waiting
-    assert [r.status_code for r in results] == [429, 429]
-    assert "per key" in results[0].json()["error"]["message"]
+    _complete(limited.url, "sk-b", results, n=5)  # 5 > 4 waiting, with one prompt
+    assert [r.status_code for r in results] == [400, 400, 400]
+    assert "--max-requests-per-tenant" in results[0].json()["error"]["message"]
     assert "--max-waiting-requests" in results[1].json()["error"]["message"]
+    assert "n=" not in results[2].json()["error"]["message"] and "5 engine requests" in \
+        results[2].json()["error"]["message"]
+    assert all("retry-after" not in r.headers for r in results)
     _complete(limited.url, "sk-a", results, prompt=["a", "b", "c"])  # 3 fits
     assert results[-1].status_code == 200 and len(results[-1].json()["choices"]) == 3
 
@@ -205,4 +211,5 @@ def test_docs_and_schema_need_the_key_when_keys_are_set(limited, server):
         assert httpx.get(limited.url + path, timeout=10,
                          headers={"authorization": "Bearer sk-b"}).status_code == 200
         assert httpx.get(server.url + path, timeout=10).status_code == 200  # no keys: open
-    assert httpx.get(limited.url + "/redoc", timeout=10).status_code == 404
+    assert httpx.get(limited.url + "/redoc", timeout=10,  # without a key, every path is a 401
+                     headers={"authorization": "Bearer sk-b"}).status_code == 404

@@ -1,0 +1,116 @@
+"""API keys, checked from the request headers before any of the body is read.
+
+`KeyGate` is plain ASGI middleware, outside the body cap and the app: with keys configured, a
+request to anything but the open pages (/health, /metrics, /dashboard) without a valid key is
+answered 401 and its connection closed, its body never buffered. So that an ordinary client with a
+wrong key reads that 401 rather than a reset connection (closing a socket with unread data sends a
+RST), up to `UNAUTHENTICATED_DRAIN_BYTES` of its body are read and dropped first, within the read
+timeout; at most `max_unauthenticated` such requests are drained at once, and beyond that the 401
+comes at once. A valid key's cache namespace is put in the ASGI scope for the app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvserve.server.protocol import error_body
+
+OPEN_PATHS = frozenset({"/health", "/metrics", "/dashboard", "/dashboard/stats"})
+NAMESPACE_SCOPE_KEY = "kvserve.namespace"
+UNAUTHENTICATED_DRAIN_BYTES = 1 << 20
+DEFAULT_MAX_UNAUTHENTICATED = 64
+DEFAULT_READ_TIMEOUT_S = 30.0
+INVALID_KEY = ("Incorrect API key provided; send it as `Authorization: Bearer KEY` or "
+               "`x-api-key: KEY`")
+
+Scope = dict[str, Any]
+Receive = Callable[[], Any]
+Send = Callable[[dict[str, Any]], Any]
+
+
+def key_namespace(api_key: str) -> str:
+    """A tenant's cache namespace: derived from its key, never the key itself."""
+    return "key:" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
+
+
+class ApiKeys:
+    """The server's keys and the cache namespace of each ("" for all when they share one)."""
+
+    def __init__(self, keys: list[str] | None, shared_namespace: bool = False) -> None:
+        self.namespaces = {k: ("" if shared_namespace else key_namespace(k)) for k in keys or []}
+
+    def __bool__(self) -> bool:
+        return bool(self.namespaces)
+
+    def namespace_of(self, headers: dict[str, str]) -> str | None:
+        """The namespace of the key in `Authorization: Bearer` or `x-api-key`; None if no valid key."""
+        if not self.namespaces:
+            return ""
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        bearer = token.strip() if scheme.lower() == "bearer" else ""
+        for token in filter(None, (bearer, headers.get("x-api-key", "").strip())):
+            for key, namespace in self.namespaces.items():
+                if hmac.compare_digest(token.encode(), key.encode()):
+                    return namespace
+        return None
+
+
+class KeyGate:
+    def __init__(self, app, keys: ApiKeys, max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED,
+                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> None:
+        self.app = app
+        self.keys = keys
+        self.max_unauthenticated = max_unauthenticated
+        self.read_timeout_s = read_timeout_s
+        self.num_draining = 0  # unauthenticated requests whose body is being read and dropped
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.keys or scope.get("path") in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
+                   for k, v in scope.get("headers") or []}
+        namespace = self.keys.namespace_of(headers)
+        if namespace is not None:
+            scope[NAMESPACE_SCOPE_KEY] = namespace
+            return await self.app(scope, receive, send)
+        if self.num_draining < self.max_unauthenticated:
+            self.num_draining += 1
+            try:
+                await self._drain(receive)
+            finally:
+                self.num_draining -= 1
+        await self._refuse(scope, send)
+
+    async def _drain(self, receive: Receive) -> None:
+        deadline = time.monotonic() + self.read_timeout_s
+        size = 0
+        while size <= UNAUTHENTICATED_DRAIN_BYTES:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            try:
+                message = await asyncio.wait_for(receive(), remaining)
+            except asyncio.TimeoutError:
+                return
+            if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                return
+            size += len(message.get("body", b""))
+
+    @staticmethod
+    async def _refuse(scope: Scope, send: Send) -> None:
+        if str(scope.get("path", "")).startswith("/v1/messages"):  # Anthropic's error shape
+            body = {"type": "error", "error": {"type": "authentication_error", "message": INVALID_KEY}}
+        else:
+            body = error_body(INVALID_KEY, "invalid_request_error", None, "invalid_api_key")
+        payload = json.dumps(body).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(payload)).encode()),
+                                (b"www-authenticate", b"Bearer"), (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": payload})

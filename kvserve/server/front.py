@@ -1,0 +1,184 @@
+"""The one front door of every route that puts work on the engine (/v1/completions,
+/v1/chat/completions, /v1/messages and its count_tokens, /v1/caches, /tokenize): drain and
+admission, the size bounds before tokenizing, and chat rendering plus tokenization on worker
+threads under one tokenization rule. Handlers only translate their JSON into these calls.
+
+Order for one API request: `admit` (503 while draining; 400 when it could never fit the limits;
+429 with Retry-After when the waiting queue or the tenant is full), then the character bound
+(a text longer than `max_model_len` tokens of the longest token is refused untokenized), then
+rendering and tokenizing off the event loop (`tokenize`, `render_chat`, `prepare`), then
+`check_open` right before the engine is asked (503 once the shutdown deadline has passed). The
+ticket `admit` returns is released when the response ends, however it ends; until then the request
+is in flight, which is what the shutdown counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from starlette.responses import StreamingResponse
+
+from kvserve.async_engine import AsyncEngine
+from kvserve.server import render
+from kvserve.server.breakpoints import ChatRenderer
+from kvserve.server.limits import Admission
+from kvserve.server.protocol import APIError
+
+if TYPE_CHECKING:
+    from kvserve.model.tokenizer import Encoded
+    from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
+
+MAX_CHOICES = 128  # engine requests one API request may start (prompts x n)
+TOKENIZER_THREADS = 2
+
+
+class FrontDoor:
+    def __init__(self, engine: AsyncEngine, admission: Admission | None = None) -> None:
+        self.engine = engine
+        llm = engine.engine
+        self.loaded = llm.loaded
+        self.max_model_len = llm.max_model_len
+        # no token is longer than this many bytes (so characters): a longer text cannot fit
+        self.max_prompt_chars = self.max_model_len * max_token_bytes(llm.tokenizer)
+        self.admission = admission or Admission()
+        self.renderer = ChatRenderer(llm.chat_prompt, self.encode_with_ends)
+        self.draining = False  # shutting down: no new requests
+        self.abort_note: str | None = None  # why in-flight requests were aborted (shutdown)
+        self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvserve-tokenize")
+
+    # -- admission and drain -------------------------------------------------------------------
+    def admit(self, namespace: str, count: int) -> Callable[[], None]:
+        """Reserve `count` engine requests for one API request; returns the release (idempotent)."""
+        if self.draining:
+            raise shutting_down("the server is shutting down; send the request to another instance")
+        if count > MAX_CHOICES:
+            raise APIError(f"{count} choices (prompts x n) is over {MAX_CHOICES} choices per "
+                           f"request; send fewer prompts or a smaller n", param="n")
+        running = int(self.engine.latest_stats.get("num_requests_running", 0))
+        self.admission.admit(namespace, count, running)
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.admission.release(namespace, count)
+        return release
+
+    def check_open(self) -> None:
+        """Right before queueing on the engine: prepared after the shutdown deadline is a 503."""
+        if self.abort_note is not None:
+            raise shutting_down(self.abort_note)
+
+    def cut_by_shutdown(self, finish_reasons: list[str | None]) -> APIError | None:
+        """The 503 for a non-streamed response whose requests the shutdown deadline aborted."""
+        if self.abort_note is not None and "abort" in finish_reasons:
+            return shutting_down(self.abort_note)
+        return None
+
+    @property
+    def num_in_flight(self) -> int:
+        """Engine requests held by API requests on every route (what a shutdown would abort)."""
+        return self.admission.held
+
+    # -- bounds and tokenization ---------------------------------------------------------------
+    def check_chars(self, num_chars: int, param: str = "prompt") -> None:
+        if num_chars > self.max_prompt_chars:  # more tokens than max_model_len, surely
+            raise APIError(f"the prompt is {num_chars:,} characters: over max_model_len "
+                           f"{self.max_model_len} tokens however it tokenizes; shorten it",
+                           param=param)
+
+    def encode(self, text: str, param: str = "prompt") -> list[int]:
+        """The one tokenization rule (model/tokenizer.encode_prompt), after the character bound.
+        Blocking: call it on a worker thread (`off_loop`)."""
+        self.check_chars(len(text), param)
+        try:
+            return self.loaded.encode(text)
+        except Exception as err:  # the Rust tokenizer's own errors
+            raise APIError(f"cannot tokenize the prompt: {err}", param=param) from None
+
+    def encode_with_ends(self, text: str) -> Encoded:
+        self.check_chars(len(text), "messages")
+        try:
+            return self.loaded.encode_with_ends(text)
+        except Exception as err:
+            raise APIError(f"cannot tokenize the prompt: {err}", param="messages") from None
+
+    def chat_ids(self, conversation: list[dict[str, str]], param: str = "messages") -> list[int]:
+        """A chat's prompt ids: the model's template (generation prompt added), then `encode`.
+        Blocking: call it on a worker thread."""
+        self.check_chars(sum(len(m["content"]) for m in conversation), param)
+        try:
+            text = self.engine.engine.chat_prompt(conversation)
+        except APIError:
+            raise
+        except Exception as err:  # template errors: jinja raises its own types
+            raise APIError(f"cannot apply the chat template: {err}", param=param) from None
+        return self.encode(text, param)
+
+    async def off_loop(self, fn: Callable[[], Any]) -> Any:
+        """Run CPU-heavy request preparation on the tokenizer threads, never on the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
+    async def tokenize(self, prompts: list[str | list[int]], param: str = "prompt") -> list[list[int]]:
+        """Each prompt's ids (token-id prompts as given), tokenized off the event loop."""
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                self.check_chars(len(prompt), param)
+        return await self.off_loop(
+            lambda: [p if isinstance(p, list) else self.encode(p, param) for p in prompts])
+
+    async def render_chat(self, conversation: list[dict[str, str]], param: str = "messages") -> list[int]:
+        self.check_chars(sum(len(m["content"]) for m in conversation), param)
+        return await self.off_loop(lambda: self.chat_ids(conversation, param))
+
+    async def render_completion_request(self, body: CompletionRequest) -> list[list[int]]:
+        """The prompt ids /v1/completions gives the engine for `body` (one list per prompt)."""
+        return await self.tokenize(body.prompts())
+
+    async def render_chat_request(self, body: ChatCompletionRequest) -> list[int]:
+        """The prompt ids /v1/chat/completions gives the engine for `body`."""
+        return await self.render_chat(body.conversation())
+
+    def check_fits(self, num_tokens: int, param: str = "messages") -> None:
+        if num_tokens >= self.max_model_len:
+            raise APIError(f"the prompt is too long: {num_tokens} tokens, at or over max_model_len "
+                           f"{self.max_model_len}; shorten it", param=param)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def shutting_down(message: str) -> APIError:
+    return APIError(message, 503, "server_error", None, "shutting_down")
+
+
+def max_token_bytes(tokenizer) -> int:
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    return max((len(render.token_bytes(tokenizer, i)) for i in vocab.values()), default=1)
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse_response(result: Any) -> StreamingResponse:
+    """A streamed result (`body`, `close`) as an SSE response that runs `close` when it ends."""
+    return ClosingStream(result.body, result.close, media_type="text/event-stream",
+                         headers=SSE_HEADERS)
+
+
+class ClosingStream(StreamingResponse):
+    """Runs `on_close` when the response ends, also if its body never started (client gone)."""
+
+    def __init__(self, body, on_close, **kwargs) -> None:
+        super().__init__(body, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()

@@ -82,8 +82,8 @@ class LoadedModel:
         return encode_prompt(self.tokenizer, text, self.add_bos_token, self.bos_token_id).ids
 
     def encode_with_ends(self, text: str) -> Encoded:
-        """`encode`, with the character offset where each token ends (placing cache breakpoints)."""
-        return encode_prompt(self.tokenizer, text, self.add_bos_token, self.bos_token_id, True)
+        """`encode`, able to tell where each token ends in `text` (placing cache breakpoints)."""
+        return encode_prompt(self.tokenizer, text, self.add_bos_token, self.bos_token_id)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

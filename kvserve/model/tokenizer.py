@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
@@ -170,14 +170,21 @@ def apply_chat_template(
 
 @dataclass(slots=True)
 class Encoded:
-    """A text's prompt token ids and, when asked for, the character offset where each token ends."""
+    """A text's prompt token ids and, on demand, the character offset where each token ends
+    (made only when asked for: on a long prompt the conversion holds the GIL a while)."""
 
     ids: list[int]
-    ends: list[int] | None = None
+    known_ends: list[int] | None = None
+    encoding: Any = field(default=None, repr=False)  # the tokenizers Encoding the ends come from
+    skip: int = 0  # leading tokens of `encoding` dropped (a doubled BOS)
+
+    def ends(self) -> list[int]:
+        if self.known_ends is None:
+            self.known_ends = [end for _, end in self.encoding.offsets[self.skip:]]
+        return self.known_ends
 
 
-def encode_prompt(tokenizer: Tokenizer, text: str, add_bos: bool, bos_token_id: int | None,
-                  with_ends: bool = False) -> Encoded:
+def encode_prompt(tokenizer: Tokenizer, text: str, add_bos: bool, bos_token_id: int | None) -> Encoded:
     """The one tokenization rule for every prompt text (plain prompts and rendered chats alike):
     special tokens written in the text are recognised, and a BOS is added where the model wants one
     unless the text already starts with it (chat templates write `{{ bos_token }}` themselves), so
@@ -187,5 +194,4 @@ def encode_prompt(tokenizer: Tokenizer, text: str, add_bos: bool, bos_token_id: 
     ids = encoding.ids
     skip = int(add_bos and bos_token_id is not None and len(ids) >= 2
                and ids[0] == ids[1] == bos_token_id)
-    ends = [end for _, end in encoding.offsets[skip:]] if with_ends else None
-    return Encoded(ids[skip:], ends)
+    return Encoded(ids[skip:] if skip else ids, None, encoding, skip)

@@ -15,10 +15,10 @@ import asyncio
 import hashlib
 import hmac
 import json
-import time
 from collections.abc import Callable
 from typing import Any
 
+from kvserve.server.limits import receive_by
 from kvserve.server.protocol import error_body
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/dashboard", "/dashboard/stats"})
@@ -88,17 +88,11 @@ class KeyGate:
         await self._refuse(scope, send)
 
     async def _drain(self, receive: Receive) -> None:
-        deadline = time.monotonic() + self.read_timeout_s
+        deadline = asyncio.get_running_loop().time() + self.read_timeout_s
         size = 0
         while size <= UNAUTHENTICATED_DRAIN_BYTES:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            try:
-                message = await asyncio.wait_for(receive(), remaining)
-            except asyncio.TimeoutError:
-                return
-            if message["type"] == "http.disconnect" or not message.get("more_body", False):
+            message = await receive_by(receive, deadline)
+            if message is None or message["type"] == "http.disconnect" or not message.get("more_body", False):
                 return
             size += len(message.get("body", b""))
 

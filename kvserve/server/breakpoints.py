@@ -47,15 +47,25 @@ BlockRef = tuple[int, int]  # (index into the turns, or SYSTEM; block index)
 class RenderedChat:
     text: str
     token_ids: list[int]
-    token_ends: list[int]  # character offset where each token ends in `text`
-    is_sorted: bool = False  # token_ends never decrease (then a count is a binary search)
+    token_ends: list[int] | None = None  # character offset where each token ends in `text`
+    is_sorted: bool | None = None  # token_ends never decrease (then a count is a binary search)
+    encoded: Encoded | None = None  # where token_ends come from, on first use
+
+    def ends(self) -> list[int]:
+        if self.token_ends is None:
+            self.token_ends = self.encoded.ends() if self.encoded is not None else []
+        if self.is_sorted is None:
+            ends = self.token_ends
+            self.is_sorted = all(a <= b for a, b in zip(ends, ends[1:]))
+        return self.token_ends
 
     def tokens_before(self, char_pos: int) -> int:
         """Leading tokens that end at or before `char_pos`."""
+        ends = self.ends()
         if self.is_sorted:
-            return bisect.bisect_right(self.token_ends, char_pos)
+            return bisect.bisect_right(ends, char_pos)
         count = 0
-        for end in self.token_ends:
+        for end in ends:
             if end > char_pos:
                 break
             count += 1
@@ -88,8 +98,7 @@ class ChatRenderer:
     def render(self, system: Turn | None, turns: list[Turn]) -> RenderedChat:
         text = self.render_text(system, turns)
         encoded = self.encode(text)
-        ends = encoded.ends or []
-        return RenderedChat(text, encoded.ids, ends, all(a <= b for a, b in zip(ends, ends[1:])))
+        return RenderedChat(text, encoded.ids, encoded=encoded)
 
     def block_ends(self, system: Turn | None, turns: list[Turn], chat: RenderedChat,
                    refs: list[BlockRef]) -> list[int] | None:

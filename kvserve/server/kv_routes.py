@@ -42,7 +42,8 @@ def kv_routes(door: FrontDoor, namespace: Callable[..., Awaitable[str]],
             ids = (await door.tokenize([body.prompt]))[0]
         else:
             ids = await door.render_chat(ChatCompletionRequest(messages=body.messages).conversation())
-        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+        # a JSONResponse skips FastAPI's per-item encoder, which would hold the loop on long prompts
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
 
     @router.get("/v1/cache/report")
     async def cache_report(ns: str = Depends(namespace)):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,7 +44,7 @@ class BodyLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
-        deadline = time.monotonic() + self.read_timeout_s
+        deadline = asyncio.get_running_loop().time() + self.read_timeout_s
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.strip().isdigit() and int(declared) > self.max_bytes:
             await self._drain(receive, 0, deadline)
@@ -53,9 +52,8 @@ class BodyLimit:
         chunks: list[bytes] = []
         size = 0
         while True:
-            try:
-                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0))
-            except asyncio.TimeoutError:
+            message = await receive_by(receive, deadline)
+            if message is None:
                 return await self._timed_out(send, size)
             if message["type"] == "http.disconnect":
                 return  # the client left before sending its body: nothing to answer
@@ -84,11 +82,8 @@ class BodyLimit:
     async def _drain(receive: Receive, size: int, deadline: float) -> None:
         """Read and drop the rest of a refused body, up to DRAIN_BYTES in all, until `deadline`."""
         while size <= DRAIN_BYTES:
-            try:
-                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0))
-            except asyncio.TimeoutError:
-                return
-            if message["type"] == "http.disconnect" or not message.get("more_body", False):
+            message = await receive_by(receive, deadline)
+            if message is None or message["type"] == "http.disconnect" or not message.get("more_body", False):
                 return
             size += len(message.get("body", b""))
 
@@ -104,6 +99,15 @@ class BodyLimit:
                    f"({size:,} bytes came); send it faster (--request-read-timeout)")
         await close_with(send, 408, error_body(message, "invalid_request_error", None,
                                                "request_timeout"))
+
+
+async def receive_by(receive: Receive, deadline: float) -> dict[str, Any] | None:
+    """The next ASGI message, or None once `deadline` (the event loop's clock) has passed."""
+    try:
+        async with asyncio.timeout_at(deadline):
+            return await receive()
+    except TimeoutError:
+        return None
 
 
 async def close_with(send: Send, status: int, body: dict[str, Any]) -> None:

@@ -275,7 +275,7 @@ def test_breakpoint_offsets_end_exactly_at_the_system_block_and_at_a_message_end
 
 def char_encode(text: str) -> Encoded:
     """A stand-in tokenizer: one token per character."""
-    return Encoded([ord(c) for c in text], [i + 1 for i in range(len(text))])
+    return Encoded([ord(c) for c in text], known_ends=[i + 1 for i in range(len(text))])
 
 
 def test_a_template_that_rewrites_text_cannot_place_breakpoints():

@@ -1,7 +1,7 @@
 """The one front door (front.py), against in-process servers on the real engine: /v1/messages and
 /v1/caches answer a full queue (429 + Retry-After) and a drain (503) exactly as
-/v1/chat/completions does; /health stays responsive while a 3 MB prompt is tokenized on every
-route; and one chat gets the same prompt token ids, and shares its pages, through the OpenAI and
+/v1/chat/completions does; on every route a 3 MB prompt is refused untokenized and the longest
+prompt that might fit is tokenized off the event loop, /health staying responsive; and one chat gets the same prompt token ids, and shares its pages, through the OpenAI and
 the Anthropic routes, for SmolLM2 and for a Gemma 3 model (whose template writes BOS itself)."""
 
 from __future__ import annotations
@@ -100,37 +100,50 @@ def test_messages_and_caches_answer_a_full_queue_and_a_drain_as_chat_does(queued
     assert send(queued.url, "messages", model_name).status_code == 200  # open again
 
 
-@pytest.mark.slow
-def test_health_stays_fast_while_a_3mb_prompt_is_tokenized_on_every_route(async_engine, model_name):
-    """The character bound is lifted so that each route really renders and tokenizes 3 MB (about
-    700k tokens), all at once, on the front door's threads; /health is polled meanwhile."""
-    from kvserve.server.api import build_app
+def poll_health_while(url: str, workers: list[threading.Thread]) -> list[float]:
+    """Start `workers`, poll /health until they end; the latencies."""
+    for worker in workers:
+        worker.start()
+    health = []
+    with httpx.Client(timeout=5) as http:
+        while any(worker.is_alive() for worker in workers):
+            t0 = time.monotonic()
+            assert http.get(url + "/health").status_code == 200
+            health.append(time.monotonic() - t0)
+            time.sleep(0.02)
+    return health
 
-    app = build_app(async_engine)
-    app.state.door.max_prompt_chars = 4 * MB
-    text = ("lorem ipsum dolor sit amet " * (3 * MB // 27 + 1))[:3 * MB]
-    routes = (*ROUTES, "count_tokens", "tokenize")
-    with ServerThread(app) as running:
-        done: dict[str, httpx.Response] = {}
-        workers = [threading.Thread(target=lambda r=r: done.__setitem__(r, send(running.url, r, model_name,
-                                                                                text)))
-                   for r in routes]
-        for worker in workers:
-            worker.start()
-        health = []
-        with httpx.Client(timeout=5) as http:
-            while any(worker.is_alive() for worker in workers):
-                t0 = time.monotonic()
-                assert http.get(running.url + "/health").status_code == 200
-                health.append(time.monotonic() - t0)
-                time.sleep(0.02)
-    assert sorted(done) == sorted(routes)
+
+ALL_ROUTES = (*ROUTES, "count_tokens", "tokenize")
+
+
+def test_a_3mb_prompt_is_refused_untokenized_on_every_route_while_health_stays_fast(server, model_name):
+    """3 MB is more than max_model_len tokens of the longest token: refused before tokenizing."""
+    text = "a" * (3 * MB)
+    done: dict[str, httpx.Response] = {}
+    health = poll_health_while(server.url, [threading.Thread(
+        target=lambda r=r: done.__setitem__(r, send(server.url, r, model_name, text))) for r in ALL_ROUTES])
+    assert sorted(done) == sorted(ALL_ROUTES)
+    for route, response in done.items():
+        assert response.status_code == 400, (route, response.text[:300])
+        assert "however it tokenizes" in error_of(response)[1], route
+    assert health and max(health) < 0.5
+
+
+def test_the_longest_prompt_that_might_fit_is_tokenized_off_the_loop_on_every_route(server, model_name):
+    """Every route at once, each with the longest text the character bound lets through (it really
+    is tokenized: tens of thousands of tokens), while /health is polled."""
+    door = server.server.config.app.state.door
+    text = ("lorem ipsum dolor sit amet " * (door.max_prompt_chars // 27 + 1))[:door.max_prompt_chars - 200]
+    done: dict[str, httpx.Response] = {}
+    health = poll_health_while(server.url, [threading.Thread(
+        target=lambda r=r: done.__setitem__(r, send(server.url, r, model_name, text))) for r in ALL_ROUTES])
+    assert sorted(done) == sorted(ALL_ROUTES)
     for route in ROUTES:  # tokenized, then too long for max_model_len
         assert done[route].status_code == 400, (route, done[route].text[:300])
         assert "max_model_len" in error_of(done[route])[1] or "too long" in error_of(done[route])[1]
-    assert done["count_tokens"].json()["input_tokens"] > 600_000
-    assert done["tokenize"].json()["count"] > 600_000
-    print(f"/health: {len(health)} polls, max {max(health) * 1000:.0f} ms")
+    assert done["count_tokens"].json()["input_tokens"] > door.max_model_len
+    assert done["tokenize"].json()["count"] > door.max_model_len
     assert len(health) > 5 and max(health) < 0.5
 
 
@@ -176,20 +189,27 @@ def test_chat_completions_and_messages_give_one_chat_the_same_ids_and_pages_smol
     check_same_ids_and_shared_pages(first, second, engine_prompts, async_engine.engine.config.page_size)
 
 
-@pytest.fixture(scope="module")
-def gemma_server(tmp_path_factory):
-    """A tiny random-weight Gemma 3 GGUF with Gemma's conventions: add_bos_token and a template
-    that writes `{{ bos_token }}` itself (the case where two BOS rules disagreed)."""
+@pytest.fixture(scope="module", params=["tiny", pytest.param("gemma-3-270m", marks=pytest.mark.slow)])
+def gemma_server(request, tmp_path_factory):
+    """Gemma 3 with Gemma's conventions, add_bos_token and a template that writes `{{ bos_token }}`
+    itself (the case where two BOS rules disagreed): a tiny random-weight GGUF with such a
+    template, and the real Gemma-3-270m (slow: its wheels are downloaded once)."""
     from kvserve.async_engine import AsyncEngine
     from kvserve.config import EngineConfig
     from kvserve.engine import LLMEngine
     from kvserve.server.api import build_app
     from tests.model.tiny_models import make_hf_model, write_gguf
 
-    path = write_gguf(make_hf_model("gemma3"), "gemma3", tmp_path_factory.mktemp("gemma") / "g.gguf",
-                      add_bos=True, chat_template=GEMMA_TEMPLATE)
-    engine = AsyncEngine(LLMEngine(EngineConfig(model=str(path), kv_cache_memory="16MiB",
-                                                max_model_len=512, dtype="float32"))).start()
+    if request.param == "tiny":
+        path = write_gguf(make_hf_model("gemma3"), "gemma3", tmp_path_factory.mktemp("gemma") / "g.gguf",
+                          add_bos=True, chat_template=GEMMA_TEMPLATE)
+        config = EngineConfig(model=str(path), kv_cache_memory="16MiB", max_model_len=512,
+                              dtype="float32")
+    else:
+        from tests.model.gemma_weights import gemma_gguf
+
+        config = EngineConfig(model=gemma_gguf(), kv_cache_memory="64MiB", max_model_len=1024)
+    engine = AsyncEngine(LLMEngine(config)).start()
     try:
         with ServerThread(build_app(engine, model_name="gemma")) as running:
             yield running, engine
@@ -201,8 +221,8 @@ def test_chat_completions_and_messages_give_one_chat_the_same_ids_and_pages_gemm
                                                                                    monkeypatch):
     running, engine = gemma_server
     bos = engine.engine.loaded.bos_token_id
-    assert engine.engine.loaded.add_bos_token and engine.engine.chat_prompt([]).startswith(
-        engine.engine.tokenizer.id_to_token(bos))
+    rendered = engine.engine.chat_prompt([{"role": "user", "content": "hi"}])
+    assert engine.engine.loaded.add_bos_token and rendered.startswith(engine.engine.tokenizer.id_to_token(bos))
     seen: list[list[int]] = []
     real = engine.engine.add_request
     monkeypatch.setattr(engine.engine, "add_request",

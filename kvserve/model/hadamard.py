@@ -3,28 +3,26 @@ outlier channels over all of head_dim and keeps dot products."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 
 def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
-    """x [..., hd] times the normalized Hadamard matrix H (block-diagonal, in blocks of the largest
-    power of two dividing hd). H is symmetric and orthogonal, so this is its own inverse and keeps
-    dot products: (H q) . (H k) = q . k. One matmul; its row results do not depend on how many rows
-    it gets (the token-by-token tests pin that down), so stored pages stay history-free."""
+    """x [..., hd] times the normalized Hadamard matrix H (Sylvester's, block-diagonal in blocks of the
+    largest power of two dividing hd), computed in float32. H is symmetric and orthogonal, so this is
+    its own inverse and keeps dot products: (H q) . (H k) = q . k.
+
+    Computed as log2(block) butterfly stages (a, b) -> (a + b, a - b), then one scaling: elementwise
+    ops only, so a row's result never depends on how many rows come with it (a matmul's blocking
+    does, for some head dims), and stored pages stay history-free."""
     hd = x.shape[-1]
     block = hd & -hd
     if block < 2:
         return x
-    h = _hadamard_matrix(block, x.device).to(x.dtype)
-    return (x.reshape(-1, block) @ h).view(x.shape)
-
-
-@functools.lru_cache(maxsize=16)
-def _hadamard_matrix(block: int, device: torch.device) -> torch.Tensor:
-    """The normalized block x block Hadamard matrix (Sylvester's construction): entries +-1/sqrt(block)."""
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < block:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h / block**0.5).float().to(device)
+    y = x.float().reshape(-1, block)
+    half = 1
+    while half < block:
+        pairs = y.view(-1, block // (2 * half), 2, half)
+        a, b = pairs[:, :, 0], pairs[:, :, 1]
+        y = torch.stack([a + b, a - b], dim=2).view(-1, block)
+        half *= 2
+    return (y * block**-0.5).view(x.shape).to(x.dtype)

@@ -1,0 +1,88 @@
+"""ctypes wrapper of the native paged-attention kernel (src/attention.cpp): float32 queries attend
+their keys straight from the cache pages, through the layer's KV codec, one (row, KV head) per thread.
+
+Which rows see which keys crosses the boundary as `AttentionRows` (built once per step by
+model/attention.py); the caches and codec parameters are passed per layer."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.kernels import KernelLibrary
+
+# codec name -> the kernel's codec id (src/attention.cpp enum Codec)
+CODEC_IDS = {"fp32": 0, "bf16": 1, "fp16": 2, "fp8_e4m3": 3, "fp8_e5m2": 3, "int8": 4, "int4": 5}
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionRows:
+    """Per query row: its position, where its block table starts in `tables` and which logical page
+    that first entry is (a sliding-window table may start past page 0), and which own-page view it
+    reads (int codecs' prefill rows; -1: its own page is read from the cache)."""
+
+    positions: torch.Tensor  # [T] int64
+    table_offsets: torch.Tensor  # [T] int64
+    table_first: torch.Tensor  # [T] int64
+    tables: torch.Tensor  # [N] int64, every row's table, concatenated
+    own_index: torch.Tensor | None  # [T] int64, or None when no row has an own-page view
+
+
+def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _entry(lib: KernelLibrary) -> ctypes._CFuncPtr:
+    fn = lib.lib.kvs_paged_attention
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, ptr, i64, i32, i32, i32, i32, i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
+                   ptr, ptr, ptr, ptr, ptr, ctypes.c_float, i32]
+    fn.restype = ctypes.c_int
+    lib.lib.kvs_simd_width.restype = ctypes.c_int
+    return fn
+
+
+def supports(lib: KernelLibrary, codec: str, head_dim: int, q: torch.Tensor) -> bool:
+    """True when the kernel runs this codec and head_dim for these queries (float32 on the CPU)."""
+    if codec not in CODEC_IDS or q.dtype != torch.float32 or q.device.type != "cpu":
+        return False
+    _entry(lib)
+    width = lib.lib.kvs_simd_width()
+    return head_dim % (2 * width if codec == "int4" else width) == 0
+
+
+def paged_attention(
+    lib: KernelLibrary, q: torch.Tensor, codec: str, k: tuple[torch.Tensor, torch.Tensor],
+    v: tuple[torch.Tensor, torch.Tensor], page_size: int, rows: AttentionRows, window: int | None,
+    fp8_tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+    own: tuple[torch.Tensor, torch.Tensor] | None = None, num_threads: int | None = None,
+) -> torch.Tensor:
+    """q [T, heads, head_dim] float32 (rows may be strided) -> out [T, heads, head_dim]: softmax of
+    q.k / sqrt(head_dim) over each row's keys lo..p, read from the pages k = (data, scales) and
+    v = (data, scales) [num_pages, page_size, kv_heads, ...] in place. `own`: float32 views
+    [n, page_size, kv_heads, head_dim] that rows with own_index >= 0 read their own page from."""
+    num_rows, heads, head_dim = q.shape
+    kv_heads = k[0].shape[2]
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
+    for t in (*k, *v):
+        assert t.is_contiguous(), "the kernel reads pages as laid out contiguously"
+    out = torch.empty(num_rows, heads, head_dim, dtype=torch.float32)
+    if num_rows == 0:
+        return out
+    own_k, own_v = own if own is not None else (None, None)
+    k_table, v_table = fp8_tables if fp8_tables is not None else (None, None)
+    scaled = k[1].shape[-1] > 0
+    rc = _entry(lib)(
+        _ptr(q), q.stride(0), _ptr(out), num_rows, heads, kv_heads, head_dim, page_size, window or 0,
+        CODEC_IDS[codec], _ptr(k[0]), _ptr(v[0]), _ptr(k[1] if scaled else None), _ptr(v[1] if scaled else None),
+        _ptr(k_table), _ptr(v_table), _ptr(rows.positions), _ptr(rows.table_offsets), _ptr(rows.table_first),
+        _ptr(rows.tables), _ptr(own_k), _ptr(own_v), _ptr(rows.own_index if own is not None else None),
+        head_dim**-0.5, num_threads or torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"native attention cannot run codec {codec} with head_dim {head_dim}")
+    return out

@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve import kernels
 from kvserve.config import ModelConfig
+from kvserve.kernels import ops as native_ops
 from kvserve.model.attention import AttentionMetadata, paged_attention
 from kvserve.model.gguf_loader import GGUFTensor
 from kvserve.model.linear import WeightBuilder
@@ -29,13 +31,23 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(weight.float() + offset, requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lib: kernels.KernelLibrary | None = None) -> torch.Tensor:
+        if lib is not None:  # float32 on the CPU (the offset is folded into the weight)
+            return native_ops.rms_norm(lib, x, self.weight, self.eps)
         if self.is_offset:
             xf = x.float()
             return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)
         if x.dtype == torch.float32:
             return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return torch.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor, lib: kernels.KernelLibrary | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, this norm of it): one native pass when `lib` is given."""
+        if lib is not None:
+            return native_ops.rms_norm(lib, x, self.weight, self.eps, residual=delta)
+        h = x + delta
+        return h, self(h)
 
 
 class Rotary(nn.Module):
@@ -88,6 +100,7 @@ class DecoderLayer(nn.Module):
             self.mlp_out_norm = norm(f"{prefix}.post_feedforward_layernorm")
         if cfg.qk_norm:  # one RMSNorm over each head's head_dim, shared by the heads
             self.q_norm, self.k_norm = norm(f"{att}.q_norm"), norm(f"{att}.k_norm")
+        self.hidden_act = cfg.hidden_act
         self.act = _ACTIVATIONS[cfg.hidden_act]
         # SDPA scales by head_dim ** -0.5; queries carry the ratio when the model wants another scale
         scale = cfg.attention_scale if cfg.attention_scale is not None else self.head_dim ** -0.5
@@ -101,28 +114,38 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
-        v_cache: torch.Tensor, meta: AttentionMetadata,
+        v_cache: torch.Tensor, meta: AttentionMetadata, lib: kernels.KernelLibrary | None = None,
     ) -> torch.Tensor:
+        """`lib`: the native kernels run the norms, RoPE and the activation (float32 on the CPU)."""
         t = x.shape[0]
-        qkv = self.qkv(self.input_norm(x))  # [T, (H + 2 KVH) * hd]
+        qkv = self.qkv(self.input_norm(x, lib))  # [T, (H + 2 KVH) * hd]
         h_q, h_kv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         q_size = h_q * hd
         # Q and K heads side by side get RoPE in one pass: [T, H + KVH, hd]
         qk = qkv[:, : (h_q + h_kv) * hd].view(t, h_q + h_kv, hd)
         if self.q_norm is not None:
-            qk = torch.cat([self.q_norm(qk[:, :h_q]), self.k_norm(qk[:, h_q:])], dim=1)
-        qk = apply_rope(qk, *rope)
-        q, k = qk[:, :h_q], qk[:, h_q:]  # [T, H, hd], [T, KVH, hd]
-        if self.q_scale != 1.0:
-            q = q * self.q_scale
+            qk = torch.cat([self.q_norm(qk[:, :h_q], lib), self.k_norm(qk[:, h_q:], lib)], dim=1)
+        if lib is not None:
+            qk = native_ops.rope(lib, qk, *rope, scaled_heads=h_q, scale=self.q_scale)
+            q, k = qk[:, :h_q], qk[:, h_q:]
+        else:
+            qk = apply_rope(qk, *rope)
+            q, k = qk[:, :h_q], qk[:, h_q:]  # [T, H, hd], [T, KVH, hd]
+            if self.q_scale != 1.0:
+                q = q * self.q_scale
         v = qkv[:, (h_q + h_kv) * hd :].view(t, h_kv, hd)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta)  # [T, H, hd]
         o = self.o_proj(attn.reshape(t, q_size))  # [T, hidden]
-        h = x + (o if self.attn_out_norm is None else self.attn_out_norm(o))
+        h, normed = self.post_attention_norm.add_forward(
+            x, o if self.attn_out_norm is None else self.attn_out_norm(o, lib), lib)
 
-        gate, up = self.gate_up(self.post_attention_norm(h)).chunk(2, dim=-1)  # [T, inter] x2
-        m = self.down(self.act(gate) * up)
-        return h + (m if self.mlp_out_norm is None else self.mlp_out_norm(m))
+        gate_up = self.gate_up(normed)  # [T, 2 * inter]
+        if lib is not None:
+            m = self.down(native_ops.gated_activation(lib, gate_up, self.hidden_act))
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)  # [T, inter] x2
+            m = self.down(self.act(gate) * up)
+        return h + (m if self.mlp_out_norm is None else self.mlp_out_norm(m, lib))
 
 
 class LlamaModel(nn.Module):
@@ -167,12 +190,13 @@ class LlamaModel(nn.Module):
         rope = self.rope(positions)
         local_rope = self.local_rope(positions) if self.local_rope is not None else rope
         windowed = {w: (window_meta or meta).with_window(w) for w in set(self.windows) if w is not None}
+        lib = kernels.library() if x.dtype == torch.float32 and x.device.type == "cpu" else None
         for layer, window, (k_cache, v_cache) in zip(self.layers, self.windows, kv_caches):
             if window is None:
-                x = layer(x, rope, k_cache, v_cache, meta)
+                x = layer(x, rope, k_cache, v_cache, meta, lib)
             else:
-                x = layer(x, local_rope, k_cache, v_cache, windowed[window])
-        return self.norm(x)
+                x = layer(x, local_rope, k_cache, v_cache, windowed[window], lib)
+        return self.norm(x, lib)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in float32."""

@@ -2,7 +2,7 @@
 
     out = scheduler.schedule()        which tokens of which requests, and the page moves (batch.PageOps)
     result = runner.execute(out)      page moves, then the model and the sampler
-    manager.complete(saves, payloads) the pages read for the tiers go to them (swap, offload)
+    manager.tiers.complete(...)    the pages read for the tiers go to them (swap, offload)
     scheduler.update(out, sampled)    tokens appended, pages committed to the prefix cache, stop rules
     _flush_page_moves()               pages committed this step that a shared tier (Redis) wants
     outputs.output(request)           RequestOutputs (n samples grouped, stop strings, text)
@@ -21,7 +21,7 @@ from typing import Any
 from kvserve.batch import PageOps
 from kvserve.cache.disk_tier import DiskTier, TierAuthSealer
 from kvserve.cache.events import KVEventBuffer
-from kvserve.cache.hashing import namespace
+from kvserve.cache.leases import Retention
 from kvserve.cache.manager import KVCacheManager
 from kvserve.cache.offload import Offloader
 from kvserve.cache.redis_tier import RedisTier
@@ -30,7 +30,6 @@ from kvserve.cache_report import CacheReporter
 from kvserve.cache.tiers import HostTier
 from kvserve.config import MODEL_DTYPE_TO_KV, EngineConfig, PrefixCachePolicy, parse_bytes, plan_cache
 from kvserve.kv_events import attach_tiers, publisher_for
-from kvserve.lease_usage import grant_leases
 from kvserve.model.gguf_loader import load_gguf, resolve_model_path
 from kvserve.model.runner import ModelRunner, calibrate_fp8_scale
 from kvserve.output import OutputProcessor
@@ -139,15 +138,13 @@ class LLMEngine:
             Request(request_id=request_id if i == 0 else f"{request_id}#{i}", prompt_token_ids=token_ids,
                     sampling_params=replace(params, seed=None if params.seed is None else params.seed + i),
                     eos_token_id=self.loaded.eos_token_id, eos_token_ids=self.loaded.eos_token_ids,
-                    namespace=namespace(tenant, params.cache_salt),
-                    tenant=tenant)
+                    tenant=tenant, cache_salt=params.cache_salt)
             for i in range(params.n)]
         request = samples[0]
         request.fork_children = samples[1:]
-        request.leases = list(leases or [])
+        request.retention = Retention.of(list(leases or []), len(token_ids), tenant,
+                                         self.config.min_cacheable_tokens, self.config.lease_ttl_scale)
         request.kv_explain = kv_explain
-        if request.leases and all(b.num_tokens < self.config.min_cacheable_tokens for b in request.leases):
-            request.retention_below_min = max(b.num_tokens for b in request.leases)
         self.outputs.add(request_id, text, samples)
         self.scheduler.add(request)
         return request_id
@@ -187,13 +184,10 @@ class LLMEngine:
             self._apply_page_ops(out.page_ops)  # (what an empty schedule still decided)
             return []
         result = self.runner.execute(out)
-        self.manager.complete(out.page_ops.saves, result.saved)
+        self.manager.tiers.complete(out.page_ops.saves, result.saved)
         now = time.monotonic()
         changed = self.scheduler.update(out, result.sampled, now)
-        for request in changed:  # the prompt is computed and committed: its breakpoints can lease
-            if request.leases and request.lease_usage is None:
-                request.lease_usage = grant_leases(self.manager, request, self.config.min_cacheable_tokens,
-                                                   self.config.lease_ttl_scale)
+        for request in changed:
             if request.num_output_tokens == 1:
                 self.reporter.first_token(request)
             if request.status.is_finished:
@@ -216,12 +210,17 @@ class LLMEngine:
         """Pages committed in this step that a shared tier wants, read now while they hold this
         step's K/V (a finished request's pages are freed but not reused before the next schedule).
         A prefill instance writes them before its reply: its decode instance reads them next."""
-        saves, loads = self.manager.take_page_moves()
+        saves, loads = self.manager.tiers.take_page_moves()
         self._apply_page_ops(PageOps(saves, loads))
 
     def _apply_page_ops(self, ops: PageOps) -> None:
         if ops:
-            self.manager.complete(ops.saves, self.runner.apply_page_ops(ops))
+            self.manager.tiers.complete(ops.saves, self.runner.apply_page_ops(ops))
+
+    @property
+    def num_used_pages(self) -> int:
+        """KV pages that requests hold (what a drain waits to see at 0)."""
+        return self.manager.num_used_pages
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached page of the pool and the host tier (the disk tier keeps its pages);
@@ -273,7 +272,7 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         self.manager.expire_leases()  # (idle servers publish stats: expiries show without traffic)
-        stats = self.manager.stats()
+        stats = self.manager.stats().as_dict()
         sched = self.scheduler.stats
         stats.update(
             num_requests_running=self.scheduler.num_running,

@@ -6,6 +6,10 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvserve.cache.explain import CacheExplanation
+from kvserve.cache.hashing import namespace as cache_namespace
+from kvserve.cache.leases import Breakpoint, LeaseUsage, Retention
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -61,25 +65,7 @@ class RequestStatus(enum.Enum):
                         RequestStatus.FINISHED_ABORTED)
 
 
-@dataclass(slots=True)
-class CacheLease:
-    """A cache breakpoint (Anthropic's `cache_control`, `kv_retention`, a named cache): keep the
-    prompt's first `num_tokens` cached for `ttl_s` seconds after its last read."""
-
-    num_tokens: int
-    ttl_s: float
-    label: str = "5m"  # "5m" | "1h": how usage reports the tokens it wrote
-    shared: bool = True  # False (a named cache): its own lease, never merged with an equal one
-
-
-@dataclass(slots=True)
-class LeaseUsage:
-    """What a request's breakpoints did, in Anthropic's terms."""
-
-    cache_read_tokens: int = 0  # cached tokens up to the last breakpoint that could be cached
-    cache_creation_tokens: dict[str, int] = field(default_factory=dict)  # by label: tokens newly leased
-    refused: str | None = None  # why a breakpoint got no lease (LeaseRefusal), if one did not
-    lease_ids: list[str] = field(default_factory=list)
+CacheLease = Breakpoint  # the name the server and the Python API pass breakpoints by
 
 
 @dataclass(slots=True)
@@ -90,23 +76,32 @@ class LeaseInfo:
 
 
 @dataclass(slots=True)
+class CacheOutcome:
+    """What a request got from the cache, as one value: cached prompt tokens by source (first
+    admission), what its breakpoints' leases did, and why it hit or missed (kv_explain)."""
+
+    num_cached_tokens: int = 0
+    cached_by_source: dict[str, int] = field(default_factory=dict)
+    lease_usage: LeaseUsage | None = None
+    explanation: CacheExplanation | None = None
+
+
+@dataclass(slots=True)
 class Request:
     """One sequence in the engine. `token_ids` = prompt + generated; the model has computed KV for
-    the first `num_computed_tokens` of them, held in the pages of `block_table`."""
+    the first `num_computed_tokens` of them, held in pages the cache manager tracks by request id."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()  # every id that ends generation (eos, end of turn, eom)
-    namespace: str = ""  # prefix-cache namespace: cache.hashing.namespace(tenant, cache_salt)
-    tenant: str = ""
+    tenant: str = ""  # whose cache: an API key's namespace, "" for none
+    cache_salt: str | None = None  # the request's own salt: only requests with the same one share pages
     arrival_time: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
@@ -114,15 +109,27 @@ class Request:
     # n > 1: the other samples wait here until this request has computed all but its last prompt
     # token, then fork its pages (shared by ref count, copied on first write)
     fork_children: list[Request] = field(default_factory=list)
-    leases: list[CacheLease] = field(default_factory=list)  # granted once the prompt is computed
-    lease_usage: LeaseUsage | None = None
+    retention: Retention | None = None  # breakpoints the cache leases once the prompt is committed
     kv_explain: bool = False  # explain the prefix-cache outcome at first admission (kv_cache)
-    retention_below_min: int | None = None  # longest breakpoint asked, when all were too short
-    kv_cache: dict | None = None  # the explanation (cache.explain.CacheExplanation.as_dict())
+    cache: CacheOutcome = field(default_factory=lambda: CacheOutcome())
+    namespace: str = field(init=False, default="")  # cache.hashing.namespace(tenant, cache_salt)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        self.namespace = cache_namespace(self.tenant, self.cache_salt)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.cache.num_cached_tokens
+
+    @property
+    def lease_usage(self) -> LeaseUsage | None:
+        return self.cache.lease_usage
+
+    @property
+    def kv_cache(self) -> dict | None:
+        return None if self.cache.explanation is None else self.cache.explanation.as_dict()
 
     @property
     def num_prompt_tokens(self) -> int:

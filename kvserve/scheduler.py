@@ -6,8 +6,8 @@ chunks, a prefix-cache hit simply starts the counter further along, and a reques
 recompute starts again from zero (or from its cached prefix). Running requests are served first, in
 admission order; when a running request needs a page and none is free, the most recently admitted
 request is preempted. Then waiting requests are admitted while pages, sequence slots and budget last.
-The scheduler sees pages only through KVCacheManager: tier pages after a pool hit
-(`extend_from_tiers`), swap-out and swap-in are the manager's; the page moves it decides travel in
+The scheduler sees pages only through KVCacheManager: what an admitted request reuses (pool, window,
+tiers) is the manager's one answer (`plan_admission`), swap-out and swap-in are the manager's; the page moves it decides travel in
 SchedulerOutput.page_ops for the runner to apply.
 """
 
@@ -17,14 +17,14 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvserve.batch import SampledToken, ScheduledSeq, SchedulerOutput
 from kvserve.cache.hashing import common_prefix_len
 from kvserve.cache.manager import KVCacheManager
-from kvserve.cache.sequence import PrefixHit
+from kvserve.cache.sequence import Allocation, PrefixHit
 from kvserve.config import PreemptionMode, PrefixCachePolicy
-from kvserve.request import Request, RequestStatus
+from kvserve.request import CacheOutcome, Request, RequestStatus
 
 ADMISSION_SCAN_LIMIT = 256  # waiting requests looked at per step for cache-aware ordering
 MAX_PREEMPTIONS = 3  # a request preempted more often than this stops new admissions until it ends
@@ -123,7 +123,7 @@ class Scheduler:
             index += 1
         if not preempted and not self.swapped:
             self._admit(out, budget)
-        out.page_ops.saves, out.page_ops.loads = self.manager.take_page_moves()
+        out.page_ops.saves, out.page_ops.loads = self.manager.tiers.take_page_moves()
         out.page_ops.window_copies = self.manager.take_window_copies()
         return out
 
@@ -142,42 +142,43 @@ class Scheduler:
             seats = 1 + len(request.fork_children)
             if budget <= 0 or len(self.running) + seats > self.max_num_seqs:
                 break
-            if request.fork_children and hit.num_tokens >= request.num_prompt_tokens - 1:
-                keep = request.num_prompt_tokens - 2  # leave a token to compute before the fork
-                hit = PrefixHit(hit.pages[:-(-keep // self.manager.page_size)], keep)
-            limit = request.num_tokens - (2 if request.fork_children else 1)  # as the cut above
-            hit = self.manager.extend_from_tiers(request.token_ids, request.namespace, hit, limit, budget)
-            start = hit.num_cached_tokens
-            end = start + self._chunk(request, start, budget)
-            copies = self.manager.allocate(request.request_id, request.token_ids, request.namespace,
-                                           hit, end)
-            while copies is None and not self.running and self.manager.make_room():
-                copies = self.manager.allocate(request.request_id, request.token_ids,
-                                               request.namespace, hit, end)  # leases gave way
-            if copies is None:
+            limit = request.num_tokens - (2 if request.fork_children else 1)  # a fork parent computes 2
+            hit = self.manager.plan_admission(request.token_ids, request.namespace, limit, budget, hit)
+            end = hit.num_cached_tokens + self._chunk(request, hit.num_cached_tokens, budget)
+            got = self.manager.allocate(request.request_id, request.token_ids, request.namespace, hit, end)
+            while got is None and not self.running and self.manager.make_room():
+                got = self.manager.allocate(request.request_id, request.token_ids,
+                                            request.namespace, hit, end)  # leases gave way
+            if got is None:
                 break  # not enough pages now; nobody behind it overtakes it
-            start = hit.num_cached_tokens  # allocate may have shrunk a stale hit
+            start = got.num_cached_tokens  # less than the plan's where its pages were evicted since
             num_new = min(end - start, budget)
             self.waiting.remove(request)
             if request.num_preemptions == 0:
-                if request.kv_explain:
-                    request.kv_cache = self.manager.explain(
-                        request.token_ids, request.namespace, hit, request.retention_below_min).as_dict()
-                request.num_cached_tokens = start
-                self.stats.prompt_tokens += request.num_prompt_tokens
-                self.stats.cached_prompt_tokens += min(start, request.num_prompt_tokens)
+                self._first_admission(request, got)
             request.num_computed_tokens = start
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.page_ops.copies.extend(copies)
+            out.page_ops.copies.extend(got.copies)
             out.seqs.append(self._seq(request, num_new))
             budget -= num_new
+
+    def _first_admission(self, request: Request, got: Allocation) -> None:
+        """What the request got from the cache, kept on it (request.cache), and counted."""
+        below_min = request.retention.below_min_cacheable if request.retention is not None else None
+        request.cache = CacheOutcome(got.num_cached_tokens, dict(got.cached_by_source))
+        if request.kv_explain:
+            request.cache.explanation = self.manager.explain(request.token_ids, request.namespace, got, below_min)
+        if request.retention is not None:  # what it read, for its lease usage
+            request.retention = replace(request.retention, num_cached_tokens=got.num_cached_tokens)
+        self.stats.prompt_tokens += request.num_prompt_tokens
+        self.stats.cached_prompt_tokens += min(got.num_cached_tokens, request.num_prompt_tokens)
 
     def _fork(self, parent: Request) -> None:
         for child in parent.fork_children:
             self.manager.fork(parent.request_id, child.request_id)
             child.num_computed_tokens = parent.num_computed_tokens
-            child.num_cached_tokens = parent.num_cached_tokens
+            child.cache = CacheOutcome(parent.cache.num_cached_tokens, dict(parent.cache.cached_by_source))
             child.status = RequestStatus.RUNNING
             self.running.append(child)
         parent.fork_children = []
@@ -240,7 +241,7 @@ class Scheduler:
             self.stats.num_preemption_loop_guards += 1
         out.preempted.append(request.request_id)
         if (self.preemption_mode is PreemptionMode.SWAP and not request.fork_children
-                and self.manager.swap_out(request.request_id)):
+                and self.manager.tiers.swap_out(request.request_id)):
             request.status = RequestStatus.SWAPPED
             self.swapped.append(request)
             return
@@ -254,10 +255,10 @@ class Scheduler:
         every running request's next token (so they are not swapped straight out again)."""
         while self.swapped and len(self.running) < self.max_num_seqs:
             request = self.swapped[0]
-            num_pages = self.manager.num_swapped_pages(request.request_id)
+            num_pages = self.manager.tiers.num_swapped_pages(request.request_id)
             if self.manager.num_free_pages < num_pages + len(self.running) + 1:
                 return
-            if not self.manager.swap_in(request.request_id, request.namespace):
+            if not self.manager.tiers.swap_in(request.request_id, request.namespace):
                 return
             self.swapped.popleft()
             request.status = RequestStatus.RUNNING
@@ -282,7 +283,11 @@ class Scheduler:
                 if request.first_token_time is None:
                     request.first_token_time = now
                 changed.append(request)
-            self.manager.commit(request.request_id, request.token_ids, request.num_computed_tokens)
+            retention = request.retention if request.lease_usage is None else None
+            granted = self.manager.commit(request.request_id, request.token_ids, request.num_computed_tokens,
+                                          retention)
+            if granted is not None:  # the prompt is committed: the cache leased its breakpoints
+                request.cache.lease_usage = granted
             if token is not None:
                 reason = self._stop_reason(request)
                 if reason is not None:
@@ -312,7 +317,7 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.SWAPPED:
             self.swapped.remove(request)
-            self.manager.drop_swap(request.request_id)
+            self.manager.tiers.drop_swap(request.request_id)
         elif request in self.waiting:
             self.waiting.remove(request)
         for child in request.fork_children:  # never forked: they end with their parent

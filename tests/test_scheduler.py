@@ -70,11 +70,11 @@ def finish_step(scheduler: Scheduler, runner: FakeRunner, out: SchedulerOutput, 
     first), hand the saved payloads to the cache layer, update, flush the pages committed for a
     shared tier."""
     result = runner.execute(out)
-    scheduler.manager.complete(out.page_ops.saves, result.saved)
+    scheduler.manager.tiers.complete(out.page_ops.saves, result.saved)
     scheduler.update(out, result.sampled, now)
-    saves, loads = scheduler.manager.take_page_moves()
+    saves, loads = scheduler.manager.tiers.take_page_moves()
     assert not loads, "update loads nothing"
-    scheduler.manager.complete(saves, runner.apply_page_ops(PageOps(saves)))
+    scheduler.manager.tiers.complete(saves, runner.apply_page_ops(PageOps(saves)))
 
 
 @dataclass
@@ -106,7 +106,7 @@ def run(prompts: list[list[int]], max_tokens: int, *, num_pages: int, page_size:
     requests = []
     for i, prompt in enumerate(prompts):
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        samples = [Request(f"r{i}#{k}", prompt, params, namespace=(namespaces or [""] * len(prompts))[i])
+        samples = [Request(f"r{i}#{k}", prompt, params, cache_salt=(namespaces or [""] * len(prompts))[i])
                    for k in range(n)]
         samples[0].fork_children = samples[1:]
         scheduler.add(samples[0])
@@ -145,7 +145,7 @@ def test_shared_prefix_is_computed_once_and_later_requests_hit():
     assert all(r.output_token_ids == reference(p, 4) for r, p in zip(requests, prompts))
     assert sum(r.num_cached_tokens for r in requests) >= 7 * 160
     stats = manager.stats()
-    assert stats["prefix_cache_hits"] >= 7 * 160
+    assert stats.prefix_cache_hits >= 7 * 160
 
 
 def test_pool_too_small_for_all_preempts_and_still_gives_the_reference():

@@ -177,7 +177,7 @@ def test_namespaces_stay_apart_in_the_remote():
     remote = DictRemote(page_size=4)
     prompt = list(range(1, 30))
     a = Instance(remote, num_pages=64)
-    request = Request("r", prompt, SamplingParams(max_tokens=2, ignore_eos=True), namespace="t1")
+    request = Request("r", prompt, SamplingParams(max_tokens=2, ignore_eos=True), cache_salt="t1")
     a.add(request)
     while a.scheduler.has_unfinished():
         finish_step(a.scheduler, a.runner, a.scheduler.schedule(), now=0.0)

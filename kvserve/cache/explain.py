@@ -43,20 +43,17 @@ class CacheExplanation:
                 "diverged_at": self.diverged_at, "reason": self.reason, "detail": self.detail}
 
 
-def explain(token_ids: Sequence[int], namespace: str, hit: PrefixHit, page_size: int,
-            history: CacheHistory, leased_pages: set[int], now: float,
+def explain(token_ids: Sequence[int], namespace: str, hit: PrefixHit, cached_by_source: dict[str, int],
+            page_size: int, history: CacheHistory, now: float,
             below_min_cacheable: int | None = None, recent: Sequence[Sequence[int]] = (),
             window_matched: int = 0) -> CacheExplanation:
-    """`hit` as allocate() left it (the pool's pages and any tier loads); `below_min_cacheable`: the
+    """`hit` as allocate() used it (the pool's pages and any tier loads), `cached_by_source` as it
+    counted them; `below_min_cacheable`: the
     longest breakpoint the request asked to retain, when all of them were too short; `recent`: the
     namespace's recent prompts (where the prompt leaves the text it shares with them);
     `window_matched`: tokens the main index matched when a window pool cut the hit shorter."""
     cached = hit.num_cached_tokens
-    leased = min(sum(page_size for page in hit.pages if page in leased_pages), hit.num_tokens)
-    sources = {"pool": hit.num_tokens - leased, "lease": leased, "host": 0, "disk": 0, "redis": 0}
-    for source in hit.load_sources:
-        sources[source] += page_size
-    out = CacheExplanation(cached, sources)
+    out = CacheExplanation(cached, dict(cached_by_source))
     num_tokens = len(token_ids)
     hashes = page_hashes(token_ids, page_size, namespace)
     first_missing = cached // page_size  # the page holding the first computed token

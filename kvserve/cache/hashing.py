@@ -38,6 +38,11 @@ def page_hashes(token_ids: Sequence[int], page_size: int, namespace: str,
     return hashes
 
 
+def api_key_tenant(api_key: str) -> str:
+    """The tenant an API key's requests belong to: derived from the key, never the key itself."""
+    return "key:" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
+
+
 def namespace(tenant: str, salt: str | None) -> str:
     """A request's cache namespace from its tenant (e.g. an API key's namespace; "" for none) and its
     `cache_salt`. The tenant comes first, NUL-separated, so no salt can pose as another tenant."""
@@ -52,6 +57,12 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
+
+
+def split_namespace(namespace_: str) -> tuple[str, str]:
+    """A (tenant, salt) whose namespace() is `namespace_` (the inverse, up to that round trip)."""
+    tenant, _, salt = namespace_.partition("\x00")
+    return (tenant, salt) if "\x00" in namespace_ else ("", namespace_)
 
 
 def tenant_of(namespace_: str) -> str:

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvserve.cache.pages import PagePool
 from kvserve.cache.sequence import cdiv
+from kvserve.cache.stats import LeaseCounts
 
 
 class LeaseRefusal:
@@ -20,6 +21,56 @@ class LeaseRefusal:
     LEASED_FRACTION_CAP = "leased_fraction_cap"
     NOT_CACHED = "not_cached"  # the prefix's pages were not (all) in the cache
     PREFIX_CACHE_OFF = "prefix_cache_off"
+
+
+@dataclass(frozen=True, slots=True)
+class Breakpoint:
+    """A cache breakpoint (Anthropic's `cache_control`, `kv_retention`, a named cache): keep the
+    prompt's first `num_tokens` cached for `ttl_s` seconds after its last read."""
+
+    num_tokens: int
+    ttl_s: float
+    label: str = "5m"  # "5m" | "1h": how usage reports the tokens it wrote
+    shared: bool = True  # False (a named cache): its own lease, never merged with an equal one
+
+
+@dataclass(frozen=True, slots=True)
+class Retention:
+    """What a request asks the cache to keep once its prompt is computed: its breakpoints of at least
+    --min-cacheable-tokens (TTLs already scaled), shortest first."""
+
+    breakpoints: tuple[Breakpoint, ...]
+    num_prompt_tokens: int
+    owner: str = ""  # the tenant that may extend, read back or release the leases by id
+    num_below_min: int = 0  # breakpoints left out for being under --min-cacheable-tokens
+    longest_asked: int = 0
+    num_cached_tokens: int = 0  # the prompt's cached tokens at first admission (what was read)
+
+    @property
+    def below_min_cacheable(self) -> int | None:
+        """The longest prefix asked for, when every breakpoint was under --min-cacheable-tokens."""
+        return self.longest_asked if not self.breakpoints and self.num_below_min else None
+
+    @classmethod
+    def of(cls, breakpoints: list[Breakpoint], num_prompt_tokens: int, owner: str,
+           min_cacheable_tokens: int, ttl_scale: float = 1.0) -> Retention | None:
+        if not breakpoints:
+            return None
+        eligible = sorted((b for b in breakpoints if b.num_tokens >= min_cacheable_tokens),
+                          key=lambda b: b.num_tokens)
+        return cls(tuple(Breakpoint(b.num_tokens, b.ttl_s * ttl_scale, b.label, b.shared) for b in eligible),
+                   num_prompt_tokens, owner, len(breakpoints) - len(eligible),
+                   max(b.num_tokens for b in breakpoints))
+
+
+@dataclass(slots=True)
+class LeaseUsage:
+    """What a request's breakpoints did, in Anthropic's terms."""
+
+    cache_read_tokens: int = 0  # cached tokens up to the last breakpoint that could be cached
+    cache_creation_tokens: dict[str, int] = field(default_factory=dict)  # by label: tokens newly leased
+    refused: str | None = None  # why a breakpoint got no lease (LeaseRefusal), if one did not
+    lease_ids: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -58,18 +109,49 @@ class LeaseTable:
         """Distinct pages some lease holds."""
         return len({page for lease in self.leases.values() for page in lease.pages})
 
-    def lease_prefix(self, token_ids: list[int], namespace: str, num_tokens: int, ttl_s: float, now: float,
-                     label: str = "5m", owner: str = "", shared: bool = True) -> Lease | str:
-        """Lease the cached pages covering the first `num_tokens` of `token_ids` (the page holding
-        the last of them too, when it is full and cached). Returns the lease or a LeaseRefusal."""
+    def grant_retention(self, retention: Retention, namespace: str, prompt_pages: list[int],
+                        now: float) -> LeaseUsage:
+        """Lease the prefix up to each of the request's breakpoints, from `prompt_pages` (the cached
+        pages holding its committed prompt, in order), and say what that did in Anthropic's terms:
+
+        read     = the longest breakpoint whose whole prefix was served from the cache (a provider reads
+                   at breakpoints: a partial hit of a prefix is a miss that writes it again)
+        creation = for each granted breakpoint, the tokens past what was read or written before it
+        A breakpoint shorter than --min-cacheable-tokens is silently not cached, as providers do; one
+        refused by the leased-fraction cap leaves the request running without it (`refused` says so)."""
+        usage = LeaseUsage()
+        if not retention.breakpoints:
+            usage.refused = LeaseRefusal.BELOW_MIN_CACHEABLE if retention.num_below_min else None
+            return usage
+        last_computable = retention.num_prompt_tokens - 1  # the last prompt token is always computed
+        usage.cache_read_tokens = covered = max(
+            (b.num_tokens for b in retention.breakpoints if retention.num_cached_tokens >= min(b.num_tokens, last_computable)),
+            default=0)
+        for breakpoint in retention.breakpoints:
+            lease = self._lease_prefix(namespace, prompt_pages, retention, breakpoint, now)
+            if isinstance(lease, str):
+                usage.refused = lease
+                continue
+            usage.lease_ids.append(lease.lease_id)
+            if breakpoint.num_tokens > covered:
+                label = breakpoint.label
+                usage.cache_creation_tokens[label] = (usage.cache_creation_tokens.get(label, 0)
+                                                      + breakpoint.num_tokens - covered)
+                covered = breakpoint.num_tokens
+        return usage
+
+    def _lease_prefix(self, namespace: str, prompt_pages: list[int], retention: Retention,
+                      breakpoint: Breakpoint, now: float) -> Lease | str:
+        """Lease the cached pages covering the breakpoint's tokens (the page holding the last of them
+        too, when it is full and cached); a LeaseRefusal when they are not all cached."""
         if self.index is None:
             return LeaseRefusal.PREFIX_CACHE_OFF
-        pages, matched = self.index.match(list(token_ids), namespace)
-        wanted = min(cdiv(num_tokens, self.page_size), len(token_ids) // self.page_size)
-        if wanted == 0 or matched // self.page_size < wanted:
+        wanted = min(cdiv(breakpoint.num_tokens, self.page_size), retention.num_prompt_tokens // self.page_size)
+        if wanted == 0 or len(prompt_pages) < wanted:
             self.stats.refusals += 1
             return LeaseRefusal.NOT_CACHED
-        return self.grant(namespace, pages[:wanted], num_tokens, ttl_s, now, label, owner, shared)
+        return self.grant(namespace, prompt_pages[:wanted], breakpoint.num_tokens, breakpoint.ttl_s, now,
+                          breakpoint.label, retention.owner, breakpoint.shared)
 
     def grant(self, namespace: str, pages: list[int], num_tokens: int, ttl_s: float, now: float,
               label: str = "5m", owner: str = "", shared: bool = True) -> Lease | str:
@@ -152,8 +234,6 @@ class LeaseTable:
         """References the leases hold, per page (for the manager's invariants)."""
         return Counter(page for lease in self.leases.values() for page in lease.pages)
 
-    def stats_dict(self) -> dict[str, int]:
-        return {"leased_pages": self.num_leased_pages, "num_leases": len(self.leases),
-                "lease_grants": self.stats.grants, "lease_refreshes": self.stats.refreshes,
-                "lease_expiries": self.stats.expiries, "lease_refusals": self.stats.refusals,
-                "lease_breaks": self.stats.breaks}
+    def counts(self) -> LeaseCounts:
+        return LeaseCounts(self.num_leased_pages, len(self.leases), self.stats.grants, self.stats.refreshes,
+                           self.stats.expiries, self.stats.refusals, self.stats.breaks)

@@ -4,17 +4,21 @@ and the prefix index ("radix", "hash" or "off"), and counts what the cache does.
 A sequence's life, as the scheduler drives it each step:
 
     hit = lookup(tokens, ns)                      read-only: longest cached prefix, never the last token
-    copies = allocate(id, tokens, ns, hit, end)   refs on the hit's pages (+ a copy of a partial last
-                                                  page), fresh pages up to `end`; None: no room
+    hit = plan_admission(tokens, ns, limit, budget, hit)   cut to a token limit, tier pages added
+    got = allocate(id, tokens, ns, hit, end)      refs on the hit's pages (+ a copy of a partial last
+                                                  page), fresh pages up to `end`; None: no room;
+                                                  got.hit / .copies / .cached_by_source: what it did
     copies = append(id, num_computed, end)        grow to `end`; copy-on-write of shared pages about
                                                   to be written; None: no room (preempt someone)
     ... the runner applies `copies` in order, then computes positions num_computed..end-1 ...
-    commit(id, tokens, num_computed)              index the pages that are now full (radix may swap a
-                                                  page for an identical cached one: re-read block_table)
+    commit(id, tokens, num_computed, retention)   index the pages that are now full (radix may swap a
+                                                  page for an identical cached one: re-read block_table);
+                                                  the prompt computed: lease its breakpoints
     free(id)                                      pages back, tail first; cached ones stay reusable
 
-Pages below the pool (swap, offload, load-back, publish) are decided here too, through the
-Offloader (manager_tiers.py). With a sliding-window model the windowed layers' pages live in a
+Where a hit is decided: admission.py (lookup, plan_admission). Pages below the pool (swap, offload,
+load-back, publish) are decided here too, through the Offloader; swap and the page moves handed to the
+runner are `self.tiers` (manager_tiers.TierMoves). With a sliding-window model the windowed layers' pages live in a
 WindowPool (window.py) that follows every sequence's table here.
 """
 
@@ -25,18 +29,20 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvserve.cache.admission import AdmissionPlanner
 from kvserve.cache.explain import CacheExplanation, explain
 from kvserve.cache.fair_share import FairShareEviction
 from kvserve.cache.hashing import page_hash
 from kvserve.cache.history import CacheHistory
 from kvserve.cache.invariants import check_manager_invariants
-from kvserve.cache.leases import LeaseTable
+from kvserve.cache.leases import LeaseTable, LeaseUsage, Retention
 from kvserve.cache.manager_tiers import TierMoves
 from kvserve.cache.offload import Offloader
 from kvserve.cache.pages import PagePool
 from kvserve.cache.prefix_hash import HashPrefixIndex
 from kvserve.cache.prefix_radix import RadixPrefixIndex
-from kvserve.cache.sequence import PrefixHit, SeqPages, cdiv
+from kvserve.cache.sequence import Allocation, PrefixHit, SeqPages, cdiv
+from kvserve.cache.stats import CacheStats
 from kvserve.cache.window import WindowPool
 from kvserve.config import CacheConfig, ConfigError, PrefixCachePolicy
 
@@ -44,7 +50,7 @@ if TYPE_CHECKING:
     from kvserve.cache.events import KVEventBuffer
 
 
-class KVCacheManager(TierMoves):
+class KVCacheManager:
     def __init__(self, num_pages: int, page_size: int,
                  policy: PrefixCachePolicy | str = PrefixCachePolicy.RADIX,
                  partial_page_hits: bool = True, offload: Offloader | None = None,
@@ -80,7 +86,11 @@ class KVCacheManager(TierMoves):
         fair = tenant_kv_share == "fair" and self.index is not None  # evict tenants over their share first
         self.fair = FairShareEviction(self.index, self.pool) if fair else None
         self._hash_of_cached: dict[int, bytes] = {}  # cached page -> its chained hash
+        self._page_of_hash: dict[bytes, int] = {}  # and back (a content is cached in one page at most)
         self.pool.on_evicted = self._evicted
+        self.tiers = TierMoves(self.offload, self.pool, self._seqs, self.free)
+        self.planner = AdmissionPlanner(self.index, window, self.offload, self.leases, self._hash_of_cached,
+                                        page_size, partial_page_hits)
         self.window = window  # sliding-window layers' pages (hybrid allocator), or None
         if window is not None:
             self.pool.on_freed = window.page_gone
@@ -96,34 +106,32 @@ class KVCacheManager(TierMoves):
                    if config.num_window_slots else None)
 
     # -- admission -----------------------------------------------------------------------------
-    def lookup(self, token_ids: list[int], namespace: str = "") -> PrefixHit:
-        """Longest cached prefix of `token_ids` in `namespace`, at most len - 1 tokens (the last token
-        is always computed: its logits are needed). Read-only: takes no refs."""
-        if self.index is None or len(token_ids) < 2:
-            return PrefixHit()
-        pages, num_tokens = self.index.match(list(token_ids), namespace)
-        num_tokens = min(num_tokens, len(token_ids) - 1)
-        if not self.partial_page_hits:
-            num_tokens -= num_tokens % self.page_size
-        if self.window is not None:
-            num_tokens = self.window.usable_hit(pages, num_tokens)
-        return PrefixHit(pages[:cdiv(num_tokens, self.page_size)], num_tokens)
+    def lookup(self, token_ids: list[int], namespace: str = "", max_tokens: int | None = None) -> PrefixHit:
+        """The pool's longest prefix of `token_ids` (admission.AdmissionPlanner.lookup): the one walk
+        of the prefix index per admission. Read-only."""
+        return self.planner.lookup(token_ids, namespace, max_tokens)
+
+    def plan_admission(self, token_ids: list[int], namespace: str, max_tokens: int, budget: int,
+                       hit: PrefixHit | None = None) -> PrefixHit:
+        """What a request admitted now reuses: `hit` (or a lookup) cut to `max_tokens`, then the tier
+        pages after it that fit this step's `budget` (admission.AdmissionPlanner.plan)."""
+        return self.planner.plan(token_ids, namespace, max_tokens, budget, self.num_free_pages, hit)
 
     def allocate(self, seq_id: str, token_ids: list[int], namespace: str, hit: PrefixHit,
-                 num_tokens: int) -> list[tuple[int, int]] | None:
-        """Admit a sequence whose first hit.num_tokens tokens are cached and cover `num_tokens`
-        positions. Returns the (src, dst) page copies to apply first, or None with nothing changed
-        when pages are short. A hit gone stale since lookup is shrunk in place (its tier loads
-        dropped): read hit.num_cached_tokens afterwards. Tier loads are committed and queued."""
+                 num_tokens: int) -> Allocation | None:
+        """Admit a sequence whose first hit.num_cached_tokens tokens are cached and cover `num_tokens`
+        positions. Returns what was done (the hit used: shorter than `hit` where its pages were evicted
+        since the lookup, its tier loads dropped then; the (src, dst) page copies to apply first; cached
+        tokens by source), or None with nothing changed when pages are short. Tier loads are committed
+        and queued. `hit` is never changed."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already has pages")
         if num_tokens <= hit.num_cached_tokens:
             raise ValueError(f"num_tokens ({num_tokens}) must exceed the hit ({hit.num_cached_tokens} tokens)")
         ps = self.page_size
         token_ids = list(token_ids)
-        fresh = self.lookup(token_ids, namespace)
-        num_hit = min(hit.num_tokens, fresh.num_tokens)
-        pages = fresh.pages[:cdiv(num_hit, ps)]
+        used = self.planner.still_cached(hit)
+        pages, num_hit = list(used.pages), used.num_tokens
         num_full = num_hit // ps
         shared, partial = pages[:num_full], pages[num_full:]  # partial: [] or [page to copy]
         num_new = cdiv(num_tokens, ps) - num_full
@@ -142,7 +150,7 @@ class KVCacheManager(TierMoves):
         for page in partial:
             self.pool.decref(page)
         seq = SeqPages(namespace, shared + new_pages, num_committed_pages=num_full,
-                   committed_token_ids=token_ids[:num_full * ps])
+                       committed_token_ids=token_ids[:num_full * ps])
         if self.index is not None:
             self._extend_hashes(seq, token_ids, num_full)
             if num_full:
@@ -151,13 +159,10 @@ class KVCacheManager(TierMoves):
         self._seqs[seq_id] = seq
         self.recent_prompts.append((namespace, token_ids))
         self.prefix_cache_queries += len(token_ids)
-        self.prefix_cache_hits += num_hit
-        if num_hit < hit.num_tokens:  # a stale hit: the loads no longer follow it
-            hit.loads, hit.load_sources, hit.num_loaded_tokens = [], [], 0
-        hit.pages, hit.num_tokens = pages, num_hit
-        if hit.loads:
-            self._load_from_tiers(seq_id, token_ids, hit)
-        return copies
+        self.prefix_cache_hits += used.num_cached_tokens
+        if used.loads:
+            self._load_from_tiers(seq_id, token_ids, used)
+        return Allocation(used, copies, self.planner.sources(used))
 
     # -- running -------------------------------------------------------------------------------
     def append(self, seq_id: str, num_computed_tokens: int, num_tokens: int) -> list[tuple[int, int]] | None:
@@ -191,9 +196,24 @@ class KVCacheManager(TierMoves):
             self.window.grow(seq_id, table, cow)
         return copies
 
-    def commit(self, seq_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
+    def commit(self, seq_id: str, token_ids: list[int], num_computed_tokens: int,
+               retention: Retention | None = None) -> LeaseUsage | None:
         """Index every page of the sequence now full of computed tokens (prompt and generated ones
-        alike); pages committed before are skipped. Call after each step, with the request's tokens."""
+        alike); pages committed before are skipped. Call after each step, with the request's tokens.
+        With `retention`, once the prompt is computed its breakpoints are leased: returns what that did."""
+        self._commit_pages(seq_id, token_ids, num_computed_tokens)
+        if retention is None or num_computed_tokens < retention.num_prompt_tokens:
+            return None
+        seq = self._seq(seq_id)
+        prompt_pages = []  # the cached pages holding the prompt (a duplicate page: its cached twin)
+        for page, h in zip(seq.block_table[:retention.num_prompt_tokens // self.page_size], seq.page_hashes):
+            page = page if self._hash_of_cached.get(page) == h else self._page_of_hash.get(h)
+            if page is None:
+                break
+            prompt_pages.append(page)
+        return self.leases.grant_retention(retention, seq.namespace, prompt_pages, self.clock())
+
+    def _commit_pages(self, seq_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
         seq = self._seq(seq_id)
         if self.window is not None:
             self.window.release_before(seq_id, num_computed_tokens)
@@ -216,6 +236,7 @@ class KVCacheManager(TierMoves):
             # (a duplicate of a page cached before stays uncached; radix may hand back the cached one)
             if self.pool.is_cached(page) and self._hash_of_cached.get(page) != h:
                 self._hash_of_cached[page] = h
+                self._page_of_hash[h] = page
                 parent = seq.page_hashes[i - 1] if i else None
                 self.history.stored(h, parent, seq.namespace, token_ids[:ps] if i == 0 else None, now)
                 if self.fair is not None:
@@ -235,6 +256,7 @@ class KVCacheManager(TierMoves):
     def _evicted(self, page_id: int) -> None:
         page_hash_ = self._hash_of_cached.pop(page_id, None)
         if page_hash_ is not None:
+            del self._page_of_hash[page_hash_]
             self.offload.evicted(page_hash_, page_id)
             self.history.evicted(page_hash_, self.clock())
             if self.events is not None:
@@ -289,6 +311,16 @@ class KVCacheManager(TierMoves):
             raise ValueError(f"unknown sequence {seq_id!r}")
         return seq
 
+    # -- below the pool (swap and page moves: self.tiers, manager_tiers.TierMoves) -----------------
+    def _load_from_tiers(self, seq_id: str, token_ids: list[int], hit: PrefixHit) -> None:
+        """The sequence's pages after its pool hit get their K/V from the tiers: counted as hits (by
+        allocate), committed, and queued as loads (the runner writes them before this step computes)."""
+        seq = self._seqs[seq_id]
+        start, num_pages = seq.num_committed_pages, len(hit.loads)
+        # (radix may swap a page for an identical cached one here: then its load is just unused)
+        self.commit(seq_id, token_ids, (start + num_pages) * self.page_size)
+        self.offload.load(seq.block_table[start:start + num_pages], list(hit.loads))
+
     # -- accounting ----------------------------------------------------------------------------
     @property
     def num_free_pages(self) -> int:
@@ -312,38 +344,30 @@ class KVCacheManager(TierMoves):
                     self.history.lease_expired(self._hash_of_cached[page], now)
         return self.leases.expire(now)
 
-    def explain(self, token_ids: list[int], namespace: str, hit: PrefixHit,
+    def explain(self, token_ids: list[int], namespace: str, allocation: Allocation,
                 below_min_cacheable: int | None = None) -> CacheExplanation:
-        """Why the request admitted with `hit` computed what it did (cache/explain.py)."""
+        """Why the request admitted with `allocation` computed what it did (cache/explain.py), from the
+        facts its lookup and allocation recorded (no index walk)."""
         recent = [p for ns, p in list(self.recent_prompts)[:-1] if ns == namespace]  # (the last: this one)
+        hit = allocation.hit
         matched = 0
-        if self.window is not None and self.index is not None:  # what the window pool cut off
-            matched = min(self.index.match(list(token_ids), namespace)[1], len(token_ids) - 1)
-            matched -= matched % self.page_size
-        return explain(token_ids, namespace, hit, self.page_size, self.history,
-                       set(self.leases.page_refs()), self.clock(), below_min_cacheable, recent, matched)
+        if self.window is not None:  # what the window pool cut off
+            matched = hit.num_matched_tokens - hit.num_matched_tokens % self.page_size
+        return explain(token_ids, namespace, hit, allocation.cached_by_source, self.page_size, self.history,
+                       self.clock(), below_min_cacheable, recent, matched)
 
     def make_room(self) -> bool:
         """Break the lease closest to expiry; False when there is none (nothing else can free pages)."""
         return self.leases.break_oldest()
 
-    def stats(self) -> dict:
-        return {
-            "num_pages_total": self.pool.num_usable,
-            "num_pages_free": self.pool.num_free,
-            "num_pages_used": self.pool.num_used,
-            "num_pages_cached": self.pool.num_cached,
-            "num_pages_cached_idle": self.pool.num_cached_idle,
-            "kv_cache_usage_perc": self.usage(),
-            "prefix_cache_queries": self.prefix_cache_queries,
-            "prefix_cache_hits": self.prefix_cache_hits,
-            "num_evictions": self.pool.num_evictions,
-            **self.offload.stats(),
-            **self.leases.stats_dict(),
-            "num_fair_share_evictions": self.fair.num_fair_evictions if self.fair else 0,
-            "cached_pages_per_tenant": dict(self.fair.pages_per_tenant) if self.fair else {},
-            "window_pool": self.window.stats() if self.window is not None else None,
-        }
+    def stats(self) -> CacheStats:
+        pool = self.pool
+        return CacheStats(pool.num_usable, pool.num_free, pool.num_used, pool.num_cached, pool.num_cached_idle,
+                          self.usage(), self.prefix_cache_queries, self.prefix_cache_hits, pool.num_evictions,
+                          self.leases.counts(), self.offload.stats(),
+                          self.fair.num_fair_evictions if self.fair else 0,
+                          dict(self.fair.pages_per_tenant) if self.fair else {},
+                          self.window.stats() if self.window is not None else None)
 
     def page_states(self) -> str:
         """One character per page (pages.PAGE_*); leased pages that no sequence holds are PAGE_LEASED."""
@@ -357,6 +381,7 @@ class KVCacheManager(TierMoves):
         if self.index is not None:
             self.index.clear()
         self._hash_of_cached.clear()
+        self._page_of_hash.clear()
         if self.fair is not None:
             self.fair.clear()
         if self.events is not None:
@@ -364,4 +389,5 @@ class KVCacheManager(TierMoves):
         return True
 
     def check_invariants(self) -> None:
-        check_manager_invariants(self)
+        check_manager_invariants(self.pool, self._seqs, self.leases, self.index, self._hash_of_cached,
+                                 self._page_of_hash, self.page_size)

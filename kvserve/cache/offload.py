@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvserve.cache.stats import DiskTierCounts, HostTierCounts, RemoteTierCounts, TierStats
 from kvserve.cache.tiers import HostTier, Tier, page_hashes_from
 
 
@@ -158,20 +159,16 @@ class Offloader:
             else:
                 self.shared.offer(items)
 
-    def stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = {}
+    def stats(self) -> TierStats:
+        host = remote = disk = None
         if self.host is not None:
-            host = self.host.stats
-            stats.update(cpu_cache_usage_perc=self.host.usage(), num_swapped_out_pages=host.swap_outs,
-                         num_swapped_in_pages=host.swap_ins, num_offloaded_pages=host.offloads,
-                         cpu_prefix_cache_hits=host.offload_hits * self.page_size)
+            counts = self.host.stats
+            host = HostTierCounts(self.host.usage(), counts.swap_outs, counts.swap_ins, counts.offloads,
+                                  counts.offload_hits * self.page_size)
         if self.shared is not None:
-            stats.update(self.shared.engine_stats())
+            remote = RemoteTierCounts(**self.shared.engine_stats())
         if self.disk is not None:
             disk = self.disk.stats
-            stats.update(disk_cache_pages=self.disk.num_pages, disk_cache_hits=disk.hits,
-                         disk_cache_corrupt_pages=disk.corrupt, disk_cache_misses=disk.misses,
-                         disk_cache_writes=disk.writes, disk_cache_evictions=disk.evictions,
-                         disk_cache_errors=disk.errors, disk_cache_dropped_writes=disk.drops,
-                         disk_cache_used_bytes=self.disk.used_bytes)
-        return stats
+            disk = DiskTierCounts(self.disk.num_pages, disk.hits, disk.corrupt, disk.misses, disk.writes,
+                                  disk.evictions, disk.errors, disk.drops, self.disk.used_bytes)
+        return TierStats(host, remote, disk)

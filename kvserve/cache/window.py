@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserve.cache.stats import WindowStats
 from kvserve.cache.pages import NULL_PAGE, PagePool
 from kvserve.cache.sequence import cdiv
 from kvserve.config import first_window_page
@@ -156,10 +157,9 @@ class WindowPool:
         pass
 
     # -- accounting --------------------------------------------------------------------------------
-    def stats(self) -> dict[str, int]:
-        return {"num_pages_total": self.pool.num_usable, "num_pages_free": self.pool.num_free,
-                "num_pages_used": self.pool.num_used, "num_pages_cached_idle": self.pool.num_cached_idle,
-                "num_evictions": self.pool.num_evictions}
+    def stats(self) -> WindowStats:
+        return WindowStats(self.pool.num_usable, self.pool.num_free, self.pool.num_used,
+                           self.pool.num_cached_idle, self.pool.num_evictions)
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()

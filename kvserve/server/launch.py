@@ -132,7 +132,7 @@ def serve(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
         engine.close()  # flushes the Redis tier writer
         log.info("kvserve stopped: %d requests aborted at the shutdown timeout, %d pages in use, "
-                 "tier writer flushed", drain.num_aborted, engine.manager.num_used_pages)
+                 "tier writer flushed", drain.num_aborted, engine.num_used_pages)
     return 0
 
 

@@ -28,13 +28,13 @@ chosen (round robin).
 
 from __future__ import annotations
 
-import hashlib
 import re
 import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from kvserve.cache.events import MEDIUM_REDIS
+from kvserve.cache.hashing import api_key_tenant, namespace
 from kvserve.kv_events import WireEvent
 
 WireHash = int | bytes
@@ -202,17 +202,16 @@ def rank(backends: list[BackendState], hashes: list[WireHash], weights: Weights 
 
 
 def key_namespace(api_key: str) -> str:
-    """The cache namespace `kvserve serve` gives an API key (kvserve.server.api.key_namespace; the
-    router keeps its own copy so it never imports the engine)."""
-    return "key:" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
+    """The cache tenant `kvserve serve` gives an API key (cache.hashing.api_key_tenant, the rule the
+    engine side uses too)."""
+    return api_key_tenant(api_key)
 
 
 def request_namespace(api_key: str | None, cache_salt: str | None,
                       namespace_by_api_key: bool) -> str:
-    """The namespace the engine hashes a request's first page with (LLMEngine.add_request)."""
-    key_ns = key_namespace(api_key) if (namespace_by_api_key and api_key) else ""
-    salt = cache_salt or ""
-    return f"{key_ns}\x00{salt}" if key_ns else salt
+    """The namespace the engine hashes a request's first page with: the engine's own rule
+    (cache.hashing.namespace over Request.tenant and Request.cache_salt)."""
+    return namespace(key_namespace(api_key) if (namespace_by_api_key and api_key) else "", cache_salt)
 
 
 def bearer(headers: dict[str, str]) -> str | None:

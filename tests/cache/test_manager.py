@@ -54,7 +54,7 @@ def test_a_capped_full_page_is_copied_not_shared(policy):
     run_seq(m, "a", tokens)
     m.free("a")
     hit = m.lookup(tokens)
-    copies = m.allocate("b", tokens, "", hit, 8)
+    copies = m.allocate("b", tokens, "", hit, 8).copies
     assert copies == [(hit.pages[1], m.block_table("b")[1])]
     assert m.block_table("b")[0] == hit.pages[0]
     m.check_invariants()
@@ -67,8 +67,8 @@ def test_radix_hit_ending_inside_a_page_gives_a_copy():
     m.free("a")
     query = list(range(6)) + [50, 51, 52]
     hit = m.lookup(query)
-    assert hit == PrefixHit(cached[:2], 6)
-    copies = m.allocate("b", query, "", hit, len(query))
+    assert hit == PrefixHit(tuple(cached[:2]), 6)
+    copies = m.allocate("b", query, "", hit, len(query)).copies
     table = m.block_table("b")
     assert table[0] == cached[0] and table[1] not in cached and len(table) == 3
     assert copies == [(cached[1], table[1])]
@@ -89,7 +89,7 @@ def test_policy_off_caches_nothing():
     run_seq(m, "a", list(range(12)))
     m.free("a")
     assert m.lookup(list(range(12))) == PrefixHit()
-    assert m.stats()["num_pages_cached"] == 0 and m.num_free_pages == 15
+    assert m.stats().num_pages_cached == 0 and m.num_free_pages == 15
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -111,7 +111,7 @@ def test_allocate_never_evicts_the_hit_it_is_taking(policy):
     hit = m.lookup(query)
     assert hit.num_tokens == 8
     assert m.allocate("b", query, "", hit, 16) is not None  # 2 hit pages + 2 fresh: a's 3rd is evicted
-    assert m.block_table("b")[:2] == hit.pages
+    assert tuple(m.block_table("b")[:2]) == hit.pages
     assert m.allocate("c", [1, 2], "", PrefixHit(), 2) is None  # 4 pages held, nothing left
     m.check_invariants()
 
@@ -122,7 +122,7 @@ def test_hits_and_queries_are_counted_in_tokens(policy):
     run_seq(m, "a", list(range(20)))
     run_seq(m, "b", list(range(16)) + [99, 98])
     stats = m.stats()
-    assert stats["prefix_cache_queries"] == 38 and stats["prefix_cache_hits"] == 16
+    assert stats.prefix_cache_queries == 38 and stats.prefix_cache_hits == 16
 
 
 @pytest.mark.parametrize("policy", CACHING)
@@ -133,11 +133,12 @@ def test_a_stale_hit_is_shrunk_to_what_is_still_cached(policy):
     m.free("a")
     query = list(range(12)) + [5]
     hit = m.lookup(query)
-    assert hit == PrefixHit(cached, 12)
+    assert hit == PrefixHit(tuple(cached), 12)
     run_seq(m, "x", [9] * 13)  # needs 4 pages: evicts a's last page
     m.free("x")
-    assert m.allocate("b", query, "", hit, 13) is not None
-    assert hit == PrefixHit(cached[:2], 8)  # read hit.num_tokens after allocate
+    got = m.allocate("b", query, "", hit, 13)
+    assert got.hit == PrefixHit(tuple(cached[:2]), 8)  # what allocate used, said in what it returns
+    assert hit == PrefixHit(tuple(cached), 12)  # the caller's value is untouched
     assert m.block_table("b")[:2] == cached[:2]
     m.check_invariants()
 
@@ -245,8 +246,8 @@ def test_hash_keeps_a_duplicate_page_private():
         m.allocate(seq_id, tokens, "", m.lookup(tokens), len(tokens))
     m.commit("a", tokens, 9)
     m.commit("b", tokens, 9)
-    assert m.stats()["num_pages_cached"] == 2
-    assert m.lookup(tokens).pages == m.block_table("a")[:2]
+    assert m.stats().num_pages_cached == 2
+    assert list(m.lookup(tokens).pages) == m.block_table("a")[:2]
     assert not any(m.pool.is_cached(page) for page in m.block_table("b"))
     m.check_invariants()
 
@@ -259,7 +260,7 @@ def test_reset_prefix_cache_only_when_nothing_is_in_use(policy):
     m.free("a")
     assert m.reset_prefix_cache() is True
     assert m.lookup(list(range(9))).num_tokens == 0
-    assert m.stats()["num_pages_cached"] == 0 and m.num_free_pages == 15
+    assert m.stats().num_pages_cached == 0 and m.num_free_pages == 15
     m.check_invariants()
 
 
@@ -267,11 +268,11 @@ def test_stats_and_usage():
     m = KVCacheManager(11, 4, "radix")
     run_seq(m, "a", list(range(9)))
     stats = m.stats()
-    assert stats["num_pages_total"] == 10 and stats["num_pages_used"] == 3
-    assert stats["num_pages_free"] == 7 and stats["num_pages_cached"] == 2
-    assert stats["kv_cache_usage_perc"] == pytest.approx(0.3) == m.usage()
+    assert stats.num_pages_total == 10 and stats.num_pages_used == 3
+    assert stats.num_pages_free == 7 and stats.num_pages_cached == 2
+    assert stats.kv_cache_usage_perc == pytest.approx(0.3) == m.usage()
     m.free("a")
-    assert m.num_free_pages == 10 and m.num_used_pages == 0 and m.stats()["num_pages_cached"] == 2
+    assert m.num_free_pages == 10 and m.num_used_pages == 0 and m.stats().num_pages_cached == 2
 
 
 def test_unknown_sequences_and_reused_ids_are_errors():
@@ -293,14 +294,14 @@ def test_swap_in_pages_are_private_until_the_next_commit(policy):
     run_seq(m, "a", tokens)
     cached = m.block_table("a")
     m.free("a")  # swapped out: its content went to the host tier
-    pages = m.allocate_pages("a", "", 3)
+    pages = m.tiers.allocate_pages("a", "", 3)
     assert len(pages) == 3 and m.block_table("a") == pages
     assert not any(m.pool.is_cached(page) for page in pages)
     m.commit("a", tokens, 10)
     if policy == "radix":  # the loaded copies of cached pages give way to the cached ones
         assert m.block_table("a")[:2] == cached[:2] and m.num_used_pages == 3
     m.check_invariants()
-    assert m.allocate_pages("b", "", 20) is None
+    assert m.tiers.allocate_pages("b", "", 20) is None
 
 
 def test_radix_keeps_a_duplicate_shared_with_a_fork_private_until_the_fork_lets_go():
@@ -309,7 +310,7 @@ def test_radix_keeps_a_duplicate_shared_with_a_fork_private_until_the_fork_lets_
     run_seq(m, "a", tokens)
     cached = m.block_table("a")
     m.free("a")
-    pages = m.allocate_pages("b", "", 3)  # swapped in: its own copies of cached content
+    pages = m.tiers.allocate_pages("b", "", 3)  # swapped in: its own copies of cached content
     m.fork("b", "c")
     m.commit("b", tokens, 9)
     assert m.block_table("b") == pages  # c shares b's copies: swapping them for b alone would
@@ -328,5 +329,5 @@ def test_without_partial_page_hits_a_hit_ends_on_a_page_boundary(policy):
     m.free("a")
     hit = m.lookup(tokens)
     assert hit.num_tokens == 8 and len(hit.pages) == 2
-    assert m.allocate("b", tokens, "", hit, 12) == []
+    assert m.allocate("b", tokens, "", hit, 12).copies == []
     m.check_invariants()

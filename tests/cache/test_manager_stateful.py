@@ -104,17 +104,19 @@ class CacheMachine(RuleBasedStateMachine):
         seq_id = f"s{self.next_id}"
         self.next_id += 1
         end = min(len(tokens), hit.num_tokens + chunk)
-        before, before_hit = self._snapshot(), hit.num_tokens
-        copies = self.m.allocate(seq_id, tokens, namespace, hit, end)
-        if copies is None:
+        before, asked = self._snapshot(), hit
+        got = self.m.allocate(seq_id, tokens, namespace, hit, end)
+        if got is None:
             assert self._snapshot() == before, "a failed allocate changed something"
             event("allocate refused")
             return
-        if hit.num_tokens < before_hit:
+        assert hit == asked, "allocate changed the caller's hit"
+        copies, hit = got.copies, got.hit
+        if hit.num_tokens < asked.num_tokens:
             event("stale hit shrunk")
         if hit.num_tokens:
             event("partial-page hit" if hit.num_tokens % self.ps else "page-aligned hit")
-        if self.m.stats()["num_evictions"] > before[0]["num_evictions"]:
+        if self.m.stats().num_evictions > before[0].num_evictions:
             event("eviction")
         self._check_hit(hit, tokens, namespace)  # possibly shrunk: still exact
         self.seqs[seq_id] = SeqModel(namespace, list(tokens), hit.num_tokens)
@@ -195,7 +197,7 @@ class CacheMachine(RuleBasedStateMachine):
         seq = self.seqs[seq_id]
         saved = [list(self.content.get(page, [None] * self.ps)) for page in self.m.block_table(seq_id)]
         self.m.free(seq_id)
-        pages = self.m.allocate_pages(seq_id, seq.namespace, len(saved))
+        pages = self.m.tiers.allocate_pages(seq_id, seq.namespace, len(saved))
         if pages is None:
             del self.seqs[seq_id]
             self.histories.append((seq.namespace, seq.token_ids))
@@ -220,7 +222,7 @@ class CacheMachine(RuleBasedStateMachine):
     def reset_prefix_cache(self):
         assert self.m.reset_prefix_cache() is (not self.seqs)
         if not self.seqs:
-            assert self.m.stats()["num_pages_cached"] == 0
+            assert self.m.stats().num_pages_cached == 0
 
     # -- invariants ----------------------------------------------------------------------------
     @invariant()
@@ -229,7 +231,7 @@ class CacheMachine(RuleBasedStateMachine):
             return
         self.m.check_invariants()
         if self.policy == "off":
-            assert self.m.stats()["num_pages_cached"] == 0
+            assert self.m.stats().num_pages_cached == 0
 
     @invariant()
     def every_sequence_reads_back_its_own_tokens(self):

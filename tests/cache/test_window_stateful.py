@@ -64,7 +64,7 @@ class WindowMachine(CacheMachine):
     def window_pool_invariants(self):
         if hasattr(self, "m"):
             self.m.window.check_invariants()
-            if self.m.window.stats()["num_evictions"]:
+            if self.m.window.stats().num_evictions:
                 event("window eviction")
 
     def teardown(self):

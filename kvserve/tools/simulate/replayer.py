@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field, fields
 
 from kvserve.batch import SampledToken
+from kvserve.cache.hashing import split_namespace
 from kvserve.cache.manager import KVCacheManager
 from kvserve.config import EngineConfig
 from kvserve.request import Request, SamplingParams
@@ -96,9 +97,9 @@ def replay(requests: list[SimRequest], policy: str, page_size: int, num_pages: i
         manager.check_invariants()
         assert manager.num_used_pages == 0, "pages leaked after the replay"
     stats = manager.stats()
-    queries, hits = stats["prefix_cache_queries"], stats["prefix_cache_hits"]
+    queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
     return RunResult(policy, page_size, capacity, num_pages, hits / queries if queries else 0.0, math.nan,
-                     queries, hits, run.partial, stats["num_evictions"], run.peak, run.peak * page_size,
+                     queries, hits, run.partial, stats.num_evictions, run.peak, run.peak * page_size,
                      len(requests) - len(run.unservable), len(run.waited), run.unservable,
                      run.scheduler.stats.num_preemptions, run.num_steps, run.clock.now - run.start)
 
@@ -142,8 +143,9 @@ class _Replay:
             self.unservable.append(r.id)  # larger than the whole pool
             return
         params = SamplingParams(max_tokens=max(1, r.num_generated), ignore_eos=True)
+        tenant, salt = split_namespace(r.namespace)
         self.scheduler.add(Request(request_id=r.id, prompt_token_ids=list(r.token_ids), sampling_params=params,
-                                   namespace=r.namespace, arrival_time=self.clock.now))
+                                   tenant=tenant, cache_salt=salt, arrival_time=self.clock.now))
 
     def _step(self) -> None:
         scheduler = self.scheduler

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from kvserve.engine import LLMEngine, Prompt
+from kvserve.engine_stats import EngineStats
 from kvserve.request import CacheLease, RequestOutput, SamplingParams
 
 log = logging.getLogger("kvserve.async_engine")
@@ -59,10 +60,11 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: LLMEngine,
-                 on_step: Callable[[dict[str, Any], list[RequestOutput]], None] | None = None) -> None:
+                 on_step: Callable[[EngineStats, list[RequestOutput]], None] | None = None) -> None:
         self.engine = engine
         self.on_step = on_step
-        self.latest_stats: dict[str, Any] = {}
+        self.latest: EngineStats | None = None  # the last stats read (typed)
+        self.latest_stats: dict[str, Any] = {}  # ... and by name (dashboard, admission)
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._ids = itertools.count()
@@ -188,6 +190,7 @@ class AsyncEngine:
             command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
         except queue.Empty:
             if block:
+                self.engine.expire_leases()  # (an idle server's leases run out too)
                 self._publish([])  # idle: keep stats fresh (e.g. cached pages evicted elsewhere)
             return
         while True:
@@ -259,11 +262,8 @@ class AsyncEngine:
         except Exception:
             log.exception("engine.stats() failed")
             return
-        stats.setdefault("num_requests_swapped", 0)
-        stats.setdefault("cpu_cache_usage_perc", 0.0)
-        stats.setdefault("remote_cache_hits", 0)
-        stats.setdefault("remote_cache_errors", 0)
-        self.latest_stats = stats
+        self.latest = stats
+        self.latest_stats = stats.as_dict()
         if self.on_step is not None:
             try:
                 self.on_step(stats, outputs)

@@ -14,6 +14,7 @@ from kvserve.cache.hashing import tenant_of
 from kvserve.cache.history import first_page_key
 from kvserve.cache.pages import PAGE_CACHED, PAGE_FREE, PAGE_LEASED, PAGE_SHARED, PAGE_USED
 from kvserve.cache.spans import find_hidden_spans
+from kvserve.engine_stats import EngineStats
 from kvserve.request import Request
 
 MAX_TENANTS = 16  # labels beyond these are summed as "other" (bounded metric cardinality)
@@ -89,8 +90,8 @@ class CacheReporter:
             self.usage.popleft()
 
     # -- the report ----------------------------------------------------------------------------
-    def report(self, stats: dict[str, Any], page_states: str, num_thrash: int) -> dict[str, Any]:
-        queries, hits = stats.get("prefix_cache_queries", 0), stats.get("prefix_cache_hits", 0)
+    def report(self, stats: EngineStats, page_states: str) -> dict[str, Any]:
+        queries, hits = stats.cache.prefix_cache_queries, stats.cache.prefix_cache_hits
         hit_rate = hits / queries if queries else 0.0
         counts = Counter(page_states[1:])
         prefixes = [{"prefix_id": key[:8].hex(), "requests": p.requests, "cached_tokens": p.cached_tokens,
@@ -104,14 +105,14 @@ class CacheReporter:
             "top_prefixes_by_bytes": sorted(prefixes, key=lambda p: -p["bytes"])[:10],
             "pages": {"free": counts[PAGE_FREE], "cached": counts[PAGE_CACHED], "used": counts[PAGE_USED],
                       "shared": counts[PAGE_SHARED], "leased": counts[PAGE_LEASED]},
-            "thrash_pages": num_thrash,  # evicted and committed again within a minute
-            "preemption_rate": stats.get("num_preemptions", 0) / self.admitted if self.admitted else 0.0,
+            "thrash_pages": stats.num_thrash_pages,  # evicted and committed again within a minute
+            "preemption_rate": stats.scheduler.num_preemptions / self.admitted if self.admitted else 0.0,
             "advice": [],
         }
         report["advice"] = self.advice(hit_rate, stats)
         return report
 
-    def advice(self, hit_rate: float, stats: dict[str, Any]) -> list[dict[str, Any]]:
+    def advice(self, hit_rate: float, stats: EngineStats) -> list[dict[str, Any]]:
         advice = []
         if len(self.recent) >= 8 and hit_rate < LOW_HIT_RATE:
             prompts = [p for p, _ in self.recent]
@@ -126,8 +127,8 @@ class CacheReporter:
         sustained = len(samples) >= 5 and sum(samples) / len(samples) > HIGH_USAGE
         if sustained or self.most_preempted >= 2:
             usage = max(samples[-1] if samples else 0.0, 1e-9)
-            running = max(1, stats.get("num_requests_running", 1))
-            memory = stats.get("kv_cache_bytes", 0)
+            running = max(1, stats.scheduler.num_requests_running)
+            memory = stats.kv_cache_bytes
             advice.append({"kind": "memory_pressure", "message": (
                 f"KV usage {usage:.0%}" + (f", one request preempted {self.most_preempted} times" if
                                             self.most_preempted >= 2 else "")

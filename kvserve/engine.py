@@ -1,10 +1,8 @@
-"""LLMEngine: one step at a time, schedule -> execute -> update.
+"""LLMEngine: one step at a time, schedule -> execute -> update, over the model runner.
 
-    out = scheduler.schedule()        which tokens of which requests, and the page moves (batch.PageOps)
-    result = runner.execute(out)      page moves, then the model and the sampler
-    manager.tiers.complete(...)    the pages read for the tiers go to them (swap, offload)
-    scheduler.update(out, sampled)    tokens appended, pages committed to the prefix cache, stop rules
-    _flush_page_moves()               pages committed this step that a shared tier (Redis) wants
+    step.run_step(scheduler, runner)  schedule, execute, update, the page moves a tier wants (step.py:
+                                      the same step the simulator runs over a virtual clock)
+    event_publisher.publish(...)      the step's KV events on the wire
     outputs.output(request)           RequestOutputs (n samples grouped, stop strings, text)
 
 The engine builds the tiers (host memory, Redis) and hands them to the cache layer, which decides
@@ -18,7 +16,6 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from kvserve.batch import PageOps
 from kvserve.cache.disk_tier import DiskTier, TierAuthSealer
 from kvserve.cache.events import KVEventBuffer
 from kvserve.cache.leases import Retention
@@ -28,6 +25,7 @@ from kvserve.cache.redis_tier import RedisTier
 from kvserve.cache.tier_auth import default_auth
 from kvserve.cache_report import CacheReporter
 from kvserve.cache.tiers import HostTier
+from kvserve.engine_stats import EngineStats
 from kvserve.config import MODEL_DTYPE_TO_KV, EngineConfig, PrefixCachePolicy, parse_bytes, plan_cache
 from kvserve.kv_events import attach_tiers, publisher_for
 from kvserve.model.gguf_loader import load_gguf, resolve_model_path
@@ -35,6 +33,7 @@ from kvserve.model.runner import ModelRunner, calibrate_fp8_scale
 from kvserve.output import OutputProcessor
 from kvserve.request import CacheLease, LeaseInfo, Request, RequestOutput, RequestStatus, SamplingParams
 from kvserve.scheduler import Scheduler
+from kvserve.step import run_step
 
 Prompt = str | dict[str, Any] | list[int]
 
@@ -176,46 +175,31 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        self.manager.expire_leases()
-        out = self.scheduler.schedule()
-        if not out.seqs:
+        """One step.run_step over the model runner, then what only a served engine does: the cache
+        report, the KV events on the wire, stop strings (they need text) and the outputs."""
+        step = run_step(self.scheduler, self.runner, time.monotonic)
+        if not step.out.seqs:
             if self.scheduler.has_unfinished() and not self.scheduler.running:
                 raise RuntimeError("no request could be scheduled although the pool is empty")
-            self._apply_page_ops(out.page_ops)  # (what an empty schedule still decided)
             return []
-        result = self.runner.execute(out)
-        self.manager.tiers.complete(out.page_ops.saves, result.saved)
         now = time.monotonic()
-        changed = self.scheduler.update(out, result.sampled, now)
-        for request in changed:
+        for request in step.changed:
             if request.num_output_tokens == 1:
                 self.reporter.first_token(request)
             if request.status.is_finished:
                 self.reporter.finished(request)
         self.reporter.step(self.manager.usage(), now)
-        self._flush_page_moves()
         if self.event_publisher is not None:
             self.event_publisher.publish(self.events.drain())
-        for request in changed:
+        for request in step.changed:
             if request.sampling_params.stop and not request.status.is_finished:
                 if self.outputs.hits_stop_string(request):
                     self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED, now)
         outputs: dict[str, RequestOutput] = {}
-        for request in changed:
+        for request in step.changed:
             output = self.outputs.output(request)
             outputs.setdefault(output.request_id, output)
         return list(outputs.values())
-
-    def _flush_page_moves(self) -> None:
-        """Pages committed in this step that a shared tier wants, read now while they hold this
-        step's K/V (a finished request's pages are freed but not reused before the next schedule).
-        A prefill instance writes them before its reply: its decode instance reads them next."""
-        saves, loads = self.manager.tiers.take_page_moves()
-        self._apply_page_ops(PageOps(saves, loads))
-
-    def _apply_page_ops(self, ops: PageOps) -> None:
-        if ops:
-            self.manager.tiers.complete(ops.saves, self.runner.apply_page_ops(ops))
 
     @property
     def num_used_pages(self) -> int:
@@ -236,7 +220,7 @@ class LLMEngine:
         return self.outputs.decode(token_ids)
 
     def cache_report(self) -> dict[str, Any]:
-        return self.reporter.report(self.stats(), self.manager.page_states(), self.manager.history.num_thrash)
+        return self.reporter.report(self.stats(), self.manager.page_states())
 
     # -- leases by id (named caches) -----------------------------------------------------------
     def lease_info(self, tenant: str, lease_id: str) -> LeaseInfo | None:
@@ -255,44 +239,18 @@ class LLMEngine:
     def release_lease(self, tenant: str, lease_id: str) -> bool:
         return self.lease_info(tenant, lease_id) is not None and self.manager.leases.release(lease_id)
 
-    @staticmethod
-    def _window_stats(window: dict[str, int] | None) -> dict[str, float]:
-        """The window pool's gauges (hybrid allocator), zeros without one."""
-        if window is None:
-            return {"window_num_pages_total": 0, "window_num_pages_free": 0, "window_kv_cache_usage_perc": 0.0}
-        return {"window_num_pages_total": window["num_pages_total"],
-                "window_num_pages_free": window["num_pages_free"],
-                "window_kv_cache_usage_perc": window["num_pages_used"] / window["num_pages_total"]}
+    def expire_leases(self) -> int:
+        """Release the leases whose TTL ran out (each step does; an idle server's loop calls it)."""
+        return self.manager.expire_leases()
 
-    def _kv_bytes_used(self, stats: dict[str, Any]) -> int:
-        """Bytes of the pages running requests hold, in both pools (config.kv_bytes_for_tokens)."""
-        window = stats["window_pool"]
-        return (stats["num_pages_used"] * self.runner.page_bytes
-                + (window["num_pages_used"] * self.runner.window_page_bytes if window else 0))
-
-    def stats(self) -> dict[str, Any]:
-        self.manager.expire_leases()  # (idle servers publish stats: expiries show without traffic)
-        stats = self.manager.stats().as_dict()
-        sched = self.scheduler.stats
-        stats.update(
-            num_requests_running=self.scheduler.num_running,
-            num_requests_waiting=self.scheduler.num_waiting,
-            num_requests_swapped=self.scheduler.num_swapped,
-            num_preemptions=sched.num_preemptions,
-            prompt_tokens=sched.prompt_tokens,
-            prompt_tokens_cached=sched.cached_prompt_tokens,
-            generation_tokens=sched.generation_tokens,
-            num_preemption_loop_guards=sched.num_preemption_loop_guards,
-            num_thrash_pages=self.manager.history.num_thrash,
-            tenant_prompt_tokens={t: v.prompt_tokens for t, v in self.reporter.tenants.items()},
-            tenant_cached_tokens={t: v.cached_tokens for t, v in self.reporter.tenants.items()},
-            page_size=self.config.page_size,
-            kv_cache_dtype=self.cache_config.kv_dtype.name,
-            kv_fp8_scale=self.fp8_scale,
-            kv_cache_bytes=self.runner.kv_cache_bytes(),
-            kv_bytes_used=self._kv_bytes_used(stats),
-            **self._window_stats(stats["window_pool"]),
-            max_model_len=self.max_model_len,
-            pool_tokens=(self.cache_config.num_pages - 1) * self.config.page_size,
-        )
-        return stats
+    def stats(self) -> EngineStats:
+        """What the engine counts, read without changing anything (engine_stats.EngineStats)."""
+        cache = self.manager.stats()
+        window_bytes = cache.window.num_pages_used * self.runner.window_page_bytes if cache.window else 0
+        return EngineStats(
+            cache, self.scheduler.counts(), self.manager.history.num_thrash,
+            {t: v.prompt_tokens for t, v in self.reporter.tenants.items()},
+            {t: v.cached_tokens for t, v in self.reporter.tenants.items()},
+            self.config.page_size, self.cache_config.kv_dtype.name, self.fp8_scale, self.runner.kv_cache_bytes(),
+            cache.num_pages_used * self.runner.page_bytes + window_bytes, self.max_model_len,
+            (self.cache_config.num_pages - 1) * self.config.page_size)

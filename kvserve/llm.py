@@ -57,7 +57,8 @@ class LLM:
         return [finished[rid] for rid in ids]
 
     def stats(self) -> dict[str, Any]:
-        return self.engine.stats()
+        """The engine's statistics by name (the flat view of engine_stats.EngineStats)."""
+        return self.engine.stats().as_dict()
 
     def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams
                     ) -> list[BeamSearchOutput]:

@@ -6,7 +6,7 @@ told another name (llm-d's endpoint picker reads `vllm:num_requests_waiting`, `.
 
 `EngineMetrics` owns its own `CollectorRegistry` (tests build several servers in one process). It is
 fed from the engine loop: `observe(stats, outputs)` after every step turns the engine's cumulative
-counters (`LLMEngine.stats()`) into counter increments and observes the latency histograms of the
+counters (`LLMEngine.stats()`, a typed EngineStats read field by field) into counter increments and observes the latency histograms of the
 requests that finished in that step.
 """
 
@@ -20,6 +20,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kvserve.engine_stats import EngineStats
 from kvserve.request import RequestOutput
 
 PREFIX = "kvserve:"
@@ -34,66 +35,78 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
-# counter name (without _total) -> key of LLMEngine.stats() holding its cumulative value
+# counter name (without _total) -> (field path in engine_stats.EngineStats of its cumulative value, help)
 COUNTERS = {
-    "prefix_cache_queries": ("prefix_cache_queries", "Prefix cache lookups, in prompt tokens."),
-    "prefix_cache_hits": ("prefix_cache_hits", "Prefix cache hits, in prompt tokens."),
-    "num_preemptions": ("num_preemptions", "Requests preempted because the KV cache ran out."),
-    "num_evictions": ("num_evictions", "Cached pages evicted from the prefix cache."),
-    "prompt_tokens": ("prompt_tokens", "Prompt tokens of admitted requests."),
-    "generation_tokens": ("generation_tokens", "Generated tokens."),
-    "prompt_tokens_cached": ("prompt_tokens_cached", "Prompt tokens served from the prefix cache."),
-    "remote_cache_hits": ("remote_cache_hits", "Pages loaded from the remote (Redis) tier."),
-    "remote_cache_errors": ("remote_cache_errors", "Remote tier failures (each one a miss)."),
-    "lease_grants": ("lease_grants", "Cache leases granted (cache_control, kv_retention, named caches)."),
-    "lease_refreshes": ("lease_refreshes", "Cache leases whose TTL a read or a new breakpoint refreshed."),
-    "lease_expiries": ("lease_expiries", "Cache leases that ran out (their pages became evictable)."),
-    "lease_refusals": ("lease_refusals", "Breakpoints that got no lease (cap reached, prefix not cached)."),
-    "num_preemption_loop_guards": ("num_preemption_loop_guards",
+    "prefix_cache_queries": ("cache.prefix_cache_queries", "Prefix cache lookups, in prompt tokens."),
+    "prefix_cache_hits": ("cache.prefix_cache_hits", "Prefix cache hits, in prompt tokens."),
+    "num_preemptions": ("scheduler.num_preemptions", "Requests preempted because the KV cache ran out."),
+    "num_evictions": ("cache.num_evictions", "Cached pages evicted from the prefix cache."),
+    "prompt_tokens": ("scheduler.prompt_tokens", "Prompt tokens of admitted requests."),
+    "generation_tokens": ("scheduler.generation_tokens", "Generated tokens."),
+    "prompt_tokens_cached": ("scheduler.prompt_tokens_cached", "Prompt tokens served from the prefix cache."),
+    "remote_cache_hits": ("cache.tiers.remote.remote_cache_hits", "Pages loaded from the remote (Redis) tier."),
+    "remote_cache_errors": ("cache.tiers.remote.remote_cache_errors", "Remote tier failures (each one a miss)."),
+    "lease_grants": ("cache.leases.lease_grants", "Cache leases granted (cache_control, kv_retention, named caches)."),
+    "lease_refreshes": ("cache.leases.lease_refreshes", "Cache leases whose TTL a read or a new breakpoint refreshed."),
+    "lease_expiries": ("cache.leases.lease_expiries", "Cache leases that ran out (their pages became evictable)."),
+    "lease_refusals": ("cache.leases.lease_refusals", "Breakpoints that got no lease (cap reached, prefix not cached)."),
+    "num_preemption_loop_guards": ("scheduler.num_preemption_loop_guards",
                                    "Requests preempted past the limit; new admissions waited for them."),
-    "num_fair_share_evictions": ("num_fair_share_evictions",
+    "num_fair_share_evictions": ("cache.num_fair_share_evictions",
                                  "Evictions taken from a tenant over its fair share (--tenant-kv-share fair)."),
     "num_thrash_pages": ("num_thrash_pages", "Pages committed again within a minute of their eviction."),
-    "disk_tier_hits": ("disk_cache_hits", "Pages read back valid from the disk tier."),
-    "disk_tier_misses": ("disk_cache_misses", "Disk tier reads of pages not there (or unreadable)."),
-    "disk_tier_writes": ("disk_cache_writes", "Page files the disk tier wrote."),
-    "disk_tier_evictions": ("disk_cache_evictions", "Pages the disk tier dropped for its byte budget."),
-    "disk_tier_corrupt_pages": ("disk_cache_corrupt_pages",
+    "disk_tier_hits": ("cache.tiers.disk.disk_cache_hits", "Pages read back valid from the disk tier."),
+    "disk_tier_misses": ("cache.tiers.disk.disk_cache_misses", "Disk tier reads of pages not there (or unreadable)."),
+    "disk_tier_writes": ("cache.tiers.disk.disk_cache_writes", "Page files the disk tier wrote."),
+    "disk_tier_evictions": ("cache.tiers.disk.disk_cache_evictions", "Pages the disk tier dropped for its byte budget."),
+    "disk_tier_corrupt_pages": ("cache.tiers.disk.disk_cache_corrupt_pages",
                                 "Disk tier files rejected (bad header, length or MAC): recomputed."),
-    "disk_tier_errors": ("disk_cache_errors", "Disk tier I/O failures (each one a miss, never an error)."),
-    "disk_tier_dropped_writes": ("disk_cache_dropped_writes", "Pages not written: the write queue was full."),
+    "disk_tier_errors": ("cache.tiers.disk.disk_cache_errors", "Disk tier I/O failures (each one a miss, never an error)."),
+    "disk_tier_dropped_writes": ("cache.tiers.disk.disk_cache_dropped_writes", "Pages not written: the write queue was full."),
 }
 
-# per-tenant series (label "tenant", at most cache_report.MAX_TENANTS + "other"): stats key -> help
+# per-tenant series (label "tenant", at most cache_report.MAX_TENANTS + "other"): field path -> help
 TENANT_COUNTERS = {
     "tenant_prompt_tokens": ("tenant_prompt_tokens", "Prompt tokens of admitted requests, per tenant."),
     "tenant_prefix_cache_hits": ("tenant_cached_tokens", "Prompt tokens served from the cache, per tenant."),
 }
 
-# gauge name -> (stats key, help)
+# gauge name -> (field path, help)
 GAUGES = {
-    "kv_cache_usage_perc": ("kv_cache_usage_perc", "Fraction of KV pages held by running requests (0-1)."),
-    "cpu_cache_usage_perc": ("cpu_cache_usage_perc", "Fraction of the CPU (host) tier in use (0-1)."),
-    "num_requests_running": ("num_requests_running", "Requests in the running batch."),
-    "num_requests_waiting": ("num_requests_waiting", "Requests waiting to be admitted."),
-    "num_requests_swapped": ("num_requests_swapped", "Requests swapped out to the CPU tier."),
-    "num_pages_total": ("num_pages_total", "KV pages in the pool."),
-    "num_pages_free": ("num_pages_free", "Free KV pages, cached idle ones included."),
-    "num_pages_cached": ("num_pages_cached", "Idle pages that still hold a cached prefix."),
-    "leased_pages": ("leased_pages", "KV pages held by cache leases."),
+    "kv_cache_usage_perc": ("cache.kv_cache_usage_perc", "Fraction of KV pages held by running requests (0-1)."),
+    "cpu_cache_usage_perc": ("cache.tiers.host.cpu_cache_usage_perc", "Fraction of the CPU (host) tier in use (0-1)."),
+    "num_requests_running": ("scheduler.num_requests_running", "Requests in the running batch."),
+    "num_requests_waiting": ("scheduler.num_requests_waiting", "Requests waiting to be admitted."),
+    "num_requests_swapped": ("scheduler.num_requests_swapped", "Requests swapped out to the CPU tier."),
+    "num_pages_total": ("cache.num_pages_total", "KV pages in the pool."),
+    "num_pages_free": ("cache.num_pages_free", "Free KV pages, cached idle ones included."),
+    "num_pages_cached": ("cache.num_pages_cached", "Idle pages that still hold a cached prefix."),
+    "leased_pages": ("cache.leases.leased_pages", "KV pages held by cache leases."),
     "kv_cache_used_bytes": ("kv_bytes_used", "KV bytes of the pages running requests hold, both pools."),
     "window_kv_cache_usage_perc": ("window_kv_cache_usage_perc",
                                    "Fraction of the sliding-window pool's pages held (hybrid allocator)."),
     "window_num_pages_total": ("window_num_pages_total", "Pages of the sliding-window layers' pool."),
     "window_num_pages_free": ("window_num_pages_free", "Free sliding-window pages, cached idle ones included."),
-    "disk_tier_pages": ("disk_cache_pages", "Pages held by the disk tier."),
-    "disk_tier_used_bytes": ("disk_cache_used_bytes", "Bytes of the disk tier's page files."),
+    "disk_tier_pages": ("cache.tiers.disk.disk_cache_pages", "Pages held by the disk tier."),
+    "disk_tier_used_bytes": ("cache.tiers.disk.disk_cache_used_bytes", "Bytes of the disk tier's page files."),
 }
 
 
+def read(stats: EngineStats, path: str) -> float:
+    """The field at `path` ("cache.tiers.disk.disk_cache_hits"); 0 where a part on the way is None (a
+    tier the engine does not have). A field that does not exist raises: a rename never exports 0."""
+    value: Any = stats
+    for name in path.split("."):
+        if value is None:
+            return 0
+        value = getattr(value, name)
+    return 0 if value is None else value
+
+
 def hit_rate(stats: dict[str, Any]) -> float:
-    queries = stats.get("prefix_cache_queries", 0) or 0
-    return (stats.get("prefix_cache_hits", 0) or 0) / queries if queries else 0.0
+    """The prefix cache hit rate from the flat view (AsyncEngine.latest_stats; {} before the first)."""
+    queries = stats.get("prefix_cache_queries", 0)
+    return stats["prefix_cache_hits"] / queries if queries else 0.0
 
 
 class EngineMetrics:
@@ -148,26 +161,26 @@ class EngineMetrics:
         self._seen: dict[str, float] = {}  # cumulative engine values already counted
         self._lock = threading.Lock()
 
-    def observe(self, stats: dict[str, Any], outputs: Iterable[RequestOutput] = ()) -> None:
+    def observe(self, stats: EngineStats, outputs: Iterable[RequestOutput] = ()) -> None:
         """Called by the engine loop after each step (and when idle) with `LLMEngine.stats()` and
         the outputs of that step."""
         with self._lock:
-            for name, (key, _) in COUNTERS.items():
-                value = stats.get(key, 0) or 0
-                delta = value - self._seen.get(key, 0)
+            for name, (path, _) in COUNTERS.items():
+                value = read(stats, path)
+                delta = value - self._seen.get(path, 0)
                 if delta > 0:  # a counter never goes back, even if the engine's were reset
                     self.counters[name].inc(delta)
-                self._seen[key] = value
-            for name, (key, _) in GAUGES.items():
-                self.gauges[name].set(stats.get(key, 0) or 0)
-            for name, (key, _) in TENANT_COUNTERS.items():
-                for tenant, value in (stats.get(key) or {}).items():
-                    seen = f"{key}:{tenant}"
+                self._seen[path] = value
+            for name, (path, _) in GAUGES.items():
+                self.gauges[name].set(read(stats, path))
+            for name, (path, _) in TENANT_COUNTERS.items():
+                for tenant, value in getattr(stats, path).items():
+                    seen = f"{path}:{tenant}"
                     delta = value - self._seen.get(seen, 0)
                     if delta > 0:
                         self.tenant_counters[name].labels(*self._base, tenant).inc(delta)
                     self._seen[seen] = value
-            for tenant, pages in (stats.get("cached_pages_per_tenant") or {}).items():
+            for tenant, pages in stats.cache.cached_pages_per_tenant.items():
                 self.tenant_pages.labels(*self._base, tenant or "default").set(pages)
             self.lora_info.set(time.time())
         for output in outputs:

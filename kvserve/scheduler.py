@@ -28,6 +28,7 @@ from kvserve.request import CacheOutcome, Request, RequestStatus
 
 ADMISSION_SCAN_LIMIT = 256  # waiting requests looked at per step for cache-aware ordering
 MAX_PREEMPTIONS = 3  # a request preempted more often than this stops new admissions until it ends
+ADMISSION_AGE_BOUND_S = 10.0  # a request waiting longer is admitted in arrival order, not by its hit
 
 
 @dataclass(slots=True)
@@ -39,10 +40,25 @@ class SchedulerStats:
     num_preemption_loop_guards: int = 0  # requests that crossed max_preemptions (admissions held)
 
 
+@dataclass(frozen=True, slots=True)
+class SchedulerCounts:
+    """A read of the scheduler's queues and counters (engine_stats.EngineStats.scheduler)."""
+
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+    num_requests_swapped: int = 0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0  # of admitted requests (first admission only)
+    prompt_tokens_cached: int = 0
+    generation_tokens: int = 0
+    num_preemption_loop_guards: int = 0
+
+
 class Scheduler:
     def __init__(self, manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, preemption_mode: str = "recompute",
-                 admission_age_bound_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
+                 admission_age_bound_s: float = ADMISSION_AGE_BOUND_S,
+                 clock: Callable[[], float] = time.monotonic,
                  max_preemptions: int = MAX_PREEMPTIONS) -> None:
         self.manager = manager
         self.max_num_seqs = max_num_seqs
@@ -58,6 +74,12 @@ class Scheduler:
         self.swapped: deque[Request] = deque()  # pages in the host tier, oldest first
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
+
+    def counts(self) -> SchedulerCounts:
+        stats = self.stats
+        return SchedulerCounts(len(self.running), len(self.waiting), len(self.swapped), stats.num_preemptions,
+                               stats.prompt_tokens, stats.cached_prompt_tokens, stats.generation_tokens,
+                               stats.num_preemption_loop_guards)
 
     # -- requests in and out -------------------------------------------------------------------
     def add(self, request: Request) -> None:

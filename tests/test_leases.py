@@ -63,10 +63,12 @@ def test_a_leased_prefix_survives_a_flood_and_expires_after_its_ttl():
     assert again.lease_usage.cache_read_tokens == 128 and again.lease_usage.cache_creation_tokens == {}
     assert run(llm, other + [5, 6, 7]).num_cached_tokens == 0  # the unleased one was evicted
     clock.now += 301  # past the TTL (the read above refreshed it from then on)
+    assert llm.stats()["lease_expiries"] == 0 and llm.stats()["leased_pages"] == 8  # reading changes nothing
+    llm.engine.expire_leases()  # what each step, and an idle server's loop, does
     metrics = EngineMetrics("m")
-    metrics.observe(llm.stats())
+    metrics.observe(llm.engine.stats())
     assert llm.stats()["lease_expiries"] == 1 and llm.stats()["leased_pages"] == 0
-    assert b"kvserve:lease_expiries_total" in metrics.render()
+    assert b'kvserve:lease_expiries_total{model_name="m"} 1.0' in metrics.render()
     flood(llm)
     late = run(llm, system + [8, 9, 10])
     assert late.num_cached_tokens == 0  # evictable again, and evicted

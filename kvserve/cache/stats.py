@@ -95,15 +95,15 @@ class CacheStats:
     """What KVCacheManager.stats() reads: the pool, the prefix index's counters (in tokens) and the
     parts below."""
 
-    num_pages_total: int
-    num_pages_free: int  # free plus cached idle pages: all can be handed out
-    num_pages_used: int
-    num_pages_cached: int
-    num_pages_cached_idle: int
-    kv_cache_usage_perc: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_evictions: int
+    num_pages_total: int = 0
+    num_pages_free: int = 0  # free plus cached idle pages: all can be handed out
+    num_pages_used: int = 0
+    num_pages_cached: int = 0
+    num_pages_cached_idle: int = 0
+    kv_cache_usage_perc: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_evictions: int = 0
     leases: LeaseCounts = field(default_factory=LeaseCounts)
     tiers: TierStats = field(default_factory=TierStats)
     num_fair_share_evictions: int = 0
@@ -114,7 +114,9 @@ class CacheStats:
         flat = {name: getattr(self, name) for name in (
             "num_pages_total", "num_pages_free", "num_pages_used", "num_pages_cached", "num_pages_cached_idle",
             "kv_cache_usage_perc", "prefix_cache_queries", "prefix_cache_hits", "num_evictions")}
-        return {**flat, **self.tiers.as_dict(), **asdict(self.leases),
+        tiers = {"cpu_cache_usage_perc": self.tiers.cpu_cache_usage_perc, "remote_cache_hits": self.tiers.remote_cache_hits,
+                 "remote_cache_errors": self.tiers.remote_cache_errors, **self.tiers.as_dict()}
+        return {**flat, **tiers, **asdict(self.leases),
                 "num_fair_share_evictions": self.num_fair_share_evictions,
                 "cached_pages_per_tenant": dict(self.cached_pages_per_tenant),
                 "window_pool": asdict(self.window) if self.window is not None else None}

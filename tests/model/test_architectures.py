@@ -283,7 +283,7 @@ def test_gemma_4096_token_request_holds_what_kvserve_plan_says(gemma, capsys):
     engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     engine.step()
     engine.step()  # two chunks of 2,048: the prompt is computed and the first token sampled
-    stats = engine.stats()
+    stats = engine.stats().as_dict()
     kv_dtype = engine.cache_config.kv_dtype.name
     assert main_plan(plan_args("--model", gemma, "--context", "4096", "--kv-cache-dtype", kv_dtype,
                                "--json")) == 0

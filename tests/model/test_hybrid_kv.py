@@ -81,7 +81,8 @@ def test_sliding_layers_hold_only_their_window(gemma):
     prompt = prompts(3)[2]  # 70 tokens, window 8
     engine.add_request(prompt, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     engine.step()  # the whole prompt in one chunk, and the first token
-    stats = engine.stats()
+    typed = engine.stats()
+    stats = typed.as_dict()
     num_tokens = len(prompt)
     assert stats["num_pages_used"] == -(-num_tokens // 4)
     assert stats["window_pool"]["num_pages_used"] == 3  # positions 63..69 (window 8) on pages 15..17
@@ -90,7 +91,7 @@ def test_sliding_layers_hold_only_their_window(gemma):
     assert stats["kv_bytes_used"] == kv_bytes_for_tokens(cfg, kv_dtype, num_tokens, 4)
     assert stats["kv_bytes_used"] < kv_bytes_for_tokens(cfg, kv_dtype, num_tokens, 4, hybrid=False) / 2
     metrics = EngineMetrics("tiny")
-    metrics.observe(stats)
+    metrics.observe(typed)
     text = metrics.render().decode()
     usage = stats["window_kv_cache_usage_perc"]
     assert usage == 3 / stats["window_num_pages_total"] > 0
@@ -98,7 +99,7 @@ def test_sliding_layers_hold_only_their_window(gemma):
     assert f'kvserve:kv_cache_used_bytes{{model_name="tiny"}} {float(stats["kv_bytes_used"])}' in text
     while engine.has_unfinished():
         engine.step()
-    assert engine.stats()["window_pool"]["num_pages_used"] == 0
+    assert engine.stats().cache.window.num_pages_used == 0
 
 
 def test_a_window_cut_hit_is_explained(gemma):

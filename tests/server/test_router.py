@@ -132,11 +132,14 @@ def test_namespaces_match_the_servers_derivation():
 
 
 def test_load_is_read_from_a_real_metrics_page():
+    from kvserve.cache.stats import CacheStats
+    from kvserve.engine_stats import EngineStats
     from kvserve.metrics import EngineMetrics
+    from kvserve.scheduler import SchedulerCounts
 
     metrics = EngineMetrics("m")
-    metrics.observe({"num_requests_running": 3, "num_requests_waiting": 2,
-                     "kv_cache_usage_perc": 0.25})
+    metrics.observe(EngineStats(CacheStats(kv_cache_usage_perc=0.25),
+                                SchedulerCounts(num_requests_running=3, num_requests_waiting=2)))
     assert parse_load(metrics.render().decode()) == {
         "num_requests_running": 3.0, "num_requests_waiting": 2.0, "kv_cache_usage_perc": 0.25}
 

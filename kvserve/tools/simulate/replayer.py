@@ -1,15 +1,15 @@
 """Replay a trace through the server's own `Scheduler` and `KVCacheManager`, with a virtual clock in
 place of the model, so the hit rates reported are the ones the server would get.
 
-One step of the replay is one engine step without the model:
+One step of the replay is the engine's step (step.run_step) with this replay as its executor:
 
     arrivals up to the clock ─► scheduler.add
-    scheduler.schedule() ─► the clock advances by the service model's time for the step's tokens
-                        ─► scheduler.update(out, sampled, now)   sampled: synthetic ids, unique per
-                                                                 request (never shared), EOS ignored
+    run_step: scheduler.schedule() ─► execute: the clock advances by the service model's time for the
+              step's tokens; sampled: synthetic ids, unique per request (never shared), EOS ignored
+              ─► scheduler.update(out, sampled, now) (commits, leases) ─► the tiers' page moves
 
-Without arrivals the trace is replayed one request at a time. Page copies are not applied: there is no
-KV data, only the cache's bookkeeping.
+Without arrivals the trace is replayed one request at a time. Page moves carry no KV data, only the
+cache's bookkeeping.
 """
 
 from __future__ import annotations
@@ -18,17 +18,17 @@ import math
 from collections import deque
 from dataclasses import dataclass, field, fields
 
-from kvserve.batch import SampledToken
+from kvserve.batch import PageOps, SampledToken, SchedulerOutput, StepResult
 from kvserve.cache.hashing import split_namespace
 from kvserve.cache.manager import KVCacheManager
 from kvserve.config import EngineConfig
 from kvserve.request import Request, SamplingParams
-from kvserve.scheduler import Scheduler
+from kvserve.scheduler import ADMISSION_AGE_BOUND_S, ADMISSION_SCAN_LIMIT, Scheduler
+from kvserve.step import run_step
 from kvserve.tools.simulate.requests import SimRequest, pages_needed, unbounded_pages
 
 GENERATED_ID_BASE = 1 << 40  # synthetic generated-token ids: above any vocabulary, unique per request
 _ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
-_SCAN_LIMIT = 256  # waiting requests checked per step, as the scheduler's admission scan
 
 
 @dataclass(slots=True)
@@ -50,7 +50,7 @@ class SchedulerLimits:
 
     max_num_seqs: int = _ENGINE_DEFAULTS["max_num_seqs"]
     max_num_batched_tokens: int = _ENGINE_DEFAULTS["max_num_batched_tokens"]
-    admission_age_bound_s: float = 10.0  # the Scheduler's default
+    admission_age_bound_s: float = ADMISSION_AGE_BOUND_S
 
 
 @dataclass(slots=True)
@@ -120,6 +120,7 @@ class _Replay:
         self.stride = max((r.num_generated for r in requests), default=0) + 1
         self.partial = self.peak = self.num_steps = 0
         self.waited: set[str] = set()
+        self._waiting: set[str] = set()  # waiting when the step began
         self.unservable: list[str] = []
 
     def run(self) -> None:
@@ -148,22 +149,27 @@ class _Replay:
                                    tenant=tenant, cache_salt=salt, arrival_time=self.clock.now))
 
     def _step(self) -> None:
+        """One step.run_step, the engine's own, with this replay as its executor."""
         scheduler = self.scheduler
-        waiting = {r.request_id for r in scheduler.waiting}
-        out = scheduler.schedule()
+        self._waiting = {r.request_id for r in scheduler.waiting}
+        step = run_step(scheduler, self, self.clock)
         self.num_steps += 1
-        self.waited.update(out.preempted)
-        if not out.seqs:
-            if not scheduler.running:
-                self._drop_unadmittable()
-            return
+        self.waited.update(step.out.preempted)
+        if not step.out.seqs and not scheduler.running:
+            self._drop_unadmittable()
+
+    # -- the executor: a virtual clock in place of the model (step.Executor) ---------------------
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """The step's time by the service model; sampled tokens unique per request (EOS ignored);
+        no KV data (page moves carry empty payloads)."""
+        scheduler = self.scheduler
         self.peak = max(self.peak, self.manager.num_used_pages)
         self._note_short_of_pages(out.num_tokens, len(out.seqs))
         num_prompt = num_decode = 0
         sampled: list[SampledToken | None] = []
         for seq in out.seqs:
             request = scheduler.requests[seq.request_id]
-            if seq.request_id in waiting:  # admitted now: it starts at its prefix hit
+            if seq.request_id in self._waiting:  # admitted now: it starts at its prefix hit
                 self.partial += seq.start_pos % self.manager.page_size
             if seq.start_pos >= request.num_prompt_tokens and len(seq.token_ids) == 1:
                 num_decode += 1  # (a recompute after preemption runs at the prefill rate)
@@ -171,7 +177,10 @@ class _Replay:
                 num_prompt += len(seq.token_ids)
             sampled.append(SampledToken(self._next_token(request)) if seq.need_sample else None)
         self.clock.now += self.service.step_seconds(num_prompt, num_decode)
-        scheduler.update(out, sampled, self.clock.now)
+        return StepResult(sampled, self.apply_page_ops(out.page_ops))
+
+    def apply_page_ops(self, ops: PageOps) -> list[bytes]:
+        return [b""] * len(ops.saves)
 
     def _next_token(self, request: Request) -> int:
         return GENERATED_ID_BASE + self.index[request.request_id] * self.stride + request.num_output_tokens
@@ -192,7 +201,7 @@ class _Replay:
         if budget <= 0 or num_seqs >= self.limits.max_num_seqs:
             return
         for i, request in enumerate(self.scheduler.waiting):
-            if i == _SCAN_LIMIT:
+            if i == ADMISSION_SCAN_LIMIT:
                 break
             if request.request_id not in self.waited and self._first_chunk_is_short(request, budget)[0]:
                 self.waited.add(request.request_id)

@@ -23,7 +23,7 @@ class LeaseRefusal:
     PREFIX_CACHE_OFF = "prefix_cache_off"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Breakpoint:
     """A cache breakpoint (Anthropic's `cache_control`, `kv_retention`, a named cache): keep the
     prompt's first `num_tokens` cached for `ttl_s` seconds after its last read."""

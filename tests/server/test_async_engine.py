@@ -11,7 +11,9 @@ from types import SimpleNamespace
 import pytest
 
 from kvserve.async_engine import AsyncEngine, EngineDeadError
+from kvserve.engine_stats import EngineStats
 from kvserve.request import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+from kvserve.scheduler import SchedulerCounts
 
 
 class StandInEngine:
@@ -54,7 +56,7 @@ class StandInEngine:
         return self._output(request_id, r, "abort")
 
     def stats(self):
-        return {"num_requests_running": len(self.scheduler.requests)}
+        return EngineStats(scheduler=SchedulerCounts(num_requests_running=len(self.scheduler.requests)))
 
     @staticmethod
     def _output(rid, r, reason):

@@ -222,9 +222,9 @@ def test_prefill_decode_split_through_the_proxy_matches_one_instance(pair, redis
             messages, SamplingParams(max_tokens=12))[0].outputs[0].text
         assert chat.usage.prompt_tokens_details.cached_tokens == cacheable(chat.usage.prompt_tokens)
 
-        stats = decode.stats()
+        stats = decode.stats().as_dict()
         assert stats["remote_cache_hits"] >= 300 // PAGE and stats["remote_cache_errors"] == 0
-        assert prefill.stats()["generation_tokens"] == 3  # one token per request, then done
+        assert prefill.stats().as_dict()["generation_tokens"] == 3  # one token per request, then done
     prefill.close()
     decode.close()
 

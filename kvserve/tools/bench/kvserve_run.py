@@ -43,7 +43,7 @@ def run_kvserve(spec: RunSpec, report: Reporter) -> dict:
     queries = after.cache.prefix_cache_queries - before.cache.prefix_cache_queries
     requests = [{"output_token_ids": list(o.outputs[0].token_ids), "ttft_s": o.metrics.ttft_s,
                  "e2e_s": o.metrics.e2e_s, "cached_tokens": o.num_cached_tokens} for o in (done[i] for i in ids)]
-    return {"wall_s": wall, "load_s": load_s, "requests": requests, "kv_bytes": after["kv_cache_bytes"],
+    return {"wall_s": wall, "load_s": load_s, "requests": requests, "kv_bytes": after.kv_cache_bytes,
             "kv_bytes_used_peak": peak_pages * engine.runner.page_bytes,
             "prefix_hit_rate": (after.cache.prefix_cache_hits - before.cache.prefix_cache_hits) / queries if queries else 0.0}
 

@@ -53,7 +53,7 @@ def run_engine(trace: list[TraceRequest]) -> dict:
     while engine.has_unfinished():
         engine.step()
     assert engine.manager.num_used_pages == 0
-    return engine.stats()
+    return engine.stats().as_dict()
 
 
 @pytest.mark.slow

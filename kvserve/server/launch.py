@@ -10,6 +10,7 @@ the tier writer is flushed, and the process exits 0.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import re
@@ -118,6 +119,10 @@ def serve(args: argparse.Namespace) -> int:
         engine.event_publisher.set_topic(fill_topic(
             engine.config.kv_events_topic, pod_ip=pod_ip(engine.config.kv_events_endpoint),
             port=args.port, model=args.served_model_name or default_model_name(engine)))
+    # what start-up built (model, tokenizer, pools) lives as long as the server: kept out of the
+    # collector's full passes, which otherwise rescan it and stall the event loop
+    gc.collect()
+    gc.freeze()
     drain = _Drain(app, args.shutdown_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)

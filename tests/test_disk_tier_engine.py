@@ -5,6 +5,7 @@ of IDENTITY_MODES."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -48,3 +49,38 @@ def test_a_corrupted_page_on_disk_is_recomputed_not_served(tmp_path, dtype):
     assert stats["disk_cache_corrupt_pages"] == 1
     assert warm.num_cached_tokens == 5 * 16  # the pages before the bad one; the rest recomputed
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+
+
+@pytest.fixture
+def small_mount(tmp_path):
+    """A 64 MiB tmpfs of its own, so that it can be remounted read-only (a disk gone read-only)."""
+    mount = tmp_path / "tier"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+@pytest.mark.slow
+def test_a_corrupt_page_on_a_read_only_disk_tier_is_a_counted_miss_never_a_failed_step(small_mount):
+    """The disk turns read-only after a run: a corrupt page can no longer be deleted and the
+    recomputed pages can no longer be written. Each is counted; the answer is the cold one."""
+    cold, _, disk = run_once(small_mount, "float32")
+    victim = disk.file_of(page_hashes(PROMPT, 16, "")[5])
+    raw = bytearray(victim.read_bytes())
+    raw[-100] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    subprocess.run(["mount", "-o", "remount,ro", str(small_mount)], check=True)
+    with pytest.raises(OSError):
+        (small_mount / "probe").write_bytes(b"x")  # it really is read-only
+    warm, stats, _ = run_once(small_mount, "float32")
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert warm.num_cached_tokens == 5 * 16  # the pages before the bad one still serve
+    assert stats["disk_cache_corrupt_pages"] == 1
+    assert stats["disk_cache_errors"] >= 2  # the undeletable bad file and the refused rewrites
+    assert victim.exists()  # left where it is, but out of the index
+    again, stats, _ = run_once(small_mount, "float32")  # a third engine: same answer again
+    assert again.outputs[0].token_ids == cold.outputs[0].token_ids

@@ -181,7 +181,7 @@ class DiskTier:
             self._index[page_hash] = None
             victims = self._make_room()
         for victim in victims:  # a queued write of a victim sees it gone and skips itself
-            self.file_of(victim).unlink(missing_ok=True)
+            self._remove(self.file_of(victim))
             self._evicted(victim)
         if self.on_store is not None and page_hash not in victims:
             self._tell(self.on_store, page_hash)
@@ -262,7 +262,7 @@ class DiskTier:
             with self._lock:
                 self.stats.corrupt += 1
             self._forget(page_hash)
-            path.unlink(missing_ok=True)
+            self._remove(path)
         return payload
 
     def _check(self, page_hash: bytes, raw: bytes) -> bytes | None:
@@ -282,6 +282,16 @@ class DiskTier:
         tag = self.sealer.tag(self.layout, page_hash, memoryview(data))
         return HEADER.pack(MAGIC, VERSION, self.sealer.algorithm, len(data), len(page_hash),
                            page_hash, tag) + data
+
+    def _remove(self, path: Path) -> None:
+        """Delete a page file; on a read-only or failing disk the file stays (it is out of the index,
+        so never read again) and the error is counted: a tier fault is a miss, never a failed step."""
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as err:
+            log.warning("cannot delete disk page %s: %s", path, err)
+            with self._lock:
+                self.stats.errors += 1
 
     def _forget(self, page_hash: bytes) -> None:
         with self._lock:
@@ -316,7 +326,7 @@ class DiskTier:
                 continue
             if stat.st_size != self.file_bytes:
                 self.stats.corrupt += 1
-                path.unlink(missing_ok=True)
+                self._remove(path)
                 continue
             found.append((stat.st_mtime, page_hash))
         for _, page_hash in sorted(found):
@@ -324,7 +334,7 @@ class DiskTier:
         self.stats.loaded = len(self._index)
         while len(self._index) > self.capacity_pages:  # the budget shrank since the last run
             victim, _ = self._index.popitem(last=False)
-            self.file_of(victim).unlink(missing_ok=True)
+            self._remove(self.file_of(victim))
             self.stats.evictions += 1
 
     def _write_loop(self) -> None:
@@ -350,7 +360,8 @@ class DiskTier:
             tmp.write_bytes(self._pack(page_hash, data))
             os.replace(tmp, path)
         except OSError as err:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # (a read-only disk never made it)
+                tmp.unlink(missing_ok=True)
             log.warning("cannot write disk page %s: %s", path, err)
             with self._lock:
                 self.stats.errors += 1
@@ -361,4 +372,4 @@ class DiskTier:
                 del self._pending[page_hash]
                 self.stats.writes += 1
             elif page_hash not in self._index:  # evicted while writing: its delete may have run
-                path.unlink(missing_ok=True)
+                self._remove(path)

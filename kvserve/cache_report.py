@@ -35,6 +35,7 @@ class TenantStats:
 
 @dataclass(slots=True)
 class PrefixStats:
+    tenant: str  # whose requests made it (a prefix is per namespace), never folded into "other"
     requests: int = 0
     cached_tokens: int = 0  # summed over the requests that hit it
     longest: int = 0  # longest prompt prefix cached under it (tokens)
@@ -62,7 +63,7 @@ class CacheReporter:
     def first_token(self, request: Request) -> None:
         """A request's prompt is computed: its cached prefix is known."""
         self.admitted += 1
-        label = tenant_of(request.namespace) or "default"
+        tenant = label = tenant_of(request.namespace) or "default"
         if label not in self.tenants and len(self.tenants) >= MAX_TENANTS:
             label = "other"
         stats = self.tenants.setdefault(label, TenantStats())
@@ -72,7 +73,7 @@ class CacheReporter:
         self.recent.append((_Prompt(request.prompt_token_ids, request.namespace), request.num_cached_tokens))
         if request.num_prompt_tokens >= self.page_size:
             key = first_page_key(request.prompt_token_ids, self.page_size) + request.namespace.encode()
-            prefix = self.prefixes.pop(key, None) or PrefixStats()
+            prefix = self.prefixes.pop(key, None) or PrefixStats(tenant)
             prefix.requests += 1
             prefix.cached_tokens += request.num_cached_tokens
             prefix.longest = max(prefix.longest, request.num_cached_tokens)
@@ -90,19 +91,20 @@ class CacheReporter:
             self.usage.popleft()
 
     # -- the report ----------------------------------------------------------------------------
-    def report(self, stats: EngineStats, page_states: str) -> dict[str, Any]:
+    def report(self, stats: EngineStats, page_states: str, tenant: str | None = None) -> dict[str, Any]:
+        """The whole report (the operator's view), or with `tenant` (an API key's namespace, "" for
+        none) only what that tenant's own requests made: its hit rate and prefixes, nothing of the
+        others' (neither their names nor the pool's state, which their traffic shapes)."""
+        if tenant is not None:
+            return self.tenant_report(tenant or "default")
         queries, hits = stats.cache.prefix_cache_queries, stats.cache.prefix_cache_hits
         hit_rate = hits / queries if queries else 0.0
         counts = Counter(page_states[1:])
-        prefixes = [{"prefix_id": key[:8].hex(), "requests": p.requests, "cached_tokens": p.cached_tokens,
-                     "longest_cached_tokens": p.longest, "bytes": int(p.longest * self.bytes_per_token)}
-                    for key, p in self.prefixes.items()]
         report = {
+            "scope": "all",
             "hit_rate": hit_rate, "prefix_cache_queries": queries, "prefix_cache_hits": hits,
-            "tenants": {name: {**vars_of(t), "hit_rate": t.cached_tokens / t.prompt_tokens if t.prompt_tokens else 0.0}
-                        for name, t in self.tenants.items()},
-            "top_prefixes_by_reuse": sorted(prefixes, key=lambda p: -p["requests"])[:10],
-            "top_prefixes_by_bytes": sorted(prefixes, key=lambda p: -p["bytes"])[:10],
+            "tenants": {name: tenant_view(t) for name, t in self.tenants.items()},
+            **self.top_prefixes(self.prefixes.items()),
             "pages": {"free": counts[PAGE_FREE], "cached": counts[PAGE_CACHED], "used": counts[PAGE_USED],
                       "shared": counts[PAGE_SHARED], "leased": counts[PAGE_LEASED]},
             "thrash_pages": stats.num_thrash_pages,  # evicted and committed again within a minute
@@ -111,6 +113,27 @@ class CacheReporter:
         }
         report["advice"] = self.advice(hit_rate, stats)
         return report
+
+    def tenant_report(self, label: str) -> dict[str, Any]:
+        own = self.tenants.get(label, TenantStats())
+        view = tenant_view(own)
+        return {"scope": "tenant", "hit_rate": view["hit_rate"], "tenants": {label: view},
+                **self.top_prefixes((k, p) for k, p in self.prefixes.items() if p.tenant == label),
+                "advice": self.quantized_advice()}
+
+    def top_prefixes(self, items) -> dict[str, list[dict[str, Any]]]:
+        prefixes = [{"prefix_id": key[:8].hex(), "requests": p.requests, "cached_tokens": p.cached_tokens,
+                     "longest_cached_tokens": p.longest, "bytes": int(p.longest * self.bytes_per_token)}
+                    for key, p in items]
+        return {"top_prefixes_by_reuse": sorted(prefixes, key=lambda p: -p["requests"])[:10],
+                "top_prefixes_by_bytes": sorted(prefixes, key=lambda p: -p["bytes"])[:10]}
+
+    def quantized_advice(self) -> list[dict[str, Any]]:
+        if self.kv_dtype not in QUANTIZED_KV:
+            return []
+        return [{"kind": "quantized_kv", "message": (
+            f"KV cache in {self.kv_dtype}: measure its perplexity drift and greedy agreement with "
+            f"`kvserve eval-kv --kv-cache-dtype {self.kv_dtype}`")}]
 
     def advice(self, hit_rate: float, stats: EngineStats) -> list[dict[str, Any]]:
         advice = []
@@ -134,12 +157,10 @@ class CacheReporter:
                                             self.most_preempted >= 2 else "")
                 + f": lower --max-num-seqs to {max(1, int(running * 0.7 / usage))} or raise "
                   f"--kv-cache-memory to about {int(memory * usage / 0.7) / 2**30:.2f}GiB")})
-        if self.kv_dtype in QUANTIZED_KV:
-            advice.append({"kind": "quantized_kv", "message": (
-                f"KV cache in {self.kv_dtype}: measure its perplexity drift and greedy agreement with "
-                f"`kvserve eval-kv --kv-cache-dtype {self.kv_dtype}`")})
-        return advice
+        return advice + self.quantized_advice()
 
 
-def vars_of(stats: TenantStats) -> dict[str, int]:
-    return {"requests": stats.requests, "prompt_tokens": stats.prompt_tokens, "cached_tokens": stats.cached_tokens}
+def tenant_view(stats: TenantStats) -> dict[str, Any]:
+    return {"requests": stats.requests, "prompt_tokens": stats.prompt_tokens,
+            "cached_tokens": stats.cached_tokens,
+            "hit_rate": stats.cached_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0}

@@ -219,8 +219,9 @@ class LLMEngine:
     def decode(self, token_ids: list[int]) -> str:
         return self.outputs.decode(token_ids)
 
-    def cache_report(self) -> dict[str, Any]:
-        return self.reporter.report(self.stats(), self.manager.page_states())
+    def cache_report(self, tenant: str | None = None) -> dict[str, Any]:
+        """The whole report, or (`tenant`: an API key's namespace) that tenant's part only."""
+        return self.reporter.report(self.stats(), self.manager.page_states(), tenant)
 
     # -- leases by id (named caches) -----------------------------------------------------------
     def lease_info(self, tenant: str, lease_id: str) -> LeaseInfo | None:

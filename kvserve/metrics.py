@@ -8,10 +8,17 @@ told another name (llm-d's endpoint picker reads `vllm:num_requests_waiting`, `.
 fed from the engine loop: `observe(stats, outputs)` after every step turns the engine's cumulative
 counters (`LLMEngine.stats()`, a typed EngineStats read field by field) into counter increments and observes the latency histograms of the
 requests that finished in that step.
+
+/metrics is open (no key), so a tenant's series is labelled with a keyed hash of its namespace
+(HMAC-SHA256 under a server secret): nobody holding an API key can compute another's label, or its
+own, from the key; `tenant_labels="off"` drops the per-tenant series altogether.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
 import threading
 import time
 from collections.abc import Iterable
@@ -25,6 +32,8 @@ from kvserve.request import RequestOutput
 
 PREFIX = "kvserve:"
 PREFIXES = ("kvserve", "vllm")
+TENANT_LABEL_MODES = ("keyed", "off")
+PLAIN_TENANT_LABELS = ("default", "other")  # no key behind them
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # vLLM's buckets, so quantiles line up with a vLLM deployment's.
@@ -113,11 +122,17 @@ class EngineMetrics:
     """The server's Prometheus collectors in a registry of their own."""
 
     def __init__(self, model_name: str, *, prefix: str = "kvserve",
-                 cache_config: dict[str, str] | None = None) -> None:
+                 cache_config: dict[str, str] | None = None, tenant_labels: str = "keyed",
+                 tenant_secret: bytes | None = None) -> None:
         """`cache_config`: the labels of `cache_config_info` (vLLM's CacheConfig names:
-        block_size, num_gpu_blocks, cache_dtype, ...)."""
+        block_size, num_gpu_blocks, cache_dtype, ...). `tenant_secret`: the HMAC key of the tenant
+        labels (random per process unless given, so that replicas and restarts can agree)."""
         if prefix not in PREFIXES:
             raise ValueError(f"--metrics-name-prefix is kvserve or vllm, not {prefix!r}")
+        if tenant_labels not in TENANT_LABEL_MODES:
+            raise ValueError(f"--metrics-tenant-labels is keyed or off, not {tenant_labels!r}")
+        self.tenant_labels = tenant_labels
+        self._tenant_secret = tenant_secret or secrets.token_bytes(32)
         self.registry = CollectorRegistry()
         self.model_name = model_name
         p = prefix + ":"
@@ -173,19 +188,29 @@ class EngineMetrics:
                 self._seen[path] = value
             for name, (path, _) in GAUGES.items():
                 self.gauges[name].set(read(stats, path))
-            for name, (path, _) in TENANT_COUNTERS.items():
-                for tenant, value in getattr(stats, path).items():
-                    seen = f"{path}:{tenant}"
-                    delta = value - self._seen.get(seen, 0)
-                    if delta > 0:
-                        self.tenant_counters[name].labels(*self._base, tenant).inc(delta)
-                    self._seen[seen] = value
-            for tenant, pages in stats.cache.cached_pages_per_tenant.items():
-                self.tenant_pages.labels(*self._base, tenant or "default").set(pages)
+            if self.tenant_labels != "off":
+                self._observe_tenants(stats)
             self.lora_info.set(time.time())
         for output in outputs:
             if output.finished:
                 self.observe_finished(output)
+
+    def _observe_tenants(self, stats: EngineStats) -> None:
+        for name, (path, _) in TENANT_COUNTERS.items():
+            for tenant, value in getattr(stats, path).items():
+                seen = f"{path}:{tenant}"
+                delta = value - self._seen.get(seen, 0)
+                if delta > 0:
+                    self.tenant_counters[name].labels(*self._base, self.tenant_label(tenant)).inc(delta)
+                self._seen[seen] = value
+        for tenant, pages in stats.cache.cached_pages_per_tenant.items():
+            self.tenant_pages.labels(*self._base, self.tenant_label(tenant or "default")).set(pages)
+
+    def tenant_label(self, tenant: str) -> str:
+        """The /metrics label of a tenant (the cache report's name for it)."""
+        if tenant in PLAIN_TENANT_LABELS:
+            return tenant
+        return "t-" + hmac.new(self._tenant_secret, tenant.encode(), hashlib.sha256).hexdigest()[:16]
 
     def observe_finished(self, output: RequestOutput) -> None:
         metrics = output.metrics

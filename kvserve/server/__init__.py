@@ -22,6 +22,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="API keys, one per line (blank lines and # comments skipped), same "
                              "meaning as --api-key; $KVSERVE_API_KEYS adds keys separated by "
                              "commas or whitespace")
+    parser.add_argument("--admin-api-key-file", default=None, metavar="FILE",
+                        help="admin keys, one per line: valid API keys that also see across "
+                             "tenants (the whole /v1/cache/report; other keys see their own part)")
     parser.add_argument("--max-request-bytes", type=_positive_int, default=4 << 20, metavar="N",
                         help="larger request bodies get a 413 before parsing (default 4 MiB)")
     parser.add_argument("--request-read-timeout", type=float, default=30.0, metavar="S",
@@ -52,6 +55,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="vllm: /metrics under vLLM's names and labels (vllm:num_requests_waiting, "
                              "...), for scrapers that cannot be configured (llm-d's default picker); "
                              "`kvserve router` reads the kvserve names")
+    parser.add_argument("--metrics-tenant-labels", default="keyed", choices=["keyed", "off"],
+                        help="keyed: per-tenant /metrics series labelled by an HMAC of the tenant "
+                             "under a server secret (the admin's /v1/cache/report maps them); off: "
+                             "no per-tenant series")
+    parser.add_argument("--metrics-tenant-secret-file", default=None, metavar="FILE",
+                        help="the HMAC secret of the tenant labels (at least 16 bytes), so that "
+                             "restarts and replicas label a tenant alike (default: random per start)")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
     add_engine_arguments(parser)

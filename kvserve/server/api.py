@@ -48,16 +48,19 @@ STATS_KEYS = ("kv_cache_usage_perc", "cpu_cache_usage_perc", "num_pages_total", 
 
 def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
               api_keys: list[str] | None = None, shared_cache_namespace: bool = False,
+              admin_api_keys: list[str] | None = None,
               extra_model_names: list[str] | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_waiting_requests: int = 0,
               max_requests_per_tenant: int = 0, metrics_name_prefix: str = "kvserve",
+              metrics_tenant_labels: str = "keyed", metrics_tenant_secret: bytes | None = None,
               read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
               max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED) -> FastAPI:
     owns_engine = isinstance(engine, LLMEngine)
     llm_engine = engine if owns_engine else engine.engine
     model_name = model_name or default_model_name(llm_engine)
     metrics = EngineMetrics(model_name, prefix=metrics_name_prefix,
-                            cache_config=cache_config_labels(llm_engine))
+                            cache_config=cache_config_labels(llm_engine),
+                            tenant_labels=metrics_tenant_labels, tenant_secret=metrics_tenant_secret)
     if owns_engine:
         async_engine = AsyncEngine(engine, on_step=metrics.observe)
     else:
@@ -67,7 +70,7 @@ def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
     names = [model_name, *(n for n in extra_model_names or [] if n and n != model_name)]
     door = FrontDoor(async_engine, Admission(max_waiting_requests, max_requests_per_tenant))
     serving = OpenAIServing(door, names)
-    keys = ApiKeys(api_keys, shared_cache_namespace)
+    keys = ApiKeys(api_keys, shared_cache_namespace, admin_api_keys)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -101,6 +104,9 @@ def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
             raise APIError(INVALID_KEY, 401, "invalid_request_error", None, "invalid_api_key")
         return found
 
+    async def is_admin(request: Request) -> bool:
+        return keys.is_admin({k.lower(): v for k, v in request.headers.items()})
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request, ns: str = Depends(namespace)):
         return _respond(await serving.completions(body, raw, ns))
@@ -118,7 +124,8 @@ def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
              "root": names[0], "max_model_len": async_engine.engine.max_model_len}
             for name in names]}
 
-    app.include_router(kv_routes(door, namespace, bool(keys) and not shared_cache_namespace))
+    app.include_router(kv_routes(door, namespace, bool(keys) and not shared_cache_namespace, is_admin,
+                                 metrics.tenant_label))
 
     if hidden:
         @app.get("/openapi.json", include_in_schema=False)

@@ -40,10 +40,15 @@ def key_namespace(api_key: str) -> str:
 
 
 class ApiKeys:
-    """The server's keys and the cache namespace of each ("" for all when they share one)."""
+    """The server's keys and the cache namespace of each ("" for all when they share one). Admin keys
+    (`--admin-api-key-file`) are keys too, with a namespace of their own, and also see what spans
+    tenants (the whole cache report)."""
 
-    def __init__(self, keys: list[str] | None, shared_namespace: bool = False) -> None:
-        self.namespaces = {k: ("" if shared_namespace else key_namespace(k)) for k in keys or []}
+    def __init__(self, keys: list[str] | None, shared_namespace: bool = False,
+                 admin_keys: list[str] | None = None) -> None:
+        every = list(dict.fromkeys([*(keys or []), *(admin_keys or [])]))
+        self.namespaces = {k: ("" if shared_namespace else key_namespace(k)) for k in every}
+        self.admin_keys = list(admin_keys or [])
 
     def __bool__(self) -> bool:
         return bool(self.namespaces)
@@ -52,12 +57,22 @@ class ApiKeys:
         """The namespace of the key in `Authorization: Bearer` or `x-api-key`; None if no valid key."""
         if not self.namespaces:
             return ""
+        key = self._match(headers, self.namespaces)
+        return None if key is None else self.namespaces[key]
+
+    def is_admin(self, headers: dict[str, str]) -> bool:
+        """Whether the request may see across tenants: an admin key, or a server without keys
+        (whose one user is its operator)."""
+        return not self.namespaces or self._match(headers, self.admin_keys) is not None
+
+    @staticmethod
+    def _match(headers: dict[str, str], keys) -> str | None:
         scheme, _, token = headers.get("authorization", "").partition(" ")
         bearer = token.strip() if scheme.lower() == "bearer" else ""
         for token in filter(None, (bearer, headers.get("x-api-key", "").strip())):
-            for key, namespace in self.namespaces.items():
+            for key in keys:
                 if hmac.compare_digest(token.encode(), key.encode()):
-                    return namespace
+                    return key
         return None
 
 

@@ -26,7 +26,8 @@ class TokenizeRequest(BaseModel):
 
 
 def kv_routes(door: FrontDoor, namespace: Callable[..., Awaitable[str]],
-              namespace_by_api_key: bool) -> APIRouter:
+              namespace_by_api_key: bool, is_admin: Callable[..., Awaitable[bool]],
+              metrics_label: Callable[[str], str]) -> APIRouter:
     router = APIRouter()
     async_engine = door.engine
     engine = async_engine.engine
@@ -46,9 +47,14 @@ def kv_routes(door: FrontDoor, namespace: Callable[..., Awaitable[str]],
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
 
     @router.get("/v1/cache/report")
-    async def cache_report(ns: str = Depends(namespace)):
-        """Hit rates, top prefixes, pages by state, thrash, preemptions, and advice (cache_report.py)."""
-        return await async_engine.call(engine.cache_report)
+    async def cache_report(ns: str = Depends(namespace), admin: bool = Depends(is_admin)):
+        """Hit rates, top prefixes, pages by state, thrash, preemptions, and advice (cache_report.py):
+        all of it to an admin key (or a server without keys), a tenant's own part to other keys."""
+        report = await async_engine.call(lambda: engine.cache_report(None if admin else ns))
+        if admin:  # which /metrics series is whose (the labels are keyed hashes)
+            for tenant, view in report["tenants"].items():
+                view["metrics_label"] = metrics_label(tenant)
+        return report
 
     @router.get("/v1/kv_events_endpoint")
     async def kv_events_endpoint(ns: str = Depends(namespace)):

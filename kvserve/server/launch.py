@@ -29,19 +29,37 @@ def load_api_keys(args: argparse.Namespace) -> list[str]:
     """--api-key, then --api-key-file (one per line), then $KVSERVE_API_KEYS; duplicates once."""
     keys = list(args.api_key or [])
     if args.api_key_file:
-        try:
-            lines = Path(args.api_key_file).read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as err:
-            raise ValueError(f"cannot read --api-key-file {args.api_key_file}: {err}") from None
-        file_keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
-        if not file_keys:
-            raise ValueError(f"--api-key-file {args.api_key_file} holds no key; put one per line")
-        keys += file_keys
+        keys += read_key_file(args.api_key_file, "--api-key-file")
     keys += [k for k in re.split(r"[\s,]+", os.environ.get(API_KEYS_ENV, "")) if k]
     for key in keys:
         if any(ch.isspace() for ch in key):
             raise ValueError("an API key cannot contain whitespace")
     return list(dict.fromkeys(keys))
+
+
+def read_secret_file(path: str | None) -> bytes | None:
+    """--metrics-tenant-secret-file: its bytes (stripped), at least 16; None without the flag."""
+    if not path:
+        return None
+    try:
+        secret = Path(path).read_bytes().strip()
+    except OSError as err:
+        raise ValueError(f"cannot read --metrics-tenant-secret-file {path}: {err}") from None
+    if len(secret) < 16:
+        raise ValueError(f"--metrics-tenant-secret-file {path} holds {len(secret)} bytes; put at least 16")
+    return secret
+
+
+def read_key_file(path: str, flag: str) -> list[str]:
+    """Keys one per line, blank lines and # comments skipped; at least one."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"cannot read {flag} {path}: {err}") from None
+    keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not keys:
+        raise ValueError(f"{flag} {path} holds no key; put one per line")
+    return keys
 
 
 def weights_bytes(engine) -> int:
@@ -104,15 +122,19 @@ def serve(args: argparse.Namespace) -> int:
 
     setup_logging(args.log_level)
     api_keys = load_api_keys(args)
+    admin_keys = read_key_file(args.admin_api_key_file, "--admin-api-key-file") if args.admin_api_key_file else []
     engine = LLMEngine(EngineConfig(model=args.model, role=args.role, **engine_kwargs(args)))
     log.info("%s", engine_memory_promise(engine, args).line())
     app = build_app(engine, model_name=args.served_model_name, api_keys=api_keys or None,
+                    admin_api_keys=admin_keys,
                     shared_cache_namespace=args.shared_cache_namespace,
                     extra_model_names=[args.model] if args.model else None,
                     max_request_bytes=args.max_request_bytes,
                     max_waiting_requests=args.max_waiting_requests,
                     max_requests_per_tenant=args.max_requests_per_tenant,
                     metrics_name_prefix=args.metrics_name_prefix,
+                    metrics_tenant_labels=args.metrics_tenant_labels,
+                    metrics_tenant_secret=read_secret_file(args.metrics_tenant_secret_file),
                     read_timeout_s=args.request_read_timeout,
                     max_unauthenticated=args.max_unauthenticated_connections)
     if engine.event_publisher is not None:  # the topic's {pod_ip}, {port} and {model}

@@ -114,9 +114,10 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError("a prompt is a string, a list of token ids, or {'prompt_token_ids': [...]}")
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
-        """The conversation as the model's chat template renders it (BOS written as text)."""
-        return self.loaded.render_chat(messages)
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """The conversation as the model's chat template renders it (BOS written as text), with
+        the tool definitions where the template puts them."""
+        return self.loaded.render_chat(messages, tools=tools)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, tenant: str = "",

@@ -88,7 +88,10 @@ class LoadedModel:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """The chat as the model's template renders it; `tools` (transformers' shape) go into the
+        template's `tools` variable, as apply_chat_template passes them."""
         if self.chat_template is None:
             raise ConfigError(f"the model {self.path!r} has no chat template; send a plain prompt")
         vocab_size = self.tokenizer.get_vocab_size()
@@ -97,6 +100,8 @@ class LoadedModel:
             for name, i in (("bos_token", self.bos_token_id), ("eos_token", self.eos_token_id))
             if i is not None and i < vocab_size
         }
+        if tools:
+            special["tools"] = tools
         return apply_chat_template(self.chat_template, messages, add_generation_prompt, **special)
 
 

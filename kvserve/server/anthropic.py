@@ -21,11 +21,13 @@ from fastapi.responses import JSONResponse
 
 from kvserve.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from kvserve.request import RequestOutput, SamplingParams
+from kvserve.server.anthropic_blocks import BlockEvents, content_blocks
 from kvserve.server.anthropic_protocol import (MessagesRequest, ParsedChat, anthropic_error,
                                                parse_chat, parse_request)
-from kvserve.server.breakpoints import SYSTEM, RenderedChat, make_lease
+from kvserve.server.breakpoints import SYSTEM, TOOLS, RenderedChat, make_lease
 from kvserve.server.cache_diagnostics import DiagnosticsStore, PromptFingerprint, fingerprint
 from kvserve.server.protocol import APIError
+from kvserve.server.tool_parser import ToolFormat
 from kvserve.server.front import FrontDoor, sse_response
 from kvserve.server.serving import SSEResult, TextDelta, unless_disconnected
 
@@ -45,6 +47,8 @@ class Pending:
     leases_asked: bool
     diagnostics: dict[str, Any] | None  # the response's `diagnostics`, if asked for
     kv_explain: bool = False
+    tool_format: ToolFormat | None = None  # tools offered (and not tool_choice none): read calls
+    parallel_tools: bool = True
 
 
 def usage(pending: Pending, output: RequestOutput) -> dict[str, Any]:
@@ -85,7 +89,10 @@ def stop_reason(pending: Pending, output: RequestOutput, decode: Callable[[list[
 
 def message_body(pending: Pending, output: RequestOutput, decode) -> dict[str, Any]:
     reason, sequence = stop_reason(pending, output, decode)
-    content = [] if pending.is_prewarm else [{"type": "text", "text": output.outputs[0].text}]
+    content = [] if pending.is_prewarm else content_blocks(output.outputs[0].text, pending.tool_format,
+                                                            pending.parallel_tools)
+    if reason == "end_turn" and any(b["type"] == "tool_use" for b in content):
+        reason = "tool_use"
     body = {"id": pending.id, "type": "message", "role": "assistant", "model": pending.model,
             "content": content, "stop_reason": reason, "stop_sequence": sequence,
             "usage": usage(pending, output), "diagnostics": pending.diagnostics}
@@ -127,6 +134,7 @@ class MessagesService:
             raise APIError(f"model: {body.model} (this server serves {', '.join(self.model_names)})",
                            404)
         chat = parse_chat(body)
+        self.door.check_tools(chat.toolset)
         system = len(chat.system.text) if chat.system is not None else 0
         self.door.check_chars(system + sum(len(t.text) for t in chat.turns), "messages")
         return chat
@@ -136,16 +144,16 @@ class MessagesService:
         if isinstance(payload, dict):
             payload = {"max_tokens": 1, **payload}
         chat = self._parse(parse_request(payload))
-        rendered = await self.door.off_loop(lambda: self.renderer.render(chat.system, chat.turns))
+        rendered = await self.door.off_loop(lambda: self.renderer.render(chat.system, chat.turns, chat.tools))
         return {"input_tokens": len(rendered.token_ids)}
 
     def _prepare(self, body: MessagesRequest, chat: ParsedChat) -> Prepared:
         """Blocking (render, tokenize, place breakpoints): runs on the front door's threads."""
-        rendered = self.renderer.render(chat.system, chat.turns)
+        rendered = self.renderer.render(chat.system, chat.turns, chat.tools)
         n = len(rendered.token_ids)
         self.door.check_fits(n)
         offsets = (self.renderer.token_offsets(chat.system, chat.turns, rendered,
-                                               [b.ref for b in chat.breakpoints])
+                                               [b.ref for b in chat.breakpoints], chat.tools)
                    if chat.breakpoints else [])
         record = (self._fingerprint(body, chat, rendered, max(offsets, default=n))
                   if body.wants_diagnostics else None)
@@ -194,7 +202,9 @@ class MessagesService:
             raise APIError(str(err)) from None
         pending = Pending(f"msg_{uuid.uuid4().hex}", body.model, n, body.stop_sequences or [],
                           body.max_tokens == 0, max_tokens < max(body.max_tokens, 1), bool(leases),
-                          diagnosis, body.kv_explain)
+                          diagnosis, body.kv_explain,
+                          self.door.tool_format if chat.toolset.parses_calls else None,
+                          chat.toolset.choice.parallel)
         self.door.check_open()
         stream = await self._submit(rendered.token_ids, params, pending.id, namespace, leases,
                                     body.kv_explain)
@@ -205,22 +215,26 @@ class MessagesService:
     # -- steps ---------------------------------------------------------------------------------
     def _fingerprint(self, body: MessagesRequest, chat: ParsedChat, rendered: RenderedChat,
                      cacheable_tokens: int) -> PromptFingerprint | None:
-        refs = ([(SYSTEM, len(chat.system.blocks) - 1)] if chat.system and chat.system.blocks else [])
+        refs = [(TOOLS, len(chat.tools) - 1)] if chat.tools else []
+        refs += ([(SYSTEM, len(chat.system.blocks) - 1)] if chat.system and chat.system.blocks else [])
         refs += sorted({ref for ref in chat.message_ends if ref is not None})
-        ends = self.renderer.block_ends(chat.system, chat.turns, rendered, refs)
+        ends = self.renderer.block_ends(chat.system, chat.turns, rendered, refs, chat.tools)
         if ends is None:
             return None
         tokens = {ref: rendered.tokens_before(end) for ref, end in zip(refs, ends)}
-        system_end = tokens[refs[0]] if chat.system and chat.system.blocks else 0
-        message_ends, last = [], system_end
+        tools_end = tokens[(TOOLS, len(chat.tools) - 1)] if chat.tools else 0
+        system_end = tokens[(SYSTEM, len(chat.system.blocks) - 1)] if chat.system and chat.system.blocks else 0
+        message_ends, last = [], max(system_end, tools_end)
         for ref in chat.message_ends:
             last = tokens.get(ref, last)
             message_ends.append(last)
         system = chat.system.blocks if chat.system else None
-        messages = [(m.role, m.content if isinstance(m.content, str) else [b.text for b in m.content])
+        messages = [(m.role, m.content if isinstance(m.content, str) else
+                     [b.text if b.type == "text" else b.model_dump(exclude_none=True, exclude={"cache_control"})
+                      for b in m.content])
                     for m in body.messages]
-        return fingerprint(body.model, body.tools or [], system, messages, system_end, message_ends,
-                           cacheable_tokens)
+        return fingerprint(body.model, chat.tools or [], system, messages, system_end, message_ends,
+                           cacheable_tokens, tools_end=tools_end)
 
     def _diagnose(self, body: MessagesRequest, record: PromptFingerprint | None, namespace: str
                   ) -> dict[str, Any] | None:
@@ -263,6 +277,7 @@ class MessagesService:
 
     async def _events(self, pending: Pending, stream: RequestStream) -> AsyncIterator[str]:
         delta = TextDelta(pending.stop_sequences or None)
+        blocks = BlockEvents(pending.tool_format, pending.parallel_tools, delta.update)
         try:
             output = self._checked(await anext(stream))
             start = message_body(pending, output, self.decode)
@@ -270,24 +285,20 @@ class MessagesService:
             start["usage"]["output_tokens"] = 0
             start.pop("cache_lease", None)
             yield _event("message_start", {"type": "message_start", "message": start})
-            if not pending.is_prewarm:
-                yield _event("content_block_start", {"type": "content_block_start", "index": 0,
-                                                     "content_block": {"type": "text", "text": ""}})
-                yield _event("ping", {"type": "ping"})
+            yield _event("ping", {"type": "ping"})
             while True:
-                text = "" if pending.is_prewarm else delta.update(output.outputs[0].text, output.finished)
-                if text:
-                    yield _event("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                         "delta": {"type": "text_delta", "text": text}})
+                if not pending.is_prewarm:
+                    for name, payload in blocks.update(output.outputs[0].text, output.finished):
+                        yield _event(name, payload)
                 if output.finished:
                     break
                 output = self._checked(await anext(stream))
-            if not pending.is_prewarm:
-                yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
             final = message_body(pending, output, self.decode)
+            reason = final["stop_reason"]
+            if reason == "end_turn" and blocks.num_calls:
+                reason = "tool_use"
             event = {"type": "message_delta",
-                     "delta": {"stop_reason": final["stop_reason"],
-                               "stop_sequence": final["stop_sequence"]},
+                     "delta": {"stop_reason": reason, "stop_sequence": final["stop_sequence"]},
                      "usage": final["usage"]}
             if pending.leases_asked:
                 event["cache_lease"] = final["cache_lease"]

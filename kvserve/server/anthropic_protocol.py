@@ -1,8 +1,10 @@
-"""The Anthropic Messages API request schema (text blocks, `cache_control`, `diagnostics`), its error
-body, and the chat and breakpoints a request describes.
+"""The Anthropic Messages API request schema (text, `tool_use` and `tool_result` blocks, `tools`,
+`tool_choice`, `cache_control`, `diagnostics`), its error body, and the chat and breakpoints a request
+describes (a `cache_control` on a tool definition is a breakpoint like one on a block).
 
-Unknown fields are ignored; known ones of the wrong type, content blocks other than text, tools and
-extended thinking are a 400 in Anthropic's shape: `{"type": "error", "error": {"type", "message"}}`.
+Unknown fields are ignored; known ones of the wrong type, other content blocks (images, documents),
+server tools and extended thinking are a 400 in Anthropic's shape:
+`{"type": "error", "error": {"type", "message"}}`.
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
 
-from kvserve.server.breakpoints import SYSTEM, BlockRef, Turn
+from kvserve.server import tool_protocol as tp
+from kvserve.server.breakpoints import RESULT_BASE, SYSTEM, TOOLS, BlockRef, Turn
 from kvserve.server.protocol import APIError, Text
 
 MAX_BREAKPOINTS = 4  # Anthropic's limit on cache_control blocks
@@ -32,11 +35,56 @@ class CacheControl(BaseModel):
     ttl: Literal["5m", "1h"] = "5m"
 
 
+class ResultPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Text
+    text: Text | None = None
+
+
 class Block(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Text
     text: Text | None = None
     cache_control: CacheControl | None = None
+    id: Text | None = None  # tool_use
+    name: Text | None = None  # tool_use
+    input: dict[str, Any] | None = None  # tool_use
+    tool_use_id: Text | None = None  # tool_result
+    content: Text | list[ResultPart] | None = None  # tool_result
+    is_error: StrictBool | None = None  # tool_result
+
+    def result_text(self, where: str) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        for k, part in enumerate(self.content):
+            if part.type != "text":
+                raise APIError(f"{where}.content.{k}: tool_result content of type {part.type!r} is "
+                               "not supported; send text")
+        return "\n".join(part.text or "" for part in self.content)
+
+
+class Tool(BaseModel):
+    """A client tool definition (server tools, e.g. web search, are not served)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["custom"] | None = None
+    name: tp.ToolName
+    description: Text | None = None
+    input_schema: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+    @field_validator("input_schema")
+    @classmethod
+    def _schema(cls, value: dict[str, Any]) -> dict[str, Any]:
+        tp.check_schema(value)
+        return value
+
+
+class ToolChoiceParam(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["auto", "any", "tool", "none"]
+    name: Text | None = None
+    disable_parallel_tool_use: StrictBool = False
 
 
 class InputMessage(BaseModel):
@@ -70,8 +118,29 @@ class MessagesRequest(BaseModel):
     cache_control: CacheControl | None = None
     diagnostics: DiagnosticsParam | None = None
     kv_explain: StrictBool = False  # kvserve's own: a `kv_cache` explanation beside `usage`
-    tools: list[Any] | None = None
+    tools: Annotated[list[Tool], Field(max_length=tp.MAX_TOOLS)] | None = None
+    tool_choice: ToolChoiceParam | None = None
     thinking: dict[str, Any] | None = None
+
+    def toolset(self) -> tp.ToolSet:
+        """The tools in the neutral form both APIs render alike, and the choice; 400 for a choice
+        that names no tool."""
+        tools = tuple(tp.template_tool(t.name, t.description, t.input_schema) for t in self.tools or [])
+        choice = self.tool_choice
+        mode = {"any": "required", "tool": "named"}.get(choice.type, choice.type) if choice else (
+            "auto" if tools else "none")
+        toolset = tp.ToolSet(tools, tp.ToolChoice(mode, choice.name if choice else None,
+                                                  not (choice and choice.disable_parallel_tool_use)))
+        try:
+            names = toolset.names
+            if len(set(names)) != len(names):
+                raise ValueError("tools: tool names must be unique")
+            if mode == "named" and not toolset.choice.name:
+                raise ValueError("tool_choice.name: a tool_choice of type 'tool' needs the tool's name")
+            tp.check_choice(toolset, "tool_choice.name" if mode == "named" else "tool_choice")
+        except ValueError as err:
+            raise APIError(str(err)) from None
+        return toolset
 
     @property
     def wants_diagnostics(self) -> bool:
@@ -91,6 +160,11 @@ class ParsedChat:
     turns: list[Turn]
     breakpoints: list[Breakpoint]  # in chat order
     message_ends: list[BlockRef | None]  # per request message, its last block (None: no text)
+    toolset: tp.ToolSet = tp.ToolSet((), tp.ToolChoice("none"))
+
+    @property
+    def tools(self) -> list[dict[str, Any]] | None:
+        return self.toolset.template_tools
 
 
 def parse_request(payload: Any) -> MessagesRequest:
@@ -99,8 +173,6 @@ def parse_request(payload: Any) -> MessagesRequest:
         body = MessagesRequest.model_validate(payload)
     except ValidationError as err:
         raise APIError(_first_error(err.errors())) from None
-    if body.tools:
-        raise APIError("tools are not supported by this server; send text messages only")
     if body.thinking and body.thinking.get("type") not in (None, "disabled"):
         raise APIError("extended thinking is not supported by this server; leave `thinking` out")
     return body
@@ -109,28 +181,37 @@ def parse_request(payload: Any) -> MessagesRequest:
 def parse_chat(body: MessagesRequest) -> ParsedChat:
     """The turns to render (consecutive same-role messages merged, as Anthropic does) and the
     breakpoints: block `cache_control`s plus the top-level one on the last block."""
-    breakpoints: list[Breakpoint] = []
+    breakpoints: list[Breakpoint] = [Breakpoint((TOOLS, i), t.cache_control.ttl)
+                                      for i, t in enumerate(body.tools or []) if t.cache_control is not None]
     system = None
     if body.system is not None:
         blocks = [body.system] if isinstance(body.system, str) else body.system
-        system = Turn("system", _texts(blocks, SYSTEM, breakpoints, "system"))
+        system = Turn("system", _texts(blocks, SYSTEM, breakpoints, "system", Turn("system"), set()))
     turns: list[Turn] = []
     message_ends: list[BlockRef | None] = []
+    calls: set[str] = set()  # tool_use ids so far: a tool_result must answer one
     for m, message in enumerate(body.messages):
         if not turns or turns[-1].role != message.role:
             turns.append(Turn(message.role))
         turn = turns[-1]
         blocks = [message.content] if isinstance(message.content, str) else message.content
         found: list[Breakpoint] = []
-        texts = _texts(blocks, len(turns) - 1, found, f"messages.{m}.content")
+        num_results = len(turn.tool_results)
+        texts = _texts(blocks, len(turns) - 1, found, f"messages.{m}.content", turn, calls)
         for point in found:  # block indices within the merged turn
-            point.ref = (point.ref[0], point.ref[1] + len(turn.blocks))
+            if point.ref[1] >= 0:
+                point.ref = (point.ref[0], point.ref[1] + len(turn.blocks))
         breakpoints += found
         turn.blocks += texts
-        message_ends.append((len(turns) - 1, len(turn.blocks) - 1) if turn.blocks
+        last_result = (len(turns) - 1, RESULT_BASE + len(turn.tool_results) - 1)
+        message_ends.append((len(turns) - 1, len(turn.blocks) - 1) if texts
+                            else last_result if len(turn.tool_results) > num_results
                             else (message_ends[-1] if message_ends else None))
+    if turns[-1].tool_calls and turns[-1].role == "assistant":
+        raise APIError(f"messages.{len(body.messages) - 1}: the last message is an assistant "
+                       "tool_use; send the user turn with its tool_result")
     if body.cache_control is not None:
-        last = (len(turns) - 1, len(turns[-1].blocks) - 1) if turns[-1].blocks else None
+        last = message_ends[-1] if message_ends else None
         if last is not None and all(b.ref != last for b in breakpoints):
             breakpoints.append(Breakpoint(last, body.cache_control.ttl))
     if len(breakpoints) > MAX_BREAKPOINTS:
@@ -140,23 +221,48 @@ def parse_chat(body: MessagesRequest) -> ParsedChat:
         if earlier.ttl == "5m" and later.ttl == "1h":
             raise APIError("a cache_control ttl='1h' breakpoint must not come after a ttl='5m' one: "
                            "put the longer-lived prefix first")
-    return ParsedChat(system, turns, breakpoints, message_ends)
+    return ParsedChat(system, turns, breakpoints, message_ends, body.toolset())
 
 
 def _texts(blocks: list[Block | str], turn_index: int, breakpoints: list[Breakpoint],
-           where: str) -> list[str]:
+           where: str, turn: Turn, calls: set[str]) -> list[str]:
+    """The text blocks of one message; its tool_use blocks become the turn's calls, its tool_result
+    blocks its results (each a breakpoint place too)."""
     texts = []
     for j, block in enumerate(blocks):
         if isinstance(block, str):
             texts.append(block)
             continue
+        at = f"{where}.{j}"
+        if block.type == "tool_use":
+            if turn.role != "assistant":
+                raise APIError(f"{at}: tool_use blocks belong in assistant messages")
+            if not block.id or not block.name:
+                raise APIError(f"{at}: a tool_use block needs `id` and `name`")
+            if block.cache_control is not None:
+                raise APIError(f"{at}: cache_control on a tool_use block is not supported; put it "
+                               "on the next tool_result or text block")
+            calls.add(block.id)
+            turn.tool_calls.append(tp.template_call(block.id, block.name, block.input or {}))
+            continue
+        if block.type == "tool_result":
+            if turn.role != "user":
+                raise APIError(f"{at}: tool_result blocks belong in user messages")
+            if block.tool_use_id not in calls:
+                raise APIError(f"{at}.tool_use_id: {block.tool_use_id!r} answers no tool_use block "
+                               "of an earlier assistant message")
+            turn.tool_results.append({"tool_call_id": block.tool_use_id, "content": block.result_text(at)})
+            if block.cache_control is not None:
+                breakpoints.append(Breakpoint((turn_index, RESULT_BASE + len(turn.tool_results) - 1),
+                                              block.cache_control.ttl))
+            continue
         if block.type != "text" or block.text is None:
-            raise APIError(f"{where}.{j}: content blocks of type {block.type!r} are not supported; "
-                           "send text blocks")
+            raise APIError(f"{at}: content blocks of type {block.type!r} are not supported; "
+                           "send text, tool_use or tool_result blocks")
         if block.cache_control is not None:
             if not block.text:
-                raise APIError(f"{where}.{j}: cache_control cannot be set on an empty text block")
-            breakpoints.append(Breakpoint((turn_index, j), block.cache_control.ttl))
+                raise APIError(f"{at}: cache_control cannot be set on an empty text block")
+            breakpoints.append(Breakpoint((turn_index, len(texts)), block.cache_control.ttl))
         texts.append(block.text)
     return texts
 

@@ -26,7 +26,10 @@ if TYPE_CHECKING:
 
 BLOCK_SEPARATOR = "\n"  # text blocks of one message (or of `system`) are joined with it
 SYSTEM = -1  # the message index of the system prompt in a BlockRef
+TOOLS = -2  # ... and of the tool definitions (block index = the tool's index)
+RESULT_BASE = -10_000  # block index RESULT_BASE + k: a turn's k-th tool result (rendered before its text)
 _MARKERS = ("\x00", "\x01", "\ue000", "\ue001", "\U000f0000")
+_JSON_MARKERS = _MARKERS[2:]  # kept verbatim by tojson (ensure_ascii off), as tool JSON needs
 TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
 
 
@@ -34,10 +37,22 @@ TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
 class Turn:
     role: str  # "system" | "user" | "assistant"
     blocks: list[str] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # assistant: template-shaped calls
+    tool_results: list[dict[str, Any]] = field(default_factory=list)  # user: {"tool_call_id", "content"}
 
     @property
     def text(self) -> str:
         return BLOCK_SEPARATOR.join(self.blocks)
+
+    def messages(self) -> list[dict[str, Any]]:
+        """The template's messages for this turn: tool results first (role "tool"), then the text."""
+        out: list[dict[str, Any]] = [{"role": "tool", "content": r["content"], "tool_call_id": r["tool_call_id"]}
+                                     for r in self.tool_results]
+        if self.tool_calls:
+            out.append({"role": self.role, "content": self.text, "tool_calls": self.tool_calls})
+        elif self.blocks or not self.tool_results:
+            out.append({"role": self.role, "content": self.text})
+        return out
 
 
 BlockRef = tuple[int, int]  # (index into the turns, or SYSTEM; block index)
@@ -78,39 +93,64 @@ class ChatRenderer:
     A chat that ends with an assistant turn is continued, as Anthropic's API does: the template
     renders the turns before it, and the assistant text follows the generation prompt unclosed."""
 
-    def __init__(self, chat_prompt: Callable[[list[dict[str, str]]], str],
-                 encode: Callable[[str], Encoded]) -> None:
+    def __init__(self, chat_prompt: Callable[..., str], encode: Callable[[str], Encoded]) -> None:
         self.chat_prompt = chat_prompt
         self.encode = encode
 
-    def render_text(self, system: Turn | None, turns: list[Turn]) -> str:
+    def render_text(self, system: Turn | None, turns: list[Turn],
+                    tools: list[dict[str, Any]] | None = None) -> str:
         messages = ([{"role": "system", "content": system.text}] if system is not None else [])
-        messages += [{"role": t.role, "content": t.text} for t in turns]
+        for turn in turns:
+            messages += turn.messages()
+        def render(chat: list[dict[str, Any]]) -> str:
+            return self.chat_prompt(chat, tools) if tools else self.chat_prompt(chat)
+
         try:
-            if turns and turns[-1].role == "assistant":
-                return self.chat_prompt(messages[:-1]) + messages[-1]["content"]
-            return self.chat_prompt(messages)
+            if turns and turns[-1].role == "assistant" and not turns[-1].tool_calls:
+                return render(messages[:-1]) + messages[-1]["content"]
+            return render(messages)
         except APIError:
             raise
         except Exception as err:  # jinja raises its own types
             raise APIError(f"cannot apply the chat template: {err}", param="messages") from None
 
-    def render(self, system: Turn | None, turns: list[Turn]) -> RenderedChat:
-        text = self.render_text(system, turns)
+    def render(self, system: Turn | None, turns: list[Turn],
+               tools: list[dict[str, Any]] | None = None) -> RenderedChat:
+        text = self.render_text(system, turns, tools)
         encoded = self.encode(text)
         return RenderedChat(text, encoded.ids, encoded=encoded)
 
     def block_ends(self, system: Turn | None, turns: list[Turn], chat: RenderedChat,
-                   refs: list[BlockRef]) -> list[int] | None:
+                   refs: list[BlockRef], tools: list[dict[str, Any]] | None = None) -> list[int] | None:
         """Character offset in `chat.text` where each referenced block ends (refs in chat order),
-        or None when the template does not copy text verbatim."""
-        marker = next((m for m in _MARKERS if m not in chat.text), None)
+        or None when the template does not copy text verbatim. A tool's "block" ends with the
+        last string in its JSON (a few closing characters before the definition's end)."""
+        tool_refs = [r for r in refs if r[0] == TOOLS]
+        text_refs = [r for r in refs if r[0] != TOOLS]
+        ends: list[int] = []
+        if tool_refs:  # a pass of their own: templates may put the system text before the tools
+            found = self._marked_ends(chat, _JSON_MARKERS, lambda m: (
+                system, turns, [_mark_tool(t, m) if (TOOLS, i) in tool_refs else t
+                                for i, t in enumerate(tools or [])]))
+            if found is None or len(found) != len(set(tool_refs)):
+                return None
+            ends += found
+        if text_refs:
+            marked = set(text_refs)
+            found = self._marked_ends(chat, _MARKERS, lambda m: (
+                None if system is None else Turn("system", _mark(system.blocks, SYSTEM, marked, m)),
+                [Turn(t.role, _mark(t.blocks, i, marked, m), t.tool_calls, _mark_results(t.tool_results, i, marked, m))
+                 for i, t in enumerate(turns)], tools))
+            if found is None or len(found) != len(marked):
+                return None
+            ends += found
+        return ends
+
+    def _marked_ends(self, chat: RenderedChat, markers: tuple[str, ...], marked_input) -> list[int] | None:
+        marker = next((m for m in markers if m not in chat.text), None)
         if marker is None:
             return None
-        marked = set(refs)
-        copy_system = None if system is None else Turn("system", _mark(system.blocks, SYSTEM, marked, marker))
-        copy_turns = [Turn(t.role, _mark(t.blocks, i, marked, marker)) for i, t in enumerate(turns)]
-        rendered = self.render_text(copy_system, copy_turns)
+        rendered = self.render_text(*marked_input(marker))
         if rendered.replace(marker, "") != chat.text:
             return None
         ends, seen = [], 0
@@ -118,13 +158,13 @@ class ChatRenderer:
             if char == marker:
                 ends.append(index - seen)
                 seen += 1
-        return ends if len(ends) == len(marked) else None
+        return ends
 
     def token_offsets(self, system: Turn | None, turns: list[Turn], chat: RenderedChat,
-                      refs: list[BlockRef]) -> list[int]:
+                      refs: list[BlockRef], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Per ref (in chat order), the number of prompt tokens up to and including that block."""
         ordered = sorted(set(refs))
-        ends = self.block_ends(system, turns, chat, ordered)
+        ends = self.block_ends(system, turns, chat, ordered, tools)
         if ends is None:
             raise APIError("this model's chat template does not copy message text verbatim, so "
                            "cache_control breakpoints cannot be placed; remove cache_control")
@@ -132,8 +172,36 @@ class ChatRenderer:
         return [by_ref[ref] for ref in refs]
 
 
+def _mark_tool(tool: Any, marker: str) -> Any:
+    """A copy of a tool definition with `marker` after its last string (in JSON order)."""
+    done = False
+
+    def walk(value: Any) -> Any:
+        nonlocal done
+        if isinstance(value, dict):
+            items = [(k, v) for k, v in value.items()]
+            out = {}
+            for k, v in reversed(items):
+                out[k] = walk(v)
+            return {k: out[k] for k, _ in items}
+        if isinstance(value, list):
+            return list(reversed([walk(v) for v in reversed(value)]))
+        if isinstance(value, str) and not done:
+            done = True
+            return value + marker
+        return value
+
+    return walk(tool)
+
+
 def _mark(blocks: list[str], turn_index: int, marked: set[BlockRef], marker: str) -> list[str]:
     return [b + marker if (turn_index, j) in marked else b for j, b in enumerate(blocks)]
+
+
+def _mark_results(results: list[dict[str, Any]], turn_index: int, marked: set[BlockRef],
+                  marker: str) -> list[dict[str, Any]]:
+    return [{**r, "content": r["content"] + marker} if (turn_index, RESULT_BASE + k) in marked else r
+            for k, r in enumerate(results)]
 
 
 def lease_ttl_s(engine, label: str) -> float:

@@ -31,15 +31,18 @@ class PromptFingerprint:
     message_ends: tuple[int, ...]  # prompt tokens up to the end of each message
     cacheable_tokens: int  # tokens the request left in the cache (to its last breakpoint)
     other: str = ""  # digest of any other prompt-affecting parameter
+    tools_end: int = 0  # prompt tokens up to the end of the tool definitions (a template may put
+    # them after the system text, or in the first user turn)
 
 
 def fingerprint(model: str, tools: Any, system: Any, messages: list[Any], system_end: int,
-                message_ends: list[int], cacheable_tokens: int, other: Any = None) -> PromptFingerprint:
+                message_ends: list[int], cacheable_tokens: int, other: Any = None,
+                tools_end: int = 0) -> PromptFingerprint:
     if len(message_ends) != len(messages):
         raise ValueError(f"{len(messages)} messages but {len(message_ends)} message ends")
     return PromptFingerprint(model, digest(tools), digest(system), tuple(digest(m) for m in messages),
                              system_end, tuple(message_ends), cacheable_tokens,
-                             "" if other is None else digest(other))
+                             "" if other is None else digest(other), tools_end)
 
 
 def cache_miss_reason(previous: PromptFingerprint | None, current: PromptFingerprint
@@ -64,7 +67,8 @@ def cache_miss_reason(previous: PromptFingerprint | None, current: PromptFingerp
         return {"type": "unavailable"}
     for index, (before, now) in enumerate(zip(previous.messages, current.messages)):
         if before != now:
-            matched = previous.message_ends[index - 1] if index else previous.system_end
+            matched = (previous.message_ends[index - 1] if index
+                       else max(previous.system_end, previous.tools_end))
             return missed("messages_changed", matched)
     return None
 

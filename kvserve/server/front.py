@@ -15,6 +15,7 @@ is in flight, which is what the shutdown counts.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -26,10 +27,12 @@ from kvserve.server import render
 from kvserve.server.breakpoints import ChatRenderer
 from kvserve.server.limits import Admission
 from kvserve.server.protocol import APIError
+from kvserve.server.tool_parser import tool_format
 
 if TYPE_CHECKING:
     from kvserve.model.tokenizer import Encoded
     from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
+    from kvserve.server.tool_protocol import ToolSet
 
 MAX_CHOICES = 128  # engine requests one API request may start (prompts x n)
 TOKENIZER_THREADS = 2
@@ -45,6 +48,7 @@ class FrontDoor:
         self.max_prompt_chars = self.max_model_len * max_token_bytes(llm.tokenizer)
         self.admission = admission or Admission()
         self.renderer = ChatRenderer(llm.chat_prompt, self.encode_with_ends)
+        self.tool_format = tool_format(self.loaded.chat_template)  # how this model writes tool calls
         self.draining = False  # shutting down: no new requests
         self.abort_note: str | None = None  # why in-flight requests were aborted (shutdown)
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvserve-tokenize")
@@ -107,12 +111,13 @@ class FrontDoor:
         except Exception as err:
             raise APIError(f"cannot tokenize the prompt: {err}", param="messages") from None
 
-    def chat_ids(self, conversation: list[dict[str, str]], param: str = "messages") -> list[int]:
-        """A chat's prompt ids: the model's template (generation prompt added), then `encode`.
-        Blocking: call it on a worker thread."""
-        self.check_chars(sum(len(m["content"]) for m in conversation), param)
+    def chat_ids(self, conversation: list[dict[str, Any]], param: str = "messages",
+                 tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """A chat's prompt ids: the model's template (generation prompt added, tools where the
+        template puts them), then `encode`. Blocking: call it on a worker thread."""
+        self.check_chars(chat_chars(conversation, tools), param)
         try:
-            text = self.engine.engine.chat_prompt(conversation)
+            text = self.engine.engine.chat_prompt(conversation, tools)
         except APIError:
             raise
         except Exception as err:  # template errors: jinja raises its own types
@@ -131,9 +136,10 @@ class FrontDoor:
         return await self.off_loop(
             lambda: [p if isinstance(p, list) else self.encode(p, param) for p in prompts])
 
-    async def render_chat(self, conversation: list[dict[str, str]], param: str = "messages") -> list[int]:
-        self.check_chars(sum(len(m["content"]) for m in conversation), param)
-        return await self.off_loop(lambda: self.chat_ids(conversation, param))
+    async def render_chat(self, conversation: list[dict[str, Any]], param: str = "messages",
+                          tools: list[dict[str, Any]] | None = None) -> list[int]:
+        self.check_chars(chat_chars(conversation, tools), param)
+        return await self.off_loop(lambda: self.chat_ids(conversation, param, tools))
 
     async def render_completion_request(self, body: CompletionRequest) -> list[list[int]]:
         """The prompt ids /v1/completions gives the engine for `body` (one list per prompt)."""
@@ -141,7 +147,14 @@ class FrontDoor:
 
     async def render_chat_request(self, body: ChatCompletionRequest) -> list[int]:
         """The prompt ids /v1/chat/completions gives the engine for `body`."""
-        return await self.render_chat(body.conversation())
+        return await self.render_chat(body.conversation(), tools=body.toolset().template_tools)
+
+    def check_tools(self, toolset: ToolSet) -> None:
+        """Tools need a template that renders them (one that never reads `tools` would drop them)."""
+        if toolset.tools and "tools" not in (self.loaded.chat_template or ""):
+            raise APIError("tools: this model's chat template has no place for tool definitions (it "
+                           "never reads `tools`); serve a model whose template supports tools",
+                           param="tools")
 
     def check_fits(self, num_tokens: int, param: str = "messages") -> None:
         if num_tokens >= self.max_model_len:
@@ -150,6 +163,13 @@ class FrontDoor:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def chat_chars(conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
+    """Characters a chat puts into its prompt before the template's own markup (the size bound)."""
+    calls = sum(len(json.dumps(m.get("tool_calls"))) for m in conversation if m.get("tool_calls"))
+    return (sum(len(m["content"]) for m in conversation) + calls
+            + (len(json.dumps(tools, ensure_ascii=False)) if tools else 0))
 
 
 def shutting_down(message: str) -> APIError:

@@ -13,6 +13,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, 
                       field_validator, model_validator)
 
 from kvserve.request import SamplingParams
+from kvserve.server import tool_protocol as tp
 
 MAX_N = 16  # choices per request
 MAX_PROMPTS = 64  # prompts in one batched /v1/completions request
@@ -215,6 +216,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[tp.ToolCallIn] | None = None  # an assistant's calls, sent back
+    tool_call_id: Text | None = None  # role "tool": the call it answers
 
     @field_validator("content", mode="before")
     @classmethod
@@ -238,6 +241,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: MaxTokens | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: Annotated[list[tp.ToolDef], Field(max_length=tp.MAX_TOOLS)] | None = None
+    tool_choice: tp.OpenAIToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
 
     @model_validator(mode="after")
     def _chat_only(self) -> ChatCompletionRequest:
@@ -245,15 +251,34 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("top_logprobs needs logprobs: true")
         return self
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
+        """The messages as the chat template reads them (tool calls with their arguments parsed).
+        Raises APIError naming the message for bad tool-call arguments or an unknown tool_call_id."""
         messages = []
-        for message in self.messages:
-            item = {"role": "system" if message.role == "developer" else message.role,
-                    "content": message.text()}
+        for i, message in enumerate(self.messages):
+            item: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
+                                    "content": message.text()}
             if message.name:
                 item["name"] = message.name
+            if message.tool_calls:
+                item["tool_calls"] = [
+                    tp.template_call(c.id, c.function.name, _arguments(c.function.arguments,
+                                                                       f"messages.{i}.tool_calls.{j}.function"))
+                    for j, c in enumerate(message.tool_calls)]
+            if message.role == "tool":
+                item["tool_call_id"] = message.tool_call_id
             messages.append(item)
+        try:
+            tp.check_tool_results(messages)
+        except ValueError as err:
+            raise APIError(str(err), param=str(err).split(":", 1)[0]) from None
         return messages
+
+    def toolset(self) -> tp.ToolSet:
+        try:
+            return tp.openai_toolset(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except ValueError as err:
+            raise APIError(str(err), param=str(err).split(":", 1)[0]) from None
 
     @property
     def num_logprobs(self) -> int | None:
@@ -262,6 +287,13 @@ class ChatCompletionRequest(_Sampling):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+def _arguments(arguments: str, where: str) -> Any:
+    try:
+        return tp.parse_arguments(arguments, where)
+    except ValueError as err:
+        raise APIError(str(err), param=f"{where}.arguments") from None
 
 
 def _is_int(value: Any) -> bool:

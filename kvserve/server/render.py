@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import functools
 import math
+import secrets
 from typing import Any
 
 from kvserve.request import CompletionOutput
+from kvserve.server.tool_parser import CallDelta, ToolFormat, parse_output
 
 MIN_LOGPROB = -9999.0  # JSON has no -Infinity; vLLM clamps the same way
 
@@ -23,11 +25,41 @@ def completion_choice(index: int, out: CompletionOutput, tokenizer, num_logprobs
             "logprobs": logprobs_for(False, out, 0, tokenizer, num_logprobs)}
 
 
-def chat_choice(index: int, out: CompletionOutput, tokenizer, num_logprobs: int | None
-                ) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": out.text},
-            "finish_reason": out.finish_reason,
+def chat_choice(index: int, out: CompletionOutput, tokenizer, num_logprobs: int | None,
+                tools: ToolFormat | None = None, parallel: bool = True) -> dict[str, Any]:
+    """`tools`: the format to read tool calls in (None: tools were not offered)."""
+    message: dict[str, Any] = {"role": "assistant", "content": out.text}
+    reason = out.finish_reason
+    if tools is not None:
+        found = parse_output(out.text, tools)
+        calls = found.calls if parallel else found.calls[:1]
+        if calls:
+            message = {"role": "assistant", "content": found.content or None,
+                       "tool_calls": [{"id": tool_call_id(), "type": "function",
+                                       "function": {"name": c.name, "arguments": c.arguments}}
+                                      for c in calls]}
+            reason = "tool_calls" if reason == "stop" else reason
+    return {"index": index, "message": message, "finish_reason": reason,
             "logprobs": logprobs_for(True, out, 0, tokenizer, num_logprobs)}
+
+
+def tool_call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
+def tool_call_deltas(deltas: list[CallDelta], ids: dict[int, str]) -> list[dict[str, Any]]:
+    """OpenAI's streamed `tool_calls`: the first piece of a call carries its id, type and name."""
+    out = []
+    for delta in deltas:
+        item: dict[str, Any] = {"index": delta.index}
+        if delta.name is not None:
+            ids[delta.index] = tool_call_id()
+            item.update(id=ids[delta.index], type="function",
+                        function={"name": delta.name, "arguments": delta.arguments})
+        else:
+            item["function"] = {"arguments": delta.arguments}
+        out.append(item)
+    return out
 
 
 def completion_response(request_id: str, created: int, model: str, choices: list, usage_: dict

@@ -31,6 +31,7 @@ from kvserve.server.breakpoints import retained_requests
 from kvserve.server.front import MAX_CHOICES, FrontDoor
 from kvserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                      error_body)
+from kvserve.server.tool_parser import ToolStream
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 
@@ -64,6 +65,8 @@ class Choice:
     delta: TextDelta
     output: RequestOutput | None = None
     num_sent_tokens: int = 0
+    tools: ToolStream | None = None  # tools offered: the text is read for tool calls as it streams
+    call_ids: dict[int, str] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -140,6 +143,9 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, raw: Request, namespace: str):
         self._check_model(body.model)
+        toolset = body.toolset()
+        self.door.check_tools(toolset)
+        fmt = self.door.tool_format if toolset.parses_calls else None
         release = self.door.admit(namespace, body.n)
         try:
             prompt = await self.door.render_chat_request(body)
@@ -153,11 +159,14 @@ class OpenAIServing:
         except BaseException:
             release()
             raise
+        if fmt is not None:
+            for c in gen.choices:
+                c.tools = ToolStream(fmt, toolset.choice.parallel)
         if body.stream:
             return SSEResult(self._sse(gen, body, chat=True), lambda: self.close(gen))
         await self._finish(gen, raw)
         choices = [render.chat_choice(c.index, c.output.outputs[0], self.tokenizer,
-                                      body.num_logprobs) for c in gen.choices]
+                                      body.num_logprobs, fmt, toolset.choice.parallel) for c in gen.choices]
         return gen.respond(render.chat_response(gen.request_id, gen.created, gen.model, choices, gen.usage()))
 
     def close(self, gen: Generation) -> None:
@@ -270,17 +279,26 @@ class OpenAIServing:
             async for c in outputs:
                 completion = c.output.outputs[0]
                 text = c.delta.update(completion.text, c.output.finished)
+                calls = []
+                if c.tools is not None:  # what TextDelta lets out, read for tool calls
+                    text, found = c.tools.update(c.delta.sent, c.output.finished)
+                    calls = render.tool_call_deltas(found, c.call_ids)
                 new_tokens = completion.token_ids[c.num_sent_tokens:]
-                if not text and not c.output.finished and not (num_logprobs is not None and new_tokens):
+                if (not text and not calls and not c.output.finished
+                        and not (num_logprobs is not None and new_tokens)):
                     continue
                 logprobs = render.logprobs_for(chat, completion, c.num_sent_tokens, self.tokenizer,
                                                num_logprobs)
                 c.num_sent_tokens = len(completion.token_ids)
                 reason = completion.finish_reason if c.output.finished else None
+                if reason == "stop" and c.call_ids:
+                    reason = "tool_calls"
                 num_finished += c.output.finished
                 last = num_finished == len(gen.choices)
                 usage = gen.usage() if every_usage or (last and not body.include_usage_chunk) else None
-                delta = {"content": text} if chat else text
+                delta = ({"content": text} if text or not calls else {}) if chat else text
+                if calls:
+                    delta["tool_calls"] = calls
                 payload = chunk(gen, c.index, delta, reason, logprobs, usage)
                 yield _sse(gen.respond(payload) if last and not body.include_usage_chunk else payload)
             if body.include_usage_chunk:

@@ -20,31 +20,33 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_atten
               initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
-def hf_config(kind: str):
-    """A transformers config for one of: llama3, qwen2, qwen3, gemma3, gemma3-scaled (folder only)."""
+def hf_config(kind: str, **overrides):
+    """A transformers config for one of: llama3, qwen2, qwen3, gemma3, gemma3-scaled (folder only);
+    `overrides` replace COMMON's values (e.g. a longer max_position_embeddings)."""
     from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
+    common = {**COMMON, **overrides}
     if kind == "llama3":
-        return LlamaConfig(**COMMON, num_hidden_layers=3, tie_word_embeddings=False, rope_theta=500000.0,
+        return LlamaConfig(**common, num_hidden_layers=3, tie_word_embeddings=False, rope_theta=500000.0,
                            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
     if kind == "qwen2":
-        return Qwen2Config(**COMMON, num_hidden_layers=2, tie_word_embeddings=True, rope_theta=1000000.0)
+        return Qwen2Config(**common, num_hidden_layers=2, tie_word_embeddings=True, rope_theta=1000000.0)
     if kind == "qwen3":
-        return Qwen3Config(**COMMON, num_hidden_layers=3, tie_word_embeddings=True, rope_theta=1000000.0)
+        return Qwen3Config(**common, num_hidden_layers=3, tie_word_embeddings=True, rope_theta=1000000.0)
     if kind in ("gemma3", "gemma3-scaled"):  # GGUF has no query_pre_attn_scalar: llama.cpp uses head_dim
-        return Gemma3TextConfig(**COMMON, num_hidden_layers=6, sliding_window=8, tie_word_embeddings=True,
+        return Gemma3TextConfig(**common, num_hidden_layers=6, sliding_window=8, tie_word_embeddings=True,
                                 query_pre_attn_scalar=16 if kind == "gemma3" else 40, rope_theta=1000000.0)
     raise ValueError(kind)
 
 
-def make_hf_model(kind: str, seed: int = 0):
+def make_hf_model(kind: str, seed: int = 0, **overrides):
     """A float32 transformers model with random weights; norm weights get noise too, so the (1 + w)
     convention and QK-norms are exercised."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(kind), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(hf_config(kind, **overrides), dtype=torch.float32).eval()
     qkv_bias = kind == "qwen2"
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -5,13 +5,13 @@ step; torch-free."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
 from kvserve.cache.hashing import tenant_of
-from kvserve.cache.history import first_page_key
 from kvserve.cache.pages import PAGE_CACHED, PAGE_FREE, PAGE_LEASED, PAGE_SHARED, PAGE_USED
 from kvserve.cache.spans import find_hidden_spans
 from kvserve.engine_stats import EngineStats
@@ -158,6 +158,11 @@ class CacheReporter:
                 + f": lower --max-num-seqs to {max(1, int(running * 0.7 / usage))} or raise "
                   f"--kv-cache-memory to about {int(memory * usage / 0.7) / 2**30:.2f}GiB")})
         return advice + self.quantized_advice()
+
+
+def first_page_key(token_ids: list[int], page_size: int) -> bytes:
+    """Content of a prompt's first page (the report's prefixes add the namespace to it)."""
+    return hashlib.blake2b(repr(list(token_ids[:page_size])).encode(), digest_size=8).digest()
 
 
 def tenant_view(stats: TenantStats) -> dict[str, Any]:

@@ -59,11 +59,10 @@ class LLMEngine:
             self.events = KVEventBuffer(config.page_size)
             self.event_publisher = publisher_for(config)
             attach_tiers(self.events, self.host_tier, self.disk_tier)
-        offload = Offloader(
+        offload = Offloader.for_pool(
             config.page_size, self.host_tier, shared=self.redis_tier, disk=self.disk_tier,
-            offload_evicted=bool(self.host_tier.capacity_pages) and not self.cache_config.num_window_slots
-            and self.cache_config.prefix_cache is not PrefixCachePolicy.OFF,
-            publish_sync=config.role == "prefill")
+            prefix_caching=self.cache_config.prefix_cache is not PrefixCachePolicy.OFF,
+            windowed=bool(self.cache_config.num_window_slots), publish_sync=config.role == "prefill")
         self.manager = KVCacheManager.from_config(self.cache_config, offload, self.events)
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, preemption_mode=config.preemption_mode)

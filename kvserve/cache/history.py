@@ -1,11 +1,9 @@
 """CacheHistory: a bounded memory of the pages the pool has held, so a miss can be explained after
-the fact (was this page ever cached? when and why did it leave? did the same text live in another
-namespace?) and thrash can be counted. Pure Python; the manager feeds it on commit, eviction and
+the fact (was this page ever cached? when and why did it leave?) and thrash can be counted. Pure Python; the manager feeds it on commit, eviction and
 lease expiry."""
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,31 +18,21 @@ class PageRecord:
     lease_expired_at: float | None = None  # a lease held it, and ran out before it was evicted
 
 
-def first_page_key(token_ids: Sequence[int], page_size: int) -> bytes:
-    """Content of a prompt's first page, namespace-free (finds equal text in other namespaces)."""
-    return hashlib.blake2b(repr(list(token_ids[:page_size])).encode(), digest_size=8).digest()
-
-
 class CacheHistory:
     def __init__(self, page_size: int, capacity: int = 100_000) -> None:
         self.page_size = page_size
         self.capacity = capacity
         self.pages: OrderedDict[bytes, PageRecord] = OrderedDict()  # by chained page hash, LRU first
         self.children: OrderedDict[bytes | str, set[bytes]] = OrderedDict()  # parent (or namespace) -> pages
-        self.first_pages: OrderedDict[bytes, set[str]] = OrderedDict()  # content -> namespaces
         self.num_thrash = 0
 
-    def stored(self, page_hash: bytes, parent: bytes | None, namespace: str, first_tokens: Sequence[int] | None,
-               now: float) -> None:
-        """A page was committed (indexed). `first_tokens`: its tokens when it is a prompt's first page."""
+    def stored(self, page_hash: bytes, parent: bytes | None, namespace: str, now: float) -> None:
+        """A page was committed (indexed)."""
         old = self.pages.pop(page_hash, None)
         if old is not None and old.evicted_at is not None and now - old.evicted_at <= THRASH_WINDOW_S:
             self.num_thrash += 1
         self.pages[page_hash] = PageRecord(now)
         _bounded_add(self.children, parent if parent is not None else namespace, page_hash, self.capacity)
-        if first_tokens is not None:
-            _bounded_add(self.first_pages, first_page_key(first_tokens, self.page_size), namespace,
-                         self.capacity)
         while len(self.pages) > self.capacity:
             self.pages.popitem(last=False)
 
@@ -64,11 +52,6 @@ class CacheHistory:
     def has_other_child(self, parent: bytes | str, page_hash: bytes | None) -> bool:
         """Did the cache ever hold a different page after `parent` (a hash, or a namespace's root)?"""
         return bool(self.children.get(parent, set()) - {page_hash})
-
-    def other_namespaces(self, token_ids: Sequence[int], namespace: str) -> set[str]:
-        if len(token_ids) < self.page_size:
-            return set()
-        return self.first_pages.get(first_page_key(token_ids, self.page_size), set()) - {namespace}
 
 
 def _bounded_add(table: OrderedDict, key, value, capacity: int) -> None:

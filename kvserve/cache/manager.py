@@ -238,7 +238,7 @@ class KVCacheManager:
                 self._hash_of_cached[page] = h
                 self._page_of_hash[h] = page
                 parent = seq.page_hashes[i - 1] if i else None
-                self.history.stored(h, parent, seq.namespace, token_ids[:ps] if i == 0 else None, now)
+                self.history.stored(h, parent, seq.namespace, now)
                 if self.fair is not None:
                     self.fair.cached(page, seq.namespace)
                 if self.events is not None:

@@ -65,6 +65,17 @@ class Offloader:
     _saves: list[tuple[int, SaveTarget]] = field(default_factory=list)
     _loads: list[tuple[int, Any]] = field(default_factory=list)
 
+    @classmethod
+    def for_pool(cls, page_size: int, host: HostTier, *, prefix_caching: bool, windowed: bool,
+                 shared: SharedTier | None = None, disk: Tier | None = None,
+                 publish_sync: bool = False) -> Offloader:
+        """The engine's and the simulator's offloader: evicted prefix pages go to the host tier when
+        it has room, prefix caching is on, and the pool has no sliding-window slots (their pages
+        hold only the window, not a whole prefix)."""
+        return cls(page_size, host, shared=shared, disk=disk,
+                   offload_evicted=bool(host.capacity_pages) and prefix_caching and not windowed,
+                   publish_sync=publish_sync)
+
     # -- swap: a preempted request's pages to the host tier and back ---------------------------
     def swap_out(self, seq_id: str, block_table: list[int]) -> bool:
         """Reserve host room for the sequence's pages and queue their reads. False: no room. A page

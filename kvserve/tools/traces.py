@@ -2,7 +2,8 @@
 
 A trace line (DESIGN.md §4) holds `prompt_token_ids` (ints) or `prompt` (text) and optionally `id`,
 `arrival` (seconds), `max_tokens`, `session`, `cache_salt` and `tenant` (together the namespace, as
-`cache.hashing.namespace` builds it for the server). `generate_trace` builds
+`cache.hashing.namespace` builds it for the server) and `cache_breakpoints` (`[{"num_tokens": N,
+"ttl_s": S}, ...]`: the request's `cache_control` breakpoints, leased as the server leases them). `generate_trace` builds
 deterministic synthetic mixes, in token ids drawn from the bundled model's vocabulary, each shaped like
 a workload whose prefix-cache behaviour is well known:
 
@@ -42,6 +43,7 @@ class TraceRequest:
     session: str | None = None
     cache_salt: str | None = None  # namespace: equal tokens of different salts never share pages
     tenant: str | None = None  # the server's per-API-key namespace, combined with the salt
+    cache_breakpoints: list[tuple[int, float]] | None = None  # (num_tokens, ttl_s): cache_control
 
     def to_json(self) -> dict:
         line: dict = {"id": self.id}
@@ -52,6 +54,8 @@ class TraceRequest:
         for key in ("arrival", "max_tokens", "session", "cache_salt", "tenant"):
             if getattr(self, key) is not None:
                 line[key] = getattr(self, key)
+        if self.cache_breakpoints is not None:
+            line["cache_breakpoints"] = [{"num_tokens": n, "ttl_s": ttl} for n, ttl in self.cache_breakpoints]
         return line
 
 
@@ -97,7 +101,25 @@ def _parse_line(line: str, where: str, number: int) -> TraceRequest:
             raise ConfigError(f"{where}: {key} must be a string")
     return TraceRequest(id=str(obj.get("id", f"line-{number}")), prompt_token_ids=ids, prompt=text,
                         arrival=None if arrival is None else float(arrival), max_tokens=max_tokens,
-                        session=None if session is None else str(session), cache_salt=salt, tenant=tenant)
+                        session=None if session is None else str(session), cache_salt=salt, tenant=tenant,
+                        cache_breakpoints=_parse_breakpoints(obj.get("cache_breakpoints"), where))
+
+
+def _parse_breakpoints(value, where: str) -> list[tuple[int, float]] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise ConfigError(f"{where}: cache_breakpoints must be a list of {{num_tokens, ttl_s}} objects")
+    found = []
+    for item in value:
+        n = item.get("num_tokens") if isinstance(item, dict) else None
+        ttl = item.get("ttl_s", 300.0) if isinstance(item, dict) else None
+        if (not isinstance(n, int) or isinstance(n, bool) or n < 1 or not _is_number(ttl) or ttl <= 0
+                or not math.isfinite(ttl)):
+            raise ConfigError(f"{where}: each cache breakpoint is {{\"num_tokens\": int >= 1, "
+                              f"\"ttl_s\": seconds > 0}}, got {item!r}")
+        found.append((n, float(ttl)))
+    return found
 
 
 def _is_number(value) -> bool:

@@ -1,5 +1,7 @@
 """`kvserve simulate` and the engine agree: one trace through the simulator and through LLMEngine, with
-the same pool (small enough to evict and preempt), gives the same prefix-cache hit tokens, to the token.
+the same pool (small enough to evict and preempt), gives the same prefix-cache hit tokens, to the token;
+and with cache breakpoints (leases), a host tier and kv_explain, the same hit tokens by source, lease
+reads and grants and miss reasons, request by request.
 
 Both drive the same Scheduler and KVCacheManager; the engine computes with the model, the simulator
 with a virtual clock and synthetic output ids. Prompts never extend one another, so the output ids
@@ -67,3 +69,72 @@ def test_simulator_and_engine_hit_the_same_tokens():
     assert (sim.prefix_cache_hits, sim.prefix_cache_queries, sim.num_evictions, sim.num_preemptions) == (
         engine["prefix_cache_hits"], engine["prefix_cache_queries"], engine["num_evictions"],
         engine["num_preemptions"])
+
+
+# -- leases, a host tier and explanations, request by request ---------------------------------------
+HOST_PAGES = 6
+MIN_CACHEABLE = 16
+
+
+def lease_and_tier_trace() -> list[TraceRequest]:
+    """One request at a time: three prefixes, the middle one leased (`cache_control` at its end);
+    the pool holds about two prefixes, so the first is evicted to the host tier while the leased one
+    stays; then each prefix again, and a prompt never seen."""
+    prefixes = [[2000 + 100 * g + t for t in range(length)] for g, length in enumerate((24, 20, 27))]
+    trace, n = [], 0
+    for wave in range(2):
+        for g, prefix in enumerate(prefixes):
+            for i in range(2):
+                n += 1
+                suffix = [7000 + 40 * n + t for t in range(3 + i)]
+                breakpoints = [(len(prefix), 300.0)] if g == 1 else None
+                trace.append(TraceRequest(f"w{wave}-g{g}-{i}", prefix + suffix, None, None, MAX_TOKENS,
+                                          cache_breakpoints=breakpoints))
+    trace.append(TraceRequest("never-seen", [9000 + t for t in range(19)], None, None, MAX_TOKENS))
+    return trace
+
+
+def run_engine_one_at_a_time(trace: list[TraceRequest]) -> tuple[dict, dict]:
+    from kvserve.cache.leases import Breakpoint
+    from kvserve.config import EngineConfig
+    from kvserve.engine import LLMEngine
+    from kvserve.request import SamplingParams
+    from kvserve.tools.simulate.replayer import RequestRecord
+
+    engine = LLMEngine(EngineConfig(dtype="float32", page_size=PAGE_SIZE, prefix_cache="radix",
+                                    kv_cache_memory=pool_memory(NUM_PAGES, PAGE_SIZE), max_model_len=64,
+                                    swap_space=pool_memory(HOST_PAGES, PAGE_SIZE),
+                                    min_cacheable_tokens=MIN_CACHEABLE))
+    records = {}
+    for r in trace:
+        engine.add_request({"prompt_token_ids": r.prompt_token_ids},
+                           SamplingParams(max_tokens=r.max_tokens, ignore_eos=True), request_id=r.id,
+                           leases=[Breakpoint(n, ttl) for n, ttl in r.cache_breakpoints or ()],
+                           kv_explain=True)
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    usage = out.lease_usage
+                    records[out.request_id] = RequestRecord(
+                        out.request_id, out.num_cached_tokens,
+                        usage.cache_read_tokens if usage else 0,
+                        sum(usage.cache_creation_tokens.values()) if usage else 0,
+                        usage.refused if usage else None, out.kv_cache["reason"],
+                        tuple(sorted(out.kv_cache["cached_by_source"].items())))
+    return records, engine.stats().as_dict()
+
+
+@pytest.mark.slow
+def test_simulator_and_engine_agree_request_by_request_with_leases_host_tier_and_explanations():
+    from kvserve.tools.simulate.replayer import CacheOptions
+
+    trace = lease_and_tier_trace()
+    sim = replay(prepare(trace, [r.prompt_token_ids for r in trace]), "radix", PAGE_SIZE, NUM_PAGES - 1,
+                 check_invariants=False, cache=CacheOptions(host_tier_pages=HOST_PAGES,
+                                                            min_cacheable_tokens=MIN_CACHEABLE, explain=True))
+    engine, stats = run_engine_one_at_a_time(trace)
+    assert sim.requests == engine  # hit tokens, lease reads and grants, miss reasons, by source
+    assert sim.num_lease_grants == stats["lease_grants"] > 0
+    assert sim.host_tier_hits > 0 and sim.num_evictions == stats["num_evictions"] > 0
+    reasons = {r.miss_reason for r in engine.values()}
+    assert len(reasons) >= 3, reasons  # not only hits: cold, evicted-and-reloaded, ...

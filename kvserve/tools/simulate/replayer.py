@@ -9,7 +9,9 @@ One step of the replay is the engine's step (step.run_step) with this replay as 
               ─► scheduler.update(out, sampled, now) (commits, leases) ─► the tiers' page moves
 
 Without arrivals the trace is replayed one request at a time. Page moves carry no KV data, only the
-cache's bookkeeping.
+cache's bookkeeping. Leases (the trace's cache breakpoints), the host tier (evicted pages kept and
+loaded back) and miss explanations are the engine's own code too: `RunResult.requests` records what
+each request got, to compare with the engine request by request.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ from dataclasses import dataclass, field, fields
 
 from kvserve.batch import PageOps, SampledToken, SchedulerOutput, StepResult
 from kvserve.cache.hashing import split_namespace
+from kvserve.cache.leases import Retention
 from kvserve.cache.manager import KVCacheManager
+from kvserve.cache.offload import Offloader
+from kvserve.cache.tiers import HostTier
 from kvserve.config import EngineConfig
 from kvserve.request import Request, SamplingParams
 from kvserve.scheduler import ADMISSION_AGE_BOUND_S, ADMISSION_SCAN_LIMIT, Scheduler
@@ -53,6 +58,40 @@ class SchedulerLimits:
     admission_age_bound_s: float = ADMISSION_AGE_BOUND_S
 
 
+@dataclass(slots=True, frozen=True)
+class CacheOptions:
+    """The cache's knobs beyond the pool, defaulting to the engine's. `host_tier_pages`: pages of
+    the host tier (the engine's --swap-space over its page size; 0: none)."""
+
+    host_tier_pages: int = 0
+    max_leased_fraction: float = _ENGINE_DEFAULTS["max_leased_fraction"]
+    min_cacheable_tokens: int = _ENGINE_DEFAULTS["min_cacheable_tokens"]
+    explain: bool = False  # every request's kv_explain
+
+
+@dataclass(slots=True, frozen=True)
+class RequestRecord:
+    """What one request got from the cache: the fields the engine's RequestOutput reports."""
+
+    request_id: str
+    num_cached_tokens: int
+    cache_read_tokens: int = 0  # lease usage: cached tokens up to the last cacheable breakpoint
+    cache_creation_tokens: int = 0  # tokens newly leased
+    lease_refused: str | None = None
+    miss_reason: str | None = None  # kv_explain's reason (with CacheOptions.explain)
+    cached_by_source: tuple[tuple[str, int], ...] = ()
+
+    @classmethod
+    def of(cls, request: Request) -> RequestRecord:
+        usage, explanation = request.cache.lease_usage, request.cache.explanation
+        return cls(request.request_id, request.num_cached_tokens,
+                   usage.cache_read_tokens if usage else 0,
+                   sum(usage.cache_creation_tokens.values()) if usage else 0,
+                   usage.refused if usage else None,
+                   explanation.reason if explanation else None,
+                   tuple(sorted(request.cache.cached_by_source.items())))
+
+
 @dataclass(slots=True)
 class VirtualClock:
     now: float = 0.0
@@ -81,17 +120,25 @@ class RunResult:
     num_preemptions: int = 0
     num_steps: int = 0
     duration_s: float = 0.0  # virtual time from the first arrival to the last finish
+    requests: dict[str, RequestRecord] = field(default_factory=dict)  # by request id, served ones
+    num_lease_grants: int = 0
+    host_tier_hits: int = 0  # pages loaded back from the host tier
 
 
 def replay(requests: list[SimRequest], policy: str, page_size: int, num_pages: int | None = None,
            service: ServiceModel | None = None, check_invariants: bool = False,
-           limits: SchedulerLimits | None = None) -> RunResult:
+           limits: SchedulerLimits | None = None, cache: CacheOptions | None = None) -> RunResult:
     """Drive a fresh KVCacheManager and Scheduler with the trace; `num_pages` usable pages (None:
     unbounded)."""
+    cache = cache or CacheOptions()
     capacity = None if num_pages is None else num_pages * page_size
     num_pages = unbounded_pages(requests, page_size) if num_pages is None else num_pages
-    manager = KVCacheManager(num_pages + 1, page_size, policy)  # + the reserved null page
-    run = _Replay(requests, manager, service or ServiceModel(), limits or SchedulerLimits())
+    clock = VirtualClock((requests[0].arrival or 0.0) if requests else 0.0)
+    host = HostTier(cache.host_tier_pages, 1)  # one "byte" per page: payloads are empty
+    offload = Offloader.for_pool(page_size, host, prefix_caching=policy != "off", windowed=False)
+    manager = KVCacheManager(num_pages + 1, page_size, policy, offload=offload,  # + the null page
+                             max_leased_fraction=cache.max_leased_fraction, clock=clock)
+    run = _Replay(requests, manager, service or ServiceModel(), limits or SchedulerLimits(), clock, cache)
     run.run()
     if check_invariants:
         manager.check_invariants()
@@ -101,15 +148,18 @@ def replay(requests: list[SimRequest], policy: str, page_size: int, num_pages: i
     return RunResult(policy, page_size, capacity, num_pages, hits / queries if queries else 0.0, math.nan,
                      queries, hits, run.partial, stats.num_evictions, run.peak, run.peak * page_size,
                      len(requests) - len(run.unservable), len(run.waited), run.unservable,
-                     run.scheduler.stats.num_preemptions, run.num_steps, run.clock.now - run.start)
+                     run.scheduler.stats.num_preemptions, run.num_steps, run.clock.now - run.start,
+                     {r.request_id: RequestRecord.of(r) for r in run.served.values()},
+                     manager.leases.stats.grants, host.stats.offload_hits)
 
 
 class _Replay:
     def __init__(self, requests: list[SimRequest], manager: KVCacheManager, service: ServiceModel,
-                 limits: SchedulerLimits) -> None:
+                 limits: SchedulerLimits, clock: VirtualClock, cache: CacheOptions) -> None:
         self.requests, self.manager, self.service, self.limits = requests, manager, service, limits
-        self.clock = VirtualClock((requests[0].arrival or 0.0) if requests else 0.0)
+        self.clock, self.cache = clock, cache
         self.start = self.clock.now
+        self.served: dict[str, Request] = {}
         self.scheduler = Scheduler(
             manager, max_num_seqs=limits.max_num_seqs, max_num_batched_tokens=limits.max_num_batched_tokens,
             max_model_len=max((len(r.token_ids) + max(1, r.num_generated) for r in requests), default=2),
@@ -145,8 +195,13 @@ class _Replay:
             return
         params = SamplingParams(max_tokens=max(1, r.num_generated), ignore_eos=True)
         tenant, salt = split_namespace(r.namespace)
-        self.scheduler.add(Request(request_id=r.id, prompt_token_ids=list(r.token_ids), sampling_params=params,
-                                   tenant=tenant, cache_salt=salt, arrival_time=self.clock.now))
+        request = Request(request_id=r.id, prompt_token_ids=list(r.token_ids), sampling_params=params,
+                          tenant=tenant, cache_salt=salt, arrival_time=self.clock.now)
+        request.retention = Retention.of(list(r.breakpoints), len(r.token_ids), tenant,
+                                         self.cache.min_cacheable_tokens)
+        request.kv_explain = self.cache.explain
+        self.served[r.id] = request
+        self.scheduler.add(request)
 
     def _step(self) -> None:
         """One step.run_step, the engine's own, with this replay as its executor."""
@@ -179,8 +234,8 @@ class _Replay:
         self.clock.now += self.service.step_seconds(num_prompt, num_decode)
         return StepResult(sampled, self.apply_page_ops(out.page_ops))
 
-    def apply_page_ops(self, ops: PageOps) -> list[bytes]:
-        return [b""] * len(ops.saves)
+    def apply_page_ops(self, ops: PageOps) -> list[bytearray]:
+        return [bytearray() for _ in ops.saves]  # (empty pages; the tiers copy what they keep)
 
     def _next_token(self, request: Request) -> int:
         return GENERATED_ID_BASE + self.index[request.request_id] * self.stride + request.num_output_tokens
@@ -217,3 +272,4 @@ class _Replay:
         for request in stuck:
             self.scheduler.abort(request.request_id)
             self.unservable.append(request.request_id)
+            self.served.pop(request.request_id, None)

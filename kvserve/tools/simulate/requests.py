@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.cache.hashing import namespace
+from kvserve.cache.leases import Breakpoint
 from kvserve.config import ConfigError
 from kvserve.tools.traces import TraceRequest
 
@@ -18,6 +19,7 @@ class SimRequest:
     namespace: str = ""
     arrival: float | None = None
     num_generated: int = 0
+    breakpoints: tuple[Breakpoint, ...] = ()  # cache_control: leased once the prompt is committed
 
     @property
     def num_computed(self) -> int:
@@ -34,7 +36,8 @@ def prepare(requests: list[TraceRequest], token_ids: list[list[int]], model_gene
         raise ConfigError(f"{timed.count(False)} of {len(requests)} trace requests have no arrival; give "
                           "arrival on every line (overlapping replay) or on none (one at a time)")
     sims = [SimRequest(r.id, ids, namespace(r.tenant or "", r.cache_salt), r.arrival,
-                       (r.max_tokens or 0) if model_generation else 0)
+                       (r.max_tokens or 0) if model_generation else 0,
+                       tuple(Breakpoint(n, ttl) for n, ttl in r.cache_breakpoints or ()))
             for r, ids in zip(requests, token_ids)]
     if len({s.id for s in sims}) != len(sims):
         raise ConfigError("trace request ids must be unique")

@@ -23,6 +23,9 @@ class ScheduledSeq:
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     num_output_tokens: int = 0  # tokens generated so far; with a seed, makes sampling reproducible
     window_block_table: list[int] | None = None  # pages of the sliding-window layers (hybrid pool)
+    # speculative decoding: the last len(draft_token_ids) of token_ids are proposed, not known; the
+    # runner verifies them against its own predictions (StepResult.accepted)
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -68,3 +71,6 @@ class SampledToken:
 class StepResult:
     sampled: list[SampledToken | None] = field(default_factory=list)  # aligned with seqs
     saved: list[Any] = field(default_factory=list)  # payloads of page_ops.saves, in order
+    # aligned with seqs where any seq carried drafts: the draft tokens verification accepted, in order
+    # (sampled[i] is then the token after them: the correction or the bonus token)
+    accepted: list[list[SampledToken]] = field(default_factory=list)

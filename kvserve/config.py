@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvserve.errors import ConfigError  # noqa: F401  (re-exported: most modules import it from here)
+from kvserve.spec.config import SpeculativeConfig, parse_speculative_config
 
 # public-domain text shipped with the package: `kvserve eval-kv` and the fp8 calibration pass read it
 CORPUS_PATH = Path(__file__).resolve().parent / "data" / "corpus.txt"
@@ -236,8 +237,11 @@ class EngineConfig:
     # when tiers below the pool are asked for (swap, Redis, disk), whose pages carry every layer.
     disable_hybrid_kv_cache_manager: bool = False
     threads: int | None = None  # torch threads (llama.cpp's -t); None: $OMP_NUM_THREADS, else every usable core
+    # vLLM's --speculative-config (a dict, its JSON, or a SpeculativeConfig); None: off
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", parse_speculative_config(self.speculative_config))
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
         if not (1 <= self.page_size <= 256) or self.page_size & (self.page_size - 1):

@@ -33,6 +33,7 @@ from kvserve.model.runner import ModelRunner, calibrate_fp8_scale
 from kvserve.output import OutputProcessor
 from kvserve.request import CacheLease, LeaseInfo, Request, RequestOutput, RequestStatus, SamplingParams
 from kvserve.scheduler import Scheduler
+from kvserve.spec.policy import SpecDecodeStats
 from kvserve.step import run_step
 
 Prompt = str | dict[str, Any] | list[int]
@@ -65,7 +66,8 @@ class LLMEngine:
             windowed=bool(self.cache_config.num_window_slots), publish_sync=config.role == "prefill")
         self.manager = KVCacheManager.from_config(self.cache_config, offload, self.events)
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, preemption_mode=config.preemption_mode)
+                                   self.max_model_len, preemption_mode=config.preemption_mode,
+                                   speculative_config=config.speculative_config)
         self.outputs = OutputProcessor(self.tokenizer)
         self.reporter = CacheReporter(config.page_size, self.runner.page_bytes / config.page_size, kv_dtype.name)
         self._ids = itertools.count()
@@ -254,4 +256,10 @@ class LLMEngine:
             {t: v.cached_tokens for t, v in self.reporter.tenants.items()},
             self.config.page_size, self.cache_config.kv_dtype.name, self.fp8_scale, self.runner.kv_cache_bytes(),
             cache.num_pages_used * self.runner.page_bytes + window_bytes, self.max_model_len,
-            (self.cache_config.num_pages - 1) * self.config.page_size)
+            (self.cache_config.num_pages - 1) * self.config.page_size, self._spec_stats())
+
+    def _spec_stats(self) -> SpecDecodeStats:
+        """A copy of the speculative decoding counters (zeros with speculation off)."""
+        spec = self.scheduler.spec
+        return SpecDecodeStats() if spec is None else replace(spec.stats, accepted_per_pos=list(
+            spec.stats.accepted_per_pos))

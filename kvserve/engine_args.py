@@ -83,6 +83,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                        help="sliding-window models (Gemma 3): keep every page in every layer instead of "
                             "only the window's pages in the windowed layers")
+    group.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help="speculative decoding as vLLM spells it, e.g. '{\"method\": \"ngram\", "
+                            "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 3, \"prompt_lookup_min\": 2}' "
+                            "(prompt lookup over the request's own tokens; greedy outputs unchanged)")
     group.add_argument("--lease-ttl-scale", type=float, default=ENGINE_DEFAULTS.lease_ttl_scale,
                        help=argparse.SUPPRESS)  # tests: 5m/1h TTLs in seconds
     group.add_argument("--kv-tier-secret-file", default=None, metavar="FILE",
@@ -112,7 +116,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_leased_fraction=args.max_leased_fraction, lease_ttl_scale=args.lease_ttl_scale,
                 tenant_kv_share=args.tenant_kv_share,
                 disable_hybrid_kv_cache_manager=getattr(args, "disable_hybrid_kv_cache_manager", False),
-                threads=args.threads)
+                threads=args.threads, speculative_config=getattr(args, "speculative_config", None))
 
 
 def configure_tier_secret(args: argparse.Namespace) -> None:

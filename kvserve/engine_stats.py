@@ -10,6 +10,7 @@ from typing import Any
 
 from kvserve.cache.stats import CacheStats
 from kvserve.scheduler import SchedulerCounts
+from kvserve.spec.policy import SpecDecodeStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +27,7 @@ class EngineStats:
     kv_bytes_used: int = 0  # bytes of the pages running requests hold, both pools
     max_model_len: int = 0
     pool_tokens: int = 0
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # zeros with speculation off
 
     @property
     def hit_rate(self) -> float:
@@ -49,4 +51,5 @@ class EngineStats:
             "num_thrash_pages", "tenant_prompt_tokens", "tenant_cached_tokens", "page_size", "kv_cache_dtype",
             "kv_fp8_scale", "kv_cache_bytes", "kv_bytes_used", "max_model_len", "pool_tokens",
             "window_num_pages_total", "window_num_pages_free", "window_kv_cache_usage_perc")}
-        return {**self.cache.as_dict(), **asdict(self.scheduler), **own}
+        spec = {f"spec_decode_{name}": value for name, value in asdict(self.spec_decode).items()}
+        return {**self.cache.as_dict(), **asdict(self.scheduler), **own, **spec}

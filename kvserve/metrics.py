@@ -72,6 +72,10 @@ COUNTERS = {
                                 "Disk tier files rejected (bad header, length or MAC): recomputed."),
     "disk_tier_errors": ("cache.tiers.disk.disk_cache_errors", "Disk tier I/O failures (each one a miss, never an error)."),
     "disk_tier_dropped_writes": ("cache.tiers.disk.disk_cache_dropped_writes", "Pages not written: the write queue was full."),
+    "spec_decode_num_drafts": ("spec_decode.num_drafts", "Speculative decoding: verification steps with a draft."),
+    "spec_decode_num_draft_tokens": ("spec_decode.num_draft_tokens", "Speculative decoding: draft tokens proposed."),
+    "spec_decode_num_accepted_tokens": ("spec_decode.num_accepted_tokens",
+                                        "Speculative decoding: draft tokens the target accepted."),
 }
 
 # per-tenant series (label "tenant", at most cache_report.MAX_TENANTS + "other"): field path -> help
@@ -153,6 +157,9 @@ class EngineMetrics:
             for name, (_, help_) in TENANT_COUNTERS.items()}
         self.tenant_pages = Gauge(p + "tenant_cached_pages", "Cached KV pages per tenant "
                                   "(with --tenant-kv-share fair).", labels + ["tenant"], registry=self.registry)
+        self.accepted_per_pos = Counter(
+            p + "spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens, per draft position.",
+            labels + ["position"], registry=self.registry)
         self.request_success = Counter(
             p + "request_success", "Finished requests by finish reason.",
             labels + ["finished_reason"], registry=self.registry)
@@ -190,6 +197,12 @@ class EngineMetrics:
                 self.gauges[name].set(read(stats, path))
             if self.tenant_labels != "off":
                 self._observe_tenants(stats)
+            for position, value in enumerate(stats.spec_decode.accepted_per_pos):
+                seen = f"spec_decode.accepted_per_pos:{position}"
+                delta = value - self._seen.get(seen, 0)
+                if delta > 0:
+                    self.accepted_per_pos.labels(*self._base, str(position)).inc(delta)
+                self._seen[seen] = value
             self.lora_info.set(time.time())
         for output in outputs:
             if output.finished:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvserve.request import CompletionOutput, Request, RequestMetrics, RequestOutput
+from kvserve.request import CompletionOutput, Request, RequestMetrics, RequestOutput, SpecDecodeCounts
 
 
 class OutputProcessor:
@@ -61,7 +61,7 @@ class OutputProcessor:
             request_id=rid, prompt=prompt, prompt_token_ids=first.prompt_token_ids,
             outputs=completions, finished=finished, num_cached_tokens=first.num_cached_tokens,
             metrics=RequestMetrics(first.arrival_time, first_token, last), lease_usage=first.lease_usage,
-            kv_cache=first.kv_cache)
+            kv_cache=first.kv_cache, spec_decode=_spec_counts(samples))
 
     def _completion(self, index: int, request: Request, group_finished: bool) -> CompletionOutput:
         done = request.status.is_finished
@@ -73,3 +73,12 @@ class OutputProcessor:
             index=index, token_ids=list(request.output_token_ids), text=text,
             finish_reason=request.status.value if done else None,
             logprobs=list(request.logprobs) if request.sampling_params.logprobs is not None else None)
+
+
+def _spec_counts(samples: list[Request]) -> SpecDecodeCounts | None:
+    """The samples' speculative decoding counts summed; None where none of them verified a draft."""
+    if not any(s.spec_decode.num_drafts for s in samples):
+        return None
+    return SpecDecodeCounts(sum(s.spec_decode.num_drafts for s in samples),
+                            sum(s.spec_decode.num_draft_tokens for s in samples),
+                            sum(s.spec_decode.num_accepted_tokens for s in samples))

@@ -87,6 +87,15 @@ class CacheOutcome:
 
 
 @dataclass(slots=True)
+class SpecDecodeCounts:
+    """A request's speculative decoding, counted as vLLM's spec_decode_* metrics count it globally."""
+
+    num_drafts: int = 0  # steps that verified a draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+@dataclass(slots=True)
 class Request:
     """One sequence in the engine. `token_ids` = prompt + generated; the model has computed KV for
     the first `num_computed_tokens` of them, held in pages the cache manager tracks by request id."""
@@ -112,6 +121,7 @@ class Request:
     retention: Retention | None = None  # breakpoints the cache leases once the prompt is committed
     kv_explain: bool = False  # explain the prefix-cache outcome at first admission (kv_cache)
     cache: CacheOutcome = field(default_factory=lambda: CacheOutcome())
+    spec_decode: SpecDecodeCounts = field(default_factory=lambda: SpecDecodeCounts())
     namespace: str = field(init=False, default="")  # cache.hashing.namespace(tenant, cache_salt)
 
     def __post_init__(self) -> None:
@@ -183,3 +193,4 @@ class RequestOutput:
     metrics: RequestMetrics
     lease_usage: LeaseUsage | None = None
     kv_cache: dict | None = None  # why the prompt hit or missed the prefix cache (kv_explain)
+    spec_decode: SpecDecodeCounts | None = None  # with speculative decoding on: drafts and accepted tokens

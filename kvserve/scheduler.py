@@ -25,6 +25,8 @@ from kvserve.cache.manager import KVCacheManager
 from kvserve.cache.sequence import Allocation, PrefixHit
 from kvserve.config import PreemptionMode, PrefixCachePolicy
 from kvserve.request import CacheOutcome, Request, RequestStatus
+from kvserve.spec.config import SpeculativeConfig
+from kvserve.spec.policy import SpecPolicy
 
 ADMISSION_SCAN_LIMIT = 256  # waiting requests looked at per step for cache-aware ordering
 MAX_PREEMPTIONS = 3  # a request preempted more often than this stops new admissions until it ends
@@ -59,8 +61,11 @@ class Scheduler:
                  max_model_len: int, preemption_mode: str = "recompute",
                  admission_age_bound_s: float = ADMISSION_AGE_BOUND_S,
                  clock: Callable[[], float] = time.monotonic,
-                 max_preemptions: int = MAX_PREEMPTIONS) -> None:
+                 max_preemptions: int = MAX_PREEMPTIONS,
+                 speculative_config: SpeculativeConfig | None = None) -> None:
         self.manager = manager
+        # speculative decoding: draft tokens for decoding requests (spec/policy.py), None when off
+        self.spec = SpecPolicy(speculative_config, manager.page_size) if speculative_config else None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -122,14 +127,19 @@ class Scheduler:
         if self.swapped:
             self._swap_in(out)
         preempted = False
+        speculate = self.spec is not None and self.spec.wants_drafts(len(self.running))
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             if request.fork_children and request.num_computed_tokens == request.num_prompt_tokens - 1:
                 self._fork(request)
             num_new = self._chunk(request, request.num_computed_tokens, budget)
-            end = request.num_computed_tokens + num_new
+            drafts = self._drafts(request, budget) if speculate and num_new == 1 else []
+            end = request.num_computed_tokens + num_new + len(drafts)
             copies = self.manager.append(request.request_id, request.num_computed_tokens, end)
+            if copies is None and drafts:  # (nothing changed) the decode token alone, as without drafts
+                drafts, end = [], end - len(drafts)
+                copies = self.manager.append(request.request_id, request.num_computed_tokens, end)
             while copies is None:
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -140,8 +150,8 @@ class Scheduler:
             if copies is None:
                 break  # the request preempted itself: nobody after it is left
             out.page_ops.copies.extend(copies)
-            out.seqs.append(self._seq(request, num_new))
-            budget -= num_new
+            out.seqs.append(self._seq(request, num_new, drafts))
+            budget -= num_new + len(drafts)
             index += 1
         if not preempted and not self.swapped:
             self._admit(out, budget)
@@ -239,17 +249,24 @@ class Scheduler:
                 return True
         return False
 
-    def _seq(self, request: Request, num_new: int) -> ScheduledSeq:
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """Draft tokens after the request's decode token (spec/policy.py), into pages free of cached
+        content with a page of headroom kept for every running request."""
+        spare = self.manager.num_spare_pages - len(self.running)
+        return self.spec.drafts(request, budget, self.max_model_len, spare) if spare > 0 else []
+
+    def _seq(self, request: Request, num_new: int, drafts: list[int] = ()) -> ScheduledSeq:
         start = request.num_computed_tokens
         return ScheduledSeq(
             request_id=request.request_id,
-            token_ids=request.token_ids[start:start + num_new],
+            token_ids=request.token_ids[start:start + num_new] + list(drafts),
             start_pos=start,
             block_table=self.manager.block_table(request.request_id),
             need_sample=start + num_new == request.num_tokens,
             sampling_params=request.sampling_params,
             num_output_tokens=request.num_output_tokens,
             window_block_table=self.manager.window_block_table(request.request_id),
+            draft_token_ids=list(drafts),
         )
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
@@ -287,34 +304,58 @@ class Scheduler:
             self.running.append(request)
 
     # -- results -------------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: list[SampledToken | None], now: float) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: list[SampledToken | None], now: float,
+               accepted: list[list[SampledToken]] | None = None) -> list[Request]:
         """Advance counters, append sampled tokens, apply length/EOS rules, free finished requests.
+        `accepted`: per seq, the draft tokens verification kept (before its sampled token).
         Returns the requests that got a new token (finished ones included)."""
         changed: list[Request] = []
-        for seq, token in zip(out.seqs, sampled):
+        for i, (seq, token) in enumerate(zip(out.seqs, sampled)):
             request = self.requests.get(seq.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
-            request.num_computed_tokens += len(seq.token_ids)
+            reason = None
+            if seq.draft_token_ids:
+                reason = self._take_speculated(request, seq, accepted[i] if accepted else [], token, now)
+            else:
+                request.num_computed_tokens += len(seq.token_ids)
+                if token is not None:
+                    self._append_token(request, token, now)
+                    reason = self._stop_reason(request)
             if token is not None:
-                request.token_ids.append(token.token_id)
-                if token.top_logprobs is not None or token.logprob is not None:
-                    request.logprobs.append({token.token_id: token.logprob or 0.0,
-                                             **(token.top_logprobs or {})})
-                self.stats.generation_tokens += 1
-                if request.first_token_time is None:
-                    request.first_token_time = now
                 changed.append(request)
             retention = request.retention if request.lease_usage is None else None
             granted = self.manager.commit(request.request_id, request.token_ids, request.num_computed_tokens,
                                           retention)
             if granted is not None:  # the prompt is committed: the cache leased its breakpoints
                 request.cache.lease_usage = granted
-            if token is not None:
-                reason = self._stop_reason(request)
-                if reason is not None:
-                    self._finish(request, reason, now)
+            if reason is not None:
+                self._finish(request, reason, now)
         return changed
+
+    def _append_token(self, request: Request, token: SampledToken, now: float) -> None:
+        request.token_ids.append(token.token_id)
+        if token.top_logprobs is not None or token.logprob is not None:
+            request.logprobs.append({token.token_id: token.logprob or 0.0, **(token.top_logprobs or {})})
+        self.stats.generation_tokens += 1
+        if request.first_token_time is None:
+            request.first_token_time = now
+
+    def _take_speculated(self, request: Request, seq: ScheduledSeq, accepted: list[SampledToken],
+                         token: SampledToken, now: float) -> RequestStatus | None:
+        """A verified draft: the accepted tokens, then the sampled one, each under the stop rules. The
+        K/V of the rest is rolled back: the sequence has computed every kept token but its last, as
+        if it had decoded them one by one. Returns the stop reason, if one applied."""
+        reason = None
+        for kept in [*accepted, token]:
+            self._append_token(request, kept, now)
+            reason = self._stop_reason(request)
+            if reason is not None:
+                break
+        request.num_computed_tokens = request.num_tokens - 1
+        self.manager.truncate(request.request_id, request.num_computed_tokens)
+        self.spec.record(request, len(seq.draft_token_ids), len(accepted))
+        return reason
 
     def _stop_reason(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params
@@ -335,6 +376,8 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus, now: float | None = None) -> None:
         self.looping.discard(request.request_id)
+        if self.spec is not None:
+            self.spec.forget(request.request_id)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.SWAPPED:

@@ -45,7 +45,7 @@ def run_step(scheduler: Scheduler, executor: Executor, clock: Callable[[], float
         return StepOutcome(out)
     result = executor.execute(out)
     manager.tiers.complete(out.page_ops.saves, result.saved)
-    changed = scheduler.update(out, result.sampled, clock())
+    changed = scheduler.update(out, result.sampled, clock(), result.accepted)
     _apply(scheduler, executor, PageOps(*manager.tiers.take_page_moves()))
     return StepOutcome(out, changed)
 

@@ -115,3 +115,16 @@ def explain(token_ids: Sequence[int], namespace: str, hit: PrefixHit, cached_by_
     out.detail = ("no prefix of this prompt was ever cached in its namespace" if cached == 0
                   else f"the prompt leaves the cached prefix at token {cached}")
     return out
+
+
+def explain_admission(token_ids: Sequence[int], namespace: str, allocation: Any, page_size: int,
+                      history: CacheHistory, now: float, recent_prompts: list[tuple[str, list[int]]],
+                      windowed: bool, below_min_cacheable: int | None = None) -> CacheExplanation:
+    """explain() for a request just admitted with `allocation` (sequence.Allocation), from the facts its
+    lookup and allocation recorded (no index walk); `recent_prompts`: the manager's admitted
+    (namespace, tokens), this request's last; `windowed`: a window pool may have cut the hit."""
+    recent = [p for ns, p in recent_prompts[:-1] if ns == namespace]
+    hit = allocation.hit
+    matched = hit.num_matched_tokens - hit.num_matched_tokens % page_size if windowed else 0
+    return explain(token_ids, namespace, hit, allocation.cached_by_source, page_size, history, now,
+                   below_min_cacheable, recent, matched)

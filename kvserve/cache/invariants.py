@@ -1,6 +1,8 @@
 """The cache manager's invariants, checked after every test step: every page is exactly one of free /
 cached idle / used; refs equal block-table occurrences plus lease references; every indexed page a
-sequence committed holds the tokens the sequence committed there."""
+sequence committed holds the tokens the sequence committed there; given each sequence's real tokens
+(after speculative decoding), what it committed is a prefix of them (no rejected draft token indexed)
+and its block table holds no page past its tokens (rolled-back pages returned)."""
 
 from __future__ import annotations
 
@@ -15,9 +17,22 @@ from kvserve.cache.sequence import SeqPages
 
 def check_manager_invariants(pool: PagePool, seqs: dict[str, SeqPages], leases: LeaseTable, index: Any,
                              hash_of_cached: dict[int, bytes], page_of_hash: dict[bytes, int],
-                             page_size: int) -> None:
+                             page_size: int, token_ids: dict[str, list[int]] | None = None,
+                             window: Any = None) -> None:
     """The KVCacheManager's parts, handed over by its check_invariants()."""
     pool.check_invariants()
+    if window is not None:
+        window.check_invariants()
+    for seq_id, tokens in (token_ids or {}).items():
+        seq = seqs.get(seq_id)
+        if seq is None:
+            continue
+        assert seq.committed_token_ids == tokens[:len(seq.committed_token_ids)], (
+            f"{seq_id}: committed tokens that are not the sequence's (a rejected draft indexed?)")
+        assert len(seq.block_table) <= -(-len(tokens) // page_size), (
+            f"{seq_id}: {len(seq.block_table)} pages for {len(tokens)} tokens (a rolled-back page kept)")
+        if window is not None:
+            assert len(window.block_table(seq_id)) == len(seq.block_table), f"{seq_id}: window table length"
     occurrences = Counter(page for seq in seqs.values() for page in seq.block_table)
     assert NULL_PAGE not in occurrences, "the null page is in a block table"
     occurrences.update(leases.page_refs())

@@ -11,6 +11,7 @@ A sequence's life, as the scheduler drives it each step:
     copies = append(id, num_computed, end)        grow to `end`; copy-on-write of shared pages about
                                                   to be written; None: no room (preempt someone)
     ... the runner applies `copies` in order, then computes positions num_computed..end-1 ...
+    truncate(id, num_tokens)                      speculative decoding: drop rejected drafts' pages
     commit(id, tokens, num_computed, retention)   index the pages that are now full (radix may swap a
                                                   page for an identical cached one: re-read block_table);
                                                   the prompt computed: lease its breakpoints
@@ -30,7 +31,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvserve.cache.admission import AdmissionPlanner
-from kvserve.cache.explain import CacheExplanation, explain
+from kvserve.cache.explain import CacheExplanation, explain_admission
 from kvserve.cache.fair_share import FairShareEviction
 from kvserve.cache.hashing import page_hash
 from kvserve.cache.history import CacheHistory
@@ -69,14 +70,11 @@ class KVCacheManager:
         self.page_size = page_size
         self.partial_page_hits = partial_page_hits  # see CacheConfig.partial_page_hits
         self.pool = PagePool(num_pages)
-        self.index: HashPrefixIndex | RadixPrefixIndex | None = None
-        if self.policy is PrefixCachePolicy.HASH:
-            self.index = HashPrefixIndex(self.pool, page_size)
-        elif self.policy is PrefixCachePolicy.RADIX:
-            self.index = RadixPrefixIndex(self.pool, page_size)
+        index_class = {PrefixCachePolicy.HASH: HashPrefixIndex, PrefixCachePolicy.RADIX: RadixPrefixIndex}
+        self.index: HashPrefixIndex | RadixPrefixIndex | None = (
+            index_class[self.policy](self.pool, page_size) if self.policy in index_class else None)
         self._seqs: dict[str, SeqPages] = {}
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
         self.offload = offload or Offloader(page_size)
         self.leases = LeaseTable(self.pool, self.index, page_size, max_leased_fraction)
         self.clock = clock  # lease expiry; the simulator passes its virtual clock
@@ -92,8 +90,7 @@ class KVCacheManager:
         self.planner = AdmissionPlanner(self.index, window, self.offload, self.leases, self._hash_of_cached,
                                         page_size, partial_page_hits)
         self.window = window  # sliding-window layers' pages (hybrid allocator), or None
-        if window is not None:
-            self.pool.on_freed = window.page_gone
+        self.pool.on_freed = window.page_gone if window is not None else None
 
     @classmethod
     def from_config(cls, config: CacheConfig, offload: Offloader | None = None,
@@ -196,6 +193,18 @@ class KVCacheManager:
             self.window.grow(seq_id, table, cow)
         return copies
 
+    def truncate(self, seq_id: str, num_tokens: int) -> None:
+        """Roll back to `num_tokens` positions (rejected draft tokens): the pages past them go back, tail
+        first; never committed, no index, tier, event or lease saw them."""
+        seq = self._seq(seq_id)
+        keep = cdiv(num_tokens, self.page_size)
+        assert keep >= seq.num_committed_pages, f"{seq_id}: a rollback into committed pages"
+        if self.window is not None:
+            self.window.truncate(seq_id, keep)
+        for page in reversed(seq.block_table[keep:]):
+            self.pool.decref(page)
+        del seq.block_table[keep:]
+
     def commit(self, seq_id: str, token_ids: list[int], num_computed_tokens: int,
                retention: Retention | None = None) -> LeaseUsage | None:
         """Index every page of the sequence now full of computed tokens (prompt and generated ones
@@ -283,9 +292,8 @@ class KVCacheManager:
             self.pool.incref(page)
         if self.window is not None:
             self.window.fork(parent_id, child_id)
-        self._seqs[child_id] = SeqPages(parent.namespace, list(parent.block_table),
-                                    parent.num_committed_pages, list(parent.page_hashes),
-                                    list(parent.committed_token_ids))
+        self._seqs[child_id] = SeqPages(parent.namespace, list(parent.block_table), parent.num_committed_pages,
+                                        list(parent.page_hashes), list(parent.committed_token_ids))
 
     def block_table(self, seq_id: str) -> list[int]:
         return list(self._seq(seq_id).block_table)
@@ -328,6 +336,11 @@ class KVCacheManager:
         return self.pool.num_free
 
     @property
+    def num_spare_pages(self) -> int:
+        """Pages that can be handed out without evicting cached content, in both pools."""
+        return min(self.pool.num_free_uncached, self.window.pool.num_free_uncached if self.window else 1 << 62)
+
+    @property
     def num_used_pages(self) -> int:
         refs = self.leases.page_refs()
         return self.pool.num_used - sum(1 for page, n in refs.items() if self.pool.ref(page) == n)
@@ -346,15 +359,9 @@ class KVCacheManager:
 
     def explain(self, token_ids: list[int], namespace: str, allocation: Allocation,
                 below_min_cacheable: int | None = None) -> CacheExplanation:
-        """Why the request admitted with `allocation` computed what it did (cache/explain.py), from the
-        facts its lookup and allocation recorded (no index walk)."""
-        recent = [p for ns, p in list(self.recent_prompts)[:-1] if ns == namespace]  # (the last: this one)
-        hit = allocation.hit
-        matched = 0
-        if self.window is not None:  # what the window pool cut off
-            matched = hit.num_matched_tokens - hit.num_matched_tokens % self.page_size
-        return explain(token_ids, namespace, hit, allocation.cached_by_source, self.page_size, self.history,
-                       self.clock(), below_min_cacheable, recent, matched)
+        """Why the request admitted with `allocation` computed what it did (cache/explain.py)."""
+        return explain_admission(token_ids, namespace, allocation, self.page_size, self.history, self.clock(),
+                                 list(self.recent_prompts), self.window is not None, below_min_cacheable)
 
     def make_room(self) -> bool:
         """Break the lease closest to expiry; False when there is none (nothing else can free pages)."""
@@ -388,6 +395,6 @@ class KVCacheManager:
             self.events.cleared()
         return True
 
-    def check_invariants(self) -> None:
+    def check_invariants(self, token_ids: dict[str, list[int]] | None = None) -> None:
         check_manager_invariants(self.pool, self._seqs, self.leases, self.index, self._hash_of_cached,
-                                 self._page_of_hash, self.page_size)
+                                 self._page_of_hash, self.page_size, token_ids, self.window)

@@ -62,6 +62,11 @@ class PagePool:
         return len(self._free) + len(self._idle)
 
     @property
+    def num_free_uncached(self) -> int:
+        """Free pages holding nothing cached: taking them evicts nothing."""
+        return len(self._free)
+
+    @property
     def num_used(self) -> int:
         return self.num_usable - self.num_free
 

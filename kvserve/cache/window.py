@@ -100,6 +100,15 @@ class WindowPool:
             seq.slots[i] = NULL_PAGE
         seq.first_held = max(seq.first_held, first)
 
+    def truncate(self, seq_id: str, num_pages: int) -> None:
+        """Speculation rolled back: the sequence keeps its first `num_pages` logical pages."""
+        seq = self._seqs[seq_id]
+        for i in range(len(seq.slots) - 1, num_pages - 1, -1):
+            if i >= seq.first_held:
+                self.pool.decref(seq.slots[i])
+        del seq.slots[num_pages:]
+        seq.first_held = min(seq.first_held, num_pages)
+
     def adopt(self, seq_id: str, table: list[int]) -> None:
         """After a radix commit swapped own pages for cached ones: a cached page without a slot
         takes the sequence's (same tokens, same positions: same K/V)."""

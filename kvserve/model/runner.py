@@ -33,6 +33,7 @@ from kvserve.model.kv_quant import PagedKV, codec_for, fp8_scale_for
 from kvserve.model.llama import LlamaModel
 from kvserve.batch import PageOps, SampledToken, SchedulerOutput, StepResult
 from kvserve.model.sampler import sample
+from kvserve.model.spec_verify import verify
 
 SEQUENCE_CHUNK = 512  # forward_sequence's tokens per pass: bounds attention scores' memory
 CALIBRATION_TOKENS = 512  # corpus tokens of the fp8 calibration pass (--calculate-kv-scales)
@@ -93,9 +94,12 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Apply the step's page moves, then run its sequences; `sampled` is aligned with out.seqs
-        (None where need_sample is False)."""
+        (None where need_sample is False); `accepted` too where any sequence carried drafts."""
         saved = self.apply_page_ops(out.page_ops)
-        return StepResult(self._run(out.seqs) if out.seqs else [], saved)
+        if not out.seqs:
+            return StepResult([], saved)
+        sampled, accepted = self._run(out.seqs)
+        return StepResult(sampled, saved, accepted)
 
     def apply_page_ops(self, ops: PageOps) -> list[np.ndarray]:
         """Saves (read first: nothing has written those pages yet), then loads, then copies.
@@ -109,7 +113,7 @@ class ModelRunner:
             self._copy(self._window_kv_bytes, self.window_kv_scales, ops.window_copies)
         return saved
 
-    def _run(self, seqs: list) -> list[SampledToken | None]:
+    def _run(self, seqs: list) -> tuple[list[SampledToken | None], list[list[SampledToken]]]:
         query_lens = [len(s.token_ids) for s in seqs]
         assert min(query_lens) > 0, "a scheduled sequence has no tokens"
         starts = [s.start_pos for s in seqs]
@@ -123,17 +127,30 @@ class ModelRunner:
                                  device=self.device)  # [T]
         rows = [i for i, s in enumerate(seqs) if s.need_sample]
         result: list[SampledToken | None] = [None] * len(seqs)
+        accepted: list[list[SampledToken]] = []
         with torch.inference_mode():
             hidden = self.model(input_ids, meta.positions, self.kv_caches, meta, window_meta)  # [T, hidden]
             if not rows:
-                return result
-            last_rows = torch.tensor(query_lens, device=self.device).cumsum(0) - 1  # [S]
-            sample_rows = last_rows[torch.tensor(rows, device=self.device)]  # [N]
-            logits = self.model.compute_logits(hidden.index_select(0, sample_rows))  # [N, vocab]
-            tokens = sample(logits, [seqs[i] for i in rows])
-        for i, token in zip(rows, tokens):
-            result[i] = token
-        return result
+                return result, accepted
+            # a sampled sequence's last row, and before it one row per draft token it carries
+            ends = np.cumsum(query_lens)
+            counts = [1 + len(seqs[i].draft_token_ids) for i in rows]
+            picked = [r for i, n in zip(rows, counts) for r in range(ends[i] - n, ends[i])]
+            logits = self.model.compute_logits(
+                hidden.index_select(0, torch.tensor(picked, device=self.device)))  # [sum(counts), vocab]
+            offsets = np.cumsum([0, *counts])
+            plain = [r for r, i in enumerate(rows) if counts[r] == 1]
+            if plain:
+                tokens = sample(logits[torch.tensor([offsets[r] for r in plain], device=self.device)],
+                                [seqs[rows[r]] for r in plain])
+                for r, token in zip(plain, tokens):
+                    result[rows[r]] = token
+            if len(plain) < len(rows):
+                accepted = [[] for _ in seqs]
+                for r, i in enumerate(rows):
+                    if counts[r] > 1:
+                        *accepted[i], result[i] = verify(logits[offsets[r]:offsets[r + 1]], seqs[i])
+        return result, accepted
 
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
         """Copy page src -> dst in every layer, K and V (copy-on-write of a shared partial page)."""

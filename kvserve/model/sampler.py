@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from kvserve.batch import SampledToken, ScheduledSeq
+from kvserve.request import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads consecutive token counts over the seed space
 
@@ -37,6 +38,19 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     return logits.masked_fill((logits < cutoff) | (logits < kth), float("-inf"))
 
 
+def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """logits [R, V] of rows with temperature > 0 -> the distribution each row samples from [R, V]
+    (temperature, then top-k and top-p). Speculative verification accepts drafts against it."""
+    device = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=device)
+    scaled = logits / temps[:, None]  # [R, V]
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        top_k = torch.tensor([p.top_k for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device, dtype=scaled.dtype)
+        scaled = _filter(scaled, top_k, top_p)
+    return scaled.softmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> list[SampledToken]:
     """logits [N, V] float32, one row per sequence in `seqs` -> one SampledToken per row."""
     n, device = logits.shape[0], logits.device
@@ -46,13 +60,7 @@ def sample(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> list[SampledTo
     rows = [i for i, p in enumerate(params) if p.temperature > 0]
     if rows:
         idx = torch.tensor(rows, device=device)
-        temps = torch.tensor([params[i].temperature for i in rows], device=device)
-        scaled = logits.index_select(0, idx) / temps[:, None]  # [R, V]
-        if any(params[i].top_k > 0 or params[i].top_p < 1.0 for i in rows):
-            top_k = torch.tensor([params[i].top_k for i in rows], device=device)
-            top_p = torch.tensor([params[i].top_p for i in rows], device=device, dtype=scaled.dtype)
-            scaled = _filter(scaled, top_k, top_p)
-        probs = scaled.softmax(dim=-1)
+        probs = target_probs(logits.index_select(0, idx), [params[i] for i in rows])  # [R, V]
         # exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one draw per row
         noise = torch.empty_like(probs).exponential_()
         for r, i in enumerate(rows):
@@ -61,8 +69,17 @@ def sample(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> list[SampledTo
                 noise[r].exponential_(generator=g)
         chosen[idx] = (probs / noise.clamp_min_(1e-30)).argmax(dim=-1)  # no 0/0 on masked tokens
 
-    chosen_list = chosen.tolist()
-    out = [SampledToken(t) for t in chosen_list]
+    out = [SampledToken(t) for t in chosen.tolist()]
+    add_logprobs(out, logits, chosen, params)
+    assert len(out) == n
+    return out
+
+
+def add_logprobs(out: list[SampledToken], logits: torch.Tensor, chosen: torch.Tensor,
+                 params: Sequence[SamplingParams]) -> None:
+    """Fill the logprobs of each row that asks for them: log-softmax of the raw logits [N, V] at the
+    chosen token [N], and the `logprobs` most likely alternatives."""
+    device = logits.device
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if want:
         idx = torch.tensor(want, device=device)
@@ -75,5 +92,3 @@ def sample(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> list[SampledTo
             kk = params[i].logprobs
             out[i].logprob = picked[r]
             out[i].top_logprobs = dict(zip(top_ids[r][:kk], top_vals[r][:kk]))
-    assert len(out) == n
-    return out

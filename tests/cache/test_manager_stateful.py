@@ -1,6 +1,7 @@
 """A hypothesis state machine drives KVCacheManager (radix, hash, off) the way the scheduler does:
 admit (lookup + allocate), step (append + compute + commit), fork, free, preempt, lookup, stale hits,
-on small pools so eviction is constant.
+speculate (append draft positions, write them, truncate the rejected ones, commit), on small pools so
+eviction is constant.
 
 A shadow model records what was written into every page: the copies the manager asks for, then the
 tokens each step computes, into the pages of the block table. Every prefix hit must return pages
@@ -56,18 +57,24 @@ class CacheMachine(RuleBasedStateMachine):
             self.content[dst] = list(self.content[src])
             self.content_ns[dst] = self.content_ns[src]
 
-    def _compute(self, seq_id: str, start: int, end: int) -> None:
-        """The runner writes positions start..end-1 of the sequence into its pages."""
+    def _write(self, seq_id: str, start: int, tokens: list[int]) -> None:
+        """The runner writes `tokens` at positions start.. of the sequence into its pages."""
         seq = self.seqs[seq_id]
         table = self.m.block_table(seq_id)
-        assert len(table) * self.ps >= end
-        for pos in range(start, end):
+        assert len(table) * self.ps >= start + len(tokens)
+        for pos, token in enumerate(tokens, start):
             page = table[pos // self.ps]
             assert self.m.pool.ref(page) == 1, f"write into shared page {page}"
             assert not self.m.pool.is_cached(page), f"write into cached page {page}"
             slots = self.content.setdefault(page, [None] * self.ps)
             self.content_ns[page] = seq.namespace
-            slots[pos % self.ps] = seq.token_ids[pos]
+            slots[pos % self.ps] = token
+
+    def _compute(self, seq_id: str, start: int, end: int) -> None:
+        """The runner writes positions start..end-1 of the sequence into its pages."""
+        seq = self.seqs[seq_id]
+        table = self.m.block_table(seq_id)
+        self._write(seq_id, start, seq.token_ids[start:end])
         seq.num_computed = end
         self.m.commit(seq_id, seq.token_ids, end)
         if self.m.block_table(seq_id) != table:
@@ -169,6 +176,35 @@ class CacheMachine(RuleBasedStateMachine):
         self._apply_copies(copies)
         self._compute(seq_id, seq.num_computed, end)
 
+    @precondition(lambda self: any(s.num_computed == len(s.token_ids) - 1 for s in self.seqs.values()))
+    @rule(index=st.integers(0, 50), drafts=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6),
+          num_accepted=st.integers(0, 6), correction=st.integers(0, VOCAB - 1))
+    def speculate(self, index, drafts, num_accepted, correction):
+        """A decoding sequence verifies draft tokens in one step: positions for the decode token and
+        every draft are appended and written; the sequence keeps num_accepted drafts and one more
+        token (the correction, never the rejected draft), and rolls the rest back before committing."""
+        decoding = sorted(s for s, m in self.seqs.items() if m.num_computed == len(m.token_ids) - 1)
+        seq_id = decoding[index % len(decoding)]
+        seq = self.seqs[seq_id]
+        start = seq.num_computed
+        before = self._snapshot()
+        copies = self.m.append(seq_id, start, start + 1 + len(drafts))
+        if copies is None:
+            assert self._snapshot() == before, "a failed append changed something"
+            event("speculation refused: no room")
+            return
+        self._apply_copies(copies)
+        self._write(seq_id, start, [seq.token_ids[start], *drafts])
+        num_accepted = min(num_accepted, len(drafts))
+        if num_accepted < len(drafts) and correction == drafts[num_accepted]:
+            correction = (correction + 1) % VOCAB  # the target's token differs from a rejected draft
+        seq.token_ids += [*drafts[:num_accepted], correction]
+        seq.num_computed = len(seq.token_ids) - 1
+        self.m.truncate(seq_id, seq.num_computed)
+        assert len(self.m.block_table(seq_id)) == -(-seq.num_computed // self.ps), "a rolled-back page kept"
+        self.m.commit(seq_id, seq.token_ids, seq.num_computed)
+        event("all drafts accepted" if num_accepted == len(drafts) else "drafts rolled back")
+
     @precondition(lambda self: self.seqs)
     @rule(index=st.integers(0, 50))
     def fork(self, index):
@@ -229,7 +265,7 @@ class CacheMachine(RuleBasedStateMachine):
     def manager_invariants(self):
         if not hasattr(self, "m"):
             return
-        self.m.check_invariants()
+        self.m.check_invariants({seq_id: seq.token_ids for seq_id, seq in self.seqs.items()})
         if self.policy == "off":
             assert self.m.stats().num_pages_cached == 0
 

@@ -34,13 +34,13 @@ class WindowMachine(CacheMachine):
             self.window_content[dst] = list(self.window_content[src])
             event("window copy")
 
-    def _compute(self, seq_id, start, end):
-        seq, table = self.seqs[seq_id], self.m.window_block_table(seq_id)
-        for pos in range(start, end):
+    def _write(self, seq_id, start, tokens):
+        table = self.m.window_block_table(seq_id)
+        for pos, token in enumerate(tokens, start):
             slot = table[pos // self.ps]
             assert slot != NULL_PAGE and self.m.window.pool.ref(slot) == 1, f"write into window page {slot}"
-            self.window_content.setdefault(slot, [None] * self.ps)[pos % self.ps] = seq.token_ids[pos]
-        super()._compute(seq_id, start, end)
+            self.window_content.setdefault(slot, [None] * self.ps)[pos % self.ps] = token
+        super()._write(seq_id, start, tokens)
 
     @precondition(lambda self: False)
     @rule()

@@ -1,0 +1,99 @@
+"""SpecPolicy: how many draft tokens each decoding request gets this step, and what verification did.
+
+Drafts are proposed only where they can pay: a request decoding one token at a time (no prompt chunk,
+no pending fork, no stop strings, which are cut from text), while at most `disable_by_batch_size`
+requests decode, and only into pages that are free without evicting a cached one (so speculation never
+changes what the prefix cache holds). Each request's k adapts to its acceptance: a fully accepted draft
+raises it by one, a fully rejected one halves it; at 0 the request waits `cooldown` steps (doubling
+each time) before it tries one token again."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.request import Request
+from kvserve.spec.config import SpeculativeConfig
+from kvserve.spec.ngram import propose_ngram
+
+COOLDOWN_STEPS = 8  # decode steps without drafts after k fell to 0 (doubles each time, up to MAX_COOLDOWN)
+MAX_COOLDOWN = 256
+
+
+@dataclass(slots=True)
+class SpecDecodeStats:
+    """vLLM's spec_decode counters, cumulative."""
+
+    num_drafts: int = 0  # verification steps that carried at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts whose token i was accepted
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_drafted:
+            self.accepted_per_pos.extend([0] * (num_drafted - len(self.accepted_per_pos)))
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+
+@dataclass(slots=True)
+class _Adaptive:
+    k: int
+    cooldown: int = 0  # steps left without drafts
+    next_cooldown: int = COOLDOWN_STEPS
+
+
+class SpecPolicy:
+    def __init__(self, config: SpeculativeConfig, page_size: int) -> None:
+        self.config = config
+        self.page_size = page_size
+        self.stats = SpecDecodeStats()
+        self._state: dict[str, _Adaptive] = {}
+
+    def wants_drafts(self, num_decoding: int) -> bool:
+        """Whether this step speculates at all: not while the batch is large."""
+        return num_decoding <= self.config.disable_by_batch_size
+
+    def drafts(self, request: Request, budget: int, max_model_len: int, spare_pages: int) -> list[int]:
+        """Draft tokens for `request`'s next step (after its one decode token), within the step's
+        token `budget` and `spare_pages` pages free of cached content."""
+        params = request.sampling_params
+        if (request.num_computed_tokens != request.num_tokens - 1 or request.num_output_tokens < 1
+                or request.fork_children or params.stop):
+            return []
+        state = self._state.setdefault(request.request_id, _Adaptive(self.config.num_speculative_tokens))
+        if state.cooldown > 0:
+            state.cooldown -= 1
+            return []
+        limit = min(state.k, budget - 1, params.max_tokens - request.num_output_tokens - 1,
+                    max_model_len - request.num_tokens - 1)
+        if limit < 1:
+            return []
+        ps, start = self.page_size, request.num_computed_tokens
+        while limit > 0 and -(-(start + 1 + limit) // ps) - -(-(start + 1) // ps) > spare_pages:
+            limit -= 1  # each page past the decode token's must be free without an eviction
+        cfg = self.config
+        return propose_ngram(request.token_ids, limit, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+
+    def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+        """What verification kept of the request's draft; adapts its k."""
+        self.stats.record(num_drafted, num_accepted)
+        counts = request.spec_decode
+        counts.num_drafts += 1
+        counts.num_draft_tokens += num_drafted
+        counts.num_accepted_tokens += num_accepted
+        state = self._state.get(request.request_id)
+        if state is None:
+            return
+        if num_accepted == num_drafted:
+            state.k = min(state.k + 1, self.config.num_speculative_tokens)
+        elif num_accepted == 0:
+            state.k //= 2
+            if state.k == 0:
+                state.k, state.cooldown = 1, state.next_cooldown
+                state.next_cooldown = min(2 * state.next_cooldown, MAX_COOLDOWN)
+
+    def forget(self, request_id: str) -> None:
+        self._state.pop(request_id, None)

@@ -1,0 +1,138 @@
+"""Speculative decoding end to end (issue 27): greedy tokens with n-gram speculation on are those with
+it off, on the bundled model and a tiny Gemma 3 (sliding-window layers, hybrid pool), with prefix hits,
+preemption and n > 1 in the same batch; after every step the cache invariants hold with each running
+request's real tokens (no rejected draft token committed, no rolled-back page kept); at the end the
+pool is full again and every page the prefix index holds is a page of some request's real tokens.
+The prefix hit rate with speculation on equals off on a small trace."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvserve import SamplingParams
+from tests.conftest import IDENTITY_MODES, make_llm, pool_memory
+from tests.model.tiny_models import VOCAB, make_hf_model, write_gguf
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2,
+        "disable_by_batch_size": 8}  # (speculate with the whole test batch running)
+GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def gemma_path(tmp_path_factory):
+    model = make_hf_model("gemma3")
+    return str(write_gguf(model, "gemma3", tmp_path_factory.mktemp("gemma3") / "gemma3.gguf"))
+
+
+def extractive(rng: random.Random, vocab: int, shared: list[int], n: int) -> list[int]:
+    """A prompt that repeats a span of itself: prompt lookup finds continuations in it."""
+    body = [rng.randrange(3, vocab) for _ in range(n)]
+    return shared + body + body[: n // 2]
+
+
+def run(llm, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[list[int]]]:
+    """Step the engine by hand, checking the cache invariants with every running request's tokens
+    after each step; -> each request's completions' token ids."""
+    engine = llm.engine
+    ids = [engine.add_request({"prompt_token_ids": p}, q) for p, q in zip(prompts, params)]
+    done = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output
+        running = {r.request_id: r.token_ids for r in engine.scheduler.running}
+        engine.manager.check_invariants(running)
+    assert_index_holds_only_real_tokens(llm, [done[i] for i in ids])
+    return [[list(c.token_ids) for c in done[i].outputs] for i in ids]
+
+
+def assert_index_holds_only_real_tokens(llm, outputs) -> None:
+    """Every page of the prefix index is a page-aligned run of some request's prompt + output."""
+    manager = llm.engine.manager
+    ps = manager.page_size
+    real = set()
+    for out in outputs:
+        for completion in out.outputs:
+            tokens = list(out.prompt_token_ids) + list(completion.token_ids)
+            real.update(tuple(tokens[i:i + ps]) for i in range(0, len(tokens) - ps + 1, ps))
+    for page in range(1, manager.num_pages):
+        if manager.pool.is_cached(page):
+            held = manager.index.page_tokens(page)
+            assert held is None or tuple(held) in real, f"page {page} holds tokens no request has"
+
+
+def batch(rng: random.Random, vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    shared = [rng.randrange(3, vocab) for _ in range(16)]
+    prompts = [extractive(rng, vocab, shared, n) for n in (12, 20)] + [shared + [5, 6, 7]]
+    prompts.append(prompts[0])  # a full prefix hit
+    params = [GREEDY] * len(prompts)
+    params[1] = SamplingParams(max_tokens=16, ignore_eos=True, n=2)  # forked samples (greedy: equal)
+    return prompts, params
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", IDENTITY_MODES)
+def test_bundled_model_greedy_tokens_are_unchanged_by_speculation(mode):
+    rng = random.Random(1)
+    prompts, params = batch(rng, 49152)
+    prompts.append([rng.randrange(3, 49152) for _ in range(8)] * 4)  # a loop: drafts mostly accepted
+    params.append(GREEDY)
+    # 12 pages of 8 tokens for ~6 x 50 tokens: requests are preempted and recomputed
+    kwargs = dict(dtype=mode, page_size=8, kv_cache_memory=pool_memory(13, 8, dtype=mode), max_num_seqs=8,
+                  max_model_len=96)
+    off = run(make_llm(**kwargs), prompts, params)
+    llm = make_llm(**kwargs, speculative_config=SPEC)
+    on = run(llm, prompts, params)
+    assert on == off
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+    assert stats["num_pages_free"] == stats["num_pages_total"]
+
+
+@pytest.mark.parametrize("page_size", [pytest.param(1, marks=pytest.mark.slow), 4])
+def test_gemma3_window_pool_greedy_tokens_are_unchanged_by_speculation(gemma_path, page_size):
+    rng = random.Random(page_size)
+    prompts, params = batch(rng, VOCAB)
+    kwargs = dict(model=gemma_path, page_size=page_size, kv_cache_memory="1MiB", max_num_seqs=8,
+                  max_num_batched_tokens=64)
+    off = run(make_llm(**kwargs), prompts, params)
+    llm = make_llm(**kwargs, speculative_config=SPEC)
+    assert llm.stats()["window_pool"] is not None
+    on = run(llm, prompts, params)
+    assert on == off
+    stats = llm.stats()
+    assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"]  # rolled back
+    assert stats["prefix_cache_hits"] > 0
+    assert stats["window_pool"]["num_pages_free"] == stats["window_pool"]["num_pages_total"]
+    assert stats["num_pages_free"] == stats["num_pages_total"]
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory):
+    model = make_hf_model("llama3")
+    return str(write_gguf(model, "llama3", tmp_path_factory.mktemp("llama3") / "llama3.gguf"))
+
+
+@pytest.mark.parametrize("kind", ["llama3", "gemma3"])
+def test_prefix_hit_rate_with_speculation_equals_off(kind, llama_path, gemma_path):
+    """A small multi-turn trace, one request at a time: each turn's prompt is the last turn's prompt
+    and answer plus a new message that quotes earlier text, so hits come from pages committed while
+    decoding (the ones a speculating engine writes and rolls back)."""
+    results = []
+    for spec in (None, SPEC):
+        llm = make_llm(model=llama_path if kind == "llama3" else gemma_path, page_size=4,
+                       kv_cache_memory="1MiB", speculative_config=spec)
+        rng = random.Random(3)
+        history = [rng.randrange(3, VOCAB) for _ in range(20)]
+        for turn in range(4):
+            history += [rng.randrange(3, VOCAB) for _ in range(5)] + history[-12:]
+            out = llm.generate([{"prompt_token_ids": history}], GREEDY)[0]
+            history += list(out.outputs[0].token_ids)
+        stats = llm.stats()
+        results.append((stats["prefix_cache_queries"], stats["prefix_cache_hits"], history,
+                        stats["spec_decode_num_drafts"] > 0))
+    assert results[0][:3] == results[1][:3]
+    assert results[0][1] > 0 and results[1][3], "hits with speculation on, and drafts verified"

@@ -97,7 +97,8 @@ def test_cli_has_the_tier_flags():
 
 
 def test_proxy_sends_prefill_one_token_and_no_stream():
-    from kvserve.server.proxy import base_url, prefill_body
+    from kvserve.server.forwarding import prefill_body
+    from kvserve.server.proxy import base_url
 
     body = {"prompt": "x", "max_tokens": 50, "stream": True, "n": 3,
             "stream_options": {"include_usage": True}, "max_completion_tokens": 50}

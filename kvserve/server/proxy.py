@@ -14,23 +14,11 @@ takes them in turn.
 import argparse
 import contextlib
 import itertools
-import json
-import logging
-from typing import Any
-
-log = logging.getLogger("kvserve.proxy")
 
 
 def base_url(url: str) -> str:
     """`http://host:8001/v1/` -> `http://host:8001`."""
     return url.rstrip("/").removesuffix("/v1")
-
-
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The request as the prefill instance gets it: one token, one choice, no stream."""
-    body = {k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens")}
-    body.update(max_tokens=1, stream=False, n=1)
-    return body
 
 
 def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], timeout: float = 600.0):
@@ -41,7 +29,7 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], timeout: fl
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.background import BackgroundTask
 
-    from kvserve.server.forwarding import add_forward_routes, forwarded_headers, relay_get
+    from kvserve.server.forwarding import add_forward_routes, prefill, read_forwarded, relay_get
     from kvserve.server.protocol import error_body
 
     if not prefill_urls or not decode_urls:
@@ -58,28 +46,13 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], timeout: fl
 
     app = FastAPI(title="kvserve proxy", lifespan=lifespan)
 
-    async def prefill(url: str, body: dict[str, Any], headers: dict[str, str]) -> None:
-        try:
-            response = await state["client"].post(url, json=prefill_body(body), headers=headers)
-            if response.status_code != 200:
-                log.warning("prefill %s answered %d: %s", url, response.status_code,
-                            response.text[:200])
-        except httpx.HTTPError as err:
-            log.warning("prefill %s failed (%s); the decode instance computes the prompt", url, err)
-
     async def forward(path: str, raw: Request):
-        content = await raw.body()
-        headers = forwarded_headers(raw)
-        try:
-            body = json.loads(content)
-        except ValueError:
-            body = None  # the decode instance answers with the right 400
-        if isinstance(body, dict):
-            await prefill(next(prefills) + path, body, headers)
+        request = await read_forwarded(raw)
         client, url = state["client"], next(decodes) + path
+        await prefill(client, next(prefills) + path, request)
         try:
-            response = await client.send(client.build_request("POST", url, content=content,
-                                                              headers=headers), stream=True)
+            response = await client.send(client.build_request("POST", url, content=request.content,
+                                                              headers=request.headers), stream=True)
         except httpx.HTTPError as err:
             return JSONResponse(error_body(f"the decode instance is unreachable: {err}",
                                            "server_error"), 502)

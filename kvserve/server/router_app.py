@@ -10,17 +10,16 @@ import asyncio
 import contextlib
 import json
 import logging
-from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from kvserve.server.forwarding import add_forward_routes, forwarded_headers
+from kvserve.server.forwarding import add_forward_routes, forwarded_headers, prefill, read_forwarded
 from kvserve.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from kvserve.server.protocol import error_body
-from kvserve.server.proxy import base_url, prefill_body
+from kvserve.server.proxy import base_url
 from kvserve.server.router_core import Router, failure_kind
 from kvserve.server.router_checks import MAX_ANSWER_BYTES, answer_problem
 from kvserve.server.router_index import Weights
@@ -65,29 +64,15 @@ def build_router_app(backend_urls: list[str], *, policy: str = "kv",
         return JSONResponse(error_body(f"internal error: {type(err).__name__}", "server_error"),
                             500)
 
-    async def prefill(path: str, body: Any, headers: dict[str, str]) -> None:
-        if not prefills or not isinstance(body, dict):
-            return
-        url = prefills[prefill_turn[0] % len(prefills)] + path
-        prefill_turn[0] += 1
-        try:
-            response = await router.client.post(url, json=prefill_body(body), headers=headers,
-                                                timeout=timeouts.whole_s)
-            if response.status_code != 200:
-                log.warning("prefill %s answered %d", url, response.status_code)
-        except httpx.HTTPError as err:
-            log.warning("prefill %s failed (%s); the decode instance computes the prompt", url, err)
-
     async def forward(path: str, raw: Request):
-        content = await raw.body()
-        headers = forwarded_headers(raw)
-        try:
-            body = json.loads(content)
-        except ValueError:
-            body = None  # a backend answers with the right 400
+        request = await read_forwarded(raw)
+        content, body, headers = request.content, request.body, request.headers
         stream = isinstance(body, dict) and body.get("stream") is True
         hashes = await router.prompt_hashes(path, body, headers)
-        await prefill(path, body, headers)
+        if prefills:
+            url = prefills[prefill_turn[0] % len(prefills)] + path
+            prefill_turn[0] += 1
+            await prefill(router.client, url, request, timeout=timeouts.whole_s)
         seeded = with_seed(path, body)
         if seeded is not None:
             content = json.dumps(seeded).encode()

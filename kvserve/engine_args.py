@@ -4,6 +4,7 @@ mapping onto EngineConfig's fields."""
 from __future__ import annotations
 
 import argparse
+import json
 
 from kvserve.config import MODEL_DTYPES, EngineConfig
 
@@ -117,6 +118,28 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 tenant_kv_share=args.tenant_kv_share,
                 disable_hybrid_kv_cache_manager=getattr(args, "disable_hybrid_kv_cache_manager", False),
                 threads=args.threads, speculative_config=getattr(args, "speculative_config", None))
+
+
+def engine_argv(kwargs: dict) -> list[str]:
+    """The flags that give EngineConfig's fields `kwargs` (engine_kwargs' inverse, for starting
+    `kvserve serve` in a child process): each value written as its flag parses it (a bare switch,
+    on|off, or text); None and False switches left out."""
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    actions = {a.dest: a for a in parser._actions}
+    argv: list[str] = []
+    for key, value in kwargs.items():
+        action = actions.get(key)
+        if action is None:
+            raise ValueError(f"no engine flag sets {key!r}")
+        flag = action.option_strings[0]
+        if action.choices is not None and list(action.choices) == ["on", "off"]:
+            argv += [flag, "on" if value else "off"]
+        elif isinstance(action, argparse._StoreTrueAction):
+            argv += [flag] if value else []
+        elif value is not None:
+            argv += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    return argv
 
 
 def configure_tier_secret(args: argparse.Namespace) -> None:

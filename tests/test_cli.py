@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from kvserve.cli import main
 
 
@@ -52,3 +54,20 @@ def test_console_script_runs_as_a_process():
                              "--max-tokens", "8"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
+
+
+def test_engine_argv_is_engine_kwargs_inverse():
+    """What the bench hands to a `kvserve serve` child parses back to the same EngineConfig fields,
+    on|off flags, bare switches and JSON among them."""
+    import argparse
+
+    from kvserve.engine_args import add_engine_arguments, engine_argv, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--kv-events-token-ids", "off", "--calculate-kv-scales", "--page-size", "32",
+                              "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    kwargs = engine_kwargs(args)
+    assert engine_kwargs(parser.parse_args(engine_argv(kwargs))) == kwargs
+    with pytest.raises(ValueError, match="no engine flag"):
+        engine_argv({"not_a_field": 1})

@@ -101,22 +101,14 @@ class ServerProcess:
         self.stop()
 
 
-ON_OFF_FLAGS = ("kv_events_token_ids",)
-
-
 def kvserve_server(model_path: str, engine_kwargs: dict) -> ServerProcess:
     """`python -m kvserve.cli serve` with the bench's engine flags (`--threads` among them)."""
+    from kvserve.engine_args import engine_argv
+
     port = free_port()
     argv = [sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--model", model_path, "--served-model-name", SERVED_MODEL_NAME, "--log-level", "warning"]
-    for key, value in engine_kwargs.items():
-        flag = "--" + key.replace("_", "-")
-        if key in ON_OFF_FLAGS:  # a boolean whose flag takes on|off, not a bare switch
-            argv += [flag, "on" if value else "off"]
-            continue
-        if value is None or value is False:
-            continue
-        argv += [flag] if value is True else [flag, str(value)]
+            "--model", model_path, "--served-model-name", SERVED_MODEL_NAME, "--log-level", "warning",
+            *engine_argv(engine_kwargs)]
     return ServerProcess("kvserve", argv, port, {})
 
 

@@ -5,7 +5,7 @@ renamed field fails their tests instead of exporting 0. `as_dict()` is the flat 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from kvserve.cache.stats import CacheStats
@@ -47,9 +47,8 @@ class EngineStats:
         return self.cache.window.usage if self.cache.window is not None else 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        own = {name: getattr(self, name) for name in (
-            "num_thrash_pages", "tenant_prompt_tokens", "tenant_cached_tokens", "page_size", "kv_cache_dtype",
-            "kv_fp8_scale", "kv_cache_bytes", "kv_bytes_used", "max_model_len", "pool_tokens",
-            "window_num_pages_total", "window_num_pages_free", "window_kv_cache_usage_perc")}
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("cache", "scheduler", "spec_decode")}
+        own.update(window_num_pages_total=self.window_num_pages_total, window_num_pages_free=self.window_num_pages_free,
+                   window_kv_cache_usage_perc=self.window_kv_cache_usage_perc)
         spec = {f"spec_decode_{name}": value for name, value in asdict(self.spec_decode).items()}
         return {**self.cache.as_dict(), **asdict(self.scheduler), **own, **spec}

@@ -5,7 +5,7 @@ the sliding-window pool (WindowStats). Built by reading counters; building one c
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 
@@ -111,12 +111,9 @@ class CacheStats:
     window: WindowStats | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        flat = {name: getattr(self, name) for name in (
-            "num_pages_total", "num_pages_free", "num_pages_used", "num_pages_cached", "num_pages_cached_idle",
-            "kv_cache_usage_perc", "prefix_cache_queries", "prefix_cache_hits", "num_evictions")}
+        flat = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("leases", "tiers", "window")}
         tiers = {"cpu_cache_usage_perc": self.tiers.cpu_cache_usage_perc, "remote_cache_hits": self.tiers.remote_cache_hits,
                  "remote_cache_errors": self.tiers.remote_cache_errors, **self.tiers.as_dict()}
         return {**flat, **tiers, **asdict(self.leases),
-                "num_fair_share_evictions": self.num_fair_share_evictions,
                 "cached_pages_per_tenant": dict(self.cached_pages_per_tenant),
                 "window_pool": asdict(self.window) if self.window is not None else None}

@@ -4,6 +4,8 @@ mapping onto EngineConfig's fields."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 
 from kvserve.config import MODEL_DTYPES, EngineConfig
@@ -97,36 +99,32 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    """EngineConfig's fields from the flags; also sets the process's tier secret from its file."""
+    """EngineConfig's fields from the flags (each flag's dest is its field's name; `--model` is
+    given apart); also sets the process's tier secret from its file."""
     configure_tier_secret(args)
-    return dict(page_size=args.page_size, prefix_cache=args.prefix_cache,
-                kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
-                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                preemption_mode=args.preemption_mode, swap_space=args.swap_space,
-                device=args.device, dtype=args.dtype, redis_url=getattr(args, "redis_url", None),
-                calculate_kv_scales=getattr(args, "calculate_kv_scales", False),
-                kv_disk_path=args.kv_disk_path, kv_disk_bytes=args.kv_disk_bytes,
-                kv_events_endpoint=args.kv_events_endpoint, kv_events_topic=args.kv_events_topic,
-                kv_events_encoding=args.kv_events_encoding, kv_events_mode=args.kv_events_mode,
-                kv_events_replay_endpoint=args.kv_events_replay_endpoint,
-                kv_events_token_ids=args.kv_events_token_ids == "on",
-                kv_events_allow_remote=args.kv_events_allow_remote,
-                kv_events_curve_secret_file=args.kv_events_curve_secret_file,
-                min_cacheable_tokens=args.min_cacheable_tokens,
-                max_leased_fraction=args.max_leased_fraction, lease_ttl_scale=args.lease_ttl_scale,
-                tenant_kv_share=args.tenant_kv_share,
-                disable_hybrid_kv_cache_manager=getattr(args, "disable_hybrid_kv_cache_manager", False),
-                threads=args.threads, speculative_config=getattr(args, "speculative_config", None))
+    kwargs = {name: getattr(args, name) for name in _flag_fields() if hasattr(args, name)}
+    kwargs["kv_events_token_ids"] = kwargs.get("kv_events_token_ids", "on") == "on"
+    return kwargs
+
+
+def _flag_fields() -> list[str]:
+    """The EngineConfig fields add_engine_arguments has a flag for, in flag order."""
+    fields_ = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "role"}
+    return [a.dest for a in _engine_parser()._actions if a.dest in fields_]
+
+
+@functools.cache
+def _engine_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    return parser
 
 
 def engine_argv(kwargs: dict) -> list[str]:
     """The flags that give EngineConfig's fields `kwargs` (engine_kwargs' inverse, for starting
     `kvserve serve` in a child process): each value written as its flag parses it (a bare switch,
     on|off, or text); None and False switches left out."""
-    parser = argparse.ArgumentParser()
-    add_engine_arguments(parser)
-    actions = {a.dest: a for a in parser._actions}
+    actions = {a.dest: a for a in _engine_parser()._actions}
     argv: list[str] = []
     for key, value in kwargs.items():
         action = actions.get(key)

@@ -79,3 +79,13 @@ def test_reading_stats_expires_no_lease():
     assert m.stats() == before and before.leases.num_leases == 1  # read twice: nothing changed
     assert m.expire_leases() == 1 and m.stats().leases.num_leases == 0
     m.check_invariants()
+
+
+def test_every_name_the_dashboard_and_front_door_read_is_in_the_flat_view():
+    """The dashboard's JSON and the front door read the flat view by name (with 0 before the first
+    step): a renamed field must fail here, not show 0 on a page."""
+    from kvserve.server.api import STATS_KEYS
+
+    flat = EngineStats().as_dict()
+    for name in (*STATS_KEYS, "num_requests_running", "prefix_cache_queries", "prefix_cache_hits"):
+        assert name in flat, name

@@ -13,7 +13,7 @@ from typing import Any
 
 from kvserve.engine import LLMEngine, Prompt
 from kvserve.engine_stats import EngineStats
-from kvserve.request import CacheLease, RequestOutput, SamplingParams
+from kvserve.request import CacheLease, RequestOutput, SamplingParams, ToolCallKV
 
 log = logging.getLogger("kvserve.async_engine")
 
@@ -94,16 +94,18 @@ class AsyncEngine:
     # -- requests ------------------------------------------------------------------------------
     async def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                           request_id: str | None = None, namespace: str = "",
-                          leases: list[CacheLease] | None = None, kv_explain: bool = False
-                          ) -> RequestStream:
+                          leases: list[CacheLease] | None = None, kv_explain: bool = False,
+                          tool_call: ToolCallKV | None = None) -> RequestStream:
         """Queue a request; raises the engine's ValueError for bad input. Iterate the returned
         stream for outputs; `abort(stream.request_id)` if you stop before it finishes. `leases`:
         cache breakpoints (granted when the prompt is computed; see RequestOutput.lease_usage)."""
-        return (await self.add_requests([(prompt, params, request_id)], namespace, leases, kv_explain))[0]
+        return (await self.add_requests([(prompt, params, request_id)], namespace, leases, kv_explain,
+                                        tool_call))[0]
 
     async def add_requests(self, items: list[tuple[Prompt, SamplingParams | None, str | None]],
                            namespace: str = "", leases: list[CacheLease] | None = None,
-                           kv_explain: bool = False) -> list[RequestStream]:
+                           kv_explain: bool = False, tool_call: ToolCallKV | None = None
+                           ) -> list[RequestStream]:
         """Queue several requests in one trip to the engine thread, all or none: if one is bad,
         none stays queued and its ValueError is raised."""
         if not self.is_running:
@@ -116,7 +118,8 @@ class AsyncEngine:
             try:
                 for (prompt, params, _), stream in zip(items, streams):
                     self.engine.add_request(prompt, params, request_id=stream.request_id,
-                                            tenant=namespace, leases=leases, kv_explain=kv_explain)
+                                            tenant=namespace, leases=leases, kv_explain=kv_explain,
+                                            tool_call=tool_call)
                     added.append(stream.request_id)
             except Exception:
                 for request_id in added:

@@ -107,6 +107,10 @@ class CacheReporter:
             **self.top_prefixes(self.prefixes.items()),
             "pages": {"free": counts[PAGE_FREE], "cached": counts[PAGE_CACHED], "used": counts[PAGE_USED],
                       "shared": counts[PAGE_SHARED], "leased": counts[PAGE_LEASED]},
+            "tool_call_holds": {"held": stats.cache.leases.tool_call_leases,  # conversations waiting on a tool
+                                "pages": stats.cache.leases.tool_call_leased_pages,
+                                "granted": stats.cache.leases.tool_call_lease_grants,
+                                "used_by_follow_up": stats.cache.leases.tool_call_lease_used},
             "thrash_pages": stats.num_thrash_pages,  # evicted and committed again within a minute
             "preemption_rate": stats.scheduler.num_preemptions / self.admitted if self.admitted else 0.0,
             "advice": [],

@@ -223,6 +223,7 @@ class EngineConfig:
     max_leased_fraction: float = 0.5
     tenant_kv_share: str = "off"  # fair | off
     lease_ttl_scale: float = 1.0  # multiplies lease TTLs (tests scale 5 minutes down to seconds)
+    tool_call_kv_ttl: float = 30.0  # seconds an answer that ends in a tool call keeps its KV leased; 0: off
     kv_events_endpoint: str | None = None  # e.g. tcp://127.0.0.1:5557: KV events, vLLM's schema
     kv_events_topic: str = ""  # vLLM's topic; {pod_ip} {port} {model} filled in by `kvserve serve`
     kv_events_encoding: str = "array"  # array (vLLM <= 0.11, Dynamo, llm-d) | map (current vLLM)
@@ -278,6 +279,8 @@ class EngineConfig:
             raise ConfigError(f"--max-leased-fraction must be in [0, 0.9], got {self.max_leased_fraction}")
         if self.tenant_kv_share not in ("fair", "off"):
             raise ConfigError(f"--tenant-kv-share must be fair or off, got {self.tenant_kv_share!r}")
+        if not 0.0 <= self.tool_call_kv_ttl <= 3600.0:
+            raise ConfigError(f"--tool-call-kv-ttl must be in [0, 3600] seconds, got {self.tool_call_kv_ttl}")
         if self.min_cacheable_tokens < 0 or self.lease_ttl_scale <= 0:
             raise ConfigError("--min-cacheable-tokens must be >= 0 and --lease-ttl-scale > 0")
         if self.role not in ("both", "prefill", "decode"):

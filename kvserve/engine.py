@@ -31,10 +31,12 @@ from kvserve.kv_events import attach_tiers, publisher_for
 from kvserve.model.gguf_loader import load_gguf, resolve_model_path
 from kvserve.model.runner import ModelRunner, calibrate_fp8_scale
 from kvserve.output import OutputProcessor
-from kvserve.request import CacheLease, LeaseInfo, Request, RequestOutput, RequestStatus, SamplingParams
+from kvserve.request import (CacheLease, LeaseInfo, Request, RequestOutput, RequestStatus, SamplingParams,
+                             ToolCallKV)
 from kvserve.scheduler import Scheduler
 from kvserve.spec.policy import SpecDecodeStats
 from kvserve.step import run_step
+from kvserve import tool_call_kv
 
 Prompt = str | dict[str, Any] | list[int]
 
@@ -122,8 +124,10 @@ class LLMEngine:
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, tenant: str = "",
-                    leases: list[CacheLease] | None = None, kv_explain: bool = False) -> str:
-        """Validate and queue one request. Bad input raises ValueError; nothing is queued then."""
+                    leases: list[CacheLease] | None = None, kv_explain: bool = False,
+                    tool_call: ToolCallKV | None = None) -> str:
+        """Validate and queue one request. Bad input raises ValueError; nothing is queued then.
+        `tool_call`: hold its KV when it finishes (if --tool-call-kv-ttl is on), release earlier holds."""
         params = params or SamplingParams()
         params.validate()
         if self.config.role == "prefill":  # compute the prompt and its first token, publish, done
@@ -146,6 +150,9 @@ class LLMEngine:
         request.retention = Retention.of(list(leases or []), len(token_ids), tenant,
                                          self.config.min_cacheable_tokens, self.config.lease_ttl_scale)
         request.kv_explain = kv_explain
+        if tool_call is not None:
+            request.tool_call = tool_call
+            request.hold_ttl_s = self.config.tool_call_kv_ttl * self.config.lease_ttl_scale if tool_call.hold else 0.0
         self.outputs.add(request_id, text, samples)
         self.scheduler.add(request)
         return request_id
@@ -199,6 +206,7 @@ class LLMEngine:
                     self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED, now)
         outputs: dict[str, RequestOutput] = {}
         for request in step.changed:
+            tool_call_kv.after_step(self.manager, request)  # holds while a tool runs
             output = self.outputs.output(request)
             outputs.setdefault(output.request_id, output)
         return list(outputs.values())

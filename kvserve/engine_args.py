@@ -80,6 +80,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="cache breakpoints (cache_control, kv_retention) on shorter prefixes get no lease")
     group.add_argument("--max-leased-fraction", type=float, default=ENGINE_DEFAULTS.max_leased_fraction,
                        help="at most this fraction of the KV pages is held by cache leases")
+    group.add_argument("--tool-call-kv-ttl", type=float, default=ENGINE_DEFAULTS.tool_call_kv_ttl,
+                       metavar="SECONDS",
+                       help="an answer that ends in a tool call keeps its conversation's KV pages leased "
+                            "this long, or until the request with the tool's result arrives (0: off); "
+                            "counted against --max-leased-fraction")
     group.add_argument("--tenant-kv-share", default=ENGINE_DEFAULTS.tenant_kv_share, choices=["fair", "off"],
                        help="fair: under memory pressure, evict cached pages of tenants (API keys) over "
                             "an equal share first")

@@ -61,7 +61,8 @@ class OutputProcessor:
             request_id=rid, prompt=prompt, prompt_token_ids=first.prompt_token_ids,
             outputs=completions, finished=finished, num_cached_tokens=first.num_cached_tokens,
             metrics=RequestMetrics(first.arrival_time, first_token, last), lease_usage=first.lease_usage,
-            kv_cache=first.kv_cache, spec_decode=_spec_counts(samples))
+            kv_cache=first.kv_cache, spec_decode=_spec_counts(samples),
+            held_lease_id=first.cache.held_lease_id, hold_refused=first.cache.hold_refused)
 
     def _completion(self, index: int, request: Request, group_finished: bool) -> CompletionOutput:
         done = request.status.is_finished

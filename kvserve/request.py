@@ -68,6 +68,16 @@ class RequestStatus(enum.Enum):
 CacheLease = Breakpoint  # the name the server and the Python API pass breakpoints by
 
 
+@dataclass(frozen=True, slots=True)
+class ToolCallKV:
+    """A chat request with tools: `hold` keeps its conversation's KV leased when it finishes (the
+    server releases the lease unless the answer was a tool call); `answers` are the holds of the
+    earlier answers whose tool results it brings (released once it is admitted)."""
+
+    hold: bool = False
+    answers: tuple[str, ...] = ()
+
+
 @dataclass(slots=True)
 class LeaseInfo:
     lease_id: str
@@ -84,6 +94,8 @@ class CacheOutcome:
     cached_by_source: dict[str, int] = field(default_factory=dict)
     lease_usage: LeaseUsage | None = None
     explanation: CacheExplanation | None = None
+    held_lease_id: str | None = None  # the tool-call hold granted when it finished
+    hold_refused: str | None = None  # why none was (a LeaseRefusal)
 
 
 @dataclass(slots=True)
@@ -120,6 +132,8 @@ class Request:
     fork_children: list[Request] = field(default_factory=list)
     retention: Retention | None = None  # breakpoints the cache leases once the prompt is committed
     kv_explain: bool = False  # explain the prefix-cache outcome at first admission (kv_cache)
+    tool_call: ToolCallKV | None = None
+    hold_ttl_s: float = 0.0  # tool_call.hold: the TTL of the hold (--tool-call-kv-ttl)
     cache: CacheOutcome = field(default_factory=lambda: CacheOutcome())
     spec_decode: SpecDecodeCounts = field(default_factory=lambda: SpecDecodeCounts())
     namespace: str = field(init=False, default="")  # cache.hashing.namespace(tenant, cache_salt)
@@ -194,3 +208,5 @@ class RequestOutput:
     lease_usage: LeaseUsage | None = None
     kv_cache: dict | None = None  # why the prompt hit or missed the prefix cache (kv_explain)
     spec_decode: SpecDecodeCounts | None = None  # with speculative decoding on: drafts and accepted tokens
+    held_lease_id: str | None = None  # a tool-call hold on the conversation's pages (finished only)
+    hold_refused: str | None = None

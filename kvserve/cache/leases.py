@@ -16,6 +16,9 @@ from kvserve.cache.sequence import cdiv
 from kvserve.cache.stats import LeaseCounts
 
 
+TOOL_CALL = "tool_call"  # the label of a lease that holds a conversation while its tool runs
+
+
 class LeaseRefusal:
     BELOW_MIN_CACHEABLE = "below_min_cacheable"
     LEASED_FRACTION_CAP = "leased_fraction_cap"
@@ -92,6 +95,8 @@ class LeaseStats:
     expiries: int = 0
     refusals: int = 0
     breaks: int = 0  # leases dropped so a request could be admitted
+    tool_call_grants: int = 0
+    tool_call_used: int = 0
 
 
 @dataclass
@@ -234,6 +239,31 @@ class LeaseTable:
         """References the leases hold, per page (for the manager's invariants)."""
         return Counter(page for lease in self.leases.values() for page in lease.pages)
 
+    def hold(self, namespace: str, pages: list[int], num_tokens: int, ttl_s: float, now: float,
+             owner: str) -> Lease | str:
+        """Hold a finished conversation's cached pages while its tool call runs: a lease of its own
+        (label TOOL_CALL), under the same cap and broken under pressure like any other."""
+        if self.index is None:
+            return LeaseRefusal.PREFIX_CACHE_OFF
+        if not pages:
+            self.stats.refusals += 1
+            return LeaseRefusal.NOT_CACHED
+        lease = self.grant(namespace, pages, num_tokens, ttl_s, now, TOOL_CALL, owner, shared=False)
+        if not isinstance(lease, str):
+            self.stats.tool_call_grants += 1
+        return lease
+
+    def use_hold(self, lease_id: str, owner: str) -> bool:
+        """The follow-up request was admitted (its own references hold the pages now): end the hold."""
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.label != TOOL_CALL or lease.owner != owner:
+            return False
+        self.stats.tool_call_used += 1
+        return self.release(lease_id)
+
     def counts(self) -> LeaseCounts:
+        holds = [lease for lease in self.leases.values() if lease.label == TOOL_CALL]
         return LeaseCounts(self.num_leased_pages, len(self.leases), self.stats.grants, self.stats.refreshes,
-                           self.stats.expiries, self.stats.refusals, self.stats.breaks)
+                           self.stats.expiries, self.stats.refusals, self.stats.breaks, len(holds),
+                           len({page for lease in holds for page in lease.pages}),
+                           self.stats.tool_call_grants, self.stats.tool_call_used)

@@ -18,6 +18,10 @@ class LeaseCounts:
     lease_expiries: int = 0
     lease_refusals: int = 0
     lease_breaks: int = 0
+    tool_call_leases: int = 0  # held now: conversations waiting on a tool's result
+    tool_call_leased_pages: int = 0
+    tool_call_lease_grants: int = 0
+    tool_call_lease_used: int = 0  # released by the follow-up request that read them
 
 
 @dataclass(frozen=True, slots=True)

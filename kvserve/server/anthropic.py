@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from kvserve.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from kvserve.request import RequestOutput, SamplingParams
+from kvserve.request import RequestOutput, SamplingParams, ToolCallKV
 from kvserve.server.anthropic_blocks import BlockEvents, content_blocks
 from kvserve.server.anthropic_protocol import (MessagesRequest, ParsedChat, anthropic_error,
                                                parse_chat, parse_request)
@@ -49,6 +49,7 @@ class Pending:
     kv_explain: bool = False
     tool_format: ToolFormat | None = None  # tools offered (and not tool_choice none): read calls
     parallel_tools: bool = True
+    tool_kv: ToolCallKV | None = None  # the tool-call holds it asked for and ended
 
 
 def usage(pending: Pending, output: RequestOutput) -> dict[str, Any]:
@@ -173,12 +174,25 @@ class MessagesService:
                 if not stream.finished:
                     self.engine.abort(stream.request_id)
                 release()
-            return SSEResult(self._events(pending, stream), close)
+            return SSEResult(self._events(pending, stream, namespace), close)
         try:
             output = await self._final(stream, raw)
         finally:
             release()
-        return message_body(pending, output, self.decode)
+        result = message_body(pending, output, self.decode)
+        calls = [b["id"] for b in result["content"] if b["type"] == "tool_use"]
+        return await self._settle(pending, output, namespace, calls, result)
+
+    async def _settle(self, pending: Pending, output: RequestOutput, namespace: str, calls: list[str],
+                      result: dict[str, Any]) -> dict[str, Any]:
+        """Keep the conversation's KV under its tool_use ids, or let it go (holds.ToolHolds)."""
+        if pending.tool_kv is None:
+            return result
+        hold = await self.door.tool_holds.settle(namespace, output, calls) if pending.tool_kv.hold else None
+        if pending.kv_explain and isinstance(result.get("kv_cache"), dict):
+            result["kv_cache"] = {**result["kv_cache"], "tool_call_hold": hold,
+                                  "tool_call_holds_ended": list(pending.tool_kv.answers)}
+        return result
 
     async def _queue(self, body: MessagesRequest, prepared: Prepared, namespace: str
                      ) -> tuple[Pending, RequestStream]:
@@ -205,9 +219,11 @@ class MessagesService:
                           diagnosis, body.kv_explain,
                           self.door.tool_format if chat.toolset.parses_calls else None,
                           chat.toolset.choice.parallel)
+        answered = [r["tool_call_id"] for turn in chat.turns for r in turn.tool_results]
+        pending.tool_kv = self.door.tool_holds.request_kv(namespace, answered, pending.tool_format is not None)
         self.door.check_open()
         stream = await self._submit(rendered.token_ids, params, pending.id, namespace, leases,
-                                    body.kv_explain)
+                                    body.kv_explain, pending.tool_kv)
         if prepared.record is not None:
             self.store.put(namespace, pending.id, prepared.record)
         return pending, stream
@@ -247,10 +263,11 @@ class MessagesService:
         return None if reason is None else {"cache_miss_reason": reason}
 
     async def _submit(self, prompt: list[int], params: SamplingParams, request_id: str,
-                      namespace: str, leases: list, kv_explain: bool = False) -> RequestStream:
+                      namespace: str, leases: list, kv_explain: bool = False,
+                      tool_kv: ToolCallKV | None = None) -> RequestStream:
         try:
             return await self.engine.add_request(prompt, params, request_id, namespace,
-                                                 leases=leases or None, kv_explain=kv_explain)
+                                                 leases=leases or None, kv_explain=kv_explain, tool_call=tool_kv)
         except ValueError as err:
             raise APIError(str(err)) from None
         except EngineDeadError as err:
@@ -275,7 +292,7 @@ class MessagesService:
             raise APIError(self.door.abort_note or "the request was aborted before it finished", 503)
         return output
 
-    async def _events(self, pending: Pending, stream: RequestStream) -> AsyncIterator[str]:
+    async def _events(self, pending: Pending, stream: RequestStream, namespace: str) -> AsyncIterator[str]:
         delta = TextDelta(pending.stop_sequences or None)
         blocks = BlockEvents(pending.tool_format, pending.parallel_tools, delta.update)
         try:
@@ -293,7 +310,8 @@ class MessagesService:
                 if output.finished:
                     break
                 output = self._checked(await anext(stream))
-            final = message_body(pending, output, self.decode)
+            final = await self._settle(pending, output, namespace, list(blocks.ids),
+                                       message_body(pending, output, self.decode))
             reason = final["stop_reason"]
             if reason == "end_turn" and blocks.num_calls:
                 reason = "tool_use"

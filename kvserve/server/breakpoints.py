@@ -214,7 +214,7 @@ def make_lease(engine, num_tokens: int, label: str) -> CacheLease:
 
 
 async def retained_requests(engine, items: list[tuple[list[int], Any, str]], namespace: str,
-                            label: str, kv_explain: bool = False) -> list:
+                            label: str, kv_explain: bool = False, tool_call: Any = None) -> list:
     """Queue (prompt token ids, params, request id) items, each distinct prompt with a lease on all
     its tokens (`kv_retention`); all or none: a refused item aborts the ones queued before it."""
     streams, leased = [], set()
@@ -224,7 +224,7 @@ async def retained_requests(engine, items: list[tuple[list[int], Any, str]], nam
             leases = None if key in leased else [make_lease(engine.engine, len(prompt), label)]
             leased.add(key)
             streams.append(await engine.add_request(prompt, params, request_id, namespace,
-                                                    leases=leases, kv_explain=kv_explain))
+                                                    leases=leases, kv_explain=kv_explain, tool_call=tool_call))
     except BaseException:
         for stream in streams:
             engine.abort(stream.request_id)

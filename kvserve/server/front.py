@@ -27,6 +27,7 @@ from kvserve.server import render
 from kvserve.server.breakpoints import ChatRenderer
 from kvserve.server.limits import Admission
 from kvserve.server.protocol import APIError
+from kvserve.server.tool_holds import ToolHolds
 from kvserve.server.tool_parser import tool_format
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ class FrontDoor:
         self.admission = admission or Admission()
         self.renderer = ChatRenderer(llm.chat_prompt, self.encode_with_ends)
         self.tool_format = tool_format(self.loaded.chat_template)  # how this model writes tool calls
+        self.tool_holds = ToolHolds(engine, llm.config.tool_call_kv_ttl * llm.config.lease_ttl_scale)
         self.draining = False  # shutting down: no new requests
         self.abort_note: str | None = None  # why in-flight requests were aborted (shutdown)
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvserve-tokenize")

@@ -25,7 +25,7 @@ from typing import Any
 from starlette.requests import Request
 
 from kvserve.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from kvserve.request import RequestOutput, SamplingParams
+from kvserve.request import RequestOutput, SamplingParams, ToolCallKV
 from kvserve.server import render
 from kvserve.server.breakpoints import retained_requests
 from kvserve.server.front import MAX_CHOICES, FrontDoor
@@ -84,6 +84,9 @@ class Generation:
     created: int = field(default_factory=lambda: int(time.time()))
     release: Callable[[], None] | None = None  # gives back its admission; called once
     kv_explain: bool = False
+    namespace: str = ""
+    tool_kv: ToolCallKV | None = None  # the tool-call holds it asked for and ended
+    tool_hold: dict[str, Any] | None = None  # what became of its own hold (kv_explain)
 
     def kv_cache(self) -> dict[str, Any] | list[dict[str, Any]] | None:
         """kv_explain: the prefix-cache explanation of each prompt (one prompt: the object itself)."""
@@ -93,7 +96,11 @@ class Generation:
 
     def respond(self, body: dict[str, Any]) -> dict[str, Any]:
         if self.kv_explain:
-            body["kv_cache"] = self.kv_cache()
+            body["kv_cache"] = explained = self.kv_cache()
+            if isinstance(explained, dict) and self.tool_kv is not None:
+                explained = body["kv_cache"] = dict(explained)
+                explained["tool_call_hold"] = self.tool_hold
+                explained["tool_call_holds_ended"] = list(self.tool_kv.answers)
         return body
 
     def usage(self) -> dict[str, Any]:
@@ -146,6 +153,8 @@ class OpenAIServing:
         toolset = body.toolset()
         self.door.check_tools(toolset)
         fmt = self.door.tool_format if toolset.parses_calls else None
+        answered = [m.tool_call_id for m in body.messages if m.role == "tool" and m.tool_call_id]
+        tool_kv = self.door.tool_holds.request_kv(namespace, answered, fmt is not None and body.n == 1)
         release = self.door.admit(namespace, body.n)
         try:
             prompt = await self.door.render_chat_request(body)
@@ -155,7 +164,8 @@ class OpenAIServing:
                 max_tokens = self.max_model_len - len(prompt)
             params = body.sampling_params(max_tokens, body.num_logprobs)
             gen = await self._submit("chatcmpl", [prompt], params, body.n, namespace, release,
-                                     retention=body.kv_retention, kv_explain=body.kv_explain)
+                                     retention=body.kv_retention, kv_explain=body.kv_explain,
+                                     tool_kv=tool_kv)
         except BaseException:
             release()
             raise
@@ -167,6 +177,9 @@ class OpenAIServing:
         await self._finish(gen, raw)
         choices = [render.chat_choice(c.index, c.output.outputs[0], self.tokenizer,
                                       body.num_logprobs, fmt, toolset.choice.parallel) for c in gen.choices]
+        if tool_kv is not None and tool_kv.hold:
+            calls = [call["id"] for call in choices[0]["message"].get("tool_calls", [])]
+            gen.tool_hold = await self.door.tool_holds.settle(namespace, gen.choices[0].output, calls)
         return gen.respond(render.chat_response(gen.request_id, gen.created, gen.model, choices, gen.usage()))
 
     def close(self, gen: Generation) -> None:
@@ -195,7 +208,8 @@ class OpenAIServing:
 
     async def _submit(self, kind: str, prompts: list[list[int]], params: SamplingParams, n: int,
                       namespace: str, release: Callable[[], None] | None = None,
-                      retention: Any = None, kv_explain: bool = False) -> Generation:
+                      retention: Any = None, kv_explain: bool = False,
+                      tool_kv: ToolCallKV | None = None) -> Generation:
         if len(prompts) * n > MAX_CHOICES:
             raise APIError(f"{len(prompts)} prompts x n={n} is over {MAX_CHOICES} choices per "
                            f"request; send fewer prompts or a smaller n", param="n")
@@ -210,9 +224,11 @@ class OpenAIServing:
                 items.append((prompt, replace(params, seed=seed), f"{request_id}-{p}-{i}"))
         try:
             if retention is None:
-                streams = await self.engine.add_requests(items, namespace, kv_explain=kv_explain)
+                streams = await self.engine.add_requests(items, namespace, kv_explain=kv_explain,
+                                                         tool_call=tool_kv)
             else:  # kv_retention: each request leases its whole prompt
-                streams = await retained_requests(self.engine, items, namespace, retention.ttl, kv_explain)
+                streams = await retained_requests(self.engine, items, namespace, retention.ttl, kv_explain,
+                                                  tool_kv)
         except ValueError as err:
             raise APIError(str(err), param="prompt" if "prompt" in str(err) else None) from None
         except EngineDeadError as err:
@@ -220,7 +236,8 @@ class OpenAIServing:
         for index, stream in enumerate(streams):
             choices.append(Choice(index, index // n, stream, TextDelta(params.stop)))
         model = self.model_names[0]
-        return Generation(request_id, model, prompts, choices, release=release, kv_explain=kv_explain)
+        return Generation(request_id, model, prompts, choices, release=release, kv_explain=kv_explain,
+                          namespace=namespace, tool_kv=tool_kv)
 
     def _abort_unfinished(self, gen: Generation) -> None:
         for choice in gen.choices:
@@ -291,6 +308,9 @@ class OpenAIServing:
                                                num_logprobs)
                 c.num_sent_tokens = len(completion.token_ids)
                 reason = completion.finish_reason if c.output.finished else None
+                if c.output.finished and c.index == 0 and gen.tool_kv is not None and gen.tool_kv.hold:
+                    gen.tool_hold = await self.door.tool_holds.settle(gen.namespace, c.output,
+                                                                      list(c.call_ids.values()))
                 if reason == "stop" and c.call_ids:
                     reason = "tool_calls"
                 num_finished += c.output.finished

@@ -209,3 +209,16 @@ def test_streams_with_tools_offered_keep_each_apis_event_shape(tool_server):
         final = stream.get_final_message()
     assert events[0] == "message_start" and events[-1] == "message_stop"
     assert final.content and final.stop_reason in ("end_turn", "max_tokens", "tool_use")
+
+
+def test_an_answer_that_is_no_tool_call_lets_its_hold_go(tool_server):
+    """The engine holds every finished tools answer for a moment; the server keeps the hold only
+    when the answer is a tool call (here the random model answers text: released at once)."""
+    running, engine = tool_server
+    body = {"model": "qwen", "max_tokens": 3, "temperature": 0, "tools": [WEATHER], "kv_explain": True,
+            "tool_choice": "auto", "messages": [{"role": "user", "content": f"hi {uuid.uuid4().hex}"}]}
+    out = httpx.post(running.url + "/v1/chat/completions", json=body, timeout=60).json()
+    if out["choices"][0]["finish_reason"] == "stop":
+        assert out["kv_cache"]["tool_call_hold"] == {"held": False, "refused": None, "reason": "no_tool_call"}
+    report = httpx.get(running.url + "/v1/cache/report", timeout=60).json()
+    assert report["tool_call_holds"]["held"] == 0

@@ -1,0 +1,54 @@
+"""KV kept while a tool runs, on the server's side: which engine lease holds the conversation that a
+tool call id came from, per tenant, so the request that brings the tool's result names the holds it
+ends; and the one rule for settling a finished answer's hold (kept when the answer is a tool call,
+released at once when it is not). The engine grants the hold at finish (scheduler._hold)."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Any
+
+from kvserve.request import RequestOutput, ToolCallKV
+
+MAX_IDS = 50_000  # remembered tool call ids, least recently added first out
+
+
+class ToolHolds:
+    def __init__(self, engine, ttl_s: float) -> None:
+        self.engine = engine  # AsyncEngine
+        self.ttl_s = ttl_s  # --tool-call-kv-ttl (scaled): 0 is off
+        self._by_call: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
+
+    @property
+    def enabled(self) -> bool:
+        return self.ttl_s > 0
+
+    def request_kv(self, tenant: str, answered_ids: list[str], hold: bool) -> ToolCallKV | None:
+        """What a chat request with tools asks of the engine: hold its own KV when it finishes
+        (`hold`) and end the holds of the calls whose results it brings."""
+        now = time.monotonic()
+        answers = []
+        for call_id in answered_ids:
+            found = self._by_call.get((tenant, call_id))
+            if found is not None and found[1] > now and found[0] not in answers:
+                answers.append(found[0])
+        if not (self.enabled and hold) and not answers:
+            return None
+        return ToolCallKV(hold=self.enabled and hold, answers=tuple(answers))
+
+    async def settle(self, tenant: str, output: RequestOutput, call_ids: list[str]) -> dict[str, Any] | None:
+        """After the answer finished: keep its hold under its tool call ids, or release it (no
+        call). Returns what kv_explain shows about it."""
+        lease_id = output.held_lease_id
+        if lease_id is None:
+            return None if output.hold_refused is None else {"held": False, "refused": output.hold_refused}
+        if not call_ids:
+            await self.engine.call(lambda: self.engine.engine.release_lease(tenant, lease_id))
+            return {"held": False, "refused": None, "reason": "no_tool_call"}
+        expires = time.monotonic() + self.ttl_s
+        for call_id in call_ids:
+            self._by_call[(tenant, call_id)] = (lease_id, expires)
+        while len(self._by_call) > MAX_IDS:
+            self._by_call.popitem(last=False)
+        return {"held": True, "lease_id": lease_id, "ttl_s": self.ttl_s, "tool_call_ids": list(call_ids)}

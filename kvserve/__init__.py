@@ -2,8 +2,10 @@
 
 from kvserve.beam_search import BeamSearchParams
 from kvserve.request import CompletionOutput, RequestOutput, SamplingParams
+from kvserve.structured.params import StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",
+           "StructuredOutputsParams"]
 
 
 def __getattr__(name: str):

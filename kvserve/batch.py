@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.request import SamplingParams
+from kvserve.request import SamplingParams, TokenConstraint
 
 
 @dataclass(slots=True)
@@ -26,6 +26,7 @@ class ScheduledSeq:
     # speculative decoding: the last len(draft_token_ids) of token_ids are proposed, not known; the
     # runner verifies them against its own predictions (StepResult.accepted)
     draft_token_ids: list[int] = field(default_factory=list)
+    grammar: TokenConstraint | None = None  # structured outputs: the sampler masks this row by it
 
 
 @dataclass(slots=True)

@@ -32,10 +32,11 @@ from kvserve.model.gguf_loader import load_gguf, resolve_model_path
 from kvserve.model.runner import ModelRunner, calibrate_fp8_scale
 from kvserve.output import OutputProcessor
 from kvserve.request import (CacheLease, LeaseInfo, Request, RequestOutput, RequestStatus, SamplingParams,
-                             ToolCallKV)
+                             TokenConstraint, ToolCallKV)
 from kvserve.scheduler import Scheduler
 from kvserve.spec.policy import SpecDecodeStats
 from kvserve.step import run_step
+from kvserve.structured import compiler_for
 from kvserve import tool_call_kv
 
 Prompt = str | dict[str, Any] | list[int]
@@ -122,14 +123,28 @@ class LLMEngine:
         the tool definitions where the template puts them."""
         return self.loaded.render_chat(messages, tools=tools)
 
+    def grammar_compiler(self):
+        """The structured-outputs compiler of this model's tokenizer (built on first use, ~0.5 s for
+        SmolLM2's vocabulary, then shared by every engine over the same model in the process)."""
+        return compiler_for(self.tokenizer, self.loaded.config.vocab_size,
+                            tuple(dict.fromkeys(t for t in (self.loaded.eos_token_id, *self.loaded.eos_token_ids)
+                                                if t is not None)))
+
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, tenant: str = "",
                     leases: list[CacheLease] | None = None, kv_explain: bool = False,
-                    tool_call: ToolCallKV | None = None) -> str:
-        """Validate and queue one request. Bad input raises ValueError; nothing is queued then.
-        `tool_call`: hold its KV when it finishes (if --tool-call-kv-ttl is on), release earlier holds."""
+                    tool_call: ToolCallKV | None = None, grammar: TokenConstraint | None = None) -> str:
+        """Validate and queue one request. Bad input raises ValueError (a GrammarError naming the
+        field for a constraint that cannot compile); nothing is queued then. `tool_call`: hold its KV
+        when it finishes (if --tool-call-kv-ttl is on), release earlier holds. `grammar`: a state to
+        continue from (beam search) instead of a fresh one from params.structured_outputs."""
         params = params or SamplingParams()
         params.validate()
+        if grammar is not None and params.n > 1:
+            raise ValueError("a grammar state to continue from serves one sample (n=1)")
+        compiled = None
+        if params.structured_outputs is not None and grammar is None:
+            compiled = self.grammar_compiler().compile(params.structured_outputs)
         if self.config.role == "prefill":  # compute the prompt and its first token, publish, done
             params = replace(params, max_tokens=1)
         if params.n > self.config.max_num_seqs:
@@ -143,7 +158,8 @@ class LLMEngine:
             Request(request_id=request_id if i == 0 else f"{request_id}#{i}", prompt_token_ids=token_ids,
                     sampling_params=replace(params, seed=None if params.seed is None else params.seed + i),
                     eos_token_id=self.loaded.eos_token_id, eos_token_ids=self.loaded.eos_token_ids,
-                    tenant=tenant, cache_salt=params.cache_salt)
+                    tenant=tenant, cache_salt=params.cache_salt,
+                    grammar=compiled.new_state() if compiled is not None else grammar)
             for i in range(params.n)]
         request = samples[0]
         request.fork_children = samples[1:]

@@ -5,10 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from kvserve.cache.explain import CacheExplanation
 from kvserve.cache.hashing import namespace as cache_namespace
 from kvserve.cache.leases import Breakpoint, LeaseUsage, Retention
+from kvserve.structured.params import StructuredOutputsParams
 
 
 @dataclass(slots=True)
@@ -26,6 +28,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     cache_salt: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice, grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -49,6 +52,18 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+class TokenConstraint(Protocol):
+    """One sequence's grammar state (kvserve.structured.state.GrammarState), as the sampler and the
+    scheduler see it: the sampler reads the allowed next tokens, the scheduler advances it."""
+
+    def fill_bitmask(self, bitmask: Any, row: int) -> None: ...  # int32 words [rows, ceil(vocab / 32)]
+
+    def accept(self, token_id: int) -> bool: ...
+
+    @property
+    def is_finished(self) -> bool: ...
 
 
 class RequestStatus(enum.Enum):
@@ -137,6 +152,7 @@ class Request:
     cache: CacheOutcome = field(default_factory=lambda: CacheOutcome())
     spec_decode: SpecDecodeCounts = field(default_factory=lambda: SpecDecodeCounts())
     namespace: str = field(init=False, default="")  # cache.hashing.namespace(tenant, cache_salt)
+    grammar: TokenConstraint | None = None  # structured outputs: advanced by each sampled token
 
     def __post_init__(self) -> None:
         if not self.token_ids:

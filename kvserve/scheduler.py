@@ -251,7 +251,10 @@ class Scheduler:
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """Draft tokens after the request's decode token (spec/policy.py), into pages free of cached
-        content with a page of headroom kept for every running request."""
+        content with a page of headroom kept for every running request. None under a grammar: drafts
+        are verified against unmasked predictions."""
+        if request.grammar is not None:
+            return []
         spare = self.manager.num_spare_pages - len(self.running)
         return self.spec.drafts(request, budget, self.max_model_len, spare) if spare > 0 else []
 
@@ -267,6 +270,7 @@ class Scheduler:
             num_output_tokens=request.num_output_tokens,
             window_block_table=self.manager.window_block_table(request.request_id),
             draft_token_ids=list(drafts),
+            grammar=request.grammar if start + num_new == request.num_tokens else None,
         )
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
@@ -335,6 +339,8 @@ class Scheduler:
 
     def _append_token(self, request: Request, token: SampledToken, now: float) -> None:
         request.token_ids.append(token.token_id)
+        if request.grammar is not None:
+            request.grammar.accept(token.token_id)  # the only place a grammar advances
         if token.top_logprobs is not None or token.logprob is not None:
             request.logprobs.append({token.token_id: token.logprob or 0.0, **(token.top_logprobs or {})})
         self.stats.generation_tokens += 1
@@ -364,6 +370,8 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED
         if params.stop_token_ids and last in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
+        if request.grammar is not None and request.grammar.is_finished:
+            return RequestStatus.FINISHED_STOPPED  # the grammar is complete: nothing may follow
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -1,6 +1,7 @@
 """Next-token choice for a batch of logits rows: greedy, temperature, top-k, top-p, per-request seeds
 and logprobs. Seeded sampling is stateless: the draw depends only on (seed, num_output_tokens), so
-recomputing a preempted request gives the same tokens.
+recomputing a preempted request gives the same tokens. Rows with a grammar (structured outputs) are
+masked first (grammar_mask.py), so every choice below, logprobs included, sees only allowed tokens.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 
 from kvserve.batch import SampledToken, ScheduledSeq
 from kvserve.request import SamplingParams
+from kvserve.model.grammar_mask import apply_grammar_masks, grammar_rows
 
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads consecutive token counts over the seed space
 
@@ -54,6 +56,9 @@ def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torc
 def sample(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> list[SampledToken]:
     """logits [N, V] float32, one row per sequence in `seqs` -> one SampledToken per row."""
     n, device = logits.shape[0], logits.device
+    constrained = grammar_rows(seqs)
+    if constrained:
+        apply_grammar_masks(logits, seqs, constrained)  # in place, those rows only
     chosen = logits.argmax(dim=-1)  # [N] greedy for every row; sampled rows overwrite below
     params = [s.sampling_params for s in seqs]
 
@@ -91,4 +96,5 @@ def add_logprobs(out: list[SampledToken], logits: torch.Tensor, chosen: torch.Te
         for r, i in enumerate(want):
             kk = params[i].logprobs
             out[i].logprob = picked[r]
-            out[i].top_logprobs = dict(zip(top_ids[r][:kk], top_vals[r][:kk]))
+            out[i].top_logprobs = {t: v for t, v in zip(top_ids[r][:kk], top_vals[r][:kk])
+                                   if v != float("-inf")}  # (tokens a grammar forbids)

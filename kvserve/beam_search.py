@@ -1,14 +1,17 @@
 """Beam search over the engine, as vLLM V1 does it: every step, each live beam is a one-token request
 asking for its top 2*width logprobs. The prefix cache shares the beams' pages (a beam's history is a
 cached prefix of its extension), so a step computes about one token per beam; beams that are dropped
-simply stop being asked for, and their pages age out of the cache."""
+simply stop being asked for, and their pages age out of the cache. With structured outputs each beam
+carries its grammar state: its step request is masked by a copy of it (so its top tokens are allowed
+ones), and each candidate extends a copy by its token."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvserve.request import SamplingParams
+from kvserve.structured.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from kvserve.engine import LLMEngine, Prompt
@@ -20,6 +23,7 @@ class BeamSearchParams:
     max_tokens: int
     ignore_eos: bool = False
     length_penalty: float = 1.0
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.beam_width <= 10:
@@ -33,6 +37,7 @@ class Beam:
     token_ids: list[int]  # generated tokens only
     cum_logprob: float = 0.0
     finished: bool = False
+    grammar: Any = None  # structured/state.GrammarState after token_ids (None: unconstrained)
 
     def score(self, length_penalty: float) -> float:
         """HF's length-normalized score: sum of logprobs / generated length ** length_penalty."""
@@ -51,11 +56,15 @@ def beam_search(engine: LLMEngine, prompt: Prompt, params: BeamSearchParams) -> 
     width = params.beam_width
     step_params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * width, ignore_eos=True)
     engine.check_prompt(prompt_ids, SamplingParams(max_tokens=params.max_tokens))
-    live = [Beam([])]
+    grammar = None
+    if params.structured_outputs is not None:
+        grammar = engine.grammar_compiler().compile(params.structured_outputs).new_state()
+    live = [Beam([], grammar=grammar)]
     done: list[Beam] = []
     eos = {engine.loaded.eos_token_id, *engine.loaded.eos_token_ids}
     for _ in range(params.max_tokens):
-        outputs = _run(engine, [prompt_ids + b.token_ids for b in live], step_params)
+        outputs = _run(engine, [prompt_ids + b.token_ids for b in live], step_params,
+                       [b.grammar.copy() if b.grammar is not None else None for b in live])
         candidates = sorted(
             ((beam.cum_logprob + logprob, i, token)
              for i, (beam, out) in enumerate(zip(live, outputs))
@@ -64,7 +73,11 @@ def beam_search(engine: LLMEngine, prompt: Prompt, params: BeamSearchParams) -> 
         next_live: list[Beam] = []
         for rank, (cum, i, token) in enumerate(candidates):
             beam = Beam(live[i].token_ids + [token], cum)
-            if token in eos and not params.ignore_eos:
+            if live[i].grammar is not None:
+                beam.grammar = live[i].grammar.copy()
+                beam.grammar.accept(token)
+            complete = beam.grammar is not None and beam.grammar.is_finished
+            if complete or (token in eos and not params.ignore_eos):
                 if rank < width:  # as in HF: an EOS below the top `width` candidates is ignored
                     beam.finished = True
                     done.append(beam)
@@ -89,8 +102,8 @@ def _cannot_improve(done: list[Beam], live: list[Beam], width: int, length_penal
     return max(b.score(length_penalty) for b in live) <= worst
 
 
-def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams):
-    ids = [engine.add_request({"prompt_token_ids": p}, params) for p in prompts]
+def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, grammars: list):
+    ids = [engine.add_request({"prompt_token_ids": p}, params, grammar=g) for p, g in zip(prompts, grammars)]
     finished = {}
     while len(finished) < len(ids):
         for output in engine.step():

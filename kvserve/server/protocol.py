@@ -14,6 +14,8 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, 
 
 from kvserve.request import SamplingParams
 from kvserve.server import tool_protocol as tp
+from kvserve.server.structured_fields import StructuredFields
+from kvserve.structured import GrammarError
 
 MAX_N = 16  # choices per request
 MAX_PROMPTS = 64  # prompts in one batched /v1/completions request
@@ -71,7 +73,7 @@ class KVRetention(BaseModel):
     ttl: Literal["5m", "1h"] = "5m"
 
 
-class _Sampling(BaseModel):
+class _Sampling(StructuredFields):
     """Fields both endpoints share."""
 
     model_config = ConfigDict(extra="ignore")
@@ -128,6 +130,8 @@ class _Sampling(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         try:
             return self._sampling_params(max_tokens, logprobs, [s for s in stop if s] or None)
+        except GrammarError as err:
+            raise APIError(str(err), param=err.field) from None
         except ValueError as err:
             raise APIError(str(err)) from None
 
@@ -143,6 +147,7 @@ class _Sampling(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             cache_salt=self.cache_salt,
+            structured_outputs=self.output_constraint(),
         )
 
 

@@ -32,6 +32,7 @@ from kvserve.server.front import MAX_CHOICES, FrontDoor
 from kvserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                      error_body)
 from kvserve.server.tool_parser import ToolStream
+from kvserve.structured import GrammarError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 
@@ -229,6 +230,8 @@ class OpenAIServing:
             else:  # kv_retention: each request leases its whole prompt
                 streams = await retained_requests(self.engine, items, namespace, retention.ttl, kv_explain,
                                                   tool_kv)
+        except GrammarError as err:  # compiles, but not for this tokenizer (e.g. can match nothing)
+            raise APIError(str(err), param=err.field) from None
         except ValueError as err:
             raise APIError(str(err), param="prompt" if "prompt" in str(err) else None) from None
         except EngineDeadError as err:

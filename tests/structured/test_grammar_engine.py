@@ -194,3 +194,14 @@ def test_params_need_exactly_one_constraint():
         StructuredOutputsParams(regex="a", choice=["b"])
     with pytest.raises(GrammarError):
         StructuredOutputsParams(choice=[])
+
+
+def test_beam_search_keeps_a_grammar_state_per_beam(tiny_path):
+    from kvserve import BeamSearchParams
+
+    llm = tiny(tiny_path)
+    out = llm.beam_search(prompt(6, 20), BeamSearchParams(beam_width=3, max_tokens=60, structured_outputs=PET))[0]
+    assert len(out.texts) == 3
+    for beam, text in zip(out.beams, out.texts):
+        assert beam.finished, text
+        Pet.model_validate_json(text)

@@ -15,7 +15,14 @@ from kvserve.tools.bench.transformers_peer import TRANSFORMERS_MODES
 from kvserve.tools.bench.workload import DEFAULT_MAX_TOKENS, load_workload
 from kvserve.tools.traces import GENERATORS
 
-PEERS = ("transformers", "llama-cpp", "llama-server", "none")
+PEERS = ("transformers", "llama-cpp", "llama-server", "grammar", "none")
+GRAMMAR_PEER = "kvserve+json-schema"
+# --vs grammar: a list of records whose shortest valid output is far longer than any bench's
+# max_tokens, so every request decodes to max_tokens under the grammar, as the plain run does
+BENCH_SCHEMA = {"type": "array", "minItems": 1000, "items": {
+    "type": "object", "required": ["id", "name", "tags"], "additionalProperties": False,
+    "properties": {"id": {"type": "integer"}, "name": {"type": "string"},
+                   "tags": {"type": "array", "items": {"type": "string"}}}}}
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +37,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of a generated mix")
     parser.add_argument("--vs", default="none", choices=PEERS,
                         help="the peer run in the same bench (default none: kvserve alone); llama-server "
-                             "runs over HTTP with --parallel set to --concurrency")
+                             "runs over HTTP with --parallel set to --concurrency; grammar: kvserve again "
+                             "with a JSON-schema grammar on every request (structured outputs' cost)")
     parser.add_argument("--transformers-modes", default="generate,prompt-cache",
                         help="comma list: generate (plain sequential), prompt-cache (shared prefix computed once, "
                              "deep-copied per request); default both")
@@ -74,7 +82,7 @@ def _check(args: argparse.Namespace) -> tuple[list[str], bool]:
     if args.passes < 1:
         raise ConfigError(f"--passes must be >= 1, got {args.passes}")
     http = args.concurrency is not None or args.vs == "llama-server"
-    if http and args.vs in ("transformers", "llama-cpp"):
+    if http and args.vs in ("transformers", "llama-cpp", "grammar"):
         raise ConfigError(f"--concurrency runs servers over HTTP; --vs {args.vs} runs in process: use "
                           "--vs llama-server or --vs none with --concurrency")
     if http and args.request_rate is not None:
@@ -125,12 +133,15 @@ def _run_in_process(report: dict, args, workload, model_path: str, kwargs: dict,
 
     arrivals = [i / args.request_rate if args.request_rate else 0.0 for i in range(len(workload.token_ids))]
     engines = ["kvserve"] + {"transformers": [TRANSFORMERS_MODES[m] for m in modes], "llama-cpp": ["llama-cpp"],
-                             "none": []}[args.vs]
+                             "grammar": [GRAMMAR_PEER], "none": []}[args.vs]
     outputs = {}
     with ProgressBars(console) as bar:
         for name in engines:
-            spec = RunSpec(name, model_path, workload.token_ids, workload.max_tokens, arrivals, kwargs, args.threads)
+            spec = RunSpec(name, model_path, workload.token_ids, workload.max_tokens, arrivals, kwargs, args.threads,
+                           BENCH_SCHEMA if name == GRAMMAR_PEER else None)
             raw = run_engine(spec, bar(name, sum(workload.max_tokens)))
+            if raw.get("grammar"):
+                report["grammar"] = raw["grammar"]
             raw["prompt_tokens"] = report["workload"]["prompt_tokens"]
             outputs[name] = [r["output_token_ids"] for r in raw["requests"]]
             report["engines"][name] = summarize(raw)

@@ -1,5 +1,6 @@
 """kvserve in process: the workload's requests added to LLMEngine as they arrive (all at t=0 unless
---request-rate), step() until all finish."""
+--request-rate), step() until all finish. With a JSON schema (--vs grammar) every request is
+constrained by it, and the grammar engine's start-up (vocabulary preprocessing) is timed."""
 
 from __future__ import annotations
 
@@ -12,10 +13,19 @@ from kvserve.tools.bench.spec import WARMUP_IDS, Reporter, RunSpec, wait_until
 def run_kvserve(spec: RunSpec, report: Reporter) -> dict:
     from kvserve.engine import LLMEngine
     from kvserve.request import SamplingParams
+    from kvserve.structured import StructuredOutputsParams
 
     start = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=spec.model_path, **spec.engine_kwargs))
     load_s = time.perf_counter() - start
+    constraint, grammar = None, None
+    if spec.json_schema is not None:
+        compiler = engine.grammar_compiler()  # this process's first: the preprocessing is timed
+        constraint = StructuredOutputsParams(json=spec.json_schema, strict=True)
+        compile_start = time.perf_counter()
+        compiler.compile(constraint)
+        grammar = {"engine": "llguidance", "startup_s": compiler.startup_s,
+                   "compile_s": time.perf_counter() - compile_start}
     report.phase("warm-up")
     engine.add_request({"prompt_token_ids": WARMUP_IDS}, SamplingParams(max_tokens=4, ignore_eos=True))
     while engine.has_unfinished():
@@ -32,7 +42,8 @@ def run_kvserve(spec: RunSpec, report: Reporter) -> dict:
         while pending and time.monotonic() >= t0 + pending[-1][0]:  # submit what has arrived
             _, prompt, max_tokens = pending.pop()
             ids.append(engine.add_request({"prompt_token_ids": prompt},
-                                          SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))
+                                          SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                                         structured_outputs=constraint)))
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
@@ -43,7 +54,7 @@ def run_kvserve(spec: RunSpec, report: Reporter) -> dict:
     queries = after.cache.prefix_cache_queries - before.cache.prefix_cache_queries
     requests = [{"output_token_ids": list(o.outputs[0].token_ids), "ttft_s": o.metrics.ttft_s,
                  "e2e_s": o.metrics.e2e_s, "cached_tokens": o.num_cached_tokens} for o in (done[i] for i in ids)]
-    return {"wall_s": wall, "load_s": load_s, "requests": requests, "kv_bytes": after.kv_cache_bytes,
+    return {"wall_s": wall, "load_s": load_s, "grammar": grammar, "requests": requests, "kv_bytes": after.kv_cache_bytes,
             "kv_bytes_used_peak": peak_pages * engine.runner.page_bytes,
             "prefix_hit_rate": (after.cache.prefix_cache_hits - before.cache.prefix_cache_hits) / queries if queries else 0.0}
 

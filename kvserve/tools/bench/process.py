@@ -14,7 +14,7 @@ from kvserve.tools.bench.spec import Reporter, RunSpec
 
 
 def _runner(engine: str):
-    if engine == "kvserve":
+    if engine.startswith("kvserve"):  # kvserve, kvserve+json-schema
         from kvserve.tools.bench.kvserve_run import run_kvserve
         return run_kvserve
     if engine == "llama-cpp":

@@ -43,6 +43,10 @@ def render(report: dict, console) -> None:
         if name.startswith("kvserve") and ours["num_cached_requests"] + ours["num_cold_requests"]:
             console.print(f"{name} TTFT p95 cached / cold: {_fmt(ours['ttft_cached_over_cold_p95'], '{:.2f}x')} "
                           f"({ours['num_cached_requests']} cached, {ours['num_cold_requests']} cold requests)")
+    if "grammar" in report:
+        g = report["grammar"]
+        console.print(f"grammar engine {g['engine']}: vocabulary preprocessing {g['startup_s'] * 1e3:.0f} ms at "
+                      f"start-up, the bench's JSON schema compiled in {g['compile_s'] * 1e3:.1f} ms")
     if "http" in report:
         h = report["http"]
         peer = h.get("llama_server")

@@ -21,6 +21,7 @@ class RunSpec:
     arrivals: list[float]  # seconds after t0 at which each request is submitted
     engine_kwargs: dict = field(default_factory=dict)
     threads: int | None = None
+    json_schema: dict | None = None  # --vs grammar: every request constrained by this JSON schema
 
 
 

@@ -171,6 +171,17 @@ class Request:
     def kv_cache(self) -> dict | None:
         return None if self.cache.explanation is None else self.cache.explanation.as_dict()
 
+    def append_output(self, token_id: int) -> None:
+        """A sampled token joins the sequence, and its grammar (the one place a grammar advances)."""
+        self.token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
+
+    @property
+    def is_grammar_complete(self) -> bool:
+        """Structured outputs: the grammar is complete and nothing may follow (the sequence stops)."""
+        return self.grammar is not None and self.grammar.is_finished
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

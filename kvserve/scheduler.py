@@ -251,10 +251,7 @@ class Scheduler:
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """Draft tokens after the request's decode token (spec/policy.py), into pages free of cached
-        content with a page of headroom kept for every running request. None under a grammar: drafts
-        are verified against unmasked predictions."""
-        if request.grammar is not None:
-            return []
+        content with a page of headroom kept for every running request."""
         spare = self.manager.num_spare_pages - len(self.running)
         return self.spec.drafts(request, budget, self.max_model_len, spare) if spare > 0 else []
 
@@ -338,9 +335,7 @@ class Scheduler:
         return changed
 
     def _append_token(self, request: Request, token: SampledToken, now: float) -> None:
-        request.token_ids.append(token.token_id)
-        if request.grammar is not None:
-            request.grammar.accept(token.token_id)  # the only place a grammar advances
+        request.append_output(token.token_id)
         if token.top_logprobs is not None or token.logprob is not None:
             request.logprobs.append({token.token_id: token.logprob or 0.0, **(token.top_logprobs or {})})
         self.stats.generation_tokens += 1
@@ -368,10 +363,8 @@ class Scheduler:
         last = request.token_ids[-1]
         if not params.ignore_eos and (last == request.eos_token_id or last in request.eos_token_ids):
             return RequestStatus.FINISHED_STOPPED
-        if params.stop_token_ids and last in params.stop_token_ids:
+        if (params.stop_token_ids and last in params.stop_token_ids) or request.is_grammar_complete:
             return RequestStatus.FINISHED_STOPPED
-        if request.grammar is not None and request.grammar.is_finished:
-            return RequestStatus.FINISHED_STOPPED  # the grammar is complete: nothing may follow
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

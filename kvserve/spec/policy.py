@@ -61,8 +61,8 @@ class SpecPolicy:
         token `budget` and `spare_pages` pages free of cached content."""
         params = request.sampling_params
         if (request.num_computed_tokens != request.num_tokens - 1 or request.num_output_tokens < 1
-                or request.fork_children or params.stop):
-            return []
+                or request.fork_children or params.stop or request.grammar is not None):
+            return []  # (a grammar's drafts would be verified against unmasked predictions)
         state = self._state.setdefault(request.request_id, _Adaptive(self.config.num_speculative_tokens))
         if state.cooldown > 0:
             state.cooldown -= 1

@@ -205,3 +205,19 @@ def test_beam_search_keeps_a_grammar_state_per_beam(tiny_path):
     for beam, text in zip(out.beams, out.texts):
         assert beam.finished, text
         Pet.model_validate_json(text)
+
+
+def test_speculative_decoding_leaves_grammar_requests_undrafted(tiny_path):
+    """Drafts are verified against unmasked predictions, so a grammar request gets none; its output
+    is the one without speculation, and a plain neighbour still speculates."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+            "disable_by_batch_size": 8}
+    repeat = {"prompt_token_ids": [5, 6, 7, 8] * 12}
+    params = [sampled(9), SamplingParams(max_tokens=24, ignore_eos=True)]
+    off = [o.outputs[0].token_ids for o in tiny(tiny_path).generate([prompt(8, 30), repeat], params)]
+    llm = tiny(tiny_path, speculative_config=spec)
+    on = llm.generate([prompt(8, 30), repeat], params)
+    assert [o.outputs[0].token_ids for o in on] == off
+    Pet.model_validate_json(on[0].outputs[0].text)
+    assert on[0].spec_decode is None or on[0].spec_decode.num_draft_tokens == 0
+    assert on[1].spec_decode.num_draft_tokens > 0  # (the test can tell)

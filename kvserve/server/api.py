@@ -43,7 +43,8 @@ STATS_KEYS = ("kv_cache_usage_perc", "cpu_cache_usage_perc", "num_pages_total", 
               "num_requests_swapped", "num_preemptions", "num_evictions", "prefix_cache_queries",
               "prefix_cache_hits", "prompt_tokens", "prompt_tokens_cached", "generation_tokens",
               "remote_cache_hits", "remote_cache_errors", "page_size", "kv_cache_dtype",
-              "max_model_len")
+              "max_model_len", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+              "spec_decode_num_accepted_tokens")
 
 
 def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,

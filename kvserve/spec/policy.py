@@ -3,9 +3,11 @@
 Drafts are proposed only where they can pay: a request decoding one token at a time (no prompt chunk,
 no pending fork, no stop strings, which are cut from text), while at most `disable_by_batch_size`
 requests decode, and only into pages that are free without evicting a cached one (so speculation never
-changes what the prefix cache holds). Each request's k adapts to its acceptance: a fully accepted draft
-raises it by one, a fully rejected one halves it; at 0 the request waits `cooldown` steps (doubling
-each time) before it tries one token again."""
+changes what the prefix cache holds). Each request's k adapts to its acceptance, since a rejected row
+costs nearly a decode row where the matmul is compute-bound (torch's packed int4 kernels): a fully
+accepted draft raises k by one, a partly accepted one sets it to the accepted count + 1, and a fully
+rejected one stops the request's drafts for `cooldown` steps (doubling each time), then it tries one
+token again."""
 
 from __future__ import annotations
 
@@ -89,11 +91,11 @@ class SpecPolicy:
             return
         if num_accepted == num_drafted:
             state.k = min(state.k + 1, self.config.num_speculative_tokens)
-        elif num_accepted == 0:
-            state.k //= 2
-            if state.k == 0:
-                state.k, state.cooldown = 1, state.next_cooldown
-                state.next_cooldown = min(2 * state.next_cooldown, MAX_COOLDOWN)
+        elif num_accepted > 0:
+            state.k = num_accepted + 1
+        else:
+            state.k, state.cooldown = 1, state.next_cooldown
+            state.next_cooldown = min(2 * state.next_cooldown, MAX_COOLDOWN)
 
     def forget(self, request_id: str) -> None:
         self._state.pop(request_id, None)

@@ -27,6 +27,7 @@ from kvserve.server.anthropic_protocol import (MessagesRequest, ParsedChat, anth
 from kvserve.server.breakpoints import SYSTEM, TOOLS, RenderedChat, make_lease
 from kvserve.server.cache_diagnostics import DiagnosticsStore, PromptFingerprint, fingerprint
 from kvserve.server.protocol import APIError
+from kvserve.server.tool_grammar import with_tool_grammar
 from kvserve.server.tool_parser import ToolFormat
 from kvserve.server.front import FrontDoor, sse_response
 from kvserve.server.serving import SSEResult, TextDelta, unless_disconnected
@@ -214,6 +215,8 @@ class MessagesService:
                 stop=[s for s in body.stop_sequences or [] if s] or None)
         except ValueError as err:
             raise APIError(str(err)) from None
+        params = with_tool_grammar(params, chat.toolset,
+                                   self.door.tool_format if chat.toolset.parses_calls else None)
         pending = Pending(f"msg_{uuid.uuid4().hex}", body.model, n, body.stop_sequences or [],
                           body.max_tokens == 0, max_tokens < max(body.max_tokens, 1), bool(leases),
                           diagnosis, body.kv_explain,

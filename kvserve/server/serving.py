@@ -31,6 +31,7 @@ from kvserve.server.breakpoints import retained_requests
 from kvserve.server.front import MAX_CHOICES, FrontDoor
 from kvserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                      error_body)
+from kvserve.server.tool_grammar import with_tool_grammar
 from kvserve.server.tool_parser import ToolStream
 from kvserve.structured import GrammarError
 
@@ -163,7 +164,7 @@ class OpenAIServing:
             if max_tokens is None:
                 self.door.check_fits(len(prompt))
                 max_tokens = self.max_model_len - len(prompt)
-            params = body.sampling_params(max_tokens, body.num_logprobs)
+            params = with_tool_grammar(body.sampling_params(max_tokens, body.num_logprobs), toolset, fmt)
             gen = await self._submit("chatcmpl", [prompt], params, body.n, namespace, release,
                                      retention=body.kv_retention, kv_explain=body.kv_explain,
                                      tool_kv=tool_kv)

@@ -5,6 +5,7 @@ tools and system prompt whichever API sends them, tool results sent back, and ba
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import anthropic
@@ -17,10 +18,12 @@ from tests.server.tool_templates import QWEN25_TEMPLATE
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city today.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                   "required": ["city"]}}}
 CLOCK = {"type": "function", "function": {
     "name": "get_time", "description": "The local time in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                   "required": ["city"]}}}
 
 
 def anthropic_tool(tool: dict) -> dict:
@@ -222,3 +225,61 @@ def test_an_answer_that_is_no_tool_call_lets_its_hold_go(tool_server):
         assert out["kv_cache"]["tool_call_hold"] == {"held": False, "refused": None, "reason": "no_tool_call"}
     report = httpx.get(running.url + "/v1/cache/report", timeout=60).json()
     assert report["tool_call_holds"]["held"] == 0
+
+
+# -- forced calls: the grammar makes the model call ---------------------------------------------------
+def test_openai_tool_round_trip_with_the_call_forced(tool_server):
+    """Must-show 1 (OpenAI): a named tool_choice makes the random model call, parsed into tool_calls
+    (streamed and not); the tool result goes back and the answer comes; the follow-up reads the
+    conversation the hold kept."""
+    running, engine = tool_server
+    gpt, _ = clients(running.url)
+    question = [{"role": "system", "content": f"Session {uuid.uuid4().hex}."},
+                {"role": "user", "content": "Weather in Paris?"}]
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    first = gpt.chat.completions.create(model="qwen", max_tokens=100, temperature=1.0, seed=3, tools=[WEATHER, CLOCK],
+                                        tool_choice=forced, messages=question, extra_body={"kv_explain": True})
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
+    assert first.kv_cache["tool_call_hold"]["held"] is True
+    streamed = list(gpt.chat.completions.create(model="qwen", max_tokens=100, temperature=1.0, seed=4,
+                                                tools=[WEATHER, CLOCK], tool_choice="required", stream=True,
+                                                messages=question))
+    deltas = [d for c in streamed for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].id and deltas[0].function.name in ("get_weather", "get_time")
+    assert json.loads("".join(d.function.arguments or "" for d in deltas))
+    assert streamed[-1].choices[0].finish_reason == "tool_calls"
+    follow = gpt.chat.completions.create(model="qwen", max_tokens=4, temperature=0, tools=[WEATHER, CLOCK],
+                                         extra_body={"kv_explain": True}, messages=question + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}])
+    assert follow.choices[0].message.content is not None or follow.choices[0].message.tool_calls
+    assert follow.kv_cache["tool_call_holds_ended"] == [first.kv_cache["tool_call_hold"]["lease_id"]]
+    # the forced call is written as the template writes it back: the hit runs past the question
+    assert follow.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens
+
+
+def test_anthropic_tool_round_trip_with_the_call_forced(tool_server):
+    """Must-show 1 (Anthropic): tool_choice any makes the model call; tool_use parsed, streamed as
+    input_json_delta; the tool_result goes back and the answer comes."""
+    running, _ = tool_server
+    _, claude = clients(running.url)
+    tools = [anthropic_tool(WEATHER), anthropic_tool(CLOCK)]
+    question = [{"role": "user", "content": f"Weather in Paris? {uuid.uuid4().hex}"}]
+    first = claude.messages.create(model="qwen", max_tokens=100, tools=tools, messages=question,
+                                   tool_choice={"type": "tool", "name": "get_time"})
+    assert first.stop_reason == "tool_use"
+    use = [b for b in first.content if b.type == "tool_use"][0]
+    assert use.name == "get_time" and isinstance(use.input["city"], str)
+    with claude.messages.stream(model="qwen", max_tokens=100, tools=tools, messages=question,
+                                tool_choice={"type": "any"}) as stream:
+        kinds = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        final = stream.get_final_message()
+    assert "input_json_delta" in kinds and final.stop_reason == "tool_use"
+    assert [b for b in final.content if b.type == "tool_use"][0].input
+    answer = claude.messages.create(model="qwen", max_tokens=4, tools=tools, messages=question + [
+        {"role": "assistant", "content": [use.model_dump()]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "12:00"}]}])
+    assert answer.content and answer.stop_reason in ("end_turn", "max_tokens", "tool_use")

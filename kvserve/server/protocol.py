@@ -3,6 +3,7 @@
 Unknown fields are ignored (as vLLM does); known fields of the wrong type or out of range are a 400
 with OpenAI's error JSON. Fields kvserve adds: `cache_salt` (cache isolation), `top_k`, `ignore_eos`,
 `kv_retention` (lease the prompt's KV), `kv_explain` (a `kv_cache` explanation beside `usage`).
+Output constraints (`response_format`, `structured_outputs`, `guided_*`): structured_fields.py.
 """
 
 from __future__ import annotations

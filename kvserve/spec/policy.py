@@ -5,9 +5,8 @@ no pending fork, no stop strings, which are cut from text), while at most `disab
 requests decode, and only into pages that are free without evicting a cached one (so speculation never
 changes what the prefix cache holds). Each request's k adapts to its acceptance, since a rejected row
 costs nearly a decode row where the matmul is compute-bound (torch's packed int4 kernels): a fully
-accepted draft raises k by one, a partly accepted one sets it to the accepted count + 1, and a fully
-rejected one stops the request's drafts for `cooldown` steps (doubling each time), then it tries one
-token again."""
+accepted draft raises k by one, a fully rejected one halves it; at 0 the request's drafts stop for
+`cooldown` steps (doubling while nothing is accepted), then it tries one token again."""
 
 from __future__ import annotations
 
@@ -89,13 +88,15 @@ class SpecPolicy:
         state = self._state.get(request.request_id)
         if state is None:
             return
+        if num_accepted > 0:
+            state.next_cooldown = COOLDOWN_STEPS
         if num_accepted == num_drafted:
             state.k = min(state.k + 1, self.config.num_speculative_tokens)
-        elif num_accepted > 0:
-            state.k = num_accepted + 1
-        else:
-            state.k, state.cooldown = 1, state.next_cooldown
-            state.next_cooldown = min(2 * state.next_cooldown, MAX_COOLDOWN)
+        elif num_accepted == 0:
+            state.k //= 2
+            if state.k == 0:
+                state.k, state.cooldown = 1, state.next_cooldown
+                state.next_cooldown = min(2 * state.next_cooldown, MAX_COOLDOWN)
 
     def forget(self, request_id: str) -> None:
         self._state.pop(request_id, None)

@@ -36,16 +36,20 @@ def test_k_adapts_to_acceptance():
     policy = SpecPolicy(SpeculativeConfig(num_speculative_tokens=4), page_size=16)
     request = decoding()
     assert len(policy.drafts(request, 100, 1000, 10)) == 4
-    policy.record(request, 4, 1)  # partly accepted: k = accepted + 1
+    policy.record(request, 4, 0)  # all rejected: k halves
     assert len(policy.drafts(request, 100, 1000, 10)) == 2
-    policy.record(request, 2, 0)  # all rejected: a cooldown, then one token again
+    policy.record(request, 2, 1)  # partly accepted: k stays
+    assert len(policy.drafts(request, 100, 1000, 10)) == 2
+    policy.record(request, 2, 0)
+    assert len(policy.drafts(request, 100, 1000, 10)) == 1
+    policy.record(request, 1, 0)  # k hit 0: a cooldown, then one token again
     assert all(policy.drafts(request, 100, 1000, 10) == [] for _ in range(COOLDOWN_STEPS))
+    assert len(policy.drafts(request, 100, 1000, 10)) == 1
+    policy.record(request, 1, 0)  # nothing accepted since: the next cooldown is twice as long
+    assert all(policy.drafts(request, 100, 1000, 10) == [] for _ in range(2 * COOLDOWN_STEPS))
     assert len(policy.drafts(request, 100, 1000, 10)) == 1
     policy.record(request, 1, 1)
     assert len(policy.drafts(request, 100, 1000, 10)) == 2
-    policy.record(request, 2, 0)  # the next cooldown is twice as long
-    assert all(policy.drafts(request, 100, 1000, 10) == [] for _ in range(2 * COOLDOWN_STEPS))
-    assert len(policy.drafts(request, 100, 1000, 10)) == 1
     counts = request.spec_decode
-    assert (counts.num_drafts, counts.num_draft_tokens, counts.num_accepted_tokens) == (4, 9, 2)
+    assert (counts.num_drafts, counts.num_draft_tokens, counts.num_accepted_tokens) == (6, 11, 2)
     assert policy.stats.accepted_per_pos == [2, 0, 0, 0]

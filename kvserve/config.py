@@ -51,17 +51,23 @@ MODEL_DTYPE_TO_KV = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "
                      "native": "bf16"}
 MODEL_DTYPES = tuple(MODEL_DTYPE_TO_KV)
 # `--dtype auto`: the fastest mode whose perplexity drift vs float32 is under 1% (README, "Weight
-# formats"); the packed modes need torch's CPU kernels, so other devices get bfloat16. int4 also on
-# AVX2-only hosts: `python -m kvserve.tools.matmul_bench --modes int4,bfloat16` on Zen 3, one thread,
-# gave a decode step's GEMVs 36.0 ms against 39.7 ms and a 512-row chunk 13.1 s against 12.9 s.
-AUTO_DTYPE = {"cpu": "int4"}
+# formats"). On CPU that is `native` wherever kvserve's kernels are built and enabled; without them,
+# torch's packed int4 (also on AVX2-only hosts: `python -m kvserve.tools.matmul_bench --modes
+# int4,bfloat16` on Zen 3, one thread, gave a decode step's GEMVs 36.0 ms against 39.7 ms and a
+# 512-row chunk 13.1 s against 12.9 s); other devices get bfloat16.
+AUTO_DTYPE_NATIVE = "native"
+AUTO_DTYPE_TORCH_CPU = "int4"
 AUTO_DTYPE_OTHER = "bfloat16"
 
 
 def resolve_model_dtype(dtype: str, device: str) -> str:
     """`auto` -> the weight mode for `device`; other names are checked and returned."""
     if dtype == "auto":
-        return AUTO_DTYPE.get(device.split(":")[0], AUTO_DTYPE_OTHER)
+        if device.split(":")[0] != "cpu":
+            return AUTO_DTYPE_OTHER
+        from kvserve import kernels
+
+        return AUTO_DTYPE_NATIVE if kernels.available() else AUTO_DTYPE_TORCH_CPU
     if dtype not in MODEL_DTYPES:
         raise ConfigError(f"--dtype must be one of auto, {', '.join(MODEL_DTYPES)}, got {dtype!r}")
     return dtype

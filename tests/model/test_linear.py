@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvserve import kernels
 from kvserve.config import CORPUS_PATH, KV_DTYPES, ConfigError, EngineConfig, resolve_model_dtype
 from kvserve.model.gguf_loader import bundled_model_path, load_gguf
 from kvserve.model.gguf_config import read_gguf_config
@@ -73,8 +74,11 @@ def test_packed_modes_refuse_other_devices(loaded):
         WeightBuilder(loaded.tensors, "int4", torch.device("meta"))
 
 
-def test_auto_dtype_resolves_per_device():
-    assert EngineConfig().dtype == resolve_model_dtype("auto", "cpu") == "int4"
+def test_auto_dtype_resolves_per_device(monkeypatch):
+    expected = "native" if kernels.available() else "int4"
+    assert EngineConfig().dtype == resolve_model_dtype("auto", "cpu") == expected
+    monkeypatch.setenv("KVSERVE_KERNELS", "off")  # torch's kernels then: int4 (AVX2 and AVX-512 alike)
+    assert EngineConfig().dtype == "int4"
     assert EngineConfig(device="cuda:0").dtype == "bfloat16"
     assert EngineConfig(dtype="float32").dtype == "float32"
     with pytest.raises(ConfigError, match="--dtype must be one of auto, float32"):

@@ -22,15 +22,13 @@ from hypothesis import strategies as st
 from kvserve import SamplingParams
 from kvserve.config import kv_bytes_per_page, resolve_kv_dtype, resolve_model_dtype
 from kvserve.model.gguf_loader import load_gguf, resolve_model_path
-from tests.conftest import make_llm
+from tests.conftest import DEFAULT_MODE, make_llm
 from tests.redis_server import module_redis  # noqa: F401
 
-# native: the GGUF's blocks on kvserve's kernels, what `--dtype auto` is to resolve to on CPU (issue 24);
-# float32: the exact path. The slow tests (bundled model, preemption, hypothesis) run SLOW_MODES:
-# native joins them once they have passed on a quiet machine.
-MODES = ["float32", "native"]
-SLOW_MODES = ["float32"]
-BITWISE_MODES = {"native"}
+# auto: the default mode, which on CPU is native (the GGUF's blocks on kvserve's kernels) wherever they
+# are built and enabled, and is skipped where it is not (tests/conftest.py); float32: the exact path.
+MODES = ["float32", DEFAULT_MODE]
+BITWISE_MODES = {"auto"}
 LOGPROB_TOLERANCE = 1e-4  # float32 only (see above): observed differences are ~1e-6
 TINY = ["llama3", "qwen3", "gemma3"]
 BUNDLED = "smollm2"
@@ -217,12 +215,13 @@ BUNDLED_CASES = {"pool_hit", "host_tier_hit", "budget_64", "budget_512", "with_n
 
 def _params():
     for model in TINY + [BUNDLED]:
-        for mode in MODES if model != BUNDLED else SLOW_MODES:
+        for mode in MODES:
+            name, marks = (mode, []) if isinstance(mode, str) else (mode.values[0], list(mode.marks))
             for case in CASES:
                 if model == BUNDLED and case not in BUNDLED_CASES:
                     continue
-                yield pytest.param(model, mode, case, id=f"{model}-{mode}-{case}",
-                                   marks=[pytest.mark.slow] if model == BUNDLED else [])
+                yield pytest.param(model, name, case, id=f"{model}-{name}-{case}",
+                                   marks=marks + ([pytest.mark.slow] if model == BUNDLED else []))
 
 
 @pytest.mark.parametrize("model, mode, case", list(_params()))
@@ -238,7 +237,7 @@ PREEMPT_PARAMS = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
-@pytest.mark.parametrize("mode", SLOW_MODES)
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("model", TINY)
 def test_preempted_requests_answer_as_unpreempted(model, mode, preemption_mode, model_path):
     """8 requests in a third of the pages they need; the bundled model's preemption runs are
@@ -286,7 +285,7 @@ def schedules(draw):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", SLOW_MODES)
+@pytest.mark.parametrize("mode", MODES)
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(schedule=schedules())
 def test_random_prompts_and_schedules_answer_as_alone(mode, schedule, model_path):

@@ -198,8 +198,9 @@ def test_prefill_decode_split_through_the_proxy_matches_one_instance(pair, redis
     from tests.server.conftest import ServerThread
 
     single = pair[0]  # a plain instance with the same engine settings (its own Redis)
-    prefill = LLMEngine(EngineConfig(redis_url=redis_server.url, role="prefill", **ENGINE))
-    decode = LLMEngine(EngineConfig(redis_url=redis_server.url, role="decode", **ENGINE))
+    engine = {**ENGINE, "dtype": single.engine.config.dtype}  # the pair's weight mode
+    prefill = LLMEngine(EngineConfig(redis_url=redis_server.url, role="prefill", **engine))
+    decode = LLMEngine(EngineConfig(redis_url=redis_server.url, role="decode", **engine))
     prompt = token_prompt(6, 300)
     text = "Explain in one sentence why the sky is blue. " * 6
     with ServerThread(build_app(prefill)) as p, ServerThread(build_app(decode)) as d, \
@@ -240,7 +241,7 @@ def test_kvserve_serve_roles_and_kvserve_proxy_as_commands(pair, redis_server, t
     from tests.redis_server import free_port
 
     ports = [free_port() for _ in range(3)]
-    engine = ["--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--dtype", "float32",
+    engine = ["--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--dtype", pair[0].engine.config.dtype,
               "--log-level", "warning"]
     commands = [
         ["serve", "--role", "prefill", "--redis-url", redis_server.url, "--port", str(ports[0]),

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 import threading
 import time
 
+import httpx
 import pytest
 
 SMALL_ENGINE = dict(kv_cache_memory="256MiB", max_model_len=2048, dtype="float32")
@@ -106,3 +108,26 @@ def no_pages_left_in_use(request):
     yield
     if "async_engine" in request.fixturenames:
         wait_no_pages_in_use(request.getfixturevalue("async_engine"))
+
+
+def poll_health_while(url: str, workers: list[threading.Thread]) -> list[float]:
+    """Start `workers`, poll /health until they end; the latencies.
+
+    The server runs inside the test process, whose heap holds everything the suite has built so far:
+    a full garbage collection of it can stop every thread for most of a second, which is the suite's
+    cost, not the event loop's. So the heap as it stands is frozen out of collection while polling."""
+    gc.collect()
+    gc.freeze()
+    try:
+        for worker in workers:
+            worker.start()
+        health = []
+        with httpx.Client(timeout=5) as http:
+            while any(worker.is_alive() for worker in workers):
+                t0 = time.monotonic()
+                assert http.get(url + "/health").status_code == 200
+                health.append(time.monotonic() - t0)
+                time.sleep(0.02)
+        return health
+    finally:
+        gc.unfreeze()

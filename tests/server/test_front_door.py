@@ -6,7 +6,6 @@ the Anthropic routes, for SmolLM2 and for a Gemma 3 model (whose template writes
 
 from __future__ import annotations
 
-import gc
 import threading
 import time
 import uuid
@@ -16,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import ServerThread
+from tests.server.conftest import ServerThread, poll_health_while
 
 MB = 1 << 20
 ROUTES = ("chat", "messages", "caches")
@@ -99,29 +98,6 @@ def test_messages_and_caches_answer_a_full_queue_and_a_drain_as_chat_does(queued
     assert health.status_code == 503
     assert door.admission.held == 0 and not door.admission.by_tenant
     assert send(queued.url, "messages", model_name).status_code == 200  # open again
-
-
-def poll_health_while(url: str, workers: list[threading.Thread]) -> list[float]:
-    """Start `workers`, poll /health until they end; the latencies.
-
-    The server runs inside the test process, whose heap holds everything the suite has built so far:
-    a full garbage collection of it can stop every thread for most of a second, which is the suite's
-    cost, not the event loop's. So the heap as it stands is frozen out of collection while polling."""
-    gc.collect()
-    gc.freeze()
-    try:
-        for worker in workers:
-            worker.start()
-        health = []
-        with httpx.Client(timeout=5) as http:
-            while any(worker.is_alive() for worker in workers):
-                t0 = time.monotonic()
-                assert http.get(url + "/health").status_code == 200
-                health.append(time.monotonic() - t0)
-                time.sleep(0.02)
-        return health
-    finally:
-        gc.unfreeze()
 
 
 ALL_ROUTES = (*ROUTES, "count_tokens", "tokenize")

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import ServerThread
+from tests.server.conftest import ServerThread, poll_health_while
 
 MB = 1 << 20
 
@@ -96,15 +96,7 @@ def test_tokenization_does_not_delay_health(server, model_name, async_engine):
         server.url + "/v1/completions", json={"model": model_name, "prompt": prompt,
                                               "max_tokens": 1}, timeout=120)))
         for _ in range(8)]
-    for worker in workers:
-        worker.start()
-    health = []
-    with httpx.Client(timeout=5) as http:
-        while any(worker.is_alive() for worker in workers):
-            t0 = time.monotonic()
-            assert http.get(server.url + "/health").status_code == 200
-            health.append(time.monotonic() - t0)
-            time.sleep(0.02)
+    health = poll_health_while(server.url, workers)
     assert len(done) == 8
     for response in done:  # tokenized, then refused by the engine's length check
         assert response.status_code == 400 and "max_model_len" in response.json()["error"]["message"]

@@ -43,8 +43,8 @@ def test_pydantic_response_format_validates_100_of_100_at_temperature_1(client, 
         return client.chat.completions.parse(model=model_name, messages=MESSAGES, response_format=Person,
                                              temperature=1.0, n=10, seed=seed, max_tokens=120)
 
-    with ThreadPoolExecutor(4) as pool:
-        answers = list(pool.map(ask, range(10)))
+    with ThreadPoolExecutor(4) as pool:  # choice i of a request samples with seed + i: no overlaps
+        answers = list(pool.map(ask, range(0, 1000, 100)))
     people = [c.message.parsed for a in answers for c in a.choices]
     assert len(people) == 100
     assert all(isinstance(p, Person) for p in people)

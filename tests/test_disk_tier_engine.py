@@ -5,6 +5,7 @@ of IDENTITY_MODES."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -84,3 +85,24 @@ def test_a_corrupt_page_on_a_read_only_disk_tier_is_a_counted_miss_never_a_faile
     assert victim.exists()  # left where it is, but out of the index
     again, stats, _ = run_once(small_mount, "float32")  # a third engine: same answer again
     assert again.outputs[0].token_ids == cold.outputs[0].token_ids
+    body = served_over_http(small_mount)  # and over HTTP: the tier's faults stay in the log
+    assert body["choices"][0]["text"] and body["kv_cache"]["cached_tokens"] == 5 * 16
+    assert str(small_mount) not in json.dumps(body)  # (the explanation names the tier, not its path)
+
+
+def served_over_http(disk: Path) -> dict:
+    """The prompt through /v1/completions (kv_explain on) of a server whose disk tier is `disk`."""
+    import httpx
+
+    from kvserve.config import EngineConfig
+    from kvserve.engine import LLMEngine
+    from kvserve.server.api import build_app
+    from tests.server.conftest import ServerThread
+
+    engine = LLMEngine(EngineConfig(dtype="float32", kv_cache_memory=pool_memory(40), max_model_len=256,
+                                    swap_space=0, kv_disk_path=str(disk), kv_disk_bytes="256MiB"))
+    with ServerThread(build_app(engine)) as running:
+        response = httpx.post(running.url + "/v1/completions", timeout=300, json={
+            "prompt": PROMPT, "max_tokens": 6, "ignore_eos": True, "kv_explain": True})
+    assert response.status_code == 200, response.text
+    return response.json()

@@ -24,7 +24,8 @@ class StandInEngine:
         self.manager = SimpleNamespace()
         self.aborted: list[str] = []
 
-    def add_request(self, prompt, params=None, request_id=None, tenant="", leases=None, kv_explain=False):
+    def add_request(self, prompt, params=None, request_id=None, tenant="", leases=None, kv_explain=False,
+                    tool_call=None, grammar=None):
         if not prompt:
             raise ValueError("the prompt is empty")
         if request_id in self.scheduler.requests:

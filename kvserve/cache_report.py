@@ -18,6 +18,7 @@ from kvserve.engine_stats import EngineStats
 from kvserve.request import Request
 
 MAX_TENANTS = 16  # labels beyond these are summed as "other" (bounded metric cardinality)
+MAX_OWN_VIEWS = 4096  # tenants whose own report is kept (least recently seen dropped first)
 MAX_PREFIXES = 1000
 RECENT_PROMPTS = 64
 LOW_HIT_RATE = 0.30
@@ -52,7 +53,8 @@ class CacheReporter:
         self.page_size = page_size
         self.bytes_per_token = bytes_per_token
         self.kv_dtype = kv_dtype
-        self.tenants: dict[str, TenantStats] = {}
+        self.tenants: dict[str, TenantStats] = {}  # the operator's view and /metrics: MAX_TENANTS + "other"
+        self.own: OrderedDict[str, TenantStats] = OrderedDict()  # each tenant's own view, never folded
         self.prefixes: OrderedDict[bytes, PrefixStats] = OrderedDict()
         self.recent: deque[tuple[_Prompt, int]] = deque(maxlen=RECENT_PROMPTS)  # (prompt, cached)
         self.usage: deque[tuple[float, float]] = deque()
@@ -66,10 +68,14 @@ class CacheReporter:
         tenant = label = tenant_of(request.namespace) or "default"
         if label not in self.tenants and len(self.tenants) >= MAX_TENANTS:
             label = "other"
-        stats = self.tenants.setdefault(label, TenantStats())
-        stats.requests += 1
-        stats.prompt_tokens += request.num_prompt_tokens
-        stats.cached_tokens += request.num_cached_tokens
+        own = self.own.pop(tenant, None) or TenantStats()
+        self.own[tenant] = own
+        if len(self.own) > MAX_OWN_VIEWS:
+            self.own.popitem(last=False)
+        for stats in (self.tenants.setdefault(label, TenantStats()), own):
+            stats.requests += 1
+            stats.prompt_tokens += request.num_prompt_tokens
+            stats.cached_tokens += request.num_cached_tokens
         self.recent.append((_Prompt(request.prompt_token_ids, request.namespace), request.num_cached_tokens))
         if request.num_prompt_tokens >= self.page_size:
             key = first_page_key(request.prompt_token_ids, self.page_size) + request.namespace.encode()
@@ -119,8 +125,7 @@ class CacheReporter:
         return report
 
     def tenant_report(self, label: str) -> dict[str, Any]:
-        own = self.tenants.get(label, TenantStats())
-        view = tenant_view(own)
+        view = tenant_view(self.own.get(label, TenantStats()))
         return {"scope": "tenant", "hit_rate": view["hit_rate"], "tenants": {label: view},
                 **self.top_prefixes((k, p) for k, p in self.prefixes.items() if p.tenant == label),
                 "advice": self.quantized_advice()}

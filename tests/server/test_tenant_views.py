@@ -34,10 +34,15 @@ def tenant_labels(metrics_text: str) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def tenants(async_engine, model_name):
+def tenants(model_name):
+    """An engine of its own: the suite's shared one has seen more tenants than the operator's view
+    names one by one (cache_report.MAX_TENANTS)."""
+    from kvserve.config import EngineConfig
+    from kvserve.engine import LLMEngine
     from kvserve.server.api import build_app
+    from tests.server.conftest import SMALL_ENGINE
 
-    app = build_app(async_engine, api_keys=[KEY_A, KEY_B], admin_api_keys=[ADMIN],
+    app = build_app(LLMEngine(EngineConfig(**SMALL_ENGINE)), api_keys=[KEY_A, KEY_B], admin_api_keys=[ADMIN],
                     metrics_tenant_secret=b"a secret of this server only")
     with ServerThread(app) as running:
         for key in (KEY_A, KEY_B, KEY_A):
@@ -61,7 +66,7 @@ def test_a_tenant_sees_its_own_part_of_the_cache_report_and_the_admin_sees_all(t
     assert get(tenants.url, "/v1/cache/report", "sk-nobody").status_code == 401
 
 
-def test_metrics_tenant_labels_are_keyed_by_the_server_secret(tenants, async_engine):
+def test_metrics_tenant_labels_are_keyed_by_the_server_secret(tenants):
     from kvserve.metrics import EngineMetrics
 
     text = httpx.get(tenants.url + "/metrics", timeout=60).text
@@ -83,3 +88,19 @@ def test_metrics_tenant_labels_off(async_engine, model_name):
         complete(running.url, KEY_A, model_name)
         text = httpx.get(running.url + "/metrics", timeout=60).text
     assert 'tenant="' not in text
+
+
+def test_a_tenant_past_the_named_ones_still_gets_its_own_report():
+    """Past MAX_TENANTS the operator's view sums tenants as "other"; each still sees its own part."""
+    from kvserve.cache_report import MAX_TENANTS, CacheReporter
+    from kvserve.engine_stats import EngineStats
+    from kvserve.request import Request, SamplingParams
+
+    reporter = CacheReporter(16, 1.0, "bfloat16")
+    for i in range(MAX_TENANTS + 3):
+        reporter.first_token(Request(f"r{i}", list(range(40)), SamplingParams(), tenant=f"key:{i}"))
+    late = reporter.report(EngineStats(), "\0", tenant=f"key:{MAX_TENANTS + 2}")
+    assert late["tenants"] == {f"key:{MAX_TENANTS + 2}": {"requests": 1, "prompt_tokens": 40, "cached_tokens": 0,
+                                                          "hit_rate": 0.0}}
+    assert len(late["top_prefixes_by_reuse"]) == 1
+    assert "other" in reporter.report(EngineStats(), "\0")["tenants"]

@@ -114,13 +114,7 @@ def run_engine_one_at_a_time(trace: list[TraceRequest]) -> tuple[dict, dict]:
         while engine.has_unfinished():
             for out in engine.step():
                 if out.finished:
-                    usage = out.lease_usage
-                    records[out.request_id] = RequestRecord(
-                        out.request_id, out.num_cached_tokens,
-                        usage.cache_read_tokens if usage else 0,
-                        sum(usage.cache_creation_tokens.values()) if usage else 0,
-                        usage.refused if usage else None, out.kv_cache["reason"],
-                        tuple(sorted(out.kv_cache["cached_by_source"].items())))
+                    records[out.request_id] = RequestRecord.of(out)
     return records, engine.stats().as_dict()
 
 

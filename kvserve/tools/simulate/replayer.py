@@ -27,7 +27,7 @@ from kvserve.cache.manager import KVCacheManager
 from kvserve.cache.offload import Offloader
 from kvserve.cache.tiers import HostTier
 from kvserve.config import EngineConfig
-from kvserve.request import Request, SamplingParams
+from kvserve.request import Request, RequestOutput, SamplingParams
 from kvserve.scheduler import ADMISSION_AGE_BOUND_S, ADMISSION_SCAN_LIMIT, Scheduler
 from kvserve.step import run_step
 from kvserve.tools.simulate.requests import SimRequest, pages_needed, unbounded_pages
@@ -79,17 +79,18 @@ class RequestRecord:
     cache_creation_tokens: int = 0  # tokens newly leased
     lease_refused: str | None = None
     miss_reason: str | None = None  # kv_explain's reason (with CacheOptions.explain)
-    cached_by_source: tuple[tuple[str, int], ...] = ()
+    cached_by_source: tuple[tuple[str, int], ...] = ()  # kv_explain's, too
 
     @classmethod
-    def of(cls, request: Request) -> RequestRecord:
-        usage, explanation = request.cache.lease_usage, request.cache.explanation
+    def of(cls, request: Request | RequestOutput) -> RequestRecord:
+        """From the simulator's Request or the engine's finished RequestOutput (the same fields)."""
+        usage, explained = request.lease_usage, request.kv_cache
         return cls(request.request_id, request.num_cached_tokens,
                    usage.cache_read_tokens if usage else 0,
                    sum(usage.cache_creation_tokens.values()) if usage else 0,
                    usage.refused if usage else None,
-                   explanation.reason if explanation else None,
-                   tuple(sorted(request.cache.cached_by_source.items())))
+                   explained["reason"] if explained else None,
+                   tuple(sorted(explained["cached_by_source"].items())) if explained else ())
 
 
 @dataclass(slots=True)

@@ -137,6 +137,7 @@ class EngineMetrics:
             raise ValueError(f"--metrics-tenant-labels is keyed or off, not {tenant_labels!r}")
         self.tenant_labels = tenant_labels
         self._tenant_secret = tenant_secret or secrets.token_bytes(32)
+        self._tenant_labels: dict[str, str] = {}  # computed once per tenant (observe runs every step)
         self.registry = CollectorRegistry()
         self.model_name = model_name
         p = prefix + ":"
@@ -223,7 +224,11 @@ class EngineMetrics:
         """The /metrics label of a tenant (the cache report's name for it)."""
         if tenant in PLAIN_TENANT_LABELS:
             return tenant
-        return "t-" + hmac.new(self._tenant_secret, tenant.encode(), hashlib.sha256).hexdigest()[:16]
+        label = self._tenant_labels.get(tenant)
+        if label is None:
+            label = "t-" + hmac.new(self._tenant_secret, tenant.encode(), hashlib.sha256).hexdigest()[:16]
+            self._tenant_labels[tenant] = label
+        return label
 
     def observe_finished(self, output: RequestOutput) -> None:
         metrics = output.metrics

@@ -76,6 +76,12 @@ class LoadedModel:
             self._weights = {name: t.dequantize() for name, t in self.tensors.items()}
         return self._weights
 
+    def held_weights(self) -> list[torch.Tensor]:
+        """The float32 tensors this model holds now: a folder's weights, and the copies `weights`
+        made if anything asked for them (never makes them)."""
+        held = [t.value for t in self.tensors.values() if isinstance(t, FloatTensor)]
+        return held + (list(self._weights.values()) if self._weights is not None else [])
+
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special tokens written in the text (<|im_start|>) are recognised,
         and a BOS leads where the model wants one, once (tokenizer.encode_prompt)."""

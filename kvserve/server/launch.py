@@ -63,8 +63,10 @@ def read_key_file(path: str, flag: str) -> list[str]:
 
 
 def weights_bytes(engine) -> int:
-    """Bytes of the distinct tensor storages behind the loaded weights and the built model."""
-    tensors = list(getattr(engine.loaded, "weights", {}).values())
+    """Bytes of the distinct tensor storages behind the built model and any float copy the loader
+    holds (reading `loaded.weights` here would dequantize the whole model just to count it)."""
+    held = getattr(engine.loaded, "held_weights", None)
+    tensors = held() if held is not None else []
     model = getattr(engine.runner, "model", None)
     if hasattr(model, "state_dict"):
         tensors += list(model.state_dict().values())

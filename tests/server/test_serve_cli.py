@@ -88,3 +88,29 @@ def test_plan_prints_the_memory_promise_from_the_same_function(capsys):
                           parse_bytes("2GiB")).line()
     assert line in capsys.readouterr().out
     assert line.startswith("memory: weights ") and "KV pool 1 GiB" in line and "host tier" in line
+
+
+
+def test_the_memory_line_counts_the_packed_weights_without_making_a_float_copy():
+    """Counting the weights for the start-up line once dequantized the whole model (513 MiB of float32
+    for the bundled 98 MB GGUF), and the memoized loader kept that copy for the life of the server. A
+    fresh process: the suite's float32 engines share the loader's copy in this one."""
+    import json
+    import subprocess
+    import sys
+
+    script = (
+        "import json, os\n"
+        "from kvserve.config import EngineConfig, resolve_model_dtype\n"
+        "from kvserve.engine import LLMEngine\n"
+        "from kvserve.server.launch import weights_bytes\n"
+        "e = LLMEngine(EngineConfig(kv_cache_memory='16MiB', max_model_len=512))\n"
+        "n = weights_bytes(e)\n"
+        "print(json.dumps({'counted': n, 'file': os.path.getsize(e.loaded.path),\n"
+        "                  'dtype': resolve_model_dtype(e.config.dtype, 'cpu'),\n"
+        "                  'float_copy': len(e.loaded.held_weights())}))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["float_copy"] == 0, result
+    if result["dtype"] == "native":  # the GGUF's own blocks: about the file's bytes
+        assert result["counted"] <= result["file"] * 1.05, result

@@ -13,7 +13,7 @@ from kvserve.config import ConfigError
 from kvserve.tools.bench import (ENGINE_KEYS, RATIO_KEYS, agreement, load_workload, percentile, plot, ratios,
                                  shared_prefix_len, summarize, workloads_dir)
 from kvserve.tools.bench.http_client import token_counts
-from kvserve.tools.bench.http_mode import kvserve_label_for, llama_server_context, pass_labels
+from kvserve.tools.bench.http_mode import kv_capacity_tokens, kvserve_label_for, llama_server_context, pass_labels
 from kvserve.tools.bench.servers import llama_server_path
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -171,6 +171,18 @@ def test_passes_are_labelled_cold_then_warm_and_compared_pass_by_pass():
     assert pass_labels("kvserve", 3) == ["kvserve/cold", "kvserve/warm1", "kvserve/warm2"]
     assert kvserve_label_for("llama-server/warm") == "kvserve/warm" and kvserve_label_for("llama-server") == "kvserve"
     assert llama_server_context([[1] * 300, [1] * 10], [64, 64], 4) == 4 * 512  # each slot holds 364 + 16
+    assert llama_server_context([[1] * 300], [64], 4, kv_capacity_tokens=46_000) == 46_000  # kvserve's pool
+    assert llama_server_context([[1] * 300], [64], 4, kv_capacity_tokens=1_000) == 4 * 512  # slots must fit
+
+
+@pytest.mark.parametrize("prefix", ["kvserve", "vllm"])
+def test_kvserve_capacity_is_read_from_its_cache_config_series(prefix):
+    from kvserve.metrics import EngineMetrics
+
+    metrics = EngineMetrics("m", prefix=prefix, cache_config={"block_size": "16", "num_gpu_blocks": "2912",
+                                                             "cache_dtype": "bf16"})
+    assert kv_capacity_tokens(metrics.render().decode()) == 2912 * 16
+    assert kv_capacity_tokens("# no such series\n") is None
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -212,6 +224,7 @@ def test_http_beside_llama_server(tmp_path, capsys):
     assert list(report["engines"]) == ["kvserve", "llama-server"]
     assert report["http"]["llama_server"]["parallel"] == 2
     peer = report["engines"]["llama-server"]
+    assert peer["kv_capacity_tokens"] == report["engines"]["kvserve"]["kv_capacity_tokens"] > 0  # the same KV
     assert peer["output_tokens"] == 8 and len(peer["ttft_s"]) == 2  # ignore_eos: exactly max_tokens
     ratio = report["ratios"]["llama-server"]
     assert set(ratio) == set(RATIO_KEYS) | {"speedup"}

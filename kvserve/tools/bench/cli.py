@@ -56,8 +56,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="llama-server binary (default: $KVSERVE_LLAMA_SERVER, else "
                              "../shared/peers/llama.cpp/llama-server)")
     parser.add_argument("--llama-server-context", type=int, default=None, metavar="TOKENS",
-                        help="llama-server -c, shared by its --parallel slots (default: slots x the longest "
-                             "request, rounded up to 256)")
+                        help="llama-server -c, shared by its --parallel slots (default: kvserve's KV capacity "
+                             "in tokens, so both hold the same KV; at least slots x the longest request)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--plot", default=None, metavar="OUT.png", help="draw the bars and TTFT distributions")
     add_engine_arguments(parser)
@@ -162,13 +162,14 @@ def _run_over_http(report: dict, args, workload, model_path: str, kwargs: dict, 
         raise ConfigError(f"--vs llama-server needs the llama-server binary, not found at {binary}; "
                           "give --llama-server PATH")
     servers = ["kvserve"] + (["llama-server"] if args.vs == "llama-server" else [])
-    peers = []
+    peers, capacity = [], None
     with ProgressBars(console) as bar:
         for server in servers:
             update = bar(server, sum(workload.max_tokens) * args.passes)
             runs = run_http(server, model_path, workload.token_ids, workload.max_tokens, concurrency, args.passes,
-                            kwargs, args.threads, binary, update, args.llama_server_context)
+                            kwargs, args.threads, binary, update, args.llama_server_context, capacity)
             for label, raw in runs.items():
+                capacity = capacity or raw.get("kv_capacity_tokens")
                 raw["prompt_tokens"] = report["workload"]["prompt_tokens"]
                 report["engines"][label] = summarize(raw)
                 if server != "kvserve":

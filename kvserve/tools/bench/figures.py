@@ -10,9 +10,9 @@ ENGINE_KEYS = (  # every engine's figures carry exactly these keys (null where n
     "ttft_p50_s", "ttft_p95_s", "ttft_mean_s", "tpot_s", "prefix_hit_rate", "cached_prompt_tokens",
     "num_cached_requests", "num_cold_requests", "ttft_cached_p50_s", "ttft_cached_p95_s", "ttft_cold_p50_s",
     "ttft_cold_p95_s", "ttft_cached_over_cold_p95", "peak_rss_bytes", "kv_bytes", "kv_bytes_used_peak",
-    "load_s", "threads", "ttft_s")
+    "kv_capacity_tokens", "load_s", "threads", "ttft_s")
 RATIO_KEYS = ("wall_s", "output_tokens_per_s", "total_tokens_per_s", "ttft_p50_s", "ttft_p95_s", "tpot_s",
-              "prefix_hit_rate", "peak_rss_bytes", "kv_bytes", "kv_bytes_used_peak")
+              "prefix_hit_rate", "peak_rss_bytes", "kv_bytes", "kv_bytes_used_peak", "kv_capacity_tokens")
 
 
 
@@ -58,7 +58,8 @@ def summarize(raw: dict) -> dict:
            "ttft_cold_p50_s": percentile(cold, 50), "ttft_cold_p95_s": percentile(cold, 95),
            "ttft_cached_over_cold_p95": _div(percentile(cached, 95), percentile(cold, 95)),
            "peak_rss_bytes": raw.get("peak_rss_bytes"), "kv_bytes": raw.get("kv_bytes"),
-           "kv_bytes_used_peak": raw.get("kv_bytes_used_peak"), "load_s": raw.get("load_s"),
+           "kv_bytes_used_peak": raw.get("kv_bytes_used_peak"),
+           "kv_capacity_tokens": raw.get("kv_capacity_tokens"), "load_s": raw.get("load_s"),
            "threads": raw.get("threads"), "ttft_s": ttft}
     assert tuple(fig) == ENGINE_KEYS
     return fig

@@ -5,6 +5,7 @@ streaming clients: pass 1 is cold (empty prefix cache), later passes are warm.""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from kvserve.tools.bench.http_client import HttpTarget, run_pass
@@ -21,25 +22,44 @@ def pass_labels(engine: str, passes: int) -> list[str]:
     return [f"{engine}/cold"] + [f"{engine}/warm" + (str(i) if passes > 2 else "") for i in range(1, passes)]
 
 
-def llama_server_context(token_ids: list[list[int]], max_tokens: list[int], parallel: int) -> int:
-    """Total context so that every slot (context / parallel) holds the longest request."""
+def llama_server_context(token_ids: list[list[int]], max_tokens: list[int], parallel: int,
+                         kv_capacity_tokens: int | None = None) -> int:
+    """Total context: kvserve's KV capacity in tokens when known (the same capacity for both servers),
+    at least enough that every slot (context / parallel) holds the longest request."""
     longest = max(len(p) + m for p, m in zip(token_ids, max_tokens)) + 16
-    return parallel * (-(-longest // 256) * 256)
+    fits = parallel * (-(-longest // 256) * 256)
+    return max(fits, kv_capacity_tokens or 0)
+
+
+def kv_capacity_tokens(metrics_text: str) -> int | None:
+    """Pages x page size from kvserve's `cache_config_info` series (vLLM's num_gpu_blocks, block_size)."""
+    for line in metrics_text.splitlines():
+        if line.startswith(("kvserve:cache_config_info{", "vllm:cache_config_info{")):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            try:
+                return int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+            except (KeyError, ValueError):
+                return None
+    return None
 
 
 def run_http(engine: str, model_path: str, token_ids: list[list[int]], max_tokens: list[int], concurrency: int,
              passes: int, engine_kwargs: dict, threads: int | None, llama_server_binary: Path,
-             progress=None, llama_server_context_tokens: int | None = None) -> dict[str, dict]:
-    """Raw results per pass label: {"wall_s", "requests", "peak_rss_bytes", "load_s", "threads", ...}.
+             progress=None, llama_server_context_tokens: int | None = None,
+             same_capacity_as: int | None = None) -> dict[str, dict]:
+    """Raw results per pass label: {"wall_s", "requests", "peak_rss_bytes", "load_s", "threads",
+    "kv_capacity_tokens", ...}. llama-server's -c: `llama_server_context_tokens` when given, else
+    `same_capacity_as` (kvserve's pool in tokens) or enough for its slots, whichever is more.
     `progress(phase, tokens_done)` as in-process engines report."""
     num_threads = threads or len(os.sched_getaffinity(0))
     extra: dict = {}
     if engine == "kvserve":
         server = kvserve_server(model_path, engine_kwargs)
     else:
-        context = llama_server_context_tokens or llama_server_context(token_ids, max_tokens, concurrency)
+        context = llama_server_context_tokens or llama_server_context(token_ids, max_tokens, concurrency,
+                                                                       same_capacity_as)
         server = llama_server(llama_server_binary, model_path, concurrency, context, num_threads)
-        extra = {"context_tokens": context, "parallel": concurrency}
+        extra = {"context_tokens": context, "parallel": concurrency, "kv_capacity_tokens": context}
     target = HttpTarget(engine, "", SERVED_MODEL_NAME, EXTRA_BODY[engine])
     total = sum(max_tokens)
     out: dict[str, dict] = {}
@@ -47,6 +67,10 @@ def run_http(engine: str, model_path: str, token_ids: list[list[int]], max_token
         progress("starting", None)
     with server:
         target.base_url = server.base_url
+        if engine == "kvserve":
+            import httpx
+
+            extra = {"kv_capacity_tokens": kv_capacity_tokens(httpx.get(f"{server.base_url}/metrics").text)}
         run_pass(target, [WARMUP_IDS], [4], 1)
         for index, label in enumerate(pass_labels(engine, passes)):
             if progress:

@@ -56,5 +56,6 @@ def run_kvserve(spec: RunSpec, report: Reporter) -> dict:
                  "e2e_s": o.metrics.e2e_s, "cached_tokens": o.num_cached_tokens} for o in (done[i] for i in ids)]
     return {"wall_s": wall, "load_s": load_s, "grammar": grammar, "requests": requests, "kv_bytes": after.kv_cache_bytes,
             "kv_bytes_used_peak": peak_pages * engine.runner.page_bytes,
+            "kv_capacity_tokens": engine.cache_config.num_pages * engine.cache_config.page_size,
             "prefix_hit_rate": (after.cache.prefix_cache_hits - before.cache.prefix_cache_hits) / queries if queries else 0.0}
 

@@ -50,5 +50,6 @@ def run_llama_cpp(spec: RunSpec, report: Reporter) -> dict:
     except (KeyError, ValueError):
         kv = None
     return {"wall_s": wall, "load_s": load_s, "requests": requests, "kv_bytes": kv, "kv_bytes_used_peak": kv,
+            "kv_capacity_tokens": llm.n_ctx(),
             "prefix_hit_rate": sum(r["cached_tokens"] for r in requests) / sum(map(len, spec.token_ids))}
 

@@ -7,7 +7,8 @@ ROWS = (("wall time", "wall_s", "{:.2f} s"), ("output tokens/s", "output_tokens_
         ("TTFT p95", "ttft_p95_s", "{:.3f} s"), ("time per output token", "tpot_s", "{:.4f} s"),
         ("prefix hit rate", "prefix_hit_rate", "{:.1%}"), ("TTFT p95 cached", "ttft_cached_p95_s", "{:.3f} s"),
         ("TTFT p95 cold", "ttft_cold_p95_s", "{:.3f} s"), ("peak RSS", "peak_rss_bytes", "mib"),
-        ("KV bytes (allocated)", "kv_bytes", "mib"), ("KV bytes (peak used)", "kv_bytes_used_peak", "mib"))
+        ("KV bytes (allocated)", "kv_bytes", "mib"), ("KV bytes (peak used)", "kv_bytes_used_peak", "mib"),
+        ("KV capacity", "kv_capacity_tokens", "{:,} tokens"))
 
 
 def _fmt(value, spec: str) -> str:

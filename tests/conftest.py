@@ -3,6 +3,7 @@ transformers reference on the same GGUF weights."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -54,6 +55,39 @@ def pool_memory(num_pages: int, page_size: int = 16, kv_cache_dtype: str = "auto
                                          page_size, resolve_kv_dtype(kv_cache_dtype, resolve_model_dtype(dtype, "cpu")))
 
 
+def _handbook() -> str:
+    with open(WORKLOADS / "w1.jsonl") as f:
+        return json.loads(f.readline())["prompt"]
+
+
+def varied_prompts(tokenizer) -> list[list[int]]:
+    """Ten prompts from 5 to ~1,500 tokens: prose, code, unicode, numbers, chat markup."""
+    handbook = _handbook()
+    texts = [
+        "The capital of France is",
+        "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+        "Translate to French: The weather is lovely today, and the café on the corner — "
+        "the one with the blue door — has reopened. Über alles: naïve façade, 東京, emoji 🚢.",
+        "1, 1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233, 377, 610, 987, 1597, 2584, 4181, 6765,",
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+        "Give me three tips for writing clear commit messages.<|im_end|>\n<|im_start|>assistant\n",
+        handbook[:1200] + "\n\nUser: How do I report a data breach?\nAssistant:",
+        "Once upon a time, in a harbour town where the fog never lifted, " * 12,
+        handbook[:3000] + "\n\nSummary of the rules above:",
+        handbook[2000:6000] + "\n\nQuestion: what happens if a delivery is late?\nAnswer:",
+        handbook + "\n\nUser: Who approves overtime?\nAssistant:",
+    ]
+    prompts = [tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
+    lengths = sorted(len(p) for p in prompts)
+    assert lengths[0] <= 8 and lengths[-1] >= 1400, lengths
+    return prompts
+
+
+# the varied prompts that tests/model/test_runner.py runs alone (one per length class: <= 8, 30-60,
+# 150-400 and ~1,500 tokens); tests/test_engine.py runs the other six alone
+ALONE_IN_THE_RUNNER_TEST = (0, 4, 6, 9)
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_pages():
     yield
@@ -82,15 +116,19 @@ def hf_model():
 
 @pytest.fixture(scope="session")
 def hf_reference(hf_model):
-    """Greedy continuation by transformers, token by token (a manual loop: no EOS handling)."""
+    """Greedy continuation by transformers, token by token (a manual loop: no EOS handling).
+
+    Memoized per prompt for the session (the engine and runner tests share prompts): the loop's
+    first n steps are the same computation whatever the total, so a shorter request is served from
+    the prefix of a longer continuation already made."""
     import torch
 
     model = hf_model
-    memo: dict[tuple[tuple[int, ...], int], list[int]] = {}
+    memo: dict[tuple[int, ...], list[int]] = {}
 
     def greedy(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-        key = (tuple(prompt_ids), max_new_tokens)
-        if key not in memo:
+        key = tuple(prompt_ids)
+        if len(memo.get(key, ())) < max_new_tokens:
             out: list[int] = []
             with torch.inference_mode():
                 ids = torch.tensor([prompt_ids])
@@ -102,6 +140,6 @@ def hf_reference(hf_model):
                     out.append(token)
                     ids = torch.tensor([[token]])
             memo[key] = out
-        return memo[key]
+        return memo[key][:max_new_tokens]
 
     return greedy

@@ -4,44 +4,14 @@ clear error and the engine keeps serving."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from kvserve import SamplingParams
 from kvserve.config import ConfigError
-from tests.conftest import WORKLOADS, make_llm
+from tests.conftest import ALONE_IN_THE_RUNNER_TEST, make_llm, varied_prompts
 
 NEW_TOKENS = 48
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-
-
-def _handbook() -> str:
-    with open(WORKLOADS / "w1.jsonl") as f:
-        return json.loads(f.readline())["prompt"]
-
-
-def varied_prompts(tokenizer) -> list[list[int]]:
-    """Ten prompts from 5 to ~1,500 tokens: prose, code, unicode, numbers, chat markup."""
-    handbook = _handbook()
-    texts = [
-        "The capital of France is",
-        "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-        "Translate to French: The weather is lovely today, and the café on the corner — "
-        "the one with the blue door — has reopened. Über alles: naïve façade, 東京, emoji 🚢.",
-        "1, 1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233, 377, 610, 987, 1597, 2584, 4181, 6765,",
-        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
-        "Give me three tips for writing clear commit messages.<|im_end|>\n<|im_start|>assistant\n",
-        handbook[:1200] + "\n\nUser: How do I report a data breach?\nAssistant:",
-        "Once upon a time, in a harbour town where the fog never lifted, " * 12,
-        handbook[:3000] + "\n\nSummary of the rules above:",
-        handbook[2000:6000] + "\n\nQuestion: what happens if a delivery is late?\nAnswer:",
-        handbook + "\n\nUser: Who approves overtime?\nAssistant:",
-    ]
-    prompts = [tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
-    lengths = sorted(len(p) for p in prompts)
-    assert lengths[0] <= 8 and lengths[-1] >= 1400, lengths
-    return prompts
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +26,9 @@ def _generate(llm, prompt_ids: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("page_size", [1, 16, 128])
+# pages of 16: tests/model/test_runner.py batches 4 of these prompts with chunked prefill on them,
+# and the engine runs them on them one at a time below
+@pytest.mark.parametrize("page_size", [1, 128])
 def test_continuous_batch_with_chunked_prefill_equals_transformers(page_size, prompts, hf_reference):
     llm = make_llm(page_size=page_size, max_num_batched_tokens=256, prefix_cache="off")
     got = _generate(llm, prompts)
@@ -66,8 +38,12 @@ def test_continuous_batch_with_chunked_prefill_equals_transformers(page_size, pr
 
 @pytest.mark.parametrize("page_size", [16])  # the batched test above covers 1 and 128
 def test_one_request_at_a_time_equals_transformers(page_size, prompts, hf_reference):
+    """Every prompt runs alone once: these here, the others in tests/model/test_runner.py (the
+    runner driven alone), all of them batched above."""
     llm = make_llm(page_size=page_size, prefix_cache="off")
-    for prompt in prompts:
+    alone = [p for i, p in enumerate(prompts) if i not in ALONE_IN_THE_RUNNER_TEST]
+    assert len(alone) == len(prompts) - len(ALONE_IN_THE_RUNNER_TEST)
+    for prompt in alone:
         assert _generate(llm, [prompt])[0] == hf_reference(prompt, NEW_TOKENS)
 
 

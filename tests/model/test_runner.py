@@ -14,6 +14,7 @@ from kvserve.config import KV_DTYPES
 from kvserve.model.gguf_loader import bundled_model_path, load_gguf
 from kvserve.model.runner import ModelRunner
 from kvserve.batch import PageOps, ScheduledSeq, SchedulerOutput, StepResult
+from tests.conftest import ALONE_IN_THE_RUNNER_TEST, varied_prompts
 
 NEW_TOKENS = 48
 CHUNK = 256
@@ -75,24 +76,10 @@ def loaded():
 
 @pytest.fixture(scope="module")
 def prompts(loaded):
-    long_doc = " ".join(
-        f"Note {i}: the {color} {animal} crossed river number {i * 7 % 13} before {hour} o'clock."
-        for i, (color, animal, hour) in enumerate(
-            (c, a, h) for h in range(1, 6) for c in ("red", "green", "blue", "amber", "violet", "grey")
-            for a in ("fox", "heron", "otter", "lynx", "crow")
-        )
-    )
-    medium = loaded.render_chat([{"role": "user", "content": "Explain in two sentences why the sky is blue."}])
-    code = "def fibonacci(n):\n    " + "\n    ".join(
-        f"# step {i}: accumulate value {i * i} into the running total" for i in range(20)
-    )
-    out = [
-        loaded.encode("The capital of France is"),
-        loaded.encode(medium),
-        loaded.encode(code),
-        loaded.encode(long_doc[:4700] + "\nSummary of the notes above:"),
-    ]
-    assert len(out[0]) <= 6 and 30 <= len(out[1]) <= 60 and 200 <= len(out[2]) <= 400
+    """Four of tests/test_engine.py's prompts (so transformers' reference is made once a session),
+    one per length class: short text, chat markup, repeated prose, a ~1,500-token document."""
+    out = [varied_prompts(loaded.tokenizer)[i] for i in ALONE_IN_THE_RUNNER_TEST]
+    assert len(out[0]) <= 8 and 30 <= len(out[1]) <= 60 and 150 <= len(out[2]) <= 400
     assert 1400 <= len(out[3]) <= 1700, len(out[3])
     return out
 

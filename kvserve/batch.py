@@ -11,6 +11,18 @@ from kvserve.request import SamplingParams, TokenConstraint
 
 
 @dataclass(slots=True)
+class DraftSeq:
+    """The draft model's share of one sequence's step (speculative method draft_model): compute
+    `token_ids`, the known tokens it has not computed yet, at positions start_pos.. in its own pages
+    (`block_table`, of the draft's pool), then propose `num_drafts` tokens greedily, one row each."""
+
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    num_drafts: int  # 0: catching up only (the target verifies no draft this step)
+
+
+@dataclass(slots=True)
 class ScheduledSeq:
     """One request's share of a step: compute `token_ids` at positions start_pos.. using the pages
     of `block_table` (which covers at least start_pos + len(token_ids) positions)."""
@@ -27,6 +39,14 @@ class ScheduledSeq:
     # runner verifies them against its own predictions (StepResult.accepted)
     draft_token_ids: list[int] = field(default_factory=list)
     grammar: TokenConstraint | None = None  # structured outputs: the sampler masks this row by it
+    # a draft model's work: its drafts are not in token_ids yet; the runner proposes them before the
+    # target computes the step, and appends them as the last draft.num_drafts rows
+    draft: DraftSeq | None = None
+
+    @property
+    def num_drafts(self) -> int:
+        """Draft tokens the target verifies in this sequence's step."""
+        return len(self.draft_token_ids) or (self.draft.num_drafts if self.draft is not None else 0)
 
 
 @dataclass(slots=True)

@@ -321,11 +321,14 @@ def format_number(num: float) -> str:
 
 
 def capacity_error_message(max_model_len: int, pool_tokens: int, kv_cache_memory_bytes: int,
-                           bytes_per_token: float) -> str:
-    """The engine's one-line start-up error when one sequence of max_model_len tokens cannot fit."""
+                           bytes_per_token: float, draft_bytes_per_token: float = 0) -> str:
+    """The engine's one-line start-up error when one sequence of max_model_len tokens cannot fit
+    (with a draft model, bytes_per_token counts its KV too)."""
+    draft = (f" ({format_number(bytes_per_token - draft_bytes_per_token)} target + "
+             f"{format_number(draft_bytes_per_token)} draft model)") if draft_bytes_per_token else ""
     return (f"max_model_len {max_model_len:,} tokens does not fit in the KV cache: --kv-cache-memory "
             f"{format_bytes(kv_cache_memory_bytes)} holds {pool_tokens:,} tokens at {format_number(bytes_per_token)} "
-            f"bytes per token, and {max_model_len:,} tokens need about "
+            f"bytes per token{draft}, and {max_model_len:,} tokens need about "
             f"{format_bytes(max_model_len * bytes_per_token)}; raise --kv-cache-memory or lower "
             f"--max-model-len to {pool_tokens:,} or less")
 
@@ -346,29 +349,35 @@ def window_slots_needed(config: EngineConfig, window: int) -> int:
 
 
 def split_kv_budget(memory: int, model: ModelConfig, page_size: int, kv_dtype: KVDtype,
-                    window_slots: int) -> tuple[int, int, int]:
+                    window_slots: int, draft_page_bytes: int = 0) -> tuple[int, int, int]:
     """(main pool pages, window pool pages, bytes of one main page) in `memory` bytes. With
     window_slots > 0 (hybrid allocator) the window pool gets that many pages (and the null page),
-    never more than the main pool, and the main pool, for full-attention layers, the rest."""
+    never more than the main pool, and the main pool, for full-attention layers, the rest. A draft
+    model (speculative decoding) gets as many pages as the main pool, of `draft_page_bytes` each."""
     layer_page = kv_bytes_per_page(1, model.num_kv_heads, model.head_dim, page_size, kv_dtype)
     num_windowed = model.num_window_layers if window_slots else 0
     num_full = model.num_layers - num_windowed
-    num_pages = memory // (layer_page * model.num_layers)  # page 0, the null page, is inside the budget
+    # page 0, the null page, is inside the budget
+    num_pages = memory // (layer_page * model.num_layers + draft_page_bytes)
     num_slots = 0
     if num_windowed:
         num_slots = min(num_pages, window_slots + 1)
-        num_pages = (memory - num_slots * num_windowed * layer_page) // (num_full * layer_page)
+        num_pages = (memory - num_slots * num_windowed * layer_page) // (num_full * layer_page + draft_page_bytes)
     return num_pages, num_slots, layer_page * num_full
 
 
-def plan_cache(config: EngineConfig, model: ModelConfig) -> tuple[CacheConfig, int]:
+def plan_cache(config: EngineConfig, model: ModelConfig,
+               draft: ModelConfig | None = None) -> tuple[CacheConfig, int]:
     """Page count from the memory budget, and the start-up capacity check (split_kv_budget with the
-    hybrid allocator). Returns (cache config, max_model_len)."""
+    hybrid allocator, and the draft model's pages with one). Returns (cache config, max_model_len)."""
     kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, config.dtype)
     memory = parse_bytes(config.kv_cache_memory)
     hybrid = uses_hybrid_kv(config, model)
     wanted = window_slots_needed(config, model.sliding_window) if hybrid else 0
-    num_pages, num_slots, page_bytes = split_kv_budget(memory, model, config.page_size, kv_dtype, wanted)
+    draft_bytes = kv_bytes_per_page(draft.num_layers, draft.num_kv_heads, draft.head_dim, config.page_size,
+                                    kv_dtype) if draft else 0  # (every layer: a draft has no window pool)
+    num_pages, num_slots, page_bytes = split_kv_budget(memory, model, config.page_size, kv_dtype, wanted,
+                                                       draft_bytes)
     pool_tokens = pool_tokens_for(num_pages * page_bytes, page_bytes, config.page_size)
     max_model_len = config.max_model_len or model.max_position_embeddings
     if max_model_len > model.max_position_embeddings:
@@ -376,7 +385,8 @@ def plan_cache(config: EngineConfig, model: ModelConfig) -> tuple[CacheConfig, i
                           f"{model.max_position_embeddings}; lower --max-model-len")
     if max_model_len > pool_tokens:
         raise ConfigError(capacity_error_message(max_model_len, pool_tokens, memory,
-                                                 page_bytes / config.page_size))
+                                                 (page_bytes + draft_bytes) / config.page_size,
+                                                 draft_bytes / config.page_size))
     if hybrid:
         one_seq = window_slots_needed(dataclasses.replace(config, max_num_seqs=1), model.sliding_window)
         if num_slots - 1 < min(one_seq, -(-max_model_len // config.page_size)):

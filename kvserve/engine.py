@@ -28,6 +28,7 @@ from kvserve.cache.tiers import HostTier
 from kvserve.engine_stats import EngineStats
 from kvserve.config import MODEL_DTYPE_TO_KV, EngineConfig, PrefixCachePolicy, parse_bytes, plan_cache
 from kvserve.kv_events import attach_tiers, publisher_for
+from kvserve.model.draft_model import DraftModel, load_draft_model
 from kvserve.model.gguf_loader import load_gguf, resolve_model_path
 from kvserve.model.runner import ModelRunner, calibrate_fp8_scale
 from kvserve.output import OutputProcessor
@@ -47,14 +48,22 @@ class LLMEngine:
         self.config = config
         self.loaded = load_gguf(resolve_model_path(config.model))
         self.tokenizer = self.loaded.tokenizer
-        self.cache_config, self.max_model_len = plan_cache(config, self.loaded.config)
+        spec = config.speculative_config
+        self.draft = load_draft_model(spec.model, self.loaded, config.max_model_len or
+                                      self.loaded.config.max_position_embeddings) \
+            if spec is not None and spec.method == "draft_model" else None
+        self.cache_config, self.max_model_len = plan_cache(config, self.loaded.config,
+                                                           self.draft.config if self.draft else None)
         kv_dtype = self.cache_config.kv_dtype
         self.fp8_scale = 1.0
         if config.calculate_kv_scales and kv_dtype.name.startswith("fp8"):
             self.fp8_scale = calibrate_fp8_scale(self.loaded, kv_dtype.name, config.page_size)
+        drafter = DraftModel(self.draft, self.cache_config.num_pages, config.page_size, kv_dtype, config.device,
+                             config.dtype, config.threads) if self.draft else None  # (its own pages)
         self.runner = ModelRunner(self.loaded, self.cache_config.num_pages, config.page_size, kv_dtype,
                                   device=config.device, dtype=config.dtype, fp8_scale=self.fp8_scale,
-                                  num_window_slots=self.cache_config.num_window_slots, threads=config.threads)
+                                  num_window_slots=self.cache_config.num_window_slots, threads=config.threads,
+                                  drafter=drafter)
         self.host_tier = HostTier(parse_bytes(config.swap_space), self.runner.page_bytes)
         self.redis_tier = self._redis_tier() if config.redis_url else None
         self.disk_tier = self._disk_tier() if config.kv_disk_path else None

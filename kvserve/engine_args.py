@@ -94,7 +94,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--speculative-config", default=None, metavar="JSON",
                        help="speculative decoding as vLLM spells it, e.g. '{\"method\": \"ngram\", "
                             "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 3, \"prompt_lookup_min\": 2}' "
-                            "(prompt lookup over the request's own tokens; greedy outputs unchanged)")
+                            "(prompt lookup over the request's own tokens), or '{\"method\": \"draft_model\", "
+                            "\"model\": \"draft.gguf\", \"num_speculative_tokens\": 4}' (a smaller model with the "
+                            "same tokenizer, its KV counted in --kv-cache-memory); greedy outputs unchanged")
     group.add_argument("--lease-ttl-scale", type=float, default=ENGINE_DEFAULTS.lease_ttl_scale,
                        help=argparse.SUPPRESS)  # tests: 5m/1h TTLs in seconds
     group.add_argument("--kv-tier-secret-file", default=None, metavar="FILE",

@@ -26,7 +26,7 @@ from kvserve.cache.sequence import Allocation, PrefixHit
 from kvserve.config import PreemptionMode, PrefixCachePolicy
 from kvserve.request import CacheOutcome, Request, RequestStatus
 from kvserve.spec.config import SpeculativeConfig
-from kvserve.spec.policy import SpecPolicy
+from kvserve.spec.policy import Drafts, SpecPolicy
 
 ADMISSION_SCAN_LIMIT = 256  # waiting requests looked at per step for cache-aware ordering
 MAX_PREEMPTIONS = 3  # a request preempted more often than this stops new admissions until it ends
@@ -65,7 +65,8 @@ class Scheduler:
                  speculative_config: SpeculativeConfig | None = None) -> None:
         self.manager = manager
         # speculative decoding: draft tokens for decoding requests (spec/policy.py), None when off
-        self.spec = SpecPolicy(speculative_config, manager.page_size) if speculative_config else None
+        self.spec = SpecPolicy(speculative_config, manager.page_size, manager.num_pages,
+                               max_num_batched_tokens) if speculative_config else None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -108,18 +109,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_swapped(self) -> int:
-        return len(self.swapped)
-
     # -- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -134,11 +123,12 @@ class Scheduler:
             if request.fork_children and request.num_computed_tokens == request.num_prompt_tokens - 1:
                 self._fork(request)
             num_new = self._chunk(request, request.num_computed_tokens, budget)
-            drafts = self._drafts(request, budget) if speculate and num_new == 1 else []
-            end = request.num_computed_tokens + num_new + len(drafts)
+            drafts = self._drafts(request, budget) if speculate and num_new == 1 else None
+            num_drafts = drafts.num_tokens if drafts else 0
+            end = request.num_computed_tokens + num_new + num_drafts
             copies = self.manager.append(request.request_id, request.num_computed_tokens, end)
-            if copies is None and drafts:  # (nothing changed) the decode token alone, as without drafts
-                drafts, end = [], end - len(drafts)
+            if copies is None and num_drafts:  # (nothing changed) the decode token alone, as without drafts
+                drafts, num_drafts, end = None, 0, end - num_drafts
                 copies = self.manager.append(request.request_id, request.num_computed_tokens, end)
             while copies is None:
                 victim = self.running[-1]
@@ -150,8 +140,8 @@ class Scheduler:
             if copies is None:
                 break  # the request preempted itself: nobody after it is left
             out.page_ops.copies.extend(copies)
-            out.seqs.append(self._seq(request, num_new, drafts))
-            budget -= num_new + len(drafts)
+            out.seqs.append(self._seq(request, num_new, self.spec.start(request, drafts) if drafts else None))
+            budget -= num_new + num_drafts
             index += 1
         if not preempted and not self.swapped:
             self._admit(out, budget)
@@ -249,25 +239,27 @@ class Scheduler:
                 return True
         return False
 
-    def _drafts(self, request: Request, budget: int) -> list[int]:
-        """Draft tokens after the request's decode token (spec/policy.py), into pages free of cached
+    def _drafts(self, request: Request, budget: int) -> Drafts | None:
+        """Drafts after the request's decode token (spec/policy.py), into pages free of cached
         content with a page of headroom kept for every running request."""
         spare = self.manager.num_spare_pages - len(self.running)
-        return self.spec.drafts(request, budget, self.max_model_len, spare) if spare > 0 else []
+        return self.spec.drafts(request, budget, self.max_model_len, spare) if spare > 0 else None
 
-    def _seq(self, request: Request, num_new: int, drafts: list[int] = ()) -> ScheduledSeq:
+    def _seq(self, request: Request, num_new: int, drafts: Drafts | None = None) -> ScheduledSeq:
         start = request.num_computed_tokens
+        known = drafts.token_ids if drafts else []  # (a draft model's come from the runner)
         return ScheduledSeq(
             request_id=request.request_id,
-            token_ids=request.token_ids[start:start + num_new] + list(drafts),
+            token_ids=request.token_ids[start:start + num_new] + known,
             start_pos=start,
             block_table=self.manager.block_table(request.request_id),
             need_sample=start + num_new == request.num_tokens,
             sampling_params=request.sampling_params,
             num_output_tokens=request.num_output_tokens,
             window_block_table=self.manager.window_block_table(request.request_id),
-            draft_token_ids=list(drafts),
+            draft_token_ids=list(known),
             grammar=request.grammar if start + num_new == request.num_tokens else None,
+            draft=drafts.work if drafts else None,
         )
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
@@ -280,6 +272,8 @@ class Scheduler:
             self.looping.add(request.request_id)
             self.stats.num_preemption_loop_guards += 1
         out.preempted.append(request.request_id)
+        if self.spec is not None:
+            self.spec.preempted(request.request_id)  # (the draft model's K/V is recomputed)
         if (self.preemption_mode is PreemptionMode.SWAP and not request.fork_children
                 and self.manager.tiers.swap_out(request.request_id)):
             request.status = RequestStatus.SWAPPED
@@ -315,9 +309,11 @@ class Scheduler:
             request = self.requests.get(seq.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
-            reason = None
-            if seq.draft_token_ids:
-                reason = self._take_speculated(request, seq, accepted[i] if accepted else [], token, now)
+            reason, kept = None, accepted[i] if accepted else []
+            if seq.draft is not None:
+                self.spec.verified(request.request_id, seq.draft, len(kept))
+            if seq.num_drafts:
+                reason = self._take_speculated(request, seq, kept, token, now)
             else:
                 request.num_computed_tokens += len(seq.token_ids)
                 if token is not None:
@@ -355,7 +351,7 @@ class Scheduler:
                 break
         request.num_computed_tokens = request.num_tokens - 1
         self.manager.truncate(request.request_id, request.num_computed_tokens)
-        self.spec.record(request, len(seq.draft_token_ids), len(accepted))
+        self.spec.record(request, seq.num_drafts, len(accepted))
         return reason
 
     def _stop_reason(self, request: Request) -> RequestStatus | None:

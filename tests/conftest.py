@@ -98,6 +98,10 @@ def no_leaked_pages():
         assert not llm.engine.has_unfinished(), "a request was left unfinished"
         assert manager.num_used_pages == 0, f"{manager.num_used_pages} pages leaked"
         manager.check_invariants()
+        draft_kv = llm.engine.scheduler.spec.draft_kv if llm.engine.scheduler.spec else None
+        if draft_kv is not None:  # the draft model's own pages (speculative method draft_model)
+            assert draft_kv.num_used == 0, f"{draft_kv.num_used} draft-model pages leaked"
+            draft_kv.check_invariants()
 
 
 @pytest.fixture(scope="session")

@@ -44,6 +44,8 @@ def run(llm, prompts: list[list[int]], params: list[SamplingParams]) -> list[lis
                 done[output.request_id] = output
         running = {r.request_id: r.token_ids for r in engine.scheduler.running}
         engine.manager.check_invariants(running)
+        if engine.scheduler.spec is not None and engine.scheduler.spec.draft_kv is not None:
+            engine.scheduler.spec.draft_kv.check_invariants()  # the draft model's own pages
     assert_index_holds_only_real_tokens(llm, [done[i] for i in ids])
     return [[list(c.token_ids) for c in done[i].outputs] for i in ids]
 

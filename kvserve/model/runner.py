@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any
+from dataclasses import replace
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -31,7 +32,7 @@ from kvserve.model.attention import AttentionMetadata
 from kvserve.model.gguf_loader import LoadedModel
 from kvserve.model.kv_quant import PagedKV, codec_for, fp8_scale_for
 from kvserve.model.llama import LlamaModel
-from kvserve.batch import PageOps, SampledToken, SchedulerOutput, StepResult
+from kvserve.batch import DraftSeq, PageOps, SampledToken, ScheduledSeq, SchedulerOutput, StepResult
 from kvserve.model.sampler import sample
 from kvserve.model.spec_verify import verify
 
@@ -48,6 +49,14 @@ def configure_threads(threads: int | None = None) -> None:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
 
 
+class Drafter(Protocol):
+    """A draft model (draft_model.DraftModel): proposes the drafts of the step's draft work."""
+
+    def propose(self, work: list[DraftSeq]) -> list[list[int]]: ...
+
+    def kv_cache_bytes(self) -> int: ...
+
+
 @functools.lru_cache(maxsize=4)
 def build_model(loaded: LoadedModel, dtype: str, device: str) -> LlamaModel:
     """One model per (weights, weight mode, device) in a process: the model holds no per-request state."""
@@ -58,8 +67,9 @@ class ModelRunner:
     def __init__(
         self, loaded: LoadedModel, num_pages: int, page_size: int, kv_dtype: KVDtype,
         device: str = "cpu", dtype: str = "float32", fp8_scale: float = 1.0, num_window_slots: int = 0,
-        threads: int | None = None,
+        threads: int | None = None, drafter: Drafter | None = None,
     ) -> None:
+        self.drafter = drafter  # speculative method draft_model: proposes drafts before each step
         dtype = resolve_model_dtype(dtype, device)  # ConfigError for an unknown name
         configure_threads(threads)
         cfg = loaded.config
@@ -98,8 +108,21 @@ class ModelRunner:
         saved = self.apply_page_ops(out.page_ops)
         if not out.seqs:
             return StepResult([], saved)
-        sampled, accepted = self._run(out.seqs)
+        sampled, accepted = self._run(self._with_drafts(out.seqs))
         return StepResult(sampled, saved, accepted)
+
+    def _with_drafts(self, seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """The draft model's proposals appended to the sequences that carry draft work, as the last
+        rows the target computes and verifies (the draft model computes its own rows first)."""
+        if self.drafter is None or all(s.draft is None for s in seqs):
+            return seqs
+        proposals = iter(self.drafter.propose([s.draft for s in seqs if s.draft is not None]))
+        with_drafts = []
+        for seq in seqs:
+            drafts = next(proposals) if seq.draft is not None else []
+            with_drafts.append(replace(seq, token_ids=seq.token_ids + drafts, draft_token_ids=drafts)
+                               if drafts else seq)
+        return with_drafts
 
     def apply_page_ops(self, ops: PageOps) -> list[np.ndarray]:
         """Saves (read first: nothing has written those pages yet), then loads, then copies.
@@ -230,7 +253,9 @@ class ModelRunner:
         return (self.window_kv.nbytes + self.window_kv_scales.nbytes) // max(1, self.window_kv.shape[2])
 
     def kv_cache_bytes(self) -> int:
-        return self.kv.nbytes + self.kv_scales.nbytes + self.window_kv.nbytes + self.window_kv_scales.nbytes
+        """The KV tensors' bytes, a draft model's included."""
+        draft = self.drafter.kv_cache_bytes() if self.drafter is not None else 0
+        return self.kv.nbytes + self.kv_scales.nbytes + self.window_kv.nbytes + self.window_kv_scales.nbytes + draft
 
 
 def calibrate_fp8_scale(loaded: LoadedModel, kv_dtype: str, page_size: int = 16,

@@ -70,6 +70,9 @@ def weights_bytes(engine) -> int:
     model = getattr(engine.runner, "model", None)
     if hasattr(model, "state_dict"):
         tensors += list(model.state_dict().values())
+    drafter = getattr(engine.runner, "drafter", None)  # a draft model (speculative decoding)
+    if drafter is not None:
+        tensors += list(drafter.runner.model.state_dict().values())
     storages: dict[tuple[str, int], int] = {}
     for tensor in tensors:
         storage = tensor.untyped_storage()

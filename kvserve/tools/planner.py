@@ -18,6 +18,7 @@ from kvserve.config import (KV_DTYPES, ConfigError, EngineConfig, ModelConfig, c
                             format_bytes, format_number, kv_bytes_for_tokens, kv_bytes_per_page, parse_bytes,
                             pool_tokens_for, split_kv_budget, uses_hybrid_kv, window_pages_held,
                             window_slots_needed)
+from kvserve.spec.config import parse_speculative_config
 
 GIB = 1024**3
 CONTEXT_STEPS = (2048, 8192, 32768, 131072)
@@ -128,6 +129,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights-dtype", default=None, choices=sorted(WEIGHT_BYTES_PER_PARAM),
                         help="weights at this dtype (default fp16; a .gguf counts its file size)")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help="as the engine flag: a draft model's pages are counted beside the model's, e.g. "
+                             "'{\"method\": \"draft_model\", \"model\": \"draft.gguf\", \"num_speculative_tokens\": 4}'")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -161,11 +165,26 @@ def run_plan(args: argparse.Namespace) -> dict:
     def page_bytes(name: str) -> int:
         return kv_bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size, KV_DTYPES[name])
 
+    spec = parse_speculative_config(getattr(args, "speculative_config", None))
+    draft = load_model(spec.model) if spec is not None and spec.method == "draft_model" else None
+
+    def draft_page(name: str) -> int:
+        """A draft model's page: every layer (no window pool), as many pages as the model's pool."""
+        d = draft.config if draft else None
+        return kv_bytes_per_page(d.num_layers, d.num_kv_heads, d.head_dim, page_size, KV_DTYPES[name]) if d else 0
+
+    def kv_bytes(name: str, tokens: int, concurrency: int) -> int:
+        return (kv_cache_bytes(cfg, name, tokens, concurrency, page_size)
+                + concurrency * -(-tokens // page_size) * draft_page(name))
+
     if shape.file_bytes is not None and args.weights_dtype is None:
         weights_dtype, weights_bytes = "as stored", shape.file_bytes
     else:
         weights_dtype = args.weights_dtype or "fp16"
         weights_bytes = int(shape.num_params * WEIGHT_BYTES_PER_PARAM[weights_dtype])
+    if draft is not None:  # the draft's weights sit beside the model's
+        weights_bytes += draft.file_bytes if draft.file_bytes is not None and args.weights_dtype is None \
+            else int(draft.num_params * WEIGHT_BYTES_PER_PARAM[args.weights_dtype or "fp16"])
 
     memory = None
     if args.memory is not None:
@@ -190,30 +209,33 @@ def run_plan(args: argparse.Namespace) -> dict:
     wanted_slots = window_slots_needed(defaults, cfg.sliding_window) if hybrid else 0
     dtypes = []
     for name in _kv_dtypes(args.kv_cache_dtype):
-        per_page = page_bytes(name)
-        num_pages, num_slots, main_page = split_kv_budget(kv_budget, cfg, page_size, KV_DTYPES[name], wanted_slots)
+        per_page = page_bytes(name) + draft_page(name)
+        num_pages, num_slots, main_page = split_kv_budget(kv_budget, cfg, page_size, KV_DTYPES[name], wanted_slots,
+                                                          draft_page(name))
         pool_tokens = pool_tokens_for(num_pages * main_page, main_page, page_size)
         usable_pages = pool_tokens // page_size
         pages_per_request = math.ceil(context / page_size)
-        needed = kv_cache_bytes(cfg, name, context, args.concurrency, page_size)
+        needed = kv_bytes(name, context, args.concurrency)
         weights_ok = memory is None or memory["weights_fit"]
         window_ok = not hybrid or args.concurrency * window_pages_held(context, cfg.sliding_window, page_size) \
             < num_slots
         dtypes.append({
             "kv_dtype": name, "bytes_per_token": per_page / page_size, "bytes_per_page": per_page,
-            "table": [{"context": c, "bytes": [kv_cache_bytes(cfg, name, c, n, page_size) for n in concurrencies],
-                       "gib": [kv_cache_bytes(cfg, name, c, n, page_size) / GIB for n in concurrencies]}
+            "draft_bytes_per_token": draft_page(name) / page_size,
+            "table": [{"context": c, "bytes": [kv_bytes(name, c, n) for n in concurrencies],
+                       "gib": [kv_bytes(name, c, n) / GIB for n in concurrencies]}
                       for c in contexts],
-            "request_bytes": kv_cache_bytes(cfg, name, context, 1, page_size),
+            "request_bytes": kv_bytes(name, context, 1),
             "needed_bytes": needed, "needed_gib": needed / GIB, "pool_tokens": pool_tokens,
             "window_pool_pages": max(0, num_slots - 1),
-            "room_bytes": usable_pages * main_page + max(0, num_slots - 1) * (per_page - main_page),
+            "room_bytes": usable_pages * (main_page + draft_page(name))
+            + max(0, num_slots - 1) * (page_bytes(name) - main_page),
             "fits": weights_ok and window_ok and pages_per_request * args.concurrency <= usable_pages,
             "max_context_at_concurrency": min(usable_pages // args.concurrency * page_size, model_max),
             "max_concurrency_at_context": usable_pages // pages_per_request,
             "startup_ok": context <= pool_tokens,
             "startup_error": None if context <= pool_tokens else
-            capacity_error_message(context, pool_tokens, kv_budget, per_page / page_size),
+            capacity_error_message(context, pool_tokens, kv_budget, per_page / page_size, draft_page(name) / page_size),
         })
     return {
         "model": {"name": cfg.name, "source": shape.source, "num_layers": cfg.num_layers, "num_heads": cfg.num_heads,
@@ -222,6 +244,10 @@ def run_plan(args: argparse.Namespace) -> dict:
                   "weights_dtype": weights_dtype, "weights_bytes": weights_bytes,
                   "sliding_window": cfg.sliding_window, "num_window_layers": cfg.num_window_layers},
         "hybrid_kv": hybrid,
+        "draft": None if draft is None else {
+            "name": draft.config.name, "source": draft.source, "num_layers": draft.config.num_layers,
+            "num_kv_heads": draft.config.num_kv_heads, "head_dim": draft.config.head_dim,
+            "bytes_per_token": {name: draft_page(name) / page_size for name in KV_DTYPES}},
         "page_size": page_size, "context": context, "concurrency": args.concurrency,
         "context_beyond_model_max": context > model_max,
         "bytes_per_token": {name: page_bytes(name) / page_size for name in KV_DTYPES},
@@ -264,6 +290,11 @@ def render_plan(result: dict, console) -> None:
         console.print(f"Sliding window of {m['sliding_window']:,} tokens in {m['num_window_layers']} of "
                       f"{m['num_layers']} layers: they keep only the window's pages (the hybrid allocator), "
                       "and the tables below count them that way")
+    if (draft := result["draft"]) is not None:
+        console.print(f"Draft model {draft['name']} ({draft['source']}): "
+                      f"{format_number(draft['bytes_per_token']['fp16'])} "
+                      "bytes/token at fp16, in pages of its own (as many as the model's): the per-dtype "
+                      "tables and verdicts below count both, and its weights beside the model's")
     per_token = Table(title="KV bytes per token")
     for col in ("kv dtype", "bytes/token", f"bytes/page of {result['page_size']}", "vs fp16"):
         per_token.add_column(col, justify="right")

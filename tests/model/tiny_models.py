@@ -1,7 +1,7 @@
 """Tiny random-weight models for architecture tests: a transformers model from a small config (fixed
 seed), saved as a HF folder (safetensors + tokenizer.json) and written as GGUF the way llama.cpp's
 converter lays it out (Q/K rows permuted for llama, Gemma norms stored as 1 + w, llama3 rope_freqs).
-The tokenizer is the bundled SmolLM2 one, cut to 2048 tokens."""
+The tokenizer is the bundled SmolLM2 one, cut to 2048 tokens (or whole: a draft model for SmolLM2)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from kvserve.model import architectures
 from kvserve.model.gguf_loader import bundled_model_path
 
 VOCAB = 2048  # the bundled SmolLM2 tokenizer cut to its first 2048 tokens
+FULL_VOCAB = 49152  # all of it
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
               initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -65,9 +66,10 @@ def save_folder(model, folder: Path) -> Path:
 
 
 def write_gguf(model, kind: str, path: Path, add_bos: bool = False,
-               chat_template: str | None = None) -> Path:
+               chat_template: str | None = None, full_vocab: bool = False) -> Path:
     """Write `model` as an F32 GGUF in llama.cpp's conventions, with the bundled tokenizer (a BOS
-    added to prompts, and a chat template, when asked: Gemma's conventions)."""
+    added to prompts, and a chat template, when asked: Gemma's conventions); `full_vocab`: all of it,
+    for a model of SmolLM2's 49,152 tokens."""
     import gguf
 
     arch_name = {"llama3": "llama"}.get(kind, kind)
@@ -87,7 +89,7 @@ def write_gguf(model, kind: str, path: Path, add_bos: bool = False,
     w.add_rope_freq_base(float(rope["full_attention"]["rope_theta"] if kind == "gemma3" else rope["rope_theta"]))
     if kind == "gemma3":
         w.add_sliding_window(cfg.sliding_window)
-    _copy_tokenizer(w, add_bos)
+    _copy_tokenizer(w, add_bos, full_vocab)
     if chat_template is not None:
         w.add_chat_template(chat_template)
 
@@ -124,10 +126,7 @@ def _permute(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 @functools.cache
 def _bundled_tokenizer_meta() -> dict:
-    import gguf
-
-    reader = gguf.GGUFReader(bundled_model_path())
-    meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.ggml.")}
+    meta = _full_tokenizer_meta()
     # its first VOCAB tokens and the merges among them: a smaller but consistent BPE tokenizer
     tokens = meta["tokenizer.ggml.tokens"][:VOCAB]
     known = set(tokens)
@@ -137,8 +136,23 @@ def _bundled_tokenizer_meta() -> dict:
                    "tokenizer.ggml.token_type": meta["tokenizer.ggml.token_type"][:VOCAB]}
 
 
-def _copy_tokenizer(w, add_bos: bool = False) -> None:
-    field = _bundled_tokenizer_meta()
+def write_draft_for_bundled(path: Path, seed: int = 2) -> Path:
+    """A tiny random llama with the bundled SmolLM2's whole tokenizer and context: a draft model for it
+    (its drafts are mostly rejected)."""
+    model = make_hf_model("llama3", seed, vocab_size=FULL_VOCAB, max_position_embeddings=8192)
+    return write_gguf(model, "llama3", path, full_vocab=True)
+
+
+@functools.cache
+def _full_tokenizer_meta() -> dict:
+    import gguf
+
+    reader = gguf.GGUFReader(bundled_model_path())
+    return {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.ggml.")}
+
+
+def _copy_tokenizer(w, add_bos: bool = False, full_vocab: bool = False) -> None:
+    field = _full_tokenizer_meta() if full_vocab else _bundled_tokenizer_meta()
     w.add_tokenizer_model(field["tokenizer.ggml.model"])
     w.add_tokenizer_pre(field.get("tokenizer.ggml.pre", "default"))
     w.add_token_list(field["tokenizer.ggml.tokens"])

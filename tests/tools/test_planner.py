@@ -186,12 +186,13 @@ def test_json_keys_are_stable(capsys):
     result = json.loads(capsys.readouterr().out)
     assert set(result) == {"model", "page_size", "context", "concurrency", "context_beyond_model_max",
                            "bytes_per_token", "gqa", "contexts", "concurrencies", "memory", "kv_budget_bytes",
-                           "kv_budget_source", "dtypes", "hybrid_kv"}
+                           "kv_budget_source", "dtypes", "hybrid_kv", "draft"}
     assert set(result["bytes_per_token"]) == set(KV_DTYPES)
     assert set(result["dtypes"][0]) == {"kv_dtype", "bytes_per_token", "bytes_per_page", "table", "needed_bytes",
                                         "needed_gib", "pool_tokens", "fits", "request_bytes",
                                         "window_pool_pages", "room_bytes", "max_context_at_concurrency",
-                                        "max_concurrency_at_context", "startup_ok", "startup_error"}
+                                        "max_concurrency_at_context", "startup_ok", "startup_error",
+                                        "draft_bytes_per_token"}
 
 
 def test_rich_report_names_the_numbers():

@@ -1,6 +1,6 @@
 """ctypes wrapper of the native matmul over a GGUF format's own blocks: `matmul` (y = x @ W^T, float32
-in and out, W as [N, row bytes] uint8), `dequantize_rows` (embedding lookups) and the int8 activation
-quantization the block formats use (`quantize_activations`, for tests)."""
+in and out, W as [N, row bytes] uint8), `dequantize_rows` (embedding lookups) and the int16
+activation rounding the block formats use (`quantize_activations`, for tests)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16: float32 activations, no int8 roundin
 
 _c_int, _c_i64, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {
-    "kvs_matmul": [_c_int, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_int, _c_int],
+    "kvs_matmul": [_c_int, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_int],
     "kvs_dequantize_rows": [_c_int, _ptr, _c_i64, _ptr, _c_i64, _ptr],
-    "kvs_quantize_activations": [_ptr, _c_i64, _c_i64, _ptr, _ptr, _ptr, _ptr],
+    "kvs_quantize_activations": [_ptr, _c_i64, _c_i64, _ptr, _ptr],
     "kvs_matmul_supported": [_c_int],
 }
 _bound: set[int] = set()
@@ -51,11 +51,9 @@ def _check(rc: int, qtype: int, k: int) -> None:
 
 
 def matmul(kl: KernelLibrary, qtype: int, weight: torch.Tensor, k: int, x: torch.Tensor,
-           out: torch.Tensor | None = None, num_threads: int | None = None,
-           float_activations: bool = False) -> torch.Tensor:
+           out: torch.Tensor | None = None, num_threads: int | None = None) -> torch.Tensor:
     """x [T, k] float32 (rows contiguous) @ W^T -> [T, N] float32; `out` may be a column slice of a
-    wider matrix (its row stride is kept), so parts of a fused layer fill one output.
-    `float_activations`: block formats take x unrounded too (slower; the lm_head uses it)."""
+    wider matrix (its row stride is kept), so parts of a fused layer fill one output."""
     n = weight.shape[0]
     assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1
     assert weight.dtype == torch.uint8 and weight.is_contiguous() and weight.shape[1] == row_bytes(qtype, k)
@@ -65,7 +63,7 @@ def matmul(kl: KernelLibrary, qtype: int, weight: torch.Tensor, k: int, x: torch
     assert out.shape == (t, n) and out.stride(1) == 1 and out.dtype == torch.float32
     threads = torch.get_num_threads() if num_threads is None else num_threads
     rc = _fn(kl, "kvs_matmul")(int(qtype), weight.data_ptr(), n, k, x.data_ptr(), x.stride(0), t,
-                               out.data_ptr(), out.stride(0), threads, int(float_activations))
+                               out.data_ptr(), out.stride(0), threads)
     _check(rc, qtype, k)
     return out
 
@@ -74,17 +72,15 @@ class PreparedMatmul:
     """`matmul` for one weight whose shape was checked once: the decode path's per-call cost is one
     ctypes call and one output tensor (a step makes ~120 of them)."""
 
-    def __init__(self, kl: KernelLibrary, qtype: int, weight: torch.Tensor, k: int,
-                 float_activations: bool = False) -> None:
+    def __init__(self, kl: KernelLibrary, qtype: int, weight: torch.Tensor, k: int) -> None:
         assert weight.dtype == torch.uint8 and weight.is_contiguous() and weight.shape[1] == row_bytes(qtype, k)
         self.fn = _fn(kl, "kvs_matmul")
         self.qtype, self.weight, self.n, self.k = int(qtype), weight, int(weight.shape[0]), k
-        self.float_activations = int(float_activations)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor, threads: int) -> None:
         """x [T, k] float32 with contiguous rows, out [T, n] float32 (rows may be strided)."""
         rc = self.fn(self.qtype, self.weight.data_ptr(), self.n, self.k, x.data_ptr(), x.stride(0), x.shape[0],
-                     out.data_ptr(), out.stride(0), threads, self.float_activations)
+                     out.data_ptr(), out.stride(0), threads)
         if rc:
             _check(rc, self.qtype, self.k)
 
@@ -100,13 +96,13 @@ def dequantize_rows(kl: KernelLibrary, qtype: int, weight: torch.Tensor, k: int,
     return out
 
 
+
 def quantize_activations(kl: KernelLibrary, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x as the block formats see it: (q [2, T, K] int8, d [2, T, K / 32] float32), two levels per
-    block of 32 (the second rounds the first's residual): x ~ q[0] * d[0] + q[1] * d[1]."""
+    """x as the block formats see it: (q [T, K] int16, d [T, K / 32] float32), x ~ q * d per block of
+    32 (d = max|x| / 32767 of the block)."""
     x = x.float().contiguous()
     t, k = x.shape
-    q = torch.empty(2, t, k, dtype=torch.int8)
-    d = torch.empty(2, t, k // 32, dtype=torch.float32)
-    _check(_fn(kl, "kvs_quantize_activations")(x.data_ptr(), t, k, q[0].data_ptr(), d[0].data_ptr(),
-                                               q[1].data_ptr(), d[1].data_ptr()), 8, k)
+    q = torch.empty(t, k, dtype=torch.int16)
+    d = torch.empty(t, k // 32, dtype=torch.float32)
+    _check(_fn(kl, "kvs_quantize_activations")(x.data_ptr(), t, k, q.data_ptr(), d.data_ptr()), 8, k)
     return q, d

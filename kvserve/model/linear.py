@@ -18,7 +18,6 @@ from kvserve.model.loaded import FloatTensor, GGUFTensor, unpermute_rope_rows
 GROUP = 32  # elements per int4 group: one GGUF Q4 block
 PACKED_MODES = ("int4", "int8")
 NATIVE_MODE = "native"
-LM_HEAD = "lm_head.weight"  # an untied head: native runs it with float activations, as a tied one
 DEQUANT_ROWS = 256  # Int4Linear: more rows than this run as a dense matmul over the unpacked weight
 _EMBED_CHUNK = 4096  # rows dequantized at once while packing the token embedding
 
@@ -104,13 +103,12 @@ class NativeLinear(nn.Module):
     """y = x @ W^T over the file's own blocks, run by kvserve's native kernels in float32. The
     weight's parts stacked by rows (fused QKV, gate+up) each keep their own format and fill their
     columns of one output; also the token embedding when tied (`embed` decodes the looked-up rows).
-    `float_activations` (the lm_head): block formats see x unrounded, not as int8 blocks of 32; on the
-    bundled model that cuts the mean KL vs float32 by a quarter for ~2x the head's compute."""
+    The kernels decode the weights to float32 and never round the activations."""
 
     def __init__(self, parts: list[tuple[int, torch.Tensor]], in_features: int, bias: torch.Tensor | None,
-                 library: kernels.KernelLibrary, float_activations: bool = False) -> None:
+                 library: kernels.KernelLibrary) -> None:
         super().__init__()
-        self.in_features, self.library, self.float_activations = in_features, library, float_activations
+        self.in_features, self.library = in_features, library
         self.qtypes = [int(q) for q, _ in parts]
         self.widths = [int(b.shape[0]) for _, b in parts]
         self.out_features = sum(self.widths)
@@ -126,8 +124,7 @@ class NativeLinear(nn.Module):
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()
         if self._calls is None:  # made on first use: the buffers' storage is final by then
-            self._calls = [native_matmul.PreparedMatmul(self.library, q, self.blocks(i), self.in_features,
-                                                         self.float_activations)
+            self._calls = [native_matmul.PreparedMatmul(self.library, q, self.blocks(i), self.in_features)
                            for i, q in enumerate(self.qtypes)]
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         threads = torch.get_num_threads()
@@ -246,7 +243,7 @@ class WeightBuilder:
         bias = self._bias(names, biases or [])
         parts = [self.tensors[n] for n in names]
         if self.mode == NATIVE_MODE:
-            return self._native(parts, bias, float_activations=names == [LM_HEAD])
+            return self._native(parts, bias)
         if self.mode == "int4":
             blocks = [q4_blocks(t) for t in parts]
             if all(b is not None for b in blocks):
@@ -260,7 +257,7 @@ class WeightBuilder:
     def embedding(self, name: str) -> tuple[Embedding, nn.Module]:
         """(token embedding, the lm_head made from the same matrix) for tied embeddings."""
         if self.mode == NATIVE_MODE:
-            head = self._native([self.tensors[name]], None, float_activations=True)
+            head = self._native([self.tensors[name]], None)
             return Embedding(head), head
         if self.mode not in PACKED_MODES:
             table = nn.Parameter(self.tensor(name), requires_grad=False)
@@ -274,8 +271,7 @@ class WeightBuilder:
         head = Int8Linear(torch.cat(codes), torch.cat(scales), None, self.dtype)
         return Embedding(head), head
 
-    def _native(self, parts: list[GGUFTensor], bias: torch.Tensor | None,
-                float_activations: bool = False) -> NativeLinear:
+    def _native(self, parts: list[GGUFTensor], bias: torch.Tensor | None) -> NativeLinear:
         """Parts of one format next to each other share one block matrix (one kernel call)."""
         merged: list[tuple[int, list[torch.Tensor]]] = []
         for qtype, blocks in map(native_blocks, parts):  # one tensor at a time out of the map
@@ -284,7 +280,7 @@ class WeightBuilder:
             else:
                 merged.append((qtype, [blocks]))
         joined = [(q, b[0] if len(b) == 1 else torch.cat(b)) for q, b in merged]
-        return NativeLinear(joined, parts[0].shape[1], bias, self.library, float_activations)
+        return NativeLinear(joined, parts[0].shape[1], bias, self.library)
 
     def _bias(self, names: list[str], biases: list[str]) -> torch.Tensor | None:
         if not any(b in self.tensors for b in biases):

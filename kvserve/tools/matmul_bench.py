@@ -1,6 +1,8 @@
 """Micro-benchmark of a model's matmuls by weight mode: the GEMVs of one decode step (every layer's
 QKV, O, gate+up and down, then the lm_head) and one prefill chunk, with the bandwidth against the
-bytes the weights occupy. `python -m kvserve.tools.matmul_bench [--model M] [--modes native,int4]`."""
+bytes the weights occupy. `python -m kvserve.tools.matmul_bench [--model M] [--modes native,int4]`;
+`--formats Q4_K,Q6_K` also times the native kernels on the model's layer shapes with random weights
+in each of those GGUF formats."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -72,6 +75,68 @@ def bench(model_name: str | None, modes: list[str], prefill_rows: int, repeats: 
     return lines
 
 
+def _random_blocks(qtype: int, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
+    """[n, row bytes] uint8 of format `qtype`: random codes, every fp16 scale a small positive number."""
+    from kvserve.kernels import matmul as km
+
+    if qtype in km.FLOAT_TYPES:
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        w = w if qtype == 0 else w.astype(np.float16)  # BF16 times as F16: same bytes, same work
+        return torch.from_numpy(w.view(np.uint8).reshape(n, -1))
+    block, size = km.GEOMETRY[qtype]
+    raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
+    scale_offsets = {14: (208,), 3: (0, 2), 7: (0, 2), 12: (0, 2), 13: (0, 2)}.get(qtype, (0,))
+    for off in scale_offsets:
+        scales = rng.uniform(0.002, 0.05, size=(n, k // block)).astype(np.float16)
+        raw[..., off:off + 2] = scales.view(np.uint8).reshape(n, k // block, 2)
+    return torch.from_numpy(raw.reshape(n, -1))
+
+
+def bench_formats(model_name: str | None, formats: list[str], prefill_rows: int, repeats: int) -> list[str]:
+    """The native kernels on the model's layer shapes (QKV, O, gate+up, down of every layer) with
+    random weights in each format: one decode step's GEMVs and one prefill chunk."""
+    from gguf import GGMLQuantizationType
+
+    from kvserve import kernels
+    from kvserve.kernels import matmul as km
+    from kvserve.model.gguf_loader import load_gguf, resolve_model_path
+
+    kl = kernels.library()
+    if kl is None:
+        raise ConfigError("--formats needs the native kernels")
+    loaded = load_gguf(resolve_model_path(model_name))
+    c = loaded.config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes = [(q + 2 * kv, c.hidden_size), (c.hidden_size, q), (2 * c.intermediate_size, c.hidden_size),
+              (c.hidden_size, c.intermediate_size)]
+    rng = np.random.default_rng(0)
+    lines = [f"native kernels ({kl.isa}) on {c.num_layers} x {shapes} (N, K), random weights"]
+    for name in formats:
+        try:
+            qtype = int(GGMLQuantizationType[name.upper()])
+        except KeyError:
+            raise ConfigError(f"unknown GGUF format {name!r}") from None
+        if not km.supported(qtype):
+            raise ConfigError(f"the native kernels do not run {name}")
+        calls = [(km.PreparedMatmul(kl, qtype, _random_blocks(qtype, n, k, rng), k), n, k) for n, k in shapes]
+        threads = torch.get_num_threads()
+        one = [(f, torch.randn(1, k), torch.empty(1, n)) for f, n, k in calls]
+        many = [(f, torch.randn(prefill_rows, k), torch.empty(prefill_rows, n)) for f, n, k in calls]
+
+        def run(args: list) -> None:
+            for f, x, y in args:
+                f(x, y, threads)
+
+        layers = c.num_layers
+        step_bytes = layers * sum(f.weight.numel() for f, _, _ in calls)
+        (w_step, c_step) = _time(lambda: [run(one) for _ in range(layers)], repeats)
+        (w_pre, c_pre) = _time(lambda: run(many), max(1, repeats // 10))
+        lines.append(f"{name:>8}: decode GEMVs ({step_bytes / 1e6:.1f} MB) wall {w_step * 1e3:.2f} ms = "
+                     f"{step_bytes / w_step / 1e9:.1f} GB/s, cpu {c_step * 1e3:.2f} ms; {prefill_rows}-row prefill "
+                     f"chunk (layers) wall {w_pre * layers * 1e3:.0f} ms, cpu {c_pre * layers * 1e3:.0f} ms")
+    return lines
+
+
 def _in_features(module: nn.Module) -> int:
     if hasattr(module, "in_features"):
         return module.in_features
@@ -86,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvserve.tools.matmul_bench", description=__doc__)
     parser.add_argument("--model", default=None, help="a .gguf path or known name (default: the bundled model)")
     parser.add_argument("--modes", default="native,int4", help="comma list of weight modes")
+    parser.add_argument("--formats", default="", help="comma list of GGUF formats (Q4_0, Q4_K, Q6_K, F16...) "
+                        "to time the native kernels in on the model's shapes")
     parser.add_argument("--prefill-rows", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--threads", type=int, default=None)
@@ -93,8 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        lines = bench(args.model, [m.strip() for m in args.modes.split(",") if m.strip()], args.prefill_rows,
-                      args.repeats)
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        lines = bench(args.model, modes, args.prefill_rows, args.repeats) if modes else []
+        formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+        if formats:
+            lines += bench_formats(args.model, formats, args.prefill_rows, args.repeats)
     except ConfigError as e:
         print(f"matmul_bench: {e}", file=sys.stderr)
         return 2

@@ -1,6 +1,7 @@
-"""The native matmul over GGUF blocks: each format's decoding equals gguf's reference dequantization,
-the product matches float64 within the int8 activation rounding's bound, and every output element is
-bitwise the same whatever the batch rows around it, the row count and the thread count."""
+"""The native matmul over GGUF blocks: each format's decoding equals gguf's reference dequantization
+(and is the same on every ISA), the product matches float64 within the int16 activation rounding's
+bound, and every output element is bitwise the same whatever the batch rows around it, the row
+count, the tile edges and the thread count."""
 
 from __future__ import annotations
 
@@ -69,51 +70,56 @@ def test_matmul_matches_float64_within_activation_rounding(lib, qtype):
     wf = reference(qtype, w, k).astype(np.float64)
     x = torch.randn(t, k, generator=torch.Generator().manual_seed(2))
     y = km.matmul(lib, qtype, torch.from_numpy(w), k, x).numpy().astype(np.float64)
-    exact = x.double().numpy() @ wf.T
-    accumulation = 1e-5 * (np.abs(x.double().numpy()) @ np.abs(wf).T) + 1e-6
-    if qtype in FLOAT_TYPES:
-        bound = accumulation
-    else:
-        # two int8 levels: |x - q0 d0 - q1 d1| <= d1 / 2 per element; the kernel must equal x_q @ W up
-        # to float32 accumulation
-        q, d = km.quantize_activations(lib, x)
-        levels = q.double().view(2, t, -1, 32) * d.double()[..., None]
-        xq = levels.sum(0).view(t, k).numpy()
-        half_step = np.repeat(d[1].double().numpy(), 32, 1) / 2 * 1.0001 + 1e-12
-        assert np.all(np.abs(xq - x.double().numpy()) <= half_step)
-        np.testing.assert_array_less(np.abs(y - xq @ wf.T), 1e-5 * (np.abs(xq) @ np.abs(wf).T) + 1e-6)
-        bound = half_step @ np.abs(wf).T + accumulation
-    np.testing.assert_array_less(np.abs(y - exact), bound)
-
-
-@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda q: q.name)
-def test_float_activations_match_float64_up_to_accumulation(lib, qtype):
-    n, k, t = 21, 512, 5
-    w = random_weight(qtype, n, k, seed=6)
-    wf = reference(qtype, w, k).astype(np.float64)
-    x = torch.randn(t, k, generator=torch.Generator().manual_seed(7))
-    y = km.matmul(lib, qtype, torch.from_numpy(w), k, x, float_activations=True).numpy()
     xd = x.double().numpy()
-    np.testing.assert_array_less(np.abs(y - xd @ wf.T), 1e-5 * (np.abs(xd) @ np.abs(wf).T) + 1e-6)
+    accumulation = 1e-5 * (np.abs(xd) @ np.abs(wf).T) + 1e-6
+    if qtype in FLOAT_TYPES:
+        np.testing.assert_array_less(np.abs(y - xd @ wf.T), accumulation)
+        return
+    # int16 per block of 32: |x - q d| <= d / 2 per element; the kernel equals x_q @ W up to float32
+    q, d = km.quantize_activations(lib, x)
+    xq = (q.double().view(t, -1, 32) * d.double()[..., None]).view(t, k).numpy()
+    half_step = np.repeat(d.double().numpy(), 32, 1) / 2 * 1.0001 + 1e-12
+    assert np.all(np.abs(xq - xd) <= half_step)
+    assert np.all(np.abs(q.numpy()) <= 32767) and np.all(np.abs(q.numpy()).reshape(t, -1, 32).max(-1) == 32767)
+    np.testing.assert_array_less(np.abs(y - xq @ wf.T), 1e-5 * (np.abs(xq) @ np.abs(wf).T) + 1e-6)
+    np.testing.assert_array_less(np.abs(y - xd @ wf.T), half_step @ np.abs(wf).T + accumulation)
 
 
-@pytest.mark.parametrize("qtype, float_act", [(Q.Q4_1, False), (Q.Q8_0, False), (Q.Q4_K, False), (Q.Q6_K, False),
-                                              (Q.Q5_0, False), (Q.F16, False), (Q.Q8_0, True), (Q.Q6_K, True)],
-                         ids=str)
-def test_each_row_is_bitwise_the_same_in_any_batch_and_thread_count(lib, qtype, float_act):
-    n, k = 70, 256
+def batch_invariance(lib, qtype: Q, n: int, k: int, counts: list[tuple[int, int]], total: int) -> None:
+    """Every row of x equals its product alone (1 thread) in each (row count, thread count), and in a
+    shuffled batch."""
     w = torch.from_numpy(random_weight(qtype, n, k, seed=3))
-    x = torch.randn(300, k, generator=torch.Generator().manual_seed(4)) * 3
+    x = torch.randn(total, k, generator=torch.Generator().manual_seed(4)) * 3
 
     def mm(rows: torch.Tensor, threads: int) -> torch.Tensor:
-        return km.matmul(lib, qtype, w, k, rows, num_threads=threads, float_activations=float_act)
+        return km.matmul(lib, qtype, w, k, rows, num_threads=threads)
 
-    alone = torch.cat([mm(x[i:i + 1], 1) for i in range(len(x))])
-    for rows, threads in [(1, 2), (2, 1), (3, 2), (5, 1), (17, 2), (64, 1), (300, 2), (300, 1)]:
+    alone = torch.cat([mm(x[i:i + 1], 1) for i in range(total)])
+    for rows, threads in counts:
         assert torch.equal(mm(x[:rows], threads), alone[:rows]), (rows, threads)
-    # a row's neighbours do not matter either
-    shuffled = torch.randperm(300, generator=torch.Generator().manual_seed(5))
+    shuffled = torch.randperm(total, generator=torch.Generator().manual_seed(5))
     assert torch.equal(mm(x[shuffled], 2), alone[shuffled])
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES + FLOAT_TYPES, ids=lambda q: q.name)
+def test_each_row_is_bitwise_the_same_in_any_batch_and_thread_count(lib, qtype):
+    # 70 weight rows: every tile width's edge (8, 4 and 3 weight rows per tile); 1-9 rows: every tile
+    # height's edge and both decoded-block sizes (up to 4 rows and more)
+    counts = [(r, th) for r in range(1, 10) for th in (1, 2)] + [(17, 2), (64, 1), (300, 2), (300, 3)]
+    batch_invariance(lib, qtype, 70, 256, counts, 300)
+
+
+@pytest.mark.parametrize("qtype, k", [(Q.Q4_K, 2048), (Q.Q8_0, 2048), (Q.F32, 1001), (Q.F16, 37)], ids=str)
+def test_rows_spanning_several_decoded_blocks_and_ragged_float_rows(lib, qtype, k):
+    # k = 2048: a thread's weight rows are decoded in several blocks; float rows off the 8/16 lanes
+    # take the scalar tail
+    batch_invariance(lib, qtype, 37, k, [(1, 2), (4, 1), (5, 2), (13, 1), (40, 2)], 40)
+
+
+def test_more_threads_than_weight_rows(lib):
+    w = torch.from_numpy(random_weight(Q.Q4_0, 3, 64))
+    x = torch.randn(6, 64)
+    assert torch.equal(km.matmul(lib, Q.Q4_0, w, 64, x, num_threads=8), km.matmul(lib, Q.Q4_0, w, 64, x, num_threads=1))
 
 
 def test_output_into_a_column_slice_of_a_wider_matrix(lib):
@@ -132,8 +138,24 @@ def test_a_row_length_off_the_block_is_refused(lib):
         km.dequantize_rows(lib, Q.Q4_K, w, 96, torch.tensor([0]))
 
 
-def test_the_int8_rounding_is_the_same_on_every_isa(monkeypatch):
+@pytest.mark.parametrize("qtype", BLOCK_TYPES + FLOAT_TYPES, ids=lambda q: q.name)
+def test_the_decoded_weights_are_the_same_on_every_isa(qtype, monkeypatch):
+    k = 512
+    w = torch.from_numpy(random_weight(qtype, 4, k, seed=8))
+    got = []
+    for isa in kernels.host_isas():
+        monkeypatch.setenv("KVSERVE_KERNELS_ISA", isa)
+        kl = kernels.library()
+        if kl is None:
+            pytest.skip("native kernels not built")
+        got.append(km.dequantize_rows(kl, qtype, w, k, torch.arange(4)))
+    for rows in got[1:]:
+        assert torch.equal(rows, got[0])
+
+
+def test_the_int16_rounding_is_the_same_on_every_isa(monkeypatch):
     x = torch.randn(4, 128) * 5
+    x[1, :32] = 0.0  # an all-zero block: q = 0, d = 0
     got = []
     for isa in kernels.host_isas():
         monkeypatch.setenv("KVSERVE_KERNELS_ISA", isa)
@@ -141,5 +163,6 @@ def test_the_int8_rounding_is_the_same_on_every_isa(monkeypatch):
         if kl is None:
             pytest.skip("native kernels not built")
         got.append(km.quantize_activations(kl, x))
+    assert torch.equal(got[0][0][1, :32], torch.zeros(32, dtype=torch.int16)) and got[0][1][1, 0] == 0
     for q, d in got[1:]:
         assert torch.equal(q, got[0][0]) and torch.equal(d, got[0][1])

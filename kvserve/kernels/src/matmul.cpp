@@ -1,7 +1,10 @@
-// y[T, N] = x[T, K] @ W^T with W in a GGUF block format (the file's own bytes, one row of blocks per
-// output), x and y float32. Block formats quantize each activation row to int8 blocks of 32 first.
-// Invariance: y[t, n] is one dot_* call whose arithmetic depends only on row t of x and row n of W;
-// threads split N only, and T is tiled by rows without changing any element's operations.
+// y[T, N] = x[T, K] @ W^T with W in a GGUF format (the file's own bytes, one row of blocks per output),
+// x and y float32. Block formats round each activation row to int16 blocks of 32 once; each thread
+// takes a contiguous share of the N weight rows, decodes them a few at a time (int16 codes for block
+// formats, float32 for float formats; once per call, whatever T), then runs every tile of up to
+// TILE_ROWS activation rows against them (matmul_quant.h's dot tiles).
+// Invariance: y[t, n] is one dot chain over row t of x and the decoded row n of W, in one order; threads
+// split N only, and T and N are tiled without changing any element's operations.
 #include <omp.h>
 
 #include <algorithm>
@@ -13,136 +16,104 @@
 namespace kvs {
 namespace {
 
-constexpr int TILE_ROWS = 4;           // activation rows sharing one decoded weight block
-constexpr int64_t BLOCK_BYTES = 1 << 15;  // weight rows a thread keeps in cache while T is walked
+constexpr int TILE_ROWS = 4;              // activation rows sharing each decoded weight row in registers
+constexpr int64_t L1_BYTES = 24 * 1024;  // decoded rows for a few activation rows: stay in L1
+constexpr int64_t L2_BYTES = 96 * 1024;  // decoded rows reread by every tile of a prefill chunk: in L2
 
-// One row, two levels per block of 32: q = round(x / d), d = max|x| / 127, then the residual
-// q2 = round((x - q d) / d2), d2 = d / 250: x ~ q d + q2 d2 within d / 500 (the same ops on every ISA)
-void quantize_row(const float* x, int64_t K, int8_t* q, float* d, int32_t* s16, float* sd, int8_t* q2, float* d2,
-                  int32_t* s16_2, float* sd2) {
-    for (int64_t b = 0; b < K / 32; ++b) {
-        const float* xb = x + 32 * b;
-        float amax = 0.0f;
-#if KVS_SIMD
-        const __m256 sign = _mm256_set1_ps(-0.0f);
-        __m256 mx = _mm256_setzero_ps();
-        for (int i = 0; i < 32; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        amax = _mm_cvtss_f32(m4);
-#else
-        for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
-#endif
-        const float db = amax / 127.0f;
-        const float id = db > 0.0f ? 1.0f / db : 0.0f;
-        int8_t* qb = q + 32 * b;
-#if KVS_SIMD
-        __m256i v[4];
-        for (int i = 0; i < 4; ++i) {
-            __m256 s = _mm256_mul_ps(_mm256_loadu_ps(xb + 8 * i), _mm256_set1_ps(id));
-            s = _mm256_round_ps(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            s = _mm256_min_ps(_mm256_max_ps(s, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
-            v[i] = _mm256_cvtps_epi32(s);
-        }
-        // packs interleave 128-bit lanes; the permute puts the 32 bytes back in element order
-        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb),
-                            _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-#else
-        for (int i = 0; i < 32; ++i) {
-            const float s = std::nearbyint(xb[i] * id);
-            qb[i] = int8_t(std::min(127.0f, std::max(-127.0f, s)));
-        }
-#endif
-        const float db2 = db / 250.0f;  // |x - q d| <= d / 2 (1 + eps): fits 125 steps, no clamp
-        const float id2 = db > 0.0f ? 250.0f / db : 0.0f;
-        int8_t* qb2 = q2 + 32 * b;
-        for (int i = 0; i < 32; ++i) {
-            const float s = std::nearbyint((xb[i] - float(qb[i]) * db) * id2);
-            qb2[i] = int8_t(std::min(127.0f, std::max(-127.0f, s)));
-        }
-        int32_t lo = 0, hi = 0, lo2 = 0, hi2 = 0;
-        for (int i = 0; i < 16; ++i) {
-            lo += qb[i];
-            hi += qb[i + 16];
-            lo2 += qb2[i];
-            hi2 += qb2[i + 16];
-        }
-        d[b] = db;
-        s16[2 * b] = lo;
-        s16[2 * b + 1] = hi;
-        sd[b] = db * float(lo + hi);
-        d2[b] = db2;
-        s16_2[2 * b] = lo2;
-        s16_2[2 * b + 1] = hi2;
-        sd2[b] = db2 * float(lo2 + hi2);
-    }
-}
-
-// rows[2 t + l]: level l of activation row t
-struct ActBuffer {
-    std::vector<int8_t> q;
-    std::vector<float> d, sd;
-    std::vector<int32_t> s16;
-    std::vector<ActRow> rows;
-
-    ActBuffer(const float* x, int64_t ldx, int64_t T, int64_t K, int nthreads)
-        : q(2 * T * K), d(2 * T * K / 32), sd(2 * T * K / 32), s16(2 * T * K / 16), rows(2 * T) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && T > 1)
-        for (int64_t t = 0; t < T; ++t) {
-            for (int64_t l = 0; l < 2; ++l) {
-                const int64_t i = 2 * t + l;
-                rows[i] = ActRow{&q[i * K], &d[i * K / 32], &s16[i * K / 16], &sd[i * K / 32]};
-            }
-            const ActRow& a = rows[2 * t];
-            const ActRow& b = rows[2 * t + 1];
-            quantize_row(x + t * ldx, K, const_cast<int8_t*>(a.q), const_cast<float*>(a.d),
-                         const_cast<int32_t*>(a.s16), const_cast<float*>(a.sd), const_cast<int8_t*>(b.q),
-                         const_cast<float*>(b.d), const_cast<int32_t*>(b.s16), const_cast<float*>(b.sd));
-        }
-    }
-};
-
-template <int NR>
-void tile(int type, const uint8_t* wrow, const ActRow* x, const float* const* xf, int64_t K, float* out) {
-    if (is_float_type(type)) {
-        dot_float<NR>(type, wrow, xf, K, out);
-    } else if (x == nullptr) {
-        dot_blocks_float<NR>(type, wrow, xf, K, out);
-    } else {  // both levels of each row as rows of their own, then their sum
-        float o[2 * NR];
-        dot_quant<2 * NR>(type, wrow, x, K, o);
-        for (int r = 0; r < NR; ++r) out[r] = o[2 * r] + o[2 * r + 1];
-    }
-}
-
-void run(int type, const uint8_t* w, int64_t N, int64_t K, const ActRow* x, const float* const* xf, int64_t T,
-         float* y, int64_t ldy, int nthreads) {
+// Float formats: rows decoded to float32 (F32 read in place), float activations
+void run_float(int type, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t ldx, int64_t T, float* y,
+               int64_t ldy, int nthreads) {
     const int64_t row_bytes = K / geometry(type).block * geometry(type).bytes;
-    // weight blocks: a multiple of the thread count, each small enough to stay in cache while T is walked
-    int64_t nblk = std::max<int64_t>(1, (N * row_bytes + BLOCK_BYTES - 1) / BLOCK_BYTES);
-    nblk = std::min(N, (nblk + nthreads - 1) / nthreads * nthreads);
-    const int64_t per = (N + nblk - 1) / nblk;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
-    for (int64_t ib = 0; ib < nblk; ++ib) {
-        const int64_t n0 = ib * per, n1 = std::min(N, n0 + per);
-        for (int64_t t = 0; t < T; t += TILE_ROWS) {
-            const int nr = int(std::min<int64_t>(TILE_ROWS, T - t));
-            const ActRow* xt = x != nullptr ? x + 2 * t : nullptr;
-            const float* const* xft = xf != nullptr ? xf + t : nullptr;
-            for (int64_t n = n0; n < n1; ++n) {
-                float o[TILE_ROWS];
-                const uint8_t* wrow = w + n * row_bytes;
-                switch (nr) {
-                    case 4: tile<4>(type, wrow, xt, xft, K, o); break;
-                    case 3: tile<3>(type, wrow, xt, xft, K, o); break;
-                    case 2: tile<2>(type, wrow, xt, xft, K, o); break;
-                    default: tile<1>(type, wrow, xt, xft, K, o); break;
+    const bool direct = type == T_F32;
+    const int64_t rows_per_block = std::max<int64_t>(8, (T <= TILE_ROWS ? L1_BYTES : L2_BYTES) / (4 * K));
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t per = (N + nth - 1) / nth;
+        const int64_t lo = std::min(N, tid * per), hi = std::min(N, lo + per);
+        thread_local std::vector<float> scratch;  // OpenMP's threads persist: grown once
+        if (!direct && int64_t(scratch.size()) < rows_per_block * K) scratch.resize(rows_per_block * K);
+        std::vector<const float*> wrows(rows_per_block);
+        for (int64_t n0 = lo; n0 < hi; n0 += rows_per_block) {
+            const int64_t nw = std::min(hi, n0 + rows_per_block) - n0;
+            for (int64_t j = 0; j < nw; ++j) {
+                const uint8_t* row = w + (n0 + j) * row_bytes;
+                if (direct) {
+                    wrows[j] = reinterpret_cast<const float*>(row);
+                } else {
+                    decode_row(type, row, K, &scratch[j * K]);
+                    wrows[j] = &scratch[j * K];
                 }
-                for (int r = 0; r < nr; ++r) y[(t + r) * ldy + n] = o[r];
+            }
+            for (int64_t t = 0; t < T; t += TILE_ROWS) {
+                const float* xr[TILE_ROWS];
+                const int nr = int(std::min<int64_t>(TILE_ROWS, T - t));
+                for (int r = 0; r < nr; ++r) xr[r] = x + (t + r) * ldx;
+                float* yt = y + t * ldy + n0;
+                switch (nr) {
+                    case 4: dot_panel<4>(xr, wrows.data(), nw, K, yt, ldy); break;
+                    case 3: dot_panel<3>(xr, wrows.data(), nw, K, yt, ldy); break;
+                    case 2: dot_panel<2>(xr, wrows.data(), nw, K, yt, ldy); break;
+                    default: dot_panel<1>(xr, wrows.data(), nw, K, yt, ldy); break;
+                }
             }
         }
+    }
+}
+
+// Block formats: activations rounded to int16 blocks once, rows decoded to int16 codes
+void run_quant(int type, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t ldx, int64_t T, float* y,
+               int64_t ldy, int nthreads) {
+    const Geometry g = geometry(type);
+    const int64_t row_bytes = K / g.block * g.bytes, nb = K / 32;
+    std::vector<int16_t> xq(T * K);
+    std::vector<float> xd(T * nb), xs(T * nb);
+    std::vector<XRow> xrows(T);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && T > 1)
+    for (int64_t t = 0; t < T; ++t) {
+        quantize_row(x + t * ldx, K, &xq[t * K], &xd[t * nb], &xs[t * nb]);
+        xrows[t] = XRow{&xq[t * K], &xd[t * nb], &xs[t * nb]};
+    }
+    const bool offsets = has_offset(type);
+    const int64_t qbytes = qrow_bytes(K);
+    const int64_t rows_per_block = std::max<int64_t>(8, (T <= TILE_ROWS ? L1_BYTES : L2_BYTES) / qbytes);
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t per = (N + nth - 1) / nth;
+        const int64_t lo = std::min(N, tid * per), hi = std::min(N, lo + per);
+        thread_local std::vector<int16_t> scratch;  // rows_per_block decoded rows, 32-byte aligned parts
+        if (int64_t(scratch.size()) < rows_per_block * qbytes / 2) scratch.resize(rows_per_block * qbytes / 2);
+        std::vector<QRow> wrows(rows_per_block);
+        for (int64_t n0 = lo; n0 < hi; n0 += rows_per_block) {
+            const int64_t nw = std::min(hi, n0 + rows_per_block) - n0;
+            for (int64_t j = 0; j < nw; ++j) {
+                int16_t* q = &scratch[j * qbytes / 2];
+                float* d = reinterpret_cast<float*>(q + K);
+                decode_row_q(type, w + (n0 + j) * row_bytes, K, q, d, d + nb);
+                wrows[j] = QRow{q, d, d + nb};
+            }
+            for (int64_t t = 0; t < T; t += TILE_ROWS) {
+                const XRow* xr = &xrows[t];
+                float* yt = y + t * ldy + n0;
+                switch (std::min<int64_t>(TILE_ROWS, T - t)) {
+                    case 4: qdot_panel<4>(xr, wrows.data(), nw, nb, offsets, yt, ldy); break;
+                    case 3: qdot_panel<3>(xr, wrows.data(), nw, nb, offsets, yt, ldy); break;
+                    case 2: qdot_panel<2>(xr, wrows.data(), nw, nb, offsets, yt, ldy); break;
+                    default: qdot_panel<1>(xr, wrows.data(), nw, nb, offsets, yt, ldy); break;
+                }
+            }
+        }
+    }
+}
+
+void run(int type, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t ldx, int64_t T, float* y,
+         int64_t ldy, int nthreads) {
+    nthreads = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, (N + 7) / 8)));
+    if (is_float_type(type)) {
+        run_float(type, w, N, K, x, ldx, T, y, ldy, nthreads);
+    } else {
+        run_quant(type, w, N, K, x, ldx, T, y, ldy, nthreads);
     }
 }
 
@@ -154,50 +125,35 @@ using namespace kvs;
 // 1 if the kernels run weights of ggml type `type`
 KVS_EXPORT int kvs_matmul_supported(int type) { return geometry(type).block != 0; }
 
-// y[t * ldy + n] = sum_k x[t * ldx + k] * W[n, k]; W: N rows of K / block blocks. float_act: block
-// formats take x in float32 too (no int8 rounding: slower, for the lm_head). 0, or -1 for an
-// unsupported type, -2 for K not a multiple of the type's block.
+// y[t * ldy + n] = sum_k x[t * ldx + k] * W[n, k]; W: N rows of K / block blocks (block formats see x
+// as int16 blocks of 32, `kvs_quantize_activations`). 0, or -1 for an unsupported type, -2 for K not a multiple of the
+// type's block.
 KVS_EXPORT int kvs_matmul(int type, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t ldx, int64_t T,
-                          float* y, int64_t ldy, int nthreads, int float_act) {
+                          float* y, int64_t ldy, int nthreads) {
     const Geometry g = geometry(type);
     if (g.block == 0) return -1;
-    if (K % g.block != 0 || (!is_float_type(type) && K % 32 != 0)) return -2;
+    if (K % g.block != 0) return -2;
     if (T <= 0 || N <= 0) return 0;
-    nthreads = std::max(1, nthreads);
-    if (is_float_type(type) || float_act) {
-        std::vector<const float*> rows(T);
-        for (int64_t t = 0; t < T; ++t) rows[t] = x + t * ldx;
-        run(type, w, N, K, nullptr, rows.data(), T, y, ldy, nthreads);
-    } else {
-        ActBuffer act(x, ldx, T, K, nthreads);
-        run(type, w, N, K, act.rows.data(), nullptr, T, y, ldy, nthreads);
-    }
+    run(type, w, N, K, x, ldx, T, y, ldy, std::max(1, nthreads));
     return 0;
 }
 
-// out[i, :] = W[rows[i], :] as float32 (token embedding lookups; tests against gguf's reference)
+// out[i, :] = W[rows[i], :] as float32, decoded as the matmul decodes (token embedding lookups; tests
+// against gguf's reference)
 KVS_EXPORT int kvs_dequantize_rows(int type, const uint8_t* w, int64_t K, const int64_t* rows, int64_t n,
                                    float* out) {
     const Geometry g = geometry(type);
     if (g.block == 0) return -1;
     if (K % g.block != 0) return -2;
     const int64_t row_bytes = K / g.block * g.bytes;
-    for (int64_t i = 0; i < n; ++i) {
-        const uint8_t* row = w + rows[i] * row_bytes;
-        for (int64_t k = 0; k < K; ++k) out[i * K + k] = dequant_one(type, row, k);
-    }
+    for (int64_t i = 0; i < n; ++i) decode_row(type, w + rows[i] * row_bytes, K, out + i * K);
     return 0;
 }
 
-// The two int8 levels the block formats see x as: q, q2 [T, K], d, d2 [T, K / 32] (tests bound the error)
-KVS_EXPORT int kvs_quantize_activations(const float* x, int64_t T, int64_t K, int8_t* q, float* d, int8_t* q2,
-                                        float* d2) {
+// x as the block formats see it: q [T, K] int16, d [T, K / 32] (x ~ q * d; tests bound the error)
+KVS_EXPORT int kvs_quantize_activations(const float* x, int64_t T, int64_t K, int16_t* q, float* d) {
     if (K % 32 != 0) return -2;
-    std::vector<int32_t> s16(K / 16), s16_2(K / 16);
-    std::vector<float> sd(K / 32), sd2(K / 32);
-    for (int64_t t = 0; t < T; ++t) {
-        quantize_row(x + t * K, K, q + t * K, d + t * K / 32, s16.data(), sd.data(), q2 + t * K, d2 + t * K / 32,
-                     s16_2.data(), sd2.data());
-    }
+    std::vector<float> s(K / 32);
+    for (int64_t t = 0; t < T; ++t) quantize_row(x + t * K, K, q + t * K, d + t * K / 32, s.data());
     return 0;
 }

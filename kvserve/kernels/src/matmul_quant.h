@@ -1,10 +1,15 @@
-// Per-format dot products of one weight row (the file's blocks) with NR activation rows, for the
-// instruction set this build targets. Activations of the block formats are int8 in blocks of 32 with a
-// float scale (ActRow); float formats take float32 rows. Every kernel's per-row arithmetic is the same
-// whatever NR is: NR only shares the weight decoding between rows (batch-invariant by construction).
+// Per-format decoding of one weight row (the file's blocks) and the dot-product tiles that run R
+// activation rows x C decoded weight rows in registers. Float formats (F32, F16, BF16) decode to float32
+// and take float32 activations; block formats decode to int16 codes with per-block float scales and
+// take activations rounded once to int16 per block of 32 (the int16 section below). Each output
+// element is one chain of operations whatever R and C: they only choose which chains run side by
+// side (batch- and tile-invariant by construction). Decoding uses the same operations on every ISA,
+// so a weight decodes to the same value everywhere; the AVX-512 build runs the AVX2 code.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include "common.h"
+#include "ops_simd.h"
 #include "quant_formats.h"
 
 #if defined(KVS_ISA_AVX2) || defined(KVS_ISA_AVX512)
@@ -15,15 +20,6 @@
 
 namespace kvs {
 
-// One level of an activation row quantized to int8 blocks of 32: x[k] ~ q[k] * d[k / 32]. A row is
-// two levels (the second quantizes the first's residual), and the kernels take the levels as rows.
-struct ActRow {
-    const int8_t* q;     // [K]
-    const float* d;      // [K / 32] block scales
-    const int32_t* s16;  // [K / 16] sums of q over 16 elements
-    const float* sd;     // [K / 32] d * (sum of q over the block): the min/offset terms' factor
-};
-
 inline float half_at(const uint8_t* p) {
 #if KVS_SIMD
     return _cvtsh_ss(load_u16(p));
@@ -32,7 +28,7 @@ inline float half_at(const uint8_t* p) {
 #endif
 }
 
-// ---------------------------------------------------------------- scalar (every ISA's fallback)
+// ---------------------------------------------------------------- scalar (every ISA's reference)
 
 inline int q5_high(uint32_t qh, int e) { return int((qh >> e) & 1) << 4; }
 
@@ -52,78 +48,6 @@ inline int k_code(const uint8_t* qs, const uint8_t* qh, int j, int l) {
     v = j & 1 ? v >> 4 : v & 15;
     if (qh != nullptr) v |= ((qh[l] >> j) & 1) << 4;
     return v;
-}
-
-inline float scalar_dot(int type, const uint8_t* w, const ActRow& x, int64_t K) {
-    const int64_t nb = K / 32;
-    float acc = 0.0f;
-    switch (type) {
-        case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: {
-            const int bytes = geometry(type).bytes;
-            for (int64_t b = 0; b < nb; ++b) {
-                const uint8_t* blk = w + b * bytes;
-                const int8_t* xq = x.q + 32 * b;
-                const float d = half_at(blk);
-                int s = 0;
-                if (type == T_Q8_0) {
-                    const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
-                    for (int j = 0; j < 32; ++j) s += int(q[j]) * xq[j];
-                } else {
-                    const bool has_min = type == T_Q4_1 || type == T_Q5_1;
-                    const bool five = type == T_Q5_0 || type == T_Q5_1;
-                    const uint8_t* qs = blk + 2 + (has_min ? 2 : 0) + (five ? 4 : 0);
-                    const uint32_t qh = five ? load_u32(blk + 2 + (has_min ? 2 : 0)) : 0;
-                    const int offset = has_min ? 0 : (five ? 16 : 8);
-                    for (int j = 0; j < 16; ++j) {
-                        int lo = (qs[j] & 15) | (five ? q5_high(qh, j) : 0);
-                        int hi = (qs[j] >> 4) | (five ? q5_high(qh, j + 16) : 0);
-                        s += (lo - offset) * xq[j] + (hi - offset) * xq[j + 16];
-                    }
-                    if (has_min) acc = acc + half_at(blk + 2) * x.sd[b];
-                }
-                acc = acc + (d * x.d[b]) * float(s);
-            }
-            return acc;
-        }
-        case T_Q4_K: case T_Q5_K: {
-            const bool five = type == T_Q5_K;
-            const int bytes = geometry(type).bytes;
-            for (int64_t sb = 0; sb < K / 256; ++sb) {
-                const uint8_t* blk = w + sb * bytes;
-                const float d = half_at(blk), dmin = half_at(blk + 2);
-                const uint8_t* qh = five ? blk + 16 : nullptr;
-                const uint8_t* qs = blk + 16 + (five ? 32 : 0);
-                for (int j = 0; j < 8; ++j) {
-                    int sc, m;
-                    k4_scale_min(j, blk + 4, &sc, &m);
-                    const int64_t b = sb * 8 + j;
-                    const int8_t* xq = x.q + 32 * b;
-                    int s = 0;
-                    for (int l = 0; l < 32; ++l) s += k_code(qs, qh, j, l) * xq[l];
-                    acc = acc + (d * float(sc) * x.d[b]) * float(s);
-                    acc = acc - (dmin * float(m)) * x.sd[b];
-                }
-            }
-            return acc;
-        }
-        case T_Q6_K: {
-            for (int64_t sb = 0; sb < K / 256; ++sb) {
-                const uint8_t* blk = w + sb * 210;
-                const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
-                const float d = half_at(blk + 208);
-                for (int g = 0; g < 8; ++g) {
-                    const int64_t b = sb * 8 + g;
-                    const int8_t* xq = x.q + 32 * b;
-                    int s = 0;
-                    for (int l = 0; l < 32; ++l) s += sc[(32 * g + l) / 16] * (q6_code(blk, 32 * g + l) - 32) * xq[l];
-                    acc = acc + (d * x.d[b]) * float(s);
-                }
-            }
-            return acc;
-        }
-        default:
-            return NAN;
-    }
 }
 
 inline float float_weight(int type, const uint8_t* w, int64_t k) {
@@ -166,19 +90,9 @@ inline float dequant_one(int type, const uint8_t* row, int64_t k) {
     }
 }
 
+
 #if KVS_SIMD
-// ---------------------------------------------------------------- AVX2 (+FMA, F16C)
-
-inline __m256i mul_sum_u8s8(__m256i u, __m256i s) {  // 8 int32 sums of 4 products each
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
-
-inline float hsum8(__m256 v) {  // one fixed order
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+// ---------------------------------------------------------------- AVX2 decoding (the AVX-512 build too)
 
 // 16 bytes of nibbles -> 32 codes: the low nibbles (elements 0..15), then the high ones (16..31)
 inline __m256i nibbles32(const uint8_t* p) {
@@ -199,66 +113,48 @@ inline __m256i fifth_bits(uint32_t bits) {
 
 inline __m256i load256(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-// Q4_0, Q5_0, Q8_0: signed codes, w = d * c
-template <int NR>
-inline void dot_signed32(int type, const uint8_t* w, const ActRow* x, int64_t nb, float* out) {
-    __m256 acc[NR];
-    for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
-    const int bytes = geometry(type).bytes;
-    for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = w + b * bytes;
-        const float d = half_at(blk);
+// One block of 32 weights as the walkers below hand it to a sink: w[i] = d * sc[i / 16] * c[i] + off,
+// c: 32 int8 codes in element order, sc: two integer sub-scales (1 where the format has none)
+struct Block32 {
+    __m256i c;
+    float d;
+    int sc0, sc1;
+    float off;  // 0 where the format has no offset
+};
+
+// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: w = d * c (+ m)
+template <int Q, class Sink>
+inline void walk_blocks32(const uint8_t* row, int64_t K, Sink& sink) {
+    constexpr int bytes = Q == T_Q8_0 ? 34 : Q == T_Q4_0 ? 18 : Q == T_Q4_1 ? 20 : Q == T_Q5_0 ? 22 : 24;
+    for (int64_t b = 0; b < K / 32; ++b) {
+        const uint8_t* blk = row + b * bytes;
         __m256i c;
-        if (type == T_Q8_0) {
+        float off = 0.0f;
+        if constexpr (Q == T_Q8_0) {
             c = load256(blk + 2);
-        } else if (type == T_Q4_0) {
+        } else if constexpr (Q == T_Q4_0) {
             c = _mm256_sub_epi8(nibbles32(blk + 2), _mm256_set1_epi8(8));
-        } else {  // Q5_0
+        } else if constexpr (Q == T_Q5_0) {
             c = _mm256_or_si256(nibbles32(blk + 6), fifth_bits(load_u32(blk + 2)));
             c = _mm256_sub_epi8(c, _mm256_set1_epi8(16));
+        } else if constexpr (Q == T_Q4_1) {
+            c = nibbles32(blk + 4);
+            off = half_at(blk + 2);
+        } else {  // Q5_1
+            c = _mm256_or_si256(nibbles32(blk + 8), fifth_bits(load_u32(blk + 4)));
+            off = half_at(blk + 2);
         }
-        const __m256i ac = _mm256_sign_epi8(c, c);
-        for (int r = 0; r < NR; ++r) {
-            const __m256i xv = _mm256_sign_epi8(load256(x[r].q + 32 * b), c);
-            const __m256 p = _mm256_cvtepi32_ps(mul_sum_u8s8(ac, xv));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r].d[b]), p, acc[r]);
-        }
+        sink(b, Block32{c, half_at(blk), 1, 1, off});
     }
-    for (int r = 0; r < NR; ++r) out[r] = hsum8(acc[r]);
-}
-
-// Q4_1, Q5_1: unsigned codes, w = d * c + m
-template <int NR>
-inline void dot_min32(int type, const uint8_t* w, const ActRow* x, int64_t nb, float* out) {
-    __m256 acc[NR];
-    float macc[NR];
-    for (int r = 0; r < NR; ++r) { acc[r] = _mm256_setzero_ps(); macc[r] = 0.0f; }
-    const int bytes = geometry(type).bytes;
-    for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = w + b * bytes;
-        const float d = half_at(blk), m = half_at(blk + 2);
-        __m256i c = type == T_Q4_1 ? nibbles32(blk + 4)
-                                   : _mm256_or_si256(nibbles32(blk + 8), fifth_bits(load_u32(blk + 4)));
-        for (int r = 0; r < NR; ++r) {
-            const __m256 p = _mm256_cvtepi32_ps(mul_sum_u8s8(c, load256(x[r].q + 32 * b)));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r].d[b]), p, acc[r]);
-            macc[r] = macc[r] + m * x[r].sd[b];
-        }
-    }
-    for (int r = 0; r < NR; ++r) out[r] = hsum8(acc[r]) + macc[r];
 }
 
 // Q4_K, Q5_K: superblocks of 8 sub-blocks of 32, w = d * sc * c - dmin * m
-template <int NR>
-inline void dot_k4(int type, const uint8_t* w, const ActRow* x, int64_t K, float* out) {
-    __m256 acc[NR];
-    float macc[NR];
-    for (int r = 0; r < NR; ++r) { acc[r] = _mm256_setzero_ps(); macc[r] = 0.0f; }
-    const bool five = type == T_Q5_K;
-    const int bytes = geometry(type).bytes;
+template <class Sink>
+inline void walk_k4(bool five, const uint8_t* row, int64_t K, Sink& sink) {
+    const int bytes = five ? 176 : 144;
     const __m256i m15 = _mm256_set1_epi8(15);
     for (int64_t sb = 0; sb < K / 256; ++sb) {
-        const uint8_t* blk = w + sb * bytes;
+        const uint8_t* blk = row + sb * bytes;
         const float d = half_at(blk), dmin = half_at(blk + 2);
         const uint8_t* qs = blk + 16 + (five ? 32 : 0);
         const __m256i qh = five ? load256(blk + 16) : _mm256_setzero_si256();
@@ -272,139 +168,379 @@ inline void dot_k4(int type, const uint8_t* w, const ActRow* x, int64_t K, float
                 const __m256i on = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
                 c = _mm256_or_si256(c, _mm256_and_si256(on, _mm256_set1_epi8(0x10)));
             }
-            const float dsc = d * float(sc), dm = dmin * float(m);
-            const int64_t b = sb * 8 + j;
-            for (int r = 0; r < NR; ++r) {
-                const __m256 p = _mm256_cvtepi32_ps(mul_sum_u8s8(c, load256(x[r].q + 32 * b)));
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dsc * x[r].d[b]), p, acc[r]);
-                macc[r] = macc[r] - dm * x[r].sd[b];
-            }
+            sink(sb * 8 + j, Block32{c, d, sc, sc, -(dmin * float(m))});
         }
     }
-    for (int r = 0; r < NR; ++r) out[r] = hsum8(acc[r]) + macc[r];
 }
 
 // Q6_K: 16 sub-blocks of 16 with int8 scales, w = d * sc * (c - 32)
-template <int NR>
-inline void dot_q6k(const uint8_t* w, const ActRow* x, int64_t K, float* out) {
-    __m256 acc[NR];
-    for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
-    const __m256i m15 = _mm256_set1_epi8(15), m48 = _mm256_set1_epi8(0x30);
+template <class Sink>
+inline void walk_q6k(const uint8_t* row, int64_t K, Sink& sink) {
+    const __m256i m15 = _mm256_set1_epi8(15), m48 = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
     for (int64_t sb = 0; sb < K / 256; ++sb) {
-        const uint8_t* blk = w + sb * 210;
+        const uint8_t* blk = row + sb * 210;
         const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
         const float d = half_at(blk + 208);
         for (int n = 0; n < 2; ++n) {
             const __m256i ql0 = load256(blk + 64 * n), ql1 = load256(blk + 64 * n + 32);
             const __m256i qh = load256(blk + 128 + 32 * n);
-            __m256i g[4];
+            __m256i g[4];  // elements 128 n + 32 i + l, l = 0..31
             g[0] = _mm256_or_si256(_mm256_and_si256(ql0, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m48));
             g[1] = _mm256_or_si256(_mm256_and_si256(ql1, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m48));
             g[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m15), _mm256_and_si256(qh, m48));
             g[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m15),
                                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), m48));
             for (int i = 0; i < 4; ++i) {
-                const int s0 = sc[8 * n + 2 * i], s1 = sc[8 * n + 2 * i + 1];
-                const __m256i scv = _mm256_set_m128i(_mm_set1_epi16(short(s1)), _mm_set1_epi16(short(s0)));
-                const int64_t b = sb * 8 + 4 * n + i;
-                for (int r = 0; r < NR; ++r) {
-                    __m256i v = _mm256_madd_epi16(_mm256_maddubs_epi16(g[i], load256(x[r].q + 32 * b)), scv);
-                    const int corr = 32 * (s0 * x[r].s16[2 * b] + s1 * x[r].s16[2 * b + 1]);
-                    v = _mm256_sub_epi32(v, _mm256_setr_epi32(corr, 0, 0, 0, 0, 0, 0, 0));
-                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r].d[b]), _mm256_cvtepi32_ps(v), acc[r]);
-                }
+                sink(sb * 8 + 4 * n + i,
+                     Block32{_mm256_sub_epi8(g[i], bias), d, sc[8 * n + 2 * i], sc[8 * n + 2 * i + 1], 0.0f});
             }
         }
     }
-    for (int r = 0; r < NR; ++r) out[r] = hsum8(acc[r]);
 }
 
-inline __m256 load_float8(int type, const uint8_t* w, int64_t k) {
+template <class Sink>
+inline bool walk_blocks(int type, const uint8_t* row, int64_t K, Sink& sink) {
     switch (type) {
-        case T_F32: return _mm256_loadu_ps(reinterpret_cast<const float*>(w) + k);
-        case T_F16: return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2 * k)));
-        default: {
-            const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2 * k)));
-            return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        }
+        case T_Q4_0: walk_blocks32<T_Q4_0>(row, K, sink); return true;
+        case T_Q4_1: walk_blocks32<T_Q4_1>(row, K, sink); return true;
+        case T_Q5_0: walk_blocks32<T_Q5_0>(row, K, sink); return true;
+        case T_Q5_1: walk_blocks32<T_Q5_1>(row, K, sink); return true;
+        case T_Q8_0: walk_blocks32<T_Q8_0>(row, K, sink); return true;
+        case T_Q4_K: walk_k4(false, row, K, sink); return true;
+        case T_Q5_K: walk_k4(true, row, K, sink); return true;
+        case T_Q6_K: walk_q6k(row, K, sink); return true;
+        default: return false;
     }
+}
+
+// out[i] = scale * c[i] (+ off) for the 8 int8 codes in the low half of v, as dequant_one computes it:
+// where there is an offset, scale * c is exact in float32 (at most 11 + 6 + 5 bits), so the fma rounds
+// once as dequant_one's add does (and x - y is x + (-y) exactly)
+inline void emit8(__m128i v, __m256 scale, float off, float* out) {
+    const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+    _mm256_storeu_ps(out, off != 0.0f ? _mm256_fmadd_ps(scale, c, _mm256_set1_ps(off)) : _mm256_mul_ps(scale, c));
+}
+
+// the float32 weights of each block (d * sc first, as dequant_one)
+struct FloatSink {
+    float* out;
+    void operator()(int64_t b, const Block32& k) const {
+        const __m256 s0 = _mm256_set1_ps(k.d * float(k.sc0)), s1 = _mm256_set1_ps(k.d * float(k.sc1));
+        const __m128i lo = _mm256_castsi256_si128(k.c), hi = _mm256_extracti128_si256(k.c, 1);
+        float* o = out + 32 * b;
+        emit8(lo, s0, k.off, o);
+        emit8(_mm_srli_si128(lo, 8), s0, k.off, o + 8);
+        emit8(hi, s1, k.off, o + 16);
+        emit8(_mm_srli_si128(hi, 8), s1, k.off, o + 24);
+    }
+};
+
+// the integer kernel's row: codes times the sub-scale as int16 (|c * sc| <= 128 * 32: no overflow
+// below), the block's d and offset as floats
+struct Int16Sink {
+    int16_t* q;
+    float* d;
+    float* off;
+    void operator()(int64_t b, const Block32& k) const {
+        __m256i lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(k.c));
+        __m256i hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(k.c, 1));
+        if (k.sc0 != 1 || k.sc1 != 1) {
+            lo = _mm256_mullo_epi16(lo, _mm256_set1_epi16(short(k.sc0)));
+            hi = _mm256_mullo_epi16(hi, _mm256_set1_epi16(short(k.sc1)));
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * b), lo);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * b + 16), hi);
+        d[b] = k.d;
+        off[b] = k.off;
+    }
+};
+
+inline float hsum8(__m256 v) {  // one fixed order
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
 }
 #endif  // KVS_SIMD
 
-// NR activation rows against one weight row of a block format
-template <int NR>
-inline void dot_quant(int type, const uint8_t* w, const ActRow* x, int64_t K, float* out) {
-#if KVS_SIMD
+// One weight row (the file's bytes, K elements) -> out[0, K) float32; the same values on every ISA
+inline void decode_row(int type, const uint8_t* row, int64_t K, float* out) {
+    int64_t k = 0;
     switch (type) {
-        case T_Q4_0: case T_Q5_0: case T_Q8_0: return dot_signed32<NR>(type, w, x, K / 32, out);
-        case T_Q4_1: case T_Q5_1: return dot_min32<NR>(type, w, x, K / 32, out);
-        case T_Q4_K: case T_Q5_K: return dot_k4<NR>(type, w, x, K, out);
-        case T_Q6_K: return dot_q6k<NR>(w, x, K, out);
+        case T_F32: std::memcpy(out, row, 4 * K); return;
+#if KVS_SIMD
+        case T_F16:
+            for (; k + 8 <= K; k += 8)
+                _mm256_storeu_ps(out + k, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * k))));
+            break;
+        case T_BF16:
+            for (; k + 8 <= K; k += 8) {
+                const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * k)));
+                _mm256_storeu_ps(out + k, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+            }
+            break;
+        default: {
+            FloatSink sink{out};
+            if (walk_blocks(type, row, K, sink)) return;
+            break;
+        }
+#else
+        default: break;
+#endif
+    }
+    for (; k < K; ++k) out[k] = dequant_one(type, row, k);
+}
+
+// ---------------------------------------------------------------- the dot-product tile
+
+// y[r * ldy + c] = x[r] . w[c] for R rows and C float weight rows of K floats: a vector of W lanes
+// accumulates w[k] * x[k] (lane k % W) for k in order, then one fixed-tree sum, then the K % W tail
+template <int R, int C>
+inline void dot_tile(const float* const* x, const float* const* w, int64_t K, float* y, int64_t ldy) {
+    using namespace simd;
+    vf acc[R][C];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = vzero();
+    int64_t k = 0;
+    for (; k + W <= K; k += W) {
+        vf wv[C];
+        for (int c = 0; c < C; ++c) wv[c] = vload(w[c] + k);
+        for (int r = 0; r < R; ++r) {
+            const vf xv = vload(x[r] + k);
+            for (int c = 0; c < C; ++c) acc[r][c] = vfma(wv[c], xv, acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < C; ++c) {
+            float s = hsum(acc[r][c]);
+            for (int64_t j = k; j < K; ++j) s = s + w[c][j] * x[r][j];
+            y[r * ldy + c] = s;
+        }
+    }
+}
+
+// Weight rows side by side for R activation rows: enough independent chains to hide the fma latency,
+// few enough that accumulators, weights and one activation vector fit in 16 registers
+template <int R>
+constexpr int tile_cols() { return R == 1 ? 8 : R == 2 ? 4 : 3; }
+
+// y[r * ldy + j] = x[r] . w[j] for R rows and nw weight rows
+template <int R>
+inline void dot_panel(const float* const* x, const float* const* w, int64_t nw, int64_t K, float* y, int64_t ldy) {
+    constexpr int C = tile_cols<R>();
+    int64_t j = 0;
+    for (; j + C <= nw; j += C) dot_tile<R, C>(x, w + j, K, y + j, ldy);
+    switch (nw - j) {
+        case 7: if constexpr (C > 7) dot_tile<R, 7>(x, w + j, K, y + j, ldy); break;
+        case 6: if constexpr (C > 6) dot_tile<R, 6>(x, w + j, K, y + j, ldy); break;
+        case 5: if constexpr (C > 5) dot_tile<R, 5>(x, w + j, K, y + j, ldy); break;
+        case 4: if constexpr (C > 4) dot_tile<R, 4>(x, w + j, K, y + j, ldy); break;
+        case 3: if constexpr (C > 3) dot_tile<R, 3>(x, w + j, K, y + j, ldy); break;
+        case 2: if constexpr (C > 2) dot_tile<R, 2>(x, w + j, K, y + j, ldy); break;
+        case 1: dot_tile<R, 1>(x, w + j, K, y + j, ldy); break;
         default: break;
     }
-#endif
-    for (int r = 0; r < NR; ++r) out[r] = scalar_dot(type, w, x[r], K);
 }
 
-// NR float32 activation rows against one weight row of a float format
-template <int NR>
-inline void dot_float(int type, const uint8_t* w, const float* const* x, int64_t K, float* out) {
-    int64_t k = 0;
-#if KVS_SIMD
-    __m256 acc[NR];
-    for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
-    for (; k + 8 <= K; k += 8) {
-        const __m256 wv = load_float8(type, w, k);
-        for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x[r] + k), acc[r]);
-    }
-    for (int r = 0; r < NR; ++r) out[r] = hsum8(acc[r]);
-#else
-    for (int r = 0; r < NR; ++r) out[r] = 0.0f;
-#endif
-    for (; k < K; ++k) {
-        const float wk = float_weight(type, w, k);
-        for (int r = 0; r < NR; ++r) out[r] = out[r] + wk * x[r][k];
-    }
-}
+// ---------------------------------------------------------------- block formats: int16 products
+//
+// Block formats run on integers: each activation row is rounded once to int16 per block of 32
+// (x ~ q * dx, dx = max|x| / 32767: within max|x| / 65534 of x), each weight row decoded to int16
+// codes (times the integer sub-scale) with a float d and offset per block. y[t, n] is one chain: per
+// block, 8 int32 lanes of exact products (lane j: elements 2j, 2j + 1, 16 + 2j, 17 + 2j), converted
+// and accumulated as acc += float(lanes) * (dw * dx) in block order; then the fixed-tree sum, then
+// the offsets' dot sum_b off[b] * dx[b] * (sum of the block's q) (8 blocks a lane, then the tail).
 
-// NR float32 activation rows against one weight row of a block format: per block, the sum of
-// codes times x, scaled by the block's d (Q8_0 vectorized; other formats decode each element)
-template <int NR>
-inline void dot_blocks_float(int type, const uint8_t* w, const float* const* x, int64_t K, float* out) {
-#if KVS_SIMD
-    if (type == T_Q8_0) {
-        __m256 acc[NR];
-        for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < K / 32; ++b) {
-            const uint8_t* blk = w + 34 * b;
-            const __m256 d = _mm256_set1_ps(half_at(blk));
-            __m256 q[4];
-            for (int i = 0; i < 4; ++i) {
-                const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * i));
-                q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
-            }
-            for (int r = 0; r < NR; ++r) {
-                const float* xb = x[r] + 32 * b;
-                const __m256 s01 = _mm256_add_ps(_mm256_mul_ps(q[0], _mm256_loadu_ps(xb)),
-                                                 _mm256_mul_ps(q[1], _mm256_loadu_ps(xb + 8)));
-                const __m256 s23 = _mm256_add_ps(_mm256_mul_ps(q[2], _mm256_loadu_ps(xb + 16)),
-                                                 _mm256_mul_ps(q[3], _mm256_loadu_ps(xb + 24)));
-                acc[r] = _mm256_fmadd_ps(d, _mm256_add_ps(s01, s23), acc[r]);
-            }
+inline bool has_offset(int type) { return type == T_Q4_1 || type == T_Q5_1 || type == T_Q4_K || type == T_Q5_K; }
+
+struct QRow {  // a decoded weight row: w[k] = d[k / 32] * q[k] + off[k / 32]
+    const int16_t* q;
+    const float* d;
+    const float* off;
+};
+
+struct XRow {  // an activation row: x[k] ~ q[k] * d[k / 32]; s[b] = d[b] * (sum of block b's q)
+    const int16_t* q;
+    const float* d;
+    const float* s;
+};
+
+// bytes of one decoded weight row in the scratch: q [K] int16, d [K / 32], off [K / 32]
+inline int64_t qrow_bytes(int64_t K) { return 2 * K + 8 * (K / 32); }
+
+// The scalar walk: block b's int8 codes and Block32 fields, as the SIMD walkers give them
+inline void scalar_block(int type, const uint8_t* row, int64_t b, int8_t* c, float* d, int* sc0, int* sc1,
+                         float* off) {
+    *sc0 = *sc1 = 1;
+    *off = 0.0f;
+    if (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K) {
+        const uint8_t* blk = row + b / 8 * geometry(type).bytes;
+        const int j = int(b % 8);
+        if (type == T_Q6_K) {
+            const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+            *d = load_f16(blk + 208);
+            *sc0 = sc[2 * j];
+            *sc1 = sc[2 * j + 1];
+            for (int l = 0; l < 32; ++l) c[l] = int8_t(q6_code(blk, 32 * j + l) - 32);
+            return;
         }
-        for (int r = 0; r < NR; ++r) out[r] = hsum8(acc[r]);
+        const bool five = type == T_Q5_K;
+        int sc, m;
+        k4_scale_min(j, blk + 4, &sc, &m);
+        *d = load_f16(blk);
+        *sc0 = *sc1 = sc;
+        *off = -(load_f16(blk + 2) * float(m));
+        for (int l = 0; l < 32; ++l) c[l] = int8_t(k_code(blk + 16 + (five ? 32 : 0), five ? blk + 16 : nullptr, j, l));
         return;
     }
-#endif
-    for (int r = 0; r < NR; ++r) out[r] = 0.0f;
-    float wb[32];
+    const uint8_t* blk = row + b * geometry(type).bytes;
+    *d = load_f16(blk);
+    if (type == T_Q8_0) {
+        for (int l = 0; l < 32; ++l) c[l] = reinterpret_cast<const int8_t*>(blk + 2)[l];
+        return;
+    }
+    const bool has_min = type == T_Q4_1 || type == T_Q5_1, five = type == T_Q5_0 || type == T_Q5_1;
+    const uint8_t* qs = blk + 2 + (has_min ? 2 : 0) + (five ? 4 : 0);
+    const uint32_t qh = five ? load_u32(blk + 2 + (has_min ? 2 : 0)) : 0;
+    const int bias = has_min ? 0 : (five ? 16 : 8);
+    for (int l = 0; l < 32; ++l) {
+        int v = l < 16 ? qs[l] & 15 : qs[l - 16] >> 4;
+        if (five) v |= q5_high(qh, l);
+        c[l] = int8_t(v - bias);
+    }
+    if (has_min) *off = load_f16(blk + 2);
+}
+
+// One weight row of a block format -> the integer kernel's row (q, d, off)
+inline void decode_row_q(int type, const uint8_t* row, int64_t K, int16_t* q, float* d, float* off) {
+#if KVS_SIMD
+    Int16Sink sink{q, d, off};
+    walk_blocks(type, row, K, sink);
+#else
     for (int64_t b = 0; b < K / 32; ++b) {
-        for (int j = 0; j < 32; ++j) wb[j] = dequant_one(type, w, 32 * b + j);
-        for (int r = 0; r < NR; ++r) {
-            float s = 0.0f;
-            for (int j = 0; j < 32; ++j) s = s + wb[j] * x[r][32 * b + j];
-            out[r] = out[r] + s;
+        int8_t c[32];
+        int sc0, sc1;
+        scalar_block(type, row, b, c, &d[b], &sc0, &sc1, &off[b]);
+        for (int l = 0; l < 32; ++l) q[32 * b + l] = int16_t(c[l] * (l < 16 ? sc0 : sc1));
+    }
+#endif
+}
+
+// x -> (q, d, s) per block of 32 (the same operations on every ISA)
+inline void quantize_row(const float* x, int64_t K, int16_t* q, float* d, float* s) {
+    for (int64_t b = 0; b < K / 32; ++b) {
+        const float* xb = x + 32 * b;
+        float amax = 0.0f;
+#if KVS_SIMD
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 mx = _mm256_setzero_ps();
+        for (int i = 0; i < 32; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        amax = _mm_cvtss_f32(m4);
+#else
+        for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
+#endif
+        const float db = amax / 32767.0f;
+        const float id = db > 0.0f ? 1.0f / db : 0.0f;
+        int16_t* qb = q + 32 * b;
+#if KVS_SIMD
+        __m256i v[4];
+        for (int i = 0; i < 4; ++i) {
+            __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xb + 8 * i), _mm256_set1_ps(id));
+            t = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            t = _mm256_min_ps(_mm256_max_ps(t, _mm256_set1_ps(-32767.0f)), _mm256_set1_ps(32767.0f));
+            v[i] = _mm256_cvtps_epi32(t);
         }
+        // packs interleave 128-bit lanes; the permute puts the 16 values back in element order
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), _mm256_permute4x64_epi64(_mm256_packs_epi32(v[0], v[1]), 0xD8));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + 16),
+                            _mm256_permute4x64_epi64(_mm256_packs_epi32(v[2], v[3]), 0xD8));
+#else
+        for (int i = 0; i < 32; ++i) qb[i] = int16_t(std::min(32767.0f, std::max(-32767.0f, std::nearbyint(xb[i] * id))));
+#endif
+        int sum = 0;
+        for (int i = 0; i < 32; ++i) sum += qb[i];
+        d[b] = db;
+        s[b] = db * float(sum);
+    }
+}
+
+// sum_b off[b] * s[b]: the offset terms of one output
+inline float offset_dot(const float* off, const float* s, int64_t nb) {
+    int64_t b = 0;
+    float v = 0.0f;
+#if KVS_SIMD
+    __m256 a = _mm256_setzero_ps();
+    for (; b + 8 <= nb; b += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(off + b), _mm256_loadu_ps(s + b), a);
+    v = hsum8(a);
+#endif
+    for (; b < nb; ++b) v = v + off[b] * s[b];
+    return v;
+}
+
+// y[r * ldy + c] = x[r] . w[c] for R activation rows and C decoded weight rows of nb blocks
+template <int R, int C>
+inline void qdot_tile(const XRow* x, const QRow* w, int64_t nb, bool offsets, float* y, int64_t ldy) {
+#if KVS_SIMD
+    __m256 acc[R][C];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256i w0[C], w1[C];
+        __m256 dw[C];
+        for (int c = 0; c < C; ++c) {
+            w0[c] = load256(w[c].q + 32 * b);
+            w1[c] = load256(w[c].q + 32 * b + 16);
+            dw[c] = _mm256_broadcast_ss(w[c].d + b);
+        }
+        for (int r = 0; r < R; ++r) {
+            const __m256i x0 = load256(x[r].q + 32 * b), x1 = load256(x[r].q + 32 * b + 16);
+            const __m256 dx = _mm256_broadcast_ss(x[r].d + b);
+            for (int c = 0; c < C; ++c) {
+                const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0[c], x0), _mm256_madd_epi16(w1[c], x1));
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw[c], dx), acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < C; ++c) {
+            float v = hsum8(acc[r][c]);
+            if (offsets) v = v + offset_dot(w[c].off, x[r].s, nb);
+            y[r * ldy + c] = v;
+        }
+    }
+#else
+    for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < C; ++c) {
+            float v = 0.0f;
+            for (int64_t b = 0; b < nb; ++b) {
+                int64_t p = 0;  // int64: Q6_K's 32 products can pass 2^31
+                for (int l = 0; l < 32; ++l) p += int32_t(w[c].q[32 * b + l]) * x[r].q[32 * b + l];
+                v = v + float(p) * (w[c].d[b] * x[r].d[b]);
+            }
+            if (offsets) v = v + offset_dot(w[c].off, x[r].s, nb);
+            y[r * ldy + c] = v;
+        }
+    }
+#endif
+}
+
+template <int R>
+constexpr int qtile_cols() { return R == 1 ? 4 : 2; }
+
+// y[r * ldy + j] = x[r] . w[j] for R activation rows and nw decoded weight rows
+template <int R>
+inline void qdot_panel(const XRow* x, const QRow* w, int64_t nw, int64_t nb, bool offsets, float* y, int64_t ldy) {
+    constexpr int C = qtile_cols<R>();
+    int64_t j = 0;
+    for (; j + C <= nw; j += C) qdot_tile<R, C>(x, w + j, nb, offsets, y + j, ldy);
+    switch (nw - j) {
+        case 3: if constexpr (C > 3) qdot_tile<R, 3>(x, w + j, nb, offsets, y + j, ldy); break;
+        case 2: if constexpr (C > 2) qdot_tile<R, 2>(x, w + j, nb, offsets, y + j, ldy); break;
+        case 1: qdot_tile<R, 1>(x, w + j, nb, offsets, y + j, ldy); break;
+        default: break;
     }
 }
 

@@ -94,7 +94,8 @@ def _random_blocks(qtype: int, n: int, k: int, rng: np.random.Generator) -> torc
 
 def bench_formats(model_name: str | None, formats: list[str], prefill_rows: int, repeats: int) -> list[str]:
     """The native kernels on the model's layer shapes (QKV, O, gate+up, down of every layer) with
-    random weights in each format: one decode step's GEMVs and one prefill chunk."""
+    random weights in each format: one decode step's GEMVs and one prefill chunk (single-threaded
+    comparisons are the steadiest on a shared host: `--threads 1`)."""
     from gguf import GGMLQuantizationType
 
     from kvserve import kernels
@@ -118,7 +119,9 @@ def bench_formats(model_name: str | None, formats: list[str], prefill_rows: int,
             raise ConfigError(f"unknown GGUF format {name!r}") from None
         if not km.supported(qtype):
             raise ConfigError(f"the native kernels do not run {name}")
-        calls = [(km.PreparedMatmul(kl, qtype, _random_blocks(qtype, n, k, rng), k), n, k) for n, k in shapes]
+        block = km.GEOMETRY[qtype][0]  # K-quants: each K rounded up to whole superblocks of 256
+        sized = [(n, -(-k // block) * block) for n, k in shapes]
+        calls = [(km.PreparedMatmul(kl, qtype, _random_blocks(qtype, n, k, rng), k), n, k) for n, k in sized]
         threads = torch.get_num_threads()
         one = [(f, torch.randn(1, k), torch.empty(1, n)) for f, n, k in calls]
         many = [(f, torch.randn(prefill_rows, k), torch.empty(prefill_rows, n)) for f, n, k in calls]
@@ -131,7 +134,7 @@ def bench_formats(model_name: str | None, formats: list[str], prefill_rows: int,
         step_bytes = layers * sum(f.weight.numel() for f, _, _ in calls)
         (w_step, c_step) = _time(lambda: [run(one) for _ in range(layers)], repeats)
         (w_pre, c_pre) = _time(lambda: run(many), max(1, repeats // 10))
-        lines.append(f"{name:>8}: decode GEMVs ({step_bytes / 1e6:.1f} MB) wall {w_step * 1e3:.2f} ms = "
+        lines.append(f"{name:>8}{'' if sized == shapes else ' (K ' + str([k for _, k in sized]) + ')'}: decode GEMVs ({step_bytes / 1e6:.1f} MB) wall {w_step * 1e3:.2f} ms = "
                      f"{step_bytes / w_step / 1e9:.1f} GB/s, cpu {c_step * 1e3:.2f} ms; {prefill_rows}-row prefill "
                      f"chunk (layers) wall {w_pre * layers * 1e3:.0f} ms, cpu {c_pre * layers * 1e3:.0f} ms")
     return lines

@@ -11,7 +11,7 @@
 #include <cmath>
 #include <vector>
 
-#include "matmul_quant.h"
+#include "matmul_int16.h"
 
 namespace kvs {
 namespace {

@@ -230,3 +230,20 @@ def test_a_draft_model_without_its_path_or_with_too_few_positions_is_refused(lla
     with pytest.raises(ConfigError, match="has 64 positions, fewer than max_model_len 512"):
         LLM(model=llama_path, speculative_config=spec(short))
     make_llm(model=llama_path, max_model_len=64, speculative_config=spec(short))  # within its positions
+
+
+def test_a_large_batch_turns_the_draft_model_down(llama_path, random_draft):
+    """disable_by_batch_size holds for a draft model as for n-gram: no drafts (and no draft compute)
+    in a step that begins with more decoding requests than it; once they finish, the last one drafts."""
+    llm = make_llm(model=llama_path, page_size=4, speculative_config={**spec(llama_path), "disable_by_batch_size": 1})
+    engine, rng = llm.engine, random.Random(5)
+    for max_tokens in (6, 6, 30):
+        engine.add_request({"prompt_token_ids": [rng.randrange(3, VOCAB) for _ in range(10)]},
+                           SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    spec_stats, draft_kv = engine.scheduler.spec.stats, engine.scheduler.spec.draft_kv
+    while engine.has_unfinished():
+        batch_size, drafts_before = len(engine.scheduler.running), spec_stats.num_drafts
+        engine.step()
+        if batch_size > 1:
+            assert spec_stats.num_drafts == drafts_before and draft_kv.num_used == 0
+    assert spec_stats.num_drafts > 0 and spec_stats.num_accepted_tokens == spec_stats.num_draft_tokens

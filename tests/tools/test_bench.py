@@ -229,3 +229,16 @@ def test_http_beside_llama_server(tmp_path, capsys):
     ratio = report["ratios"]["llama-server"]
     assert set(ratio) == set(RATIO_KEYS) | {"speedup"}
     assert ratio["wall_s"] == pytest.approx(report["engines"]["kvserve"]["wall_s"] / peer["wall_s"])
+
+
+@pytest.mark.slow
+def test_ngram_peer_is_kvserve_again_with_speculation_and_the_same_greedy_tokens(tmp_path, capsys):
+    lines = [{"id": "quote", "prompt": "Repeat exactly: the quick brown fox jumps over the lazy dog. "
+              "The quick brown fox jumps over the lazy dog. The quick brown", "max_tokens": 24}]
+    trace = tmp_path / "quote.jsonl"
+    trace.write_text(json.dumps(lines[0]) + "\n")
+    assert main(["bench", "--workload", str(trace), "--vs", "ngram", "--json", *SMALL_POOL]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert list(report["engines"]) == ["kvserve", "kvserve+ngram"]
+    assert report["greedy_agreement"]["kvserve+ngram"]["identical_requests"] == 1  # speculation changes no token
+    assert report["engines"]["kvserve+ngram"]["output_tokens"] == 24

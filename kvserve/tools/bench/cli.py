@@ -15,8 +15,17 @@ from kvserve.tools.bench.transformers_peer import TRANSFORMERS_MODES
 from kvserve.tools.bench.workload import DEFAULT_MAX_TOKENS, load_workload
 from kvserve.tools.traces import GENERATORS
 
-PEERS = ("transformers", "llama-cpp", "llama-server", "grammar", "none")
+PEERS = ("transformers", "llama-cpp", "llama-server", "grammar", "ngram", "none")
 GRAMMAR_PEER = "kvserve+json-schema"
+NGRAM_PEER = "kvserve+ngram"  # kvserve again with speculation on (unless the flags already set one)
+NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+
+
+def peer_kwargs(name: str, kwargs: dict) -> dict:
+    """The engine flags of one engine of the run: the bench's, plus speculation for the ngram peer."""
+    if name == NGRAM_PEER:
+        return {**kwargs, "speculative_config": kwargs.get("speculative_config") or NGRAM_CONFIG}
+    return kwargs
 # --vs grammar: a list of records whose shortest valid output is far longer than any bench's
 # max_tokens, so every request decodes to max_tokens under the grammar, as the plain run does
 BENCH_SCHEMA = {"type": "array", "minItems": 1000, "items": {
@@ -38,7 +47,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vs", default="none", choices=PEERS,
                         help="the peer run in the same bench (default none: kvserve alone); llama-server "
                              "runs over HTTP with --parallel set to --concurrency; grammar: kvserve again "
-                             "with a JSON-schema grammar on every request (structured outputs' cost)")
+                             "with a JSON-schema grammar on every request (structured outputs' cost); ngram: "
+                             "kvserve again with n-gram speculation (or --speculative-config's), in process "
+                             "or over HTTP (ratios: kvserve / kvserve+ngram)")
     parser.add_argument("--transformers-modes", default="generate,prompt-cache",
                         help="comma list: generate (plain sequential), prompt-cache (shared prefix computed once, "
                              "deep-copied per request); default both")
@@ -133,11 +144,12 @@ def _run_in_process(report: dict, args, workload, model_path: str, kwargs: dict,
 
     arrivals = [i / args.request_rate if args.request_rate else 0.0 for i in range(len(workload.token_ids))]
     engines = ["kvserve"] + {"transformers": [TRANSFORMERS_MODES[m] for m in modes], "llama-cpp": ["llama-cpp"],
-                             "grammar": [GRAMMAR_PEER], "none": []}[args.vs]
+                             "grammar": [GRAMMAR_PEER], "ngram": [NGRAM_PEER], "none": []}[args.vs]
     outputs = {}
     with ProgressBars(console) as bar:
         for name in engines:
-            spec = RunSpec(name, model_path, workload.token_ids, workload.max_tokens, arrivals, kwargs, args.threads,
+            spec = RunSpec(name, model_path, workload.token_ids, workload.max_tokens, arrivals,
+                           peer_kwargs(name, kwargs), args.threads,
                            BENCH_SCHEMA if name == GRAMMAR_PEER else None)
             raw = run_engine(spec, bar(name, sum(workload.max_tokens)))
             if raw.get("grammar"):
@@ -161,19 +173,21 @@ def _run_over_http(report: dict, args, workload, model_path: str, kwargs: dict, 
     if args.vs == "llama-server" and not binary.is_file():
         raise ConfigError(f"--vs llama-server needs the llama-server binary, not found at {binary}; "
                           "give --llama-server PATH")
-    servers = ["kvserve"] + (["llama-server"] if args.vs == "llama-server" else [])
+    servers = ["kvserve"] + {"llama-server": ["llama-server"], "ngram": [NGRAM_PEER]}.get(args.vs, [])
     peers, capacity = [], None
     with ProgressBars(console) as bar:
         for server in servers:
             update = bar(server, sum(workload.max_tokens) * args.passes)
             runs = run_http(server, model_path, workload.token_ids, workload.max_tokens, concurrency, args.passes,
-                            kwargs, args.threads, binary, update, args.llama_server_context, capacity)
+                            peer_kwargs(server, kwargs), args.threads, binary, update, args.llama_server_context,
+                            capacity)
             for label, raw in runs.items():
                 capacity = capacity or raw.get("kv_capacity_tokens")
                 raw["prompt_tokens"] = report["workload"]["prompt_tokens"]
                 report["engines"][label] = summarize(raw)
                 if server != "kvserve":
                     peers.append(label)
+                if server == "llama-server":
                     report["http"].setdefault("llama_server", {k: raw[k] for k in ("context_tokens", "parallel")})
     for label in peers:
         report["ratios"][label] = ratios(report["engines"][kvserve_label_for(label)], report["engines"][label])

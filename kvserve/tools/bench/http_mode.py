@@ -53,21 +53,21 @@ def run_http(engine: str, model_path: str, token_ids: list[list[int]], max_token
     `progress(phase, tokens_done)` as in-process engines report."""
     num_threads = threads or len(os.sched_getaffinity(0))
     extra: dict = {}
-    if engine == "kvserve":
+    if engine.startswith("kvserve"):  # kvserve, kvserve+ngram
         server = kvserve_server(model_path, engine_kwargs)
     else:
         context = llama_server_context_tokens or llama_server_context(token_ids, max_tokens, concurrency,
                                                                        same_capacity_as)
         server = llama_server(llama_server_binary, model_path, concurrency, context, num_threads)
         extra = {"context_tokens": context, "parallel": concurrency, "kv_capacity_tokens": context}
-    target = HttpTarget(engine, "", SERVED_MODEL_NAME, EXTRA_BODY[engine])
+    target = HttpTarget(engine, "", SERVED_MODEL_NAME, EXTRA_BODY[server_of(engine)])
     total = sum(max_tokens)
     out: dict[str, dict] = {}
     if progress:
         progress("starting", None)
     with server:
         target.base_url = server.base_url
-        if engine == "kvserve":
+        if engine.startswith("kvserve"):
             import httpx
 
             extra = {"kv_capacity_tokens": kv_capacity_tokens(httpx.get(f"{server.base_url}/metrics").text)}
@@ -86,10 +86,12 @@ def run_http(engine: str, model_path: str, token_ids: list[list[int]], max_token
 
 
 def server_of(label: str) -> str:
-    return label.split("/", 1)[0]
+    """The server a pass label belongs to: llama-server for llama-server/warm, kvserve for kvserve+ngram."""
+    name = label.split("/", 1)[0]
+    return "kvserve" if name.startswith("kvserve") else name
 
 
 def kvserve_label_for(peer_label: str) -> str:
     """The kvserve pass a peer's pass is compared with: the same pass."""
-    return "kvserve" + peer_label[len(server_of(peer_label)):]
+    return "kvserve" + peer_label[len(peer_label.split("/", 1)[0]):]
 

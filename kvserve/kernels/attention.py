@@ -1,5 +1,6 @@
 """ctypes wrapper of the native paged-attention kernel (src/attention.cpp): float32 queries attend
-their keys straight from the cache pages, through the layer's KV codec, one (row, KV head) per thread.
+their keys straight from the cache pages, through the layer's KV codec; for fp32 and bf16 caches the
+step's new K/V rows are written into their slots by the same call.
 
 Which rows see which keys crosses the boundary as `AttentionRows` (built once per step by
 model/attention.py); the caches and codec parameters are passed per layer."""
@@ -16,6 +17,10 @@ from kvserve.kernels import KernelLibrary
 
 # codec name -> the kernel's codec id (src/attention.cpp enum Codec)
 CODEC_IDS = {"fp32": 0, "bf16": 1, "fp16": 2, "fp8_e4m3": 3, "fp8_e5m2": 3, "int8": 4, "int4": 5}
+# codecs whose write (a plain cast) the kernel does itself, with the torch cast's bits
+WRITES = frozenset({"fp32", "bf16"})
+# how the kernel spreads work over threads (src/attention.cpp enum Schedule); every one gives the same bits
+SCHEDULES = {"auto": 0, "tile": 1, "segment": 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,28 +36,33 @@ class AttentionRows:
     own_index: torch.Tensor | None  # [T] int64, or None when no row has an own-page view
 
 
-def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
 
 
 @functools.lru_cache(maxsize=None)
-def _entry(lib: KernelLibrary) -> ctypes._CFuncPtr:
+def _entry(lib: KernelLibrary) -> tuple[ctypes._CFuncPtr, int]:
+    """The kernel's entry point and this build's vector width."""
     fn = lib.lib.kvs_paged_attention
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     fn.argtypes = [ptr, i64, ptr, i64, i32, i32, i32, i32, i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
-                   ptr, ptr, ptr, ptr, ptr, ctypes.c_float, i32]
+                   ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ptr, ptr, i64, i64, ptr, i32, i32]
     fn.restype = ctypes.c_int
     lib.lib.kvs_simd_width.restype = ctypes.c_int
-    return fn
+    return fn, lib.lib.kvs_simd_width()
 
 
 def supports(lib: KernelLibrary, codec: str, head_dim: int, q: torch.Tensor) -> bool:
     """True when the kernel runs this codec and head_dim for these queries (float32 on the CPU)."""
     if codec not in CODEC_IDS or q.dtype != torch.float32 or q.device.type != "cpu":
         return False
-    _entry(lib)
-    width = lib.lib.kvs_simd_width()
+    width = _entry(lib)[1]
     return head_dim % (2 * width if codec == "int4" else width) == 0
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, kv_heads, head_dim] with heads contiguous (any token stride), as the kernel reads new rows."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
 def paged_attention(
@@ -60,11 +70,14 @@ def paged_attention(
     v: tuple[torch.Tensor, torch.Tensor], page_size: int, rows: AttentionRows, window: int | None,
     fp8_tables: tuple[torch.Tensor, torch.Tensor] | None = None,
     own: tuple[torch.Tensor, torch.Tensor] | None = None, num_threads: int | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, schedule: str = "auto",
 ) -> torch.Tensor:
     """q [T, heads, head_dim] float32 (rows may be strided) -> out [T, heads, head_dim]: softmax of
     q.k / sqrt(head_dim) over each row's keys lo..p, read from the pages k = (data, scales) and
     v = (data, scales) [num_pages, page_size, kv_heads, ...] in place. `own`: float32 views
-    [n, page_size, kv_heads, head_dim] that rows with own_index >= 0 read their own page from."""
+    [n, page_size, kv_heads, head_dim] that rows with own_index >= 0 read their own page from.
+    `new_kv` (codecs in WRITES): (k, v [T, kv_heads, head_dim] float32, slot_mapping [T]), written
+    into their slots before any row reads them."""
     num_rows, heads, head_dim = q.shape
     kv_heads = k[0].shape[2]
     if q.stride(2) != 1 or q.stride(1) != head_dim:
@@ -77,12 +90,19 @@ def paged_attention(
     own_k, own_v = own if own is not None else (None, None)
     k_table, v_table = fp8_tables if fp8_tables is not None else (None, None)
     scaled = k[1].shape[-1] > 0
-    rc = _entry(lib)(
+    k_new = v_new = slots = None
+    if new_kv is not None:
+        assert codec in WRITES and k[0].dtype == (torch.float32 if codec == "fp32" else torch.bfloat16)
+        k_new, v_new = _rows(new_kv[0].float()), _rows(new_kv[1].float())
+        slots = new_kv[2].contiguous()
+    rc = _entry(lib)[0](
         _ptr(q), q.stride(0), _ptr(out), num_rows, heads, kv_heads, head_dim, page_size, window or 0,
         CODEC_IDS[codec], _ptr(k[0]), _ptr(v[0]), _ptr(k[1] if scaled else None), _ptr(v[1] if scaled else None),
         _ptr(k_table), _ptr(v_table), _ptr(rows.positions), _ptr(rows.table_offsets), _ptr(rows.table_first),
         _ptr(rows.tables), _ptr(own_k), _ptr(own_v), _ptr(rows.own_index if own is not None else None),
-        head_dim**-0.5, num_threads or torch.get_num_threads())
+        head_dim**-0.5, _ptr(k_new), _ptr(v_new), k_new.stride(0) if k_new is not None else 0,
+        v_new.stride(0) if v_new is not None else 0, _ptr(slots), SCHEDULES[schedule],
+        num_threads or torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"native attention cannot run codec {codec} with head_dim {head_dim}")
     return out

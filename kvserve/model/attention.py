@@ -200,13 +200,18 @@ def gather_pages(cache: PagedKV, block_tables: torch.Tensor, dtype: torch.dtype)
     return cache.read(block_tables, dtype, rotated=True).view(b, p * cache.shape[1], *cache.shape[2:])
 
 
+_FROM_ENV = object()  # paged_attention's `lib` default: kernels.library()
+
+
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: PagedKV, v_cache: PagedKV,
-    meta: AttentionMetadata,
+    meta: AttentionMetadata, lib: kernels.KernelLibrary | None | object = _FROM_ENV,
 ) -> torch.Tensor:
     """Write this step's k, v [T, kv_heads, head_dim] into their slots, then attend:
-    q [T, heads, head_dim] -> [T, heads, head_dim]."""
-    lib = kernels.library()
+    q [T, heads, head_dim] -> [T, heads, head_dim]. `lib`: the native kernels (None: the torch
+    path), when the caller already knows them (the model, once per step)."""
+    if lib is _FROM_ENV:
+        lib = kernels.library()
     if lib is not None and native.supports(lib, k_cache.codec.name, q.shape[-1], q):
         return _native_attention(lib, q, k, v, k_cache, v_cache, meta)
     num_heads, head_dim = q.shape[1:]
@@ -279,8 +284,14 @@ def _native_attention(
     lib: kernels.KernelLibrary, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: PagedKV,
     v_cache: PagedKV, meta: AttentionMetadata,
 ) -> torch.Tensor:
-    """paged_attention on the native kernel: the same write, then every row (decode and prefill alike)
-    attends its keys from the pages in place, in one fixed order (kernels/src/attention.cpp)."""
+    """paged_attention on the native kernel: the same write (for fp32 / bf16 caches done by the kernel
+    call itself), then every row (decode and prefill alike) attends its keys from the pages in place,
+    in one fixed order (kernels/src/attention.cpp)."""
+    name = k_cache.codec.name
+    if name in native.WRITES and v_cache.codec is k_cache.codec:
+        return native.paged_attention(lib, q, name, (k_cache.data, k_cache.scales), (v_cache.data, v_cache.scales),
+                                      meta.page_size, meta.rows_for_kernel(), meta.window,
+                                      new_kv=(k, v, meta.slot_mapping))
     own = None
     if k_cache.page_scaled and meta.prefills:  # each prefill query sees its own page as decode did
         views = [(k_cache.own_page_views(k[c.row:c.row + c.num_tokens], c.start_pos, c.block_table),

@@ -17,6 +17,7 @@ from kvserve.config import ModelConfig
 from kvserve.kernels import ops as native_ops
 from kvserve.model.attention import AttentionMetadata, paged_attention
 from kvserve.model.gguf_loader import GGUFTensor
+from kvserve.model.kv_quant import PagedKV
 from kvserve.model.linear import WeightBuilder
 
 
@@ -113,12 +114,18 @@ class DecoderLayer(nn.Module):
         self.down = wb.linear([f"{mlp}.down_proj.weight"])
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
-        v_cache: torch.Tensor, meta: AttentionMetadata, lib: kernels.KernelLibrary | None = None,
-    ) -> torch.Tensor:
-        """`lib`: the native kernels run the norms, RoPE and the activation (float32 on the CPU)."""
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+        k_cache: PagedKV, v_cache: PagedKV, meta: AttentionMetadata, lib: kernels.KernelLibrary | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's input is x + residual (residual None: x), added in the input norm's pass.
+        Returns (h, m): the next input is h + m, left to the next norm. `lib`: the native kernels run
+        the norms, RoPE, the KV write and attention, and the activation (float32 on the CPU)."""
         t = x.shape[0]
-        qkv = self.qkv(self.input_norm(x, lib))  # [T, (H + 2 KVH) * hd]
+        if residual is None:
+            normed = self.input_norm(x, lib)
+        else:
+            x, normed = self.input_norm.add_forward(x, residual, lib)
+        qkv = self.qkv(normed)  # [T, (H + 2 KVH) * hd]
         h_q, h_kv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         q_size = h_q * hd
         # Q and K heads side by side get RoPE in one pass: [T, H + KVH, hd]
@@ -134,7 +141,7 @@ class DecoderLayer(nn.Module):
             if self.q_scale != 1.0:
                 q = q * self.q_scale
         v = qkv[:, (h_q + h_kv) * hd :].view(t, h_kv, hd)
-        attn = paged_attention(q, k, v, k_cache, v_cache, meta)  # [T, H, hd]
+        attn = paged_attention(q, k, v, k_cache, v_cache, meta, lib)  # [T, H, hd]
         o = self.o_proj(attn.reshape(t, q_size))  # [T, hidden]
         h, normed = self.post_attention_norm.add_forward(
             x, o if self.attn_out_norm is None else self.attn_out_norm(o, lib), lib)
@@ -145,7 +152,7 @@ class DecoderLayer(nn.Module):
         else:
             gate, up = gate_up.chunk(2, dim=-1)  # [T, inter] x2
             m = self.down(self.act(gate) * up)
-        return h + (m if self.mlp_out_norm is None else self.mlp_out_norm(m, lib))
+        return h, (m if self.mlp_out_norm is None else self.mlp_out_norm(m, lib))
 
 
 class LlamaModel(nn.Module):
@@ -191,12 +198,13 @@ class LlamaModel(nn.Module):
         local_rope = self.local_rope(positions) if self.local_rope is not None else rope
         windowed = {w: (window_meta or meta).with_window(w) for w in set(self.windows) if w is not None}
         lib = kernels.library() if x.dtype == torch.float32 and x.device.type == "cpu" else None
+        residual = None  # each layer's output is x + residual, added by the next norm
         for layer, window, (k_cache, v_cache) in zip(self.layers, self.windows, kv_caches):
             if window is None:
-                x = layer(x, rope, k_cache, v_cache, meta, lib)
+                x, residual = layer(x, residual, rope, k_cache, v_cache, meta, lib)
             else:
-                x = layer(x, local_rope, k_cache, v_cache, windowed[window], lib)
-        return self.norm(x, lib)
+                x, residual = layer(x, residual, local_rope, k_cache, v_cache, windowed[window], lib)
+        return self.norm(x, lib) if residual is None else self.norm.add_forward(x, residual, lib)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in float32."""

@@ -185,6 +185,52 @@ def test_a_decode_row_equals_the_same_position_inside_a_prefill_chunk(isa):
     assert torch.equal(hit[37], chunk[37])
 
 
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("window", [None, 300])
+def test_rows_across_segments_get_the_same_bits_on_every_schedule(isa, kv_dtype, window):
+    """Rows whose keys span several 256-key segments (merged partial softmaxes): values agree with
+    float64, and each row's bits are the same whether its segments run one after another on one
+    thread or as units of their own on 1 or 2 threads, as a decode row or inside a prefill chunk."""
+    n, page_size, tail = 600, 16, 20
+    q, k, v, pages = sequence(7, n, 9, 3, 64, page_size)
+    at_once, (k_cache, v_cache) = run_schedule(kv_dtype, q, k, v, page_size, pages, [n], window)
+    table = torch.tensor(pages)
+    k_values = k_cache.read(table, torch.float64).reshape(-1, 3, 64)[:n]
+    v_values = v_cache.read(table, torch.float64).reshape(-1, 3, 64)[:n]
+    torch.testing.assert_close(at_once.double(), float64_reference(q, k_values, v_values, window),
+                               atol=2e-6, rtol=2e-5)
+    lib = kernels.library()
+    caches = (k_cache.data, k_cache.scales), (v_cache.data, v_cache.scales)
+    tables = None
+    if kv_dtype.startswith("fp8"):
+        tables = (k_cache.codec.lookup_table(), v_cache.codec.lookup_table())
+    for start, size in ((n - tail, tail), (n - 1, 1)):  # a prefill chunk's rows, a decode row
+        meta = AttentionMetadata.build([start], [size], [pages], page_size)
+        meta = meta.with_window(window) if window is not None else meta
+        for schedule in ("tile", "segment", "auto"):
+            for threads in (1, 2):
+                out = native.paged_attention(lib, q[start:], kv_dtype, *caches, page_size, meta.rows_for_kernel(),
+                                             window, tables, num_threads=threads, schedule=schedule)
+                assert torch.equal(out, at_once[start:]), (start, schedule, threads)
+
+
+@pytest.mark.parametrize("kv_dtype", sorted(native.WRITES))
+def test_the_kernel_writes_new_rows_as_the_torch_codec_does(isa, kv_dtype, monkeypatch):
+    """The kernel call writes the step's K/V itself for these codecs: the cache holds the same bytes
+    as after the torch path's write, rounding ties, infinities, NaN and subnormals included."""
+    n, page_size = 37, 4
+    q, k, v, pages = sequence(8, n, 9, 3, 32, page_size)
+    ties = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), float("inf"), -float("inf"), float("nan"),
+                         1e-40, -3e-39, 3.4e38, 0.0, -0.0])
+    k[0, 0, : ties.numel()] = ties
+    v[1, 2, -ties.numel():] = ties
+    _, native_caches = run_schedule(kv_dtype, q, k, v, page_size, pages, [20, 1, 16])
+    monkeypatch.setenv("KVSERVE_KERNELS", "off")
+    _, torch_caches = run_schedule(kv_dtype, q, k, v, page_size, pages, [20, 1, 16])
+    for ours, theirs in zip(native_caches, torch_caches):
+        assert torch.equal(ours.data.view(torch.uint8), theirs.data.view(torch.uint8))
+
+
 def test_unsupported_shapes_fall_back_to_the_torch_path(isa):
     lib = kernels.library()
     width = lib.lib.kvs_simd_width() if native.supports(lib, "fp32", 64, torch.zeros(1)) else 1

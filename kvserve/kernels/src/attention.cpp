@@ -1,19 +1,28 @@
 // Paged attention over the KV cache pages in place: for each (query row, KV head) an online softmax
-// over the row's keys, position lo..p, in blocks of BLOCK absolute positions. One thread takes a tile
-// (up to TILE consecutive rows of one block table) x one KV head: each block of K/V is decoded from
-// its page through the layer's codec once for the tile, K transposed (keys along vector lanes), then
-// every (row, head) of the tile takes its keys of the block.
+// over the row's keys, positions lo..p. The keys are cut into SEGMENTs of absolute positions; each
+// segment gives a partial state (max m, sum l, unnormalized output o) from an online softmax over its
+// BLOCKs, and a row's partials are merged in ascending segment order. A tile (up to TILE consecutive
+// rows of one block table) decodes each block of K/V once for all its rows.
 //
 //   cache [num_pages, page_size, kv_heads, head_dim (int4: head_dim / 2 bytes)]
 //   row r: position p, keys lo..p (lo = max(0, p - window + 1)); logical page i of its block table
 //          is tables[table_offsets[r] + i - table_first[r]]
 //
+//   keys 0 .. 255 | 256 .. 511 | 512 .. p     segments (SEGMENT = 256), each blocks of 16
+//        (m,l,o)0     (m,l,o)1     (m,l,o)2   -> merge(merge(0, 1), 2) -> o / l
+//
+// Two schedules, the same float operations: with few (tile, KV head) units for the threads (one
+// decode row, 3 KV heads, 2 threads) every (tile, head, segment) is a unit of its own, its partial
+// kept in a buffer, merged by whichever thread attends a (tile, head)'s last segment; with many, a thread takes a (tile, head) and merges as it goes.
+//
 // Invariance by construction: a (row, head)'s float operations depend only on p, lo and the values of
-// its keys, never on the other rows, the tile, the chunking or the thread count (a row's keys are
-// never split; a score is one fma chain over head_dim; sums over a block use one fixed lane tree).
+// its keys, never on the other rows, the tile, the chunking, the schedule or the thread count (a
+// score is one fma chain per lane over head_dim then one fixed lane tree; a block's sums use one
+// fixed tree; segments are fixed by absolute position and always merged in one order).
 #include "ops_simd.h"
 #include <omp.h>
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <vector>
 
@@ -22,9 +31,13 @@ namespace {
 using namespace kvs::simd;
 
 constexpr int BLOCK = 16;  // keys per online-softmax step, aligned to absolute positions
+constexpr int KG = 4;  // keys whose scores are reduced together (reduce4)
+constexpr int SEGMENT = 256;  // keys per partial softmax state, aligned to absolute positions
 constexpr int TILE = 16;  // prefill rows of one table attended together (each key block decoded once)
+static_assert(SEGMENT % BLOCK == 0 && BLOCK % KG == 0, "blocks never straddle segments");
 
 enum Codec : int { FP32 = 0, BF16 = 1, FP16 = 2, FP8 = 3, INT8 = 4, INT4 = 5 };
+enum Schedule : int { AUTO = 0, BY_TILE = 1, BY_SEGMENT = 2 };
 
 struct Args {
     const float* q;
@@ -53,247 +66,396 @@ int64_t row_bytes(const Args& a) {
     return a.codec == INT4 ? a.head_dim / 2 : static_cast<int64_t>(a.head_dim) * elem;
 }
 
-// One stored row of head_dim values -> float32 dst.
-void decode_row(const Args& a, const uint8_t* src, float scale, const float* table, float* dst) {
-    const int hd = a.head_dim;
-    switch (a.codec) {
-        case FP32:
-            std::memcpy(dst, src, sizeof(float) * hd);
-            break;
-        case BF16:
-            for (int d = 0; d < hd; d += W) vstore(dst + d, vload_bf16(reinterpret_cast<const uint16_t*>(src) + d));
-            break;
-        case FP16:
-            for (int d = 0; d < hd; d += W) vstore(dst + d, vload_f16(reinterpret_cast<const uint16_t*>(src) + d));
-            break;
-        case FP8:
-            for (int d = 0; d < hd; d += W) vstore(dst + d, vlookup(table, src + d));
-            break;
-        case INT8: {  // (code + 0.5) * s, exact
-            vf s = vset1(scale), half = vset1(0.5f);
-            for (int d = 0; d < hd; d += W)
-                vstore(dst + d, vmul(vadd(vload_i8(reinterpret_cast<const int8_t*>(src) + d), half), s));
-            break;
-        }
-        case INT4: {  // byte j: code j in the low nibble, code j + hd/2 in the high one, each + 8
-            const int half_dim = hd / 2;
-            float lo[W], hi[W];
-            for (int d = 0; d < half_dim; d += W) {
-                for (int i = 0; i < W; ++i) {
-                    lo[i] = static_cast<float>(src[d + i] & 15);
-                    hi[i] = static_cast<float>(src[d + i] >> 4);
-                }
-                vf s = vset1(scale), off = vset1(7.5f);
-                vstore(dst + d, vmul(vsub(vload(lo), off), s));
-                vstore(dst + half_dim + d, vmul(vsub(vload(hi), off), s));
-            }
-            break;
-        }
-    }
-}
-
-struct Scratch {
-    std::vector<float> kt;  // [head_dim, BLOCK] one block of decoded keys, transposed (keys along lanes)
-    std::vector<float> k, v;  // [BLOCK, head_dim] decoded keys / values (codecs other than fp32)
-    std::vector<float> zero;  // [head_dim] zeros: the rows of lanes no query reads
-    std::vector<float> q, o;  // [rows * group, head_dim] scaled queries, output accumulators
-    std::vector<float> s;  // [rows * group, BLOCK] scores, then probabilities
-    std::vector<float> m, l;  // [rows * group] running max and sum
-};
-
-constexpr int NV = BLOCK / W > 0 ? BLOCK / W : 1;  // vectors per block of scores
-constexpr int QB = W == 1 ? 2 : 4;  // query vectors per pass over a key block (registers)
-
-// s[q][j] = sum_d qs[q][d] * kt[d][j] for j in the block, d ascending: one fma chain per score, so a
-// score never depends on which query vectors share the pass.
-template <int NQ>
-void scores(const float* qs, const float* kt, int hd, float* s) {
-    vf acc[NQ][NV];
-    for (int q = 0; q < NQ; ++q)
-        for (int v = 0; v < NV; ++v) acc[q][v] = vzero();
-    for (int d = 0; d < hd; ++d) {
-        vf k[NV];
-        for (int v = 0; v < NV; ++v) k[v] = vload(kt + d * BLOCK + v * W);
-        for (int q = 0; q < NQ; ++q) {
-            vf b = vset1(qs[q * hd + d]);
-            for (int v = 0; v < NV; ++v) acc[q][v] = vfma(b, k[v], acc[q][v]);
-        }
-    }
-    for (int q = 0; q < NQ; ++q)
-        for (int v = 0; v < NV; ++v) vstore(s + q * BLOCK + v * W, acc[q][v]);
-}
-
-void all_scores(const float* qs, const float* kt, int nq, int hd, float* s) {
-    int q = 0;
-    for (; q + QB <= nq; q += QB) scores<QB>(qs + q * hd, kt, hd, s + q * BLOCK);
-    switch (nq - q) {  // the rest in one pass (independent chains keep the FMA units busy)
-        case 3: scores<3>(qs + q * hd, kt, hd, s + q * BLOCK); break;
-        case 2: scores<2>(qs + q * hd, kt, hd, s + q * BLOCK); break;
-        case 1: scores<1>(qs + q * hd, kt, hd, s + q * BLOCK); break;
-        default: break;
-    }
-}
-
-// o += sum_j p[j] v_j over j in [j0, j1] (block offsets), each element's sum in ascending j; ND
-// vectors of o at once (independent chains).
-template <int ND>
-void accumulate_span(const float* p, const float* const* vb, int j0, int j1, int d0, float* o) {
-    vf acc[ND];
-    for (int c = 0; c < ND; ++c) acc[c] = vload(o + d0 + c * W);
-    for (int j = j0; j <= j1; ++j) {
-        const vf pj = vset1(p[j]);
-        const float* vr = vb[j] + d0;
-        for (int c = 0; c < ND; ++c) acc[c] = vfma(pj, vload(vr + c * W), acc[c]);
-    }
-    for (int c = 0; c < ND; ++c) vstore(o + d0 + c * W, acc[c]);
-}
-
-void accumulate(const float* p, const float* const* vb, int j0, int j1, int hd, float* o) {
-    int d = 0;
-    for (; d + 8 * W <= hd; d += 8 * W) accumulate_span<8>(p, vb, j0, j1, d, o);
-    for (; d + 2 * W <= hd; d += 2 * W) accumulate_span<2>(p, vb, j0, j1, d, o);
-    for (; d < hd; d += W) accumulate_span<1>(p, vb, j0, j1, d, o);
-}
-
-// kt[d][jj] = rows[jj][d] for jj < BLOCK (keys along lanes).
-void transpose_block(const float* const* rows, int hd, float* kt) {
-#if defined(KVS_ISA_AVX2) || defined(KVS_ISA_AVX512)
-    for (int j8 = 0; j8 < BLOCK; j8 += 8) {
-        for (int d = 0; d < hd; d += 8) {  // 8x8 tile: rows j8.., dims d..
-            __m256 r[8];
-            for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows[j8 + i] + d);
-            __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-            __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-            __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-            __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-            __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-            __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-            __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-            __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-            float* out = kt + d * BLOCK + j8;
-            _mm256_storeu_ps(out + 0 * BLOCK, _mm256_permute2f128_ps(u0, u4, 0x20));
-            _mm256_storeu_ps(out + 1 * BLOCK, _mm256_permute2f128_ps(u1, u5, 0x20));
-            _mm256_storeu_ps(out + 2 * BLOCK, _mm256_permute2f128_ps(u2, u6, 0x20));
-            _mm256_storeu_ps(out + 3 * BLOCK, _mm256_permute2f128_ps(u3, u7, 0x20));
-            _mm256_storeu_ps(out + 4 * BLOCK, _mm256_permute2f128_ps(u0, u4, 0x31));
-            _mm256_storeu_ps(out + 5 * BLOCK, _mm256_permute2f128_ps(u1, u5, 0x31));
-            _mm256_storeu_ps(out + 6 * BLOCK, _mm256_permute2f128_ps(u2, u6, 0x31));
-            _mm256_storeu_ps(out + 7 * BLOCK, _mm256_permute2f128_ps(u3, u7, 0x31));
-        }
-    }
+// The W low and W high nibbles of bytes src[0..W) as floats.
+inline void load_nibbles(const uint8_t* src, vf& lo, vf& hi) {
+#if defined(KVS_ISA_AVX512)
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+    lo = {_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)))};
+    hi = {_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4))};
+#elif defined(KVS_ISA_AVX2)
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
+    lo = {_mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)))};
+    hi = {_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4))};
 #else
-    for (int j = 0; j < BLOCK; ++j)
-        for (int d = 0; d < hd; ++d) kt[d * BLOCK + j] = rows[j][d];
+    lo = {static_cast<float>(src[0] & 15)};
+    hi = {static_cast<float>(src[0] >> 4)};
 #endif
 }
 
-// Rows row0 .. row0 + rows - 1 (one block table, keys read from the cache; or one row with an
-// own-page view) x the `group` query heads of KV head h. Each (row, head) sees exactly the blocks
-// and keys it would see alone: blocks outside its range are skipped, masked lanes never summed.
-void attend_tile(const Args& a, int64_t row0, int rows, int h, Scratch& sc) {
-    const int hd = a.head_dim, group = a.heads / a.kv_heads, ps = a.page_size, nq = rows * group;
+// One stored row of head_dim values -> float32 dst (every codec's values are exact in float32).
+template <int C>
+inline void decode_row(const uint8_t* src, int hd, float scale, const float* table, float* dst) {
+    if constexpr (C == BF16) {
+        for (int d = 0; d < hd; d += W) vstore(dst + d, vload_bf16(reinterpret_cast<const uint16_t*>(src) + d));
+    } else if constexpr (C == FP16) {
+        for (int d = 0; d < hd; d += W) vstore(dst + d, vload_f16(reinterpret_cast<const uint16_t*>(src) + d));
+    } else if constexpr (C == FP8) {
+        for (int d = 0; d < hd; d += W) vstore(dst + d, vlookup(table, src + d));
+    } else if constexpr (C == INT8) {  // (code + 0.5) * s
+        const vf s = vset1(scale), half = vset1(0.5f);
+        for (int d = 0; d < hd; d += W)
+            vstore(dst + d, vmul(vadd(vload_i8(reinterpret_cast<const int8_t*>(src) + d), half), s));
+    } else if constexpr (C == INT4) {  // byte j: code j in the low nibble, code j + hd/2 in the high one, each + 8
+        const int half_dim = hd / 2;
+        const vf s = vset1(scale), off = vset1(7.5f);
+        for (int d = 0; d < half_dim; d += W) {
+            vf lo, hi;
+            load_nibbles(src + d, lo, hi);
+            vstore(dst + d, vmul(vsub(lo, off), s));
+            vstore(dst + half_dim + d, vmul(vsub(hi, off), s));
+        }
+    }
+}
+
+// The rows of one tile and the keys each sees.
+struct Tile {
+    int64_t row0;
+    int rows;
+    int64_t lo[TILE], hi[TILE];  // each row's first and last key
+    int64_t kmin, kmax;  // over the tile
+    int64_t own;  // own-page view index (rows == 1), or -1
+    int64_t own_start;  // keys from here on come from the own view
+    const int64_t* table;  // logical page i at table[i]
+};
+
+Tile make_tile(const Args& a, int64_t row0, int rows) {
+    Tile t;
+    t.row0 = row0;
+    t.rows = rows;
+    t.table = a.tables + a.table_offsets[row0] - a.table_first[row0];
+    t.own = a.own_index ? a.own_index[row0] : -1;
+    t.kmin = INT64_MAX;
+    t.kmax = -1;
+    for (int i = 0; i < rows; ++i) {
+        t.hi[i] = a.positions[row0 + i];
+        t.lo[i] = a.window > 0 && t.hi[i] - a.window + 1 > 0 ? t.hi[i] - a.window + 1 : 0;
+        t.kmin = std::min(t.kmin, t.lo[i]);
+        t.kmax = std::max(t.kmax, t.hi[i]);
+    }
+    t.own_start = t.own >= 0 ? t.hi[0] - t.hi[0] % a.page_size : t.kmax + 1;
+    return t;
+}
+
+struct Scratch {
+    std::vector<float> k, v;  // [BLOCK, head_dim] decoded keys / values (codecs other than fp32)
+    std::vector<float> zero;  // [head_dim] zeros (float32 or bf16): the keys of a score batch no row reads
+    std::vector<float> q;  // [rows * group, head_dim] scaled queries
+    std::vector<float> s;  // [rows * group, BLOCK] scores, then probabilities
+    std::vector<float> m, l, o;  // one segment's partial state [rows * group] (o: x head_dim)
+    std::vector<float> sm, sl, so;  // the merged state
+
+    void prepare(int nq, int hd) {
+        const size_t n = static_cast<size_t>(nq);
+        q.resize(n * hd);
+        s.resize(n * BLOCK);
+        m.resize(n);
+        l.resize(n);
+        o.resize(n * hd);
+        sm.resize(n);
+        sl.resize(n);
+        so.resize(n * hd);
+    }
+};
+
+// A key / value row as the score and p . v loops read it: float32 (fp32 pages, own-page views and
+// rows decoded into scratch) or bf16 pages in place, widened in registers (exact).
+template <bool B16>
+inline vf load_row(const void* row, int d) {
+    if constexpr (B16) return vload_bf16(static_cast<const uint16_t*>(row) + d);
+    else return vload(static_cast<const float*>(row) + d);
+}
+
+// out[k] = the sum of acc[k]'s lanes for k < KG, each by one fixed tree whatever the other
+// accumulators hold: AVX2 ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)); AVX-512 first adds lanes i and i+8.
+inline void reduce4(const vf* acc, float* out) {
+#if defined(KVS_ISA_AVX2) || defined(KVS_ISA_AVX512)
+    __m256 x[KG];
+    for (int k = 0; k < KG; ++k) {
+#if defined(KVS_ISA_AVX512)
+        x[k] = _mm256_add_ps(_mm512_castps512_ps256(acc[k].v), _mm512_extractf32x8_ps(acc[k].v, 1));
+#else
+        x[k] = acc[k].v;
+#endif
+    }
+    const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));  // [low | high halves]
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+#else
+    for (int k = 0; k < KG; ++k) out[k] = acc[k].v;
+#endif
+}
+
+// s[i * BLOCK + k] = q_i . key k for NQ query vectors (hd floats apart) and the KG keys kb[0..KG):
+// per lane one fma chain over head_dim, then reduce4 (a score never depends on its neighbours).
+template <bool B16, int NQ>
+inline void scores_kg(const float* q, const void* const* kb, int hd, float* s) {
+    vf acc[NQ][KG];
+    {
+        vf k[KG];
+        for (int kk = 0; kk < KG; ++kk) k[kk] = load_row<B16>(kb[kk], 0);
+        for (int i = 0; i < NQ; ++i) {
+            const vf qd = vload(q + i * hd);
+            for (int kk = 0; kk < KG; ++kk) acc[i][kk] = vmul(qd, k[kk]);
+        }
+    }
+    for (int d = W; d < hd; d += W) {
+        vf k[KG];
+        for (int kk = 0; kk < KG; ++kk) k[kk] = load_row<B16>(kb[kk], d);
+        for (int i = 0; i < NQ; ++i) {
+            const vf qd = vload(q + i * hd + d);
+            for (int kk = 0; kk < KG; ++kk) acc[i][kk] = vfma(qd, k[kk], acc[i][kk]);
+        }
+    }
+    for (int i = 0; i < NQ; ++i) reduce4(acc[i], s + i * BLOCK);
+}
+
+// Scores of nq query vectors against the block's keys in groups g0..g1 (offsets, multiples of KG).
+template <bool B16>
+void block_scores(const float* q, int nq, const void* const* kb, int g0, int g1, int hd, float* s) {
+    for (int g = g0; g <= g1; g += KG) {
+        int i = 0;
+        for (; i + 2 <= nq; i += 2) scores_kg<B16, 2>(q + i * hd, kb + g, hd, s + i * BLOCK + g);
+        if (i < nq) scores_kg<B16, 1>(q + i * hd, kb + g, hd, s + i * BLOCK + g);
+    }
+}
+
+// o_i += sum_j p_i[j] v_j for NQ query vectors of one row (p_i at p + i * BLOCK, o_i at o + i * hd),
+// keys j0..j1 ascending, ND vectors of head_dim from d0: each element one fma chain in j, whatever
+// NQ and ND are (they only decide which chains share a value load).
+template <bool B16, int NQ, int ND>
+inline void accumulate_span(const float* p, const void* const* vb, int j0, int j1, int d0, int hd, float* o) {
+    vf acc[NQ][ND];
+    for (int i = 0; i < NQ; ++i)
+        for (int c = 0; c < ND; ++c) acc[i][c] = vload(o + i * hd + d0 + c * W);
+    for (int j = j0; j <= j1; ++j) {
+        vf pj[NQ];
+        for (int i = 0; i < NQ; ++i) pj[i] = vset1(p[i * BLOCK + j]);
+        for (int c = 0; c < ND; ++c) {
+            const vf vr = load_row<B16>(vb[j], d0 + c * W);
+            for (int i = 0; i < NQ; ++i) acc[i][c] = vfma(pj[i], vr, acc[i][c]);
+        }
+    }
+    for (int i = 0; i < NQ; ++i)
+        for (int c = 0; c < ND; ++c) vstore(o + i * hd + d0 + c * W, acc[i][c]);
+}
+
+template <bool B16, int NQ>
+void accumulate_rows(const float* p, const void* const* vb, int j0, int j1, int hd, float* o) {
+    constexpr int ND = NQ == 1 ? 8 : 4;  // NQ * ND accumulators + NQ probabilities + one value in registers
+    int d = 0;
+    for (; d + ND * W <= hd; d += ND * W) accumulate_span<B16, NQ, ND>(p, vb, j0, j1, d, hd, o);
+    for (; d + 2 * W <= hd; d += 2 * W) accumulate_span<B16, NQ, 2>(p, vb, j0, j1, d, hd, o);
+    for (; d < hd; d += W) accumulate_span<B16, NQ, 1>(p, vb, j0, j1, d, hd, o);
+}
+
+// p . v for the n query vectors of one row, three at a time.
+template <bool B16>
+void accumulate(const float* p, const void* const* vb, int j0, int j1, int hd, int n, float* o) {
+    int i = 0;
+    for (; i + 3 <= n; i += 3) accumulate_rows<B16, 3>(p + i * BLOCK, vb, j0, j1, hd, o + i * hd);
+    if (n - i == 2) accumulate_rows<B16, 2>(p + i * BLOCK, vb, j0, j1, hd, o + i * hd);
+    if (n - i == 1) accumulate_rows<B16, 1>(p + i * BLOCK, vb, j0, j1, hd, o + i * hd);
+}
+
+// kb[jj], vb[jj] for the keys j0..j1 of the block at b0 (jj = j - b0): rows of the cache (fp32 and
+// bf16 in place), of the own-page view, or decoded into scratch. Keys outside j0..j1 point at zeros.
+// Walks the block table page by page (one division per block).
+template <int C>
+void load_block(const Args& a, const Tile& t, int h, int64_t b0, int64_t j0, int64_t j1, Scratch& sc,
+                const void** kb, const void** vb) {
+    const int hd = a.head_dim, ps = a.page_size, kvh = a.kv_heads;
+    for (int jj = 0; jj < BLOCK; ++jj) kb[jj] = vb[jj] = sc.zero.data();
     const int64_t rb = row_bytes(a);
-    const int64_t* table = a.tables + a.table_offsets[row0] - a.table_first[row0];
     const auto* kd = static_cast<const uint8_t*>(a.k_data);
     const auto* vd = static_cast<const uint8_t*>(a.v_data);
-    const int64_t own = a.own_index ? a.own_index[row0] : -1;  // rows == 1 when own >= 0
-    int64_t lo[TILE], hi[TILE];
-    int64_t kmin = INT64_MAX, kmax = -1;
-    for (int i = 0; i < rows; ++i) {
-        hi[i] = a.positions[row0 + i];
-        lo[i] = a.window > 0 && hi[i] - a.window + 1 > 0 ? hi[i] - a.window + 1 : 0;
-        kmin = lo[i] < kmin ? lo[i] : kmin;
-        kmax = hi[i] > kmax ? hi[i] : kmax;
+    const int64_t cached_end = std::min(j1, t.own_start - 1);
+    int64_t j = j0;
+    if (j <= cached_end) {
+        int64_t li = j / ps;
+        int off = static_cast<int>(j % ps);
+        int64_t page = t.table[li];
+        for (; j <= cached_end; ++j, ++off) {
+            if (off == ps) {
+                off = 0;
+                page = t.table[++li];
+            }
+            const int jj = static_cast<int>(j - b0);
+            const int64_t slot = (page * ps + off) * kvh + h;
+            if constexpr (C == FP32 || C == BF16) {
+                kb[jj] = kd + slot * rb;
+                vb[jj] = vd + slot * rb;
+            } else {
+                const float ks = a.k_scales ? a.k_scales[page * kvh + h] : 0.0f;
+                const float vs = a.v_scales ? a.v_scales[page * kvh + h] : 0.0f;
+                decode_row<C>(kd + slot * rb, hd, ks, a.k_table, sc.k.data() + jj * hd);
+                decode_row<C>(vd + slot * rb, hd, vs, a.v_table, sc.v.data() + jj * hd);
+                kb[jj] = sc.k.data() + jj * hd;
+                vb[jj] = sc.v.data() + jj * hd;
+            }
+        }
     }
-    const int64_t own_start = own >= 0 ? hi[0] - hi[0] % ps : kmax + 1;  // keys from here: the own view
-    sc.q.resize(static_cast<size_t>(nq) * hd);
-    sc.o.assign(static_cast<size_t>(nq) * hd, 0.0f);
-    sc.s.resize(static_cast<size_t>(nq) * BLOCK);
-    sc.m.assign(nq, -INFINITY);
-    sc.l.assign(nq, 0.0f);
+    for (; j <= j1; ++j) {  // float32 views: only int codecs have them (never bf16)
+        const int jj = static_cast<int>(j - b0);
+        const int64_t at = ((t.own * ps + (j - t.own_start)) * kvh + h) * hd;
+        kb[jj] = a.k_own + at;
+        vb[jj] = a.v_own + at;
+    }
+}
+
+// One query vector takes the block's keys c0..c1 (scores in sq): max, rescale, exp, sum; sq then
+// holds its probabilities (zero outside c0..c1) for accumulate.
+inline void softmax_step(float* sq, int c0, int c1, int hd, float& m, float& l, float* o) {
+    const bool full = c0 == 0 && c1 == BLOCK - 1;
+    float mb;
+    if (full) {
+        vf mx = vload(sq);
+        for (int v = W; v < BLOCK; v += W) mx = vmax(mx, vload(sq + v));
+        mb = hmax(mx);
+    } else {
+        mb = sq[c0];
+        for (int j = c0 + 1; j <= c1; ++j) mb = sq[j] > mb ? sq[j] : mb;
+    }
+    const float m_old = m, m_new = mb > m_old ? mb : m_old;
+    // alpha rescales what earlier blocks accumulated; the first block has none (exp(0) is exactly 1)
+    const float alpha = m_old == -INFINITY ? 0.0f : m_old == m_new ? 1.0f : vfirst(vexp(vset1(m_old - m_new)));
+    m = m_new;
+    const vf mv = vset1(m_new);
+    for (int v = 0; v < BLOCK; v += W) vstore(sq + v, vexp(vsub(vload(sq + v), mv)));
+    if (!full) {  // lanes outside the row's keys add exact zeros to the sum below
+        for (int j = 0; j < c0; ++j) sq[j] = 0.0f;
+        for (int j = c1 + 1; j < BLOCK; ++j) sq[j] = 0.0f;
+    }
+    vf sum = vload(sq);  // one fixed tree over the block's lanes
+    for (int v = W; v < BLOCK; v += W) sum = vadd(sum, vload(sq + v));
+    l = l * alpha + hsum(sum);
+    if (alpha != 1.0f) {
+        const vf va = vset1(alpha);
+        for (int d = 0; d < hd; d += W) vstore(o + d, vmul(vload(o + d), va));
+    }
+}
+
+// The tile's queries of KV head h, scaled, into sc.q.
+void load_queries(const Args& a, const Tile& t, int h, Scratch& sc) {
+    const int hd = a.head_dim, group = a.heads / a.kv_heads;
     const vf sv = vset1(a.scale);
-    for (int i = 0; i < rows; ++i)
+    for (int i = 0; i < t.rows; ++i)
         for (int g = 0; g < group; ++g) {
-            const float* qr = a.q + (row0 + i) * a.q_row_stride + static_cast<int64_t>(h * group + g) * hd;
+            const float* qr = a.q + (t.row0 + i) * a.q_row_stride + static_cast<int64_t>(h * group + g) * hd;
             float* dst = sc.q.data() + (i * group + g) * hd;
             for (int d = 0; d < hd; d += W) vstore(dst + d, vmul(vload(qr + d), sv));
         }
-    const float* kb[BLOCK];
-    const float* vb[BLOCK];
+}
+
+// Segment `seg`'s partial state (m, l [nq], o [nq, hd]) of the tile's query vectors for KV head h,
+// from the scaled queries in sc.q. Rows that see no key of the segment are left at (-inf, 0, 0).
+template <int C>
+void attend_segment(const Args& a, const Tile& t, int h, int64_t seg, Scratch& sc, float* m, float* l, float* o) {
+    const int hd = a.head_dim, group = a.heads / a.kv_heads, nq = t.rows * group;
+    const int64_t s0 = seg * SEGMENT, s1 = s0 + SEGMENT - 1;
+    const int64_t kmin = std::max(t.kmin, s0), kmax = std::min(t.kmax, s1);
+    std::fill(m, m + nq, -INFINITY);
+    std::fill(l, l + nq, 0.0f);
+    std::fill(o, o + static_cast<size_t>(nq) * hd, 0.0f);
+    const void* kb[BLOCK];
+    const void* vb[BLOCK];
+    constexpr bool B16 = C == BF16;  // rows read in place as bf16; every other codec's rows are float32
     for (int64_t b0 = kmin - kmin % BLOCK; b0 <= kmax; b0 += BLOCK) {
-        const int64_t j0 = b0 > kmin ? b0 : kmin, j1 = b0 + BLOCK - 1 < kmax ? b0 + BLOCK - 1 : kmax;
-        for (int jj = 0; jj < BLOCK; ++jj) kb[jj] = vb[jj] = sc.zero.data();  // lanes no row reads
-        for (int64_t j = j0; j <= j1; ++j) {
-            const int jj = static_cast<int>(j - b0);
-            if (j >= own_start) {
-                const int64_t at = ((own * ps + (j - own_start)) * a.kv_heads + h) * hd;
-                kb[jj] = a.k_own + at;
-                vb[jj] = a.v_own + at;
-                continue;
-            }
-            const int64_t page = table[j / ps];
-            const int64_t slot = (page * ps + j % ps) * a.kv_heads + h;
-            if (a.codec == FP32) {
-                kb[jj] = reinterpret_cast<const float*>(kd) + slot * hd;
-                vb[jj] = reinterpret_cast<const float*>(vd) + slot * hd;
-                continue;
-            }
-            const float ks = a.k_scales ? a.k_scales[page * a.kv_heads + h] : 0.0f;
-            const float vs = a.v_scales ? a.v_scales[page * a.kv_heads + h] : 0.0f;
-            decode_row(a, kd + slot * rb, ks, a.k_table, sc.k.data() + jj * hd);
-            decode_row(a, vd + slot * rb, vs, a.v_table, sc.v.data() + jj * hd);
-            kb[jj] = sc.k.data() + jj * hd;
-            vb[jj] = sc.v.data() + jj * hd;
-        }
-        transpose_block(kb, hd, sc.kt.data());
-        all_scores(sc.q.data(), sc.kt.data(), nq, hd, sc.s.data());
-        // per row: its keys in this block, softmax bookkeeping, then p . v
-        for (int i = 0; i < rows; ++i) {
-            const int64_t r0 = b0 > lo[i] ? b0 : lo[i], r1 = b0 + BLOCK - 1 < hi[i] ? b0 + BLOCK - 1 : hi[i];
+        const int64_t j0 = std::max(b0, kmin), j1 = std::min(b0 + BLOCK - 1, kmax);
+        load_block<C>(a, t, h, b0, j0, j1, sc, kb, vb);
+        const int g0 = static_cast<int>(j0 - b0) / KG * KG, g1 = static_cast<int>(j1 - b0) / KG * KG;
+        block_scores<B16>(sc.q.data(), nq, kb, g0, g1, hd, sc.s.data());
+        for (int i = 0; i < t.rows; ++i) {
+            const int64_t r0 = std::max({b0, t.lo[i], s0}), r1 = std::min({b0 + BLOCK - 1, t.hi[i], s1});
             if (r0 > r1) continue;  // this row sees no key of the block
             const int c0 = static_cast<int>(r0 - b0), c1 = static_cast<int>(r1 - b0);
-            const bool full = c0 == 0 && c1 == BLOCK - 1;
             for (int g = 0; g < group; ++g) {
                 const int qv = i * group + g;
-                float* sq = sc.s.data() + qv * BLOCK;
-                float mb;
-                if (full) {
-                    vf mx = vload(sq);
-                    for (int v = 1; v < NV; ++v) mx = vmax(mx, vload(sq + v * W));
-                    mb = hmax(mx);
-                } else {
-                    mb = sq[c0];
-                    for (int j = c0 + 1; j <= c1; ++j) mb = sq[j] > mb ? sq[j] : mb;
-                }
-                const float m_old = sc.m[qv], m_new = mb > m_old ? mb : m_old;
-                // alpha rescales what earlier blocks accumulated; the first block has none
-                const float alpha = m_old == -INFINITY ? 0.0f : vfirst(vexp(vset1(m_old - m_new)));
-                sc.m[qv] = m_new;
-                const vf mv = vset1(m_new);
-                for (int v = 0; v < NV; ++v) vstore(sq + v * W, vexp(vsub(vload(sq + v * W), mv)));
-                if (!full) {  // lanes outside the row's keys add exact zeros to the sum below
-                    for (int j = 0; j < c0; ++j) sq[j] = 0.0f;
-                    for (int j = c1 + 1; j < BLOCK; ++j) sq[j] = 0.0f;
-                }
-                vf sum = vload(sq);  // one fixed tree over the block's lanes
-                for (int v = 1; v < NV; ++v) sum = vadd(sum, vload(sq + v * W));
-                sc.l[qv] = sc.l[qv] * alpha + hsum(sum);
-                if (alpha != 1.0f) {
-                    const vf va = vset1(alpha);
-                    float* oq = sc.o.data() + qv * hd;
-                    for (int d = 0; d < hd; d += W) vstore(oq + d, vmul(vload(oq + d), va));
-                }
-                accumulate(sq, vb, c0, c1, hd, sc.o.data() + qv * hd);
+                softmax_step(sc.s.data() + qv * BLOCK, c0, c1, hd, m[qv], l[qv], o + static_cast<size_t>(qv) * hd);
             }
+            accumulate<B16>(sc.s.data() + i * group * BLOCK, vb, c0, c1, hd, group,
+                            o + static_cast<size_t>(i) * group * hd);
         }
     }
-    for (int i = 0; i < rows; ++i)
+}
+
+void attend_segment_any(const Args& a, const Tile& t, int h, int64_t seg, Scratch& sc, float* m, float* l, float* o) {
+    switch (a.codec) {
+        case FP32: attend_segment<FP32>(a, t, h, seg, sc, m, l, o); break;
+        case BF16: attend_segment<BF16>(a, t, h, seg, sc, m, l, o); break;
+        case FP16: attend_segment<FP16>(a, t, h, seg, sc, m, l, o); break;
+        case FP8: attend_segment<FP8>(a, t, h, seg, sc, m, l, o); break;
+        case INT8: attend_segment<INT8>(a, t, h, seg, sc, m, l, o); break;
+        default: attend_segment<INT4>(a, t, h, seg, sc, m, l, o); break;
+    }
+}
+
+// Segment seg's partial (m, l, o) into the merged state (sm, sl, so) of each row that sees it: the
+// row's first segment is taken as it is, each later one combined (rescaled to the larger max).
+void merge_segment(const Tile& t, int group, int hd, int64_t seg, const float* m, const float* l, const float* o,
+                   float* sm, float* sl, float* so) {
+    for (int i = 0; i < t.rows; ++i) {
+        const int64_t first = t.lo[i] / SEGMENT, last = t.hi[i] / SEGMENT;
+        if (seg < first || seg > last) continue;
         for (int g = 0; g < group; ++g) {
             const int qv = i * group + g;
-            float* dst = a.out + ((row0 + i) * a.heads + h * group + g) * static_cast<int64_t>(hd);
-            const vf vl = vset1(sc.l[qv]);
-            for (int d = 0; d < hd; d += W) vstore(dst + d, vdiv(vload(sc.o.data() + qv * hd + d), vl));
+            const float* oq = o + static_cast<size_t>(qv) * hd;
+            float* soq = so + static_cast<size_t>(qv) * hd;
+            if (seg == first) {
+                sm[qv] = m[qv];
+                sl[qv] = l[qv];
+                std::memcpy(soq, oq, sizeof(float) * hd);
+                continue;
+            }
+            const float mx = m[qv] > sm[qv] ? m[qv] : sm[qv];
+            const float wa = sm[qv] == mx ? 1.0f : vfirst(vexp(vset1(sm[qv] - mx)));  // exp(0) is exactly 1
+            const float wb = m[qv] == mx ? 1.0f : vfirst(vexp(vset1(m[qv] - mx)));
+            sm[qv] = mx;
+            sl[qv] = sl[qv] * wa + l[qv] * wb;
+            const vf va = vset1(wa), vb = vset1(wb);
+            for (int d = 0; d < hd; d += W) vstore(soq + d, vfma(vload(oq + d), vb, vmul(vload(soq + d), va)));
         }
+    }
+}
+
+// out = so / sl for the tile's rows and the query heads of KV head h.
+void finish(const Args& a, const Tile& t, int h, const float* sl, const float* so) {
+    const int hd = a.head_dim, group = a.heads / a.kv_heads;
+    for (int i = 0; i < t.rows; ++i)
+        for (int g = 0; g < group; ++g) {
+            const int qv = i * group + g;
+            float* dst = a.out + ((t.row0 + i) * a.heads + h * group + g) * static_cast<int64_t>(hd);
+            const vf vl = vset1(sl[qv]);
+            for (int d = 0; d < hd; d += W) vstore(dst + d, vdiv(vload(so + static_cast<size_t>(qv) * hd + d), vl));
+        }
+}
+
+// Many units: one thread takes the tile x KV head h, its segments in order, merging as it goes.
+void attend_tile(const Args& a, const Tile& t, int h, Scratch& sc) {
+    const int group = a.heads / a.kv_heads, hd = a.head_dim;
+    sc.prepare(t.rows * group, hd);
+    load_queries(a, t, h, sc);
+    for (int64_t seg = t.kmin / SEGMENT; seg <= t.kmax / SEGMENT; ++seg) {
+        attend_segment_any(a, t, h, seg, sc, sc.m.data(), sc.l.data(), sc.o.data());
+        merge_segment(t, group, hd, seg, sc.m.data(), sc.l.data(), sc.o.data(), sc.sm.data(), sc.sl.data(),
+                      sc.so.data());
+    }
+    finish(a, t, h, sc.sl.data(), sc.so.data());
+}
+
+// The new K/V rows of this step into their slots (fp32 / bf16 codecs; the same bits as the torch
+// path's cast: bf16 rounds to nearest even, every NaN becomes 0xffff as torch's CPU cast makes it).
+template <int C>
+void write_row(const float* src, void* data, int64_t at, int n) {
+    if constexpr (C == FP32) {
+        std::memcpy(static_cast<float*>(data) + at, src, sizeof(float) * n);
+    } else {
+        uint16_t* dst = static_cast<uint16_t*>(data) + at;
+        for (int d = 0; d < n; ++d) {
+            uint32_t x;
+            std::memcpy(&x, src + d, 4);
+            const uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+            dst[d] = (x & 0x7fffffffu) > 0x7f800000u ? 0xffff : static_cast<uint16_t>(rounded);
+        }
+    }
 }
 
 }  // namespace
@@ -301,14 +463,21 @@ void attend_tile(const Args& a, int64_t row0, int rows, int h, Scratch& sc) {
 // Lanes of this build's float vector: head_dim must be a multiple (int4: of twice it).
 KVS_EXPORT int kvs_simd_width() { return W; }
 
+// k_new / v_new (fp32 and bf16 codecs, else null): this step's K/V rows [num_rows, kv_heads,
+// head_dim] (row strides k_new_stride / v_new_stride floats), written to slot_mapping[r] first.
+// schedule: 0 picks by the number of units, 1 / 2 force per tile / per segment (same bits).
 KVS_EXPORT int kvs_paged_attention(
     const float* q, int64_t q_row_stride, float* out, int64_t num_rows, int heads, int kv_heads, int head_dim,
     int page_size, int window, int codec, const void* k_data, const void* v_data, const float* k_scales,
     const float* v_scales, const float* k_table, const float* v_table, const int64_t* positions,
     const int64_t* table_offsets, const int64_t* table_first, const int64_t* tables, const float* k_own,
-    const float* v_own, const int64_t* own_index, float scale, int num_threads) {
-    if (head_dim % W || (codec == INT4 && head_dim % (2 * W)) || heads % kv_heads || codec < 0 || codec > INT4)
+    const float* v_own, const int64_t* own_index, float scale, const float* k_new, const float* v_new,
+    int64_t k_new_stride, int64_t v_new_stride, const int64_t* slot_mapping, int schedule, int num_threads) {
+    if (head_dim % W || (codec == INT4 && head_dim % (2 * W)) || heads % kv_heads || codec < 0 || codec > INT4 ||
+        (k_new && codec != FP32 && codec != BF16))
         return 1;
+    void* k_write = const_cast<void*>(k_data);
+    void* v_write = const_cast<void*>(v_data);
     const Args a{q, q_row_stride, out, num_rows, heads, kv_heads, head_dim, page_size, window, codec,
                  k_data, v_data, k_scales, v_scales, k_table, v_table, positions, table_offsets, table_first,
                  tables, k_own, v_own, own_index, scale};
@@ -323,17 +492,80 @@ KVS_EXPORT int kvs_paged_attention(
     const int64_t num_tiles = static_cast<int64_t>(tiles.size());
     tiles.push_back(num_rows);
     const int64_t units = num_tiles * kv_heads;
-#pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
+    const int threads = num_threads > 0 ? num_threads : 1;
+    const bool by_segment = schedule == BY_SEGMENT || (schedule == AUTO && threads > 1 && units < 4 * threads);
+    // per segment: units (tile, head, segment), each partial at its offset in `partials`
+    const int group = heads / kv_heads;
+    std::vector<int64_t> first_unit;  // [units + 1]: (tile, head) u's segments are units first_unit[u]..
+    std::vector<int64_t> seg_of, offset_of;
+    int64_t total = 0;
+    if (by_segment) {
+        first_unit.reserve(units + 1);
+        for (int64_t u = 0; u < units; ++u) {
+            const int64_t t = u / kv_heads;
+            const Tile tile = make_tile(a, tiles[t], static_cast<int>(tiles[t + 1] - tiles[t]));
+            first_unit.push_back(static_cast<int64_t>(seg_of.size()));
+            for (int64_t seg = tile.kmin / SEGMENT; seg <= tile.kmax / SEGMENT; ++seg) {
+                seg_of.push_back(seg);
+                offset_of.push_back(total);
+                total += static_cast<int64_t>(tile.rows) * group * (head_dim + 2);
+            }
+        }
+        first_unit.push_back(static_cast<int64_t>(seg_of.size()));
+    }
+    std::vector<float> partials(static_cast<size_t>(total));
+    const int64_t num_seg_units = static_cast<int64_t>(seg_of.size());
+    // per (tile, head): segments not yet attended; the thread that attends the last one merges them
+    std::vector<std::atomic<int64_t>> pending(by_segment ? units : 0);
+    for (int64_t u = 0; u < static_cast<int64_t>(pending.size()); ++u)
+        pending[u].store(first_unit[u + 1] - first_unit[u], std::memory_order_relaxed);
+    if (k_new) {  // every new row is written before any row is read
+        const int64_t n = static_cast<int64_t>(kv_heads) * head_dim;
+#pragma omp parallel for schedule(static) num_threads(threads) if (num_rows * n >= 65536)
+        for (int64_t r = 0; r < num_rows; ++r) {
+            const int64_t at = slot_mapping[r] * n;
+            if (codec == FP32) {
+                write_row<FP32>(k_new + r * k_new_stride, k_write, at, static_cast<int>(n));
+                write_row<FP32>(v_new + r * v_new_stride, v_write, at, static_cast<int>(n));
+            } else {
+                write_row<BF16>(k_new + r * k_new_stride, k_write, at, static_cast<int>(n));
+                write_row<BF16>(v_new + r * v_new_stride, v_write, at, static_cast<int>(n));
+            }
+        }
+    }
+#pragma omp parallel num_threads(threads)
     {
         Scratch sc;
-        sc.kt.assign(static_cast<size_t>(BLOCK) * head_dim, 0.0f);
         sc.k.resize(static_cast<size_t>(BLOCK) * head_dim);
         sc.v.resize(static_cast<size_t>(BLOCK) * head_dim);
         sc.zero.assign(head_dim, 0.0f);
+        if (!by_segment) {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t u = 0; u < units; ++u) {
-            const int64_t t = u / kv_heads;
-            attend_tile(a, tiles[t], static_cast<int>(tiles[t + 1] - tiles[t]), static_cast<int>(u % kv_heads), sc);
+            for (int64_t u = 0; u < units; ++u) {
+                const int64_t t = u / kv_heads;
+                attend_tile(a, make_tile(a, tiles[t], static_cast<int>(tiles[t + 1] - tiles[t])),
+                            static_cast<int>(u % kv_heads), sc);
+            }
+        } else {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t p = 0; p < num_seg_units; ++p) {
+                const int64_t u = std::upper_bound(first_unit.begin(), first_unit.end(), p) - first_unit.begin() - 1;
+                const int64_t t = u / kv_heads;
+                const Tile tile = make_tile(a, tiles[t], static_cast<int>(tiles[t + 1] - tiles[t]));
+                const int nq = tile.rows * group, h = static_cast<int>(u % kv_heads);
+                sc.prepare(nq, head_dim);
+                load_queries(a, tile, h, sc);
+                float* m = partials.data() + offset_of[p];
+                attend_segment_any(a, tile, h, seg_of[p], sc, m, m + nq, m + 2 * nq);
+                // acq_rel: the last one sees every other segment's partial
+                if (pending[u].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;
+                for (int64_t i = first_unit[u]; i < first_unit[u + 1]; ++i) {  // ascending segments
+                    const float* pm = partials.data() + offset_of[i];
+                    merge_segment(tile, group, head_dim, seg_of[i], pm, pm + nq, pm + 2 * nq, sc.sm.data(),
+                                  sc.sl.data(), sc.so.data());
+                }
+                finish(a, tile, h, sc.sl.data(), sc.so.data());
+            }
         }
     }
     return 0;

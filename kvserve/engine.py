@@ -213,7 +213,9 @@ class LLMEngine:
         report, the KV events on the wire, stop strings (they need text) and the outputs."""
         step = run_step(self.scheduler, self.runner, time.monotonic)
         if not step.out.seqs:
-            if self.scheduler.has_unfinished() and not self.scheduler.running:
+            # (a request that preempted itself, with leases holding the pool, is admitted next step:
+            # admission breaks leases once nothing runs)
+            if self.scheduler.has_unfinished() and not self.scheduler.running and not step.out.preempted:
                 raise RuntimeError("no request could be scheduled although the pool is empty")
             return []
         now = time.monotonic()

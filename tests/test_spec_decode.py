@@ -138,3 +138,46 @@ def test_prefix_hit_rate_with_speculation_equals_off(kind, llama_path, gemma_pat
                         stats["spec_decode_num_drafts"] > 0))
     assert results[0][:3] == results[1][:3]
     assert results[0][1] > 0 and results[1][3], "hits with speculation on, and drafts verified"
+
+
+@pytest.fixture(scope="module")
+def long_llama_path(tmp_path_factory):
+    model = make_hf_model("llama3", max_position_embeddings=16384)
+    return str(write_gguf(model, "llama3", tmp_path_factory.mktemp("llama3-long") / "llama3.gguf"))
+
+
+def replay_in_order(llm, trace) -> tuple[dict, dict]:
+    """A trace one request at a time in its order (a closed-loop line comes after the one it follows),
+    its ids folded into the tiny vocabulary; a line that continues a conversation sends that request's
+    prompt and output, then its own tokens, as the agent's client does. -> prompts, outputs by id."""
+    prompts, outputs = {}, {}
+    for r in trace:
+        own = [3 + t % (VOCAB - 3) for t in r.prompt_token_ids]
+        prompt = prompts[r.after] + outputs[r.after] + own if r.continues else own
+        out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=r.max_tokens, ignore_eos=True))[0]
+        prompts[r.id], outputs[r.id] = prompt, list(out.outputs[0].token_ids)
+    return prompts, outputs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workload, n", [("w1", 8), ("agent", 40)])
+def test_prefix_hit_rate_with_speculation_equals_off_on_w1_and_the_agent_trace(workload, n, long_llama_path):
+    """Issue 27 must-show 3 on W1's shape (one ~1.5k-token system prompt) and the agent trace's (4.1k
+    tokens of system prompt and tools on every call, conversations resent with each answer and tool
+    result, other users between them): the same queries and hits, prompts and answers, on or off."""
+    from kvserve.tools.traces import generate_trace
+
+    trace = generate_trace(workload, n, seed=0)
+    if workload == "agent":  # its sessions, and other users' first requests between them
+        trace = [r for r in trace if r.session.startswith("agent-") or r.after is None]
+        assert sum(r.continues for r in trace) >= 3
+    results = []
+    for spec in (None, SPEC):
+        llm = make_llm(model=long_llama_path, kv_cache_memory="64MiB", max_model_len=16384, speculative_config=spec)
+        prompts, outputs = replay_in_order(llm, trace)
+        stats = llm.stats()
+        results.append((stats["prefix_cache_queries"], stats["prefix_cache_hits"], prompts, outputs,
+                        stats["spec_decode_num_drafts"]))
+    assert results[0][:4] == results[1][:4]
+    assert results[0][1] > 0.5 * results[0][0]  # mostly hits: the shared prefix, the resent conversations
+    assert results[1][4] > 0, "drafts were verified"

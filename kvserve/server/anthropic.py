@@ -29,6 +29,7 @@ from kvserve.server.cache_diagnostics import DiagnosticsStore, PromptFingerprint
 from kvserve.server.protocol import APIError
 from kvserve.server.tool_grammar import with_tool_grammar
 from kvserve.server.tool_parser import ToolFormat
+from kvserve.structured import GrammarError
 from kvserve.server.front import FrontDoor, sse_response
 from kvserve.server.serving import SSEResult, TextDelta, unless_disconnected
 
@@ -212,7 +213,10 @@ class MessagesService:
             params = SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
-                stop=[s for s in body.stop_sequences or [] if s] or None)
+                stop=[s for s in body.stop_sequences or [] if s] or None,
+                structured_outputs=body.output_constraint())
+        except GrammarError as err:
+            raise APIError(str(err), param=err.field) from None
         except ValueError as err:
             raise APIError(str(err)) from None
         params = with_tool_grammar(params, chat.toolset,

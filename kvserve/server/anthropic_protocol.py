@@ -1,5 +1,6 @@
 """The Anthropic Messages API request schema (text, `tool_use` and `tool_result` blocks, `tools`,
-`tool_choice`, `cache_control`, `diagnostics`), its error body, and the chat and breakpoints a request
+`tool_choice`, `cache_control`, `diagnostics`, structured outputs' `output_config.format`: read in
+structured_fields.py, as the OpenAI routes' constraints are), its error body, and the chat and breakpoints a request
 describes (a `cache_control` on a tool definition is a breakpoint like one on a block).
 
 Unknown fields are ignored; known ones of the wrong type, other content blocks (images, documents),
@@ -17,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valida
 from kvserve.server import tool_protocol as tp
 from kvserve.server.breakpoints import RESULT_BASE, SYSTEM, TOOLS, BlockRef, Turn
 from kvserve.server.protocol import APIError, Text
+from kvserve.server.structured_fields import AnthropicStructuredFields
 
 MAX_BREAKPOINTS = 4  # Anthropic's limit on cache_control blocks
 MAX_STOP_SEQUENCES = 16
@@ -103,7 +105,7 @@ class DiagnosticsParam(BaseModel):
     previous_message_id: Text | None = None
 
 
-class MessagesRequest(BaseModel):
+class MessagesRequest(AnthropicStructuredFields):
     model_config = ConfigDict(extra="ignore")
     model: Text
     max_tokens: Annotated[StrictInt, Field(ge=0, le=2**31)]

@@ -1,8 +1,10 @@
-"""The request fields that constrain the output, on /v1/chat/completions and /v1/completions, read into
-one StructuredOutputsParams: OpenAI's `response_format` (`text`, `json_object`, `json_schema` with
-`strict`), vLLM's `structured_outputs` object, and vLLM's older `guided_json` / `guided_regex` /
-`guided_choice` / `guided_grammar`. At most one of them may constrain a request; a constraint that
-cannot compile is a 400 whose `param` names the field."""
+"""The request fields that constrain the output, read into one StructuredOutputsParams: on
+/v1/chat/completions and /v1/completions OpenAI's `response_format` (`text`, `json_object`, `json_schema`
+with `strict`), vLLM's `structured_outputs` object, and vLLM's older `guided_json` / `guided_regex` /
+`guided_choice` / `guided_grammar`; on /v1/messages Anthropic's `output_config.format` (`{"type":
+"json_schema", "schema": ...}`) and its beta spelling, top-level `output_format`. At most one of them
+may constrain a request (`one_constraint`, for both APIs); a constraint that cannot compile is a 400
+whose `param` names the field."""
 
 from __future__ import annotations
 
@@ -51,14 +53,7 @@ class StructuredFields(BaseModel):
 
     def output_constraint(self) -> StructuredOutputsParams | None:
         """The request's constraint, checked (no tokenizer needed); GrammarError naming the field."""
-        found = [c for c in self._constraints() if c is not None]
-        if len(found) > 1:
-            raise GrammarError(f"{found[1].field} and {found[0].field} both constrain the output; "
-                               "send one", found[1].field)
-        if not found:
-            return None
-        check(found[0])
-        return found[0]
+        return one_constraint(self._constraints())
 
     def _constraints(self) -> list[StructuredOutputsParams | None]:
         out = [self._response_format()]
@@ -90,3 +85,50 @@ class StructuredFields(BaseModel):
                                "response_format.json_schema")
         return StructuredOutputsParams(json=rf.json_schema.json_schema, strict=rf.json_schema.strict,
                                        field="response_format.json_schema.schema")
+
+
+def one_constraint(constraints: list[StructuredOutputsParams | None]) -> StructuredOutputsParams | None:
+    """The one constraint a request gives (None: none), checked; GrammarError naming the field when it
+    cannot compile or when two fields constrain the output."""
+    found = [c for c in constraints if c is not None]
+    if len(found) > 1:
+        raise GrammarError(f"{found[1].field} and {found[0].field} both constrain the output; "
+                           "send one", found[1].field)
+    if not found:
+        return None
+    check(found[0])
+    return found[0]
+
+
+class AnthropicJSONFormat(BaseModel):
+    """Anthropic's JSON output format: `{"type": "json_schema", "schema": {...}}`."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    type: Literal["json_schema"]
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+
+
+class AnthropicOutputConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    format: AnthropicJSONFormat | None = None
+
+
+class AnthropicStructuredFields(BaseModel):
+    """Mixed into /v1/messages' request model. The output follows the schema as Anthropic's
+    structured outputs guarantee it (strict: a keyword the grammar cannot enforce is a 400)."""
+
+    output_config: AnthropicOutputConfig | None = None
+    output_format: AnthropicJSONFormat | None = None  # the beta's spelling, still accepted there
+
+    def output_constraint(self) -> StructuredOutputsParams | None:
+        config = self.output_config.format if self.output_config is not None else None
+        return one_constraint([_anthropic_format(config, "output_config.format"),
+                               _anthropic_format(self.output_format, "output_format")])
+
+
+def _anthropic_format(fmt: AnthropicJSONFormat | None, field: str) -> StructuredOutputsParams | None:
+    if fmt is None:
+        return None
+    if fmt.json_schema is None:
+        raise GrammarError("a format of type json_schema needs its schema", f"{field}.schema")
+    return StructuredOutputsParams(json=fmt.json_schema, strict=True, field=f"{field}.schema")

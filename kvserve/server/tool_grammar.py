@@ -1,8 +1,13 @@
 """`tool_choice: "required"` and a named function enforced by the grammar, not hoped for: the
-constraint (kvserve.structured) that makes the model write one call in its own format, the call
+constraint (kvserve.structured) that makes the model write a call in its own format, the call
 object `{"name": ..., "arguments": ...}` with the arguments validated by the tool's JSON schema.
+`required` with `parallel_tool_calls: true` sent (OpenAI) lets it write one or more calls, as its
+format writes several (Hermes: `<tool_call>` blocks one per line; the JSON fallback: one object per
+line); otherwise, for a named function, on Anthropic's `any`, and in Llama 3.x's format (its template
+renders one call per turn) the grammar ends after one call: a grammar that may always go on lets a
+weak model write calls until max_tokens.
 
-With fixed JSON separators (", " and ": ", as chat templates' `tojson` writes them), the forced call
+With fixed JSON separators, the forced call
 is the text the template renders for that assistant turn when the conversation comes back, so the
 follow-up request can reuse the answer's KV pages too.
 """
@@ -36,10 +41,11 @@ def forced_call(toolset: ToolSet, fmt: ToolFormat, field: str = "tool_choice") -
     schemas = [call_schema(name, toolset.schema_of(name)) for name in names]
     call = lark_json(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
     if fmt is ToolFormat.HERMES:
-        return StructuredOutputsParams(
-            grammar=f"start: {_lark_string(OPEN + chr(10))} {call} {_lark_string(chr(10) + CLOSE)}",
-            field=field)
-    return StructuredOutputsParams(grammar=f"start: {call}", field=field)
+        call = f"{_lark_string(OPEN + chr(10))} {call} {_lark_string(chr(10) + CLOSE)}"
+    several = toolset.choice.mode == "required" and toolset.choice.forced_several and fmt is not ToolFormat.LLAMA3
+    if not several:
+        return StructuredOutputsParams(grammar=f"start: {call}", field=field)
+    return StructuredOutputsParams(grammar=f"start: call ({_lark_string(chr(10))} call)*\ncall: {call}", field=field)
 
 
 def with_tool_grammar(params: SamplingParams, toolset: ToolSet, fmt: ToolFormat | None,

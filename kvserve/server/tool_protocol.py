@@ -110,6 +110,9 @@ class ToolChoice:
     mode: str = "auto"
     name: str | None = None  # the function a "named" choice forces
     parallel: bool = True  # more than one call in a response
+    # a forced call may be several calls: only when the request says so (OpenAI's
+    # parallel_tool_calls: true); else the grammar ends after one
+    forced_several: bool = False
 
     @property
     def forces_call(self) -> bool:
@@ -162,7 +165,7 @@ def openai_toolset(tools: list[ToolDef] | None, choice: OpenAIToolChoice | None,
         mode, name = "named", choice.function.name
     else:
         mode, name = (choice or ("auto" if tools else "none")), None
-    toolset = ToolSet(neutral, ToolChoice(mode, name, parallel is not False))
+    toolset = ToolSet(neutral, ToolChoice(mode, name, parallel is not False, parallel is True))
     check_choice(toolset, "tool_choice")
     return toolset
 

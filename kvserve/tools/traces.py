@@ -3,13 +3,22 @@
 A trace line (DESIGN.md §4) holds `prompt_token_ids` (ints) or `prompt` (text) and optionally `id`,
 `arrival` (seconds), `max_tokens`, `session`, `cache_salt` and `tenant` (together the namespace, as
 `cache.hashing.namespace` builds it for the server) and `cache_breakpoints` (`[{"num_tokens": N,
-"ttl_s": S}, ...]`: the request's `cache_control` breakpoints, leased as the server leases them). `generate_trace` builds
+"ttl_s": S}, ...]`: the request's `cache_control` breakpoints, leased as the server leases them). Closed loops
+(an agent waiting on its tool, a user thinking): `after` (an earlier line's id: this one is sent `delay_s`
+seconds after that one finishes, and has no `arrival`), `continues: true` (its prompt is that request's
+prompt, then its output, then this line's tokens: a conversation resent with one more turn) and
+`tool_call: true` (its answer is a tool call: forced by a grammar in the bench, ended by an end-of-turn
+token in the simulator, and its KV held while the tool runs when retention is on). `generate_trace` builds
 deterministic synthetic mixes, in token ids drawn from the bundled model's vocabulary, each shaped like
 a workload whose prefix-cache behaviour is well known:
 
     w1         one shared system prompt + a distinct question (like ../shared/workloads/w1.jsonl)
-    agent      system prompt + one of a few tool-definition variants + a task, then steps that append
-               the tool call and its result (each step resends everything before it)
+    agent      tool loops, closed: system prompt + ~4k tokens of tool definitions (identical on every
+               call) + a task; each answer a tool call, each follow-up the conversation + the call +
+               the tool's result, sent a tool latency (lognormal) after the answer; beside them, other
+               users' unrelated requests (closed loops with think times) that keep the pool churning
+    agent-steps  open loop: system prompt + one of a few tool-definition variants + a task, then steps
+               that append a tool call and its result (each step resends everything before it)
     multiturn  sessions of 6 turns, each resending the whole history and the previous answer
     rag        system prompt + one of K documents (skewed popularity) + a question
     midprompt  a per-request header BEFORE a long shared system prompt: the classic mistake that
@@ -25,39 +34,14 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass
 from pathlib import Path
 
 from kvserve.config import ConfigError
+from kvserve.tools.agent_trace import agent_trace
+from kvserve.tools.trace_line import VOCAB_HIGH, VOCAB_LOW, TraceRequest, synthetic_tokens
 
-VOCAB_LOW, VOCAB_HIGH = 256, 49_000  # synthetic ids stay inside SmolLM2's 49,152-token vocabulary
-
-
-@dataclass(slots=True)
-class TraceRequest:
-    id: str
-    prompt_token_ids: list[int] | None
-    prompt: str | None
-    arrival: float | None = None
-    max_tokens: int | None = None
-    session: str | None = None
-    cache_salt: str | None = None  # namespace: equal tokens of different salts never share pages
-    tenant: str | None = None  # the server's per-API-key namespace, combined with the salt
-    cache_breakpoints: list[tuple[int, float]] | None = None  # (num_tokens, ttl_s): cache_control
-
-    def to_json(self) -> dict:
-        line: dict = {"id": self.id}
-        if self.prompt_token_ids is not None:
-            line["prompt_token_ids"] = self.prompt_token_ids
-        else:
-            line["prompt"] = self.prompt
-        for key in ("arrival", "max_tokens", "session", "cache_salt", "tenant"):
-            if getattr(self, key) is not None:
-                line[key] = getattr(self, key)
-        if self.cache_breakpoints is not None:
-            line["cache_breakpoints"] = [{"num_tokens": n, "ttl_s": ttl} for n, ttl in self.cache_breakpoints]
-        return line
-
+__all__ = ["GENERATORS", "VOCAB_HIGH", "VOCAB_LOW", "TraceRequest", "check_loops", "encode_prompts", "generate_trace",
+           "has_loops", "load_trace", "write_trace"]
 
 # -- loading ---------------------------------------------------------------------------------------
 def load_trace(path: str | Path) -> list[TraceRequest]:
@@ -72,7 +56,24 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
                 for number, line in enumerate(lines, 1) if line.strip()]
     if not requests:
         raise ConfigError(f"trace {path} has no requests (expected one JSON object per line)")
+    check_loops(requests, str(path))
     return requests
+
+
+def check_loops(requests: list[TraceRequest], where: str) -> None:
+    """Every `after` names an earlier request (so any prefix of a trace is a trace), ids are unique."""
+    seen: set[str] = set()
+    for r in requests:
+        if r.after is not None and r.after not in seen:
+            raise ConfigError(f"{where}: request {r.id!r} comes after {r.after!r}, which is not an earlier "
+                              "request of the trace")
+        if r.id in seen:
+            raise ConfigError(f"{where}: request id {r.id!r} appears twice")
+        seen.add(r.id)
+
+
+def has_loops(requests: list[TraceRequest]) -> bool:
+    return any(r.after is not None for r in requests)
 
 
 def _parse_line(line: str, where: str, number: int) -> TraceRequest:
@@ -99,10 +100,23 @@ def _parse_line(line: str, where: str, number: int) -> TraceRequest:
     for key, value in (("cache_salt", salt), ("tenant", tenant)):
         if value is not None and not isinstance(value, str):
             raise ConfigError(f"{where}: {key} must be a string")
+    after, delay, continues, tool_call = (obj.get(k) for k in ("after", "delay_s", "continues", "tool_call"))
+    if after is not None and (not isinstance(after, str) or arrival is not None):
+        raise ConfigError(f"{where}: after is the id (a string) of an earlier request, and such a line has no "
+                          "arrival (it is sent delay_s after that request finishes)")
+    if delay is not None and (after is None or not _is_number(delay) or delay < 0 or not math.isfinite(delay)):
+        raise ConfigError(f"{where}: delay_s must be seconds >= 0, on a line with after, got {delay!r}")
+    for key, value in (("continues", continues), ("tool_call", tool_call)):
+        if value is not None and not isinstance(value, bool):
+            raise ConfigError(f"{where}: {key} must be true or false")
+    if continues and after is None:
+        raise ConfigError(f"{where}: continues needs after (the request whose conversation it continues)")
     return TraceRequest(id=str(obj.get("id", f"line-{number}")), prompt_token_ids=ids, prompt=text,
                         arrival=None if arrival is None else float(arrival), max_tokens=max_tokens,
                         session=None if session is None else str(session), cache_salt=salt, tenant=tenant,
-                        cache_breakpoints=_parse_breakpoints(obj.get("cache_breakpoints"), where))
+                        cache_breakpoints=_parse_breakpoints(obj.get("cache_breakpoints"), where),
+                        after=after, delay_s=None if after is None else float(delay or 0.0),
+                        continues=bool(continues), tool_call=bool(tool_call))
 
 
 def _parse_breakpoints(value, where: str) -> list[tuple[int, float]] | None:
@@ -177,8 +191,7 @@ def _gguf_encoder(path: str):
 
 
 # -- generators ------------------------------------------------------------------------------------
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)]
+_tokens = synthetic_tokens
 
 
 def _finish(name: str, drafts: list[tuple[float, list[int], int, str | None]], n: int) -> list[TraceRequest]:
@@ -193,7 +206,7 @@ def _w1(rng: random.Random, n: int) -> list[TraceRequest]:
     return _finish("w1", [(0.0, system + _tokens(rng, rng.randint(45, 63)), 64, None) for _ in range(n)], n)
 
 
-def _agent(rng: random.Random, n: int) -> list[TraceRequest]:
+def _agent_steps(rng: random.Random, n: int) -> list[TraceRequest]:
     system = _tokens(rng, 1200)
     tool_sets = [_tokens(rng, rng.randint(400, 800)) for _ in range(3)]
     drafts, start, s = [], 0.0, 0
@@ -207,7 +220,7 @@ def _agent(rng: random.Random, n: int) -> list[TraceRequest]:
             history += _tokens(rng, rng.randint(20, 48)) + _tokens(rng, rng.randint(100, 400))
             t += rng.uniform(2.0, 6.0)
         s += 1
-    return _finish("agent", drafts, n)
+    return _finish("agent-steps", drafts, n)
 
 
 def _multiturn(rng: random.Random, n: int) -> list[TraceRequest]:
@@ -253,7 +266,8 @@ def _midprompt(rng: random.Random, n: int) -> list[TraceRequest]:
     return _finish("midprompt", drafts, n)
 
 
-GENERATORS = {"w1": _w1, "agent": _agent, "multiturn": _multiturn, "rag": _rag, "midprompt": _midprompt}
+GENERATORS = {"w1": _w1, "agent": agent_trace, "agent-steps": _agent_steps, "multiturn": _multiturn, "rag": _rag,
+              "midprompt": _midprompt}
 
 
 def generate_trace(name: str, n: int = 64, seed: int = 0) -> list[TraceRequest]:

@@ -93,7 +93,7 @@ def run_cli(capsys, *argv: str) -> str:
 
 
 # -- must show 3: unbounded replay == independent ideal ---------------------------------------------
-@pytest.mark.parametrize("name, n", [("agent", 40), ("multiturn", 36), ("rag", 60)])
+@pytest.mark.parametrize("name, n", [("agent-steps", 40), ("multiturn", 36), ("rag", 60)])
 def test_unbounded_hit_rate_equals_the_independent_ideal(name, n):
     requests = mix(name, n, seed=11)
     ideal_1 = brute_force_ideals(requests, 1)
@@ -115,7 +115,7 @@ def test_unbounded_hit_rate_equals_the_independent_ideal(name, n):
 
 
 def test_reported_ideals_match_the_brute_force_ones():
-    requests = mix("agent", 30, seed=3)
+    requests = mix("agent-steps", 30, seed=3)
     result = analyze(requests, ["hash", "radix"], [16], [None])
     brute = brute_force_ideals(requests, 16)
     assert result["ideal_hit_rate"] == pytest.approx(brute["token"], abs=1e-12)
@@ -173,7 +173,7 @@ def test_spans_at_varying_offsets_are_found_and_prefix_shared_ones_are_not():
 
 
 # -- must show 4: radix >= hash - 1 point, and why ------------------------------------------------------
-@pytest.mark.parametrize("name", ["agent", "multiturn", "rag", "w1", "midprompt"])
+@pytest.mark.parametrize("name", ["agent-steps", "multiturn", "rag", "w1", "midprompt"])
 def test_radix_is_never_a_point_below_hash_on_the_mixes(name):
     requests = mix(name, 40, seed=21)
     for page_size in (16, 64):
@@ -250,8 +250,8 @@ def test_full_page_differences_are_reported_as_eviction_order():
 def test_json_keys_are_stable(capsys):
     result = json.loads(run_cli(capsys, "w1", "-n", "12", "--page-size", "16,64", "--capacity-tokens",
                                 "8k,unbounded", "--json"))
-    assert list(result) == ["trace", "service_model", "scheduler", "ideal_hit_rate", "runs", "comparisons",
-                            "diagnosis", "recommendation"]
+    assert list(result) == ["trace", "service_model", "scheduler", "ideal_hit_rate", "runs", "tool_call_holds",
+                            "comparisons", "diagnosis", "recommendation"]
     assert len(result["runs"]) == 2 * 2 * 2 and len(result["comparisons"]) == 4
     assert set(result["runs"][0]) >= {"policy", "page_size", "capacity_tokens", "hit_rate", "attainable_hit_rate",
                                       "prefix_cache_queries", "prefix_cache_hits", "num_evictions",

@@ -15,16 +15,20 @@ from kvserve.tools.bench.transformers_peer import TRANSFORMERS_MODES
 from kvserve.tools.bench.workload import DEFAULT_MAX_TOKENS, load_workload
 from kvserve.tools.traces import GENERATORS
 
-PEERS = ("transformers", "llama-cpp", "llama-server", "grammar", "ngram", "none")
+PEERS = ("transformers", "llama-cpp", "llama-server", "grammar", "ngram", "no-tool-holds", "none")
 GRAMMAR_PEER = "kvserve+json-schema"
 NGRAM_PEER = "kvserve+ngram"  # kvserve again with speculation on (unless the flags already set one)
 NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+NO_HOLDS_PEER = "kvserve+no-tool-holds"  # kvserve again with --tool-call-kv-ttl 0
 
 
 def peer_kwargs(name: str, kwargs: dict) -> dict:
-    """The engine flags of one engine of the run: the bench's, plus speculation for the ngram peer."""
+    """The engine flags of one engine of the run: the bench's, plus speculation for the ngram peer,
+    the tool-call holds off for the no-tool-holds peer."""
     if name == NGRAM_PEER:
         return {**kwargs, "speculative_config": kwargs.get("speculative_config") or NGRAM_CONFIG}
+    if name == NO_HOLDS_PEER:
+        return {**kwargs, "tool_call_kv_ttl": 0.0}
     return kwargs
 # --vs grammar: a list of records whose shortest valid output is far longer than any bench's
 # max_tokens, so every request decodes to max_tokens under the grammar, as the plain run does
@@ -49,7 +53,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "runs over HTTP with --parallel set to --concurrency; grammar: kvserve again "
                              "with a JSON-schema grammar on every request (structured outputs' cost); ngram: "
                              "kvserve again with n-gram speculation (or --speculative-config's), in process "
-                             "or over HTTP (ratios: kvserve / kvserve+ngram)")
+                             "or over HTTP (ratios: kvserve / kvserve+ngram); no-tool-holds: kvserve again "
+                             "with --tool-call-kv-ttl 0 (the agent workload's tool-call retention off)")
     parser.add_argument("--transformers-modes", default="generate,prompt-cache",
                         help="comma list: generate (plain sequential), prompt-cache (shared prefix computed once, "
                              "deep-copied per request); default both")
@@ -93,7 +98,7 @@ def _check(args: argparse.Namespace) -> tuple[list[str], bool]:
     if args.passes < 1:
         raise ConfigError(f"--passes must be >= 1, got {args.passes}")
     http = args.concurrency is not None or args.vs == "llama-server"
-    if http and args.vs in ("transformers", "llama-cpp", "grammar"):
+    if http and args.vs in ("transformers", "llama-cpp", "grammar", "no-tool-holds"):
         raise ConfigError(f"--concurrency runs servers over HTTP; --vs {args.vs} runs in process: use "
                           "--vs llama-server or --vs none with --concurrency")
     if http and args.request_rate is not None:
@@ -121,6 +126,11 @@ def run_bench(args: argparse.Namespace, progress_console=None) -> dict:
     EngineConfig(model=args.model, **kwargs)  # flag mistakes surface here, before any process starts
     modes, http = _check(args)
     workload = load_workload(args.workload, args.limit, args.max_tokens, args.seed, args.model)
+    beside_kvserve = args.vs in ("none", "no-tool-holds", "ngram")
+    if workload.loops is not None and (http or args.request_rate is not None or not beside_kvserve):
+        raise ConfigError(f"the {workload.name} workload has closed loops (each follow-up sent after the answer it "
+                          "continues): it runs in process, alone or with --vs no-tool-holds, at the trace's own "
+                          "times (no --request-rate, --concurrency or a peer other than kvserve)")
     model_path = resolve_model_path(args.model)
     report = {"schema_version": 1, "workload": {**workload.describe(), "request_rate": args.request_rate},
               "machine": _machine(args.threads), "engine_args": {"model": model_path, **kwargs},
@@ -144,17 +154,20 @@ def _run_in_process(report: dict, args, workload, model_path: str, kwargs: dict,
 
     arrivals = [i / args.request_rate if args.request_rate else 0.0 for i in range(len(workload.token_ids))]
     engines = ["kvserve"] + {"transformers": [TRANSFORMERS_MODES[m] for m in modes], "llama-cpp": ["llama-cpp"],
-                             "grammar": [GRAMMAR_PEER], "ngram": [NGRAM_PEER], "none": []}[args.vs]
+                             "grammar": [GRAMMAR_PEER], "ngram": [NGRAM_PEER], "no-tool-holds": [NO_HOLDS_PEER],
+                             "none": []}[args.vs]
     outputs = {}
     with ProgressBars(console) as bar:
         for name in engines:
             spec = RunSpec(name, model_path, workload.token_ids, workload.max_tokens, arrivals,
                            peer_kwargs(name, kwargs), args.threads,
-                           BENCH_SCHEMA if name == GRAMMAR_PEER else None)
+                           BENCH_SCHEMA if name == GRAMMAR_PEER else None, workload.loops)
             raw = run_engine(spec, bar(name, sum(workload.max_tokens)))
             if raw.get("grammar"):
                 report["grammar"] = raw["grammar"]
-            raw["prompt_tokens"] = report["workload"]["prompt_tokens"]
+            if "agent" in raw:
+                report.setdefault("agent", {})[name] = raw["agent"]
+            raw["prompt_tokens"] = raw.get("prompt_tokens_sent", report["workload"]["prompt_tokens"])
             outputs[name] = [r["output_token_ids"] for r in raw["requests"]]
             report["engines"][name] = summarize(raw)
     ours = report["engines"]["kvserve"]

@@ -1,6 +1,7 @@
 """kvserve in process: the workload's requests added to LLMEngine as they arrive (all at t=0 unless
 --request-rate), step() until all finish. With a JSON schema (--vs grammar) every request is
-constrained by it, and the grammar engine's start-up (vocabulary preprocessing) is timed."""
+constrained by it, and the grammar engine's start-up (vocabulary preprocessing) is timed. A closed-loop
+workload (the agent trace) runs through agent_run.py instead, after the same load and warm-up."""
 
 from __future__ import annotations
 
@@ -33,6 +34,16 @@ def run_kvserve(spec: RunSpec, report: Reporter) -> dict:
     engine.manager.reset_prefix_cache()
     before, generated = engine.stats(), engine.scheduler.stats.generation_tokens
     report.phase("running")
+    if spec.loops is not None:
+        from kvserve.tools.bench.agent_run import run_loops
+
+        raw = run_loops(engine, spec, report)
+        after = engine.stats()
+        queries = after.cache.prefix_cache_queries - before.cache.prefix_cache_queries
+        hits = after.cache.prefix_cache_hits - before.cache.prefix_cache_hits
+        return {**raw, "load_s": load_s, "grammar": None, "kv_bytes": after.kv_cache_bytes,
+                "kv_bytes_used_peak": raw.pop("peak_pages") * engine.runner.page_bytes,
+                "prefix_hit_rate": hits / queries if queries else 0.0}
     pending = list(zip(spec.arrivals, spec.token_ids, spec.max_tokens))[::-1]  # arrivals ascend: pop() next
     ids, done, peak_pages = [], {}, 0
     t0 = time.monotonic()

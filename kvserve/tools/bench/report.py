@@ -44,6 +44,18 @@ def render(report: dict, console) -> None:
         if name.startswith("kvserve") and ours["num_cached_requests"] + ours["num_cold_requests"]:
             console.print(f"{name} TTFT p95 cached / cold: {_fmt(ours['ttft_cached_over_cold_p95'], '{:.2f}x')} "
                           f"({ours['num_cached_requests']} cached, {ours['num_cold_requests']} cold requests)")
+    for name, a in report.get("agent", {}).items():
+        ttft = [_fmt(a[f"follow_up_ttft_{q}_s"], "{:.3f} s") for q in ("p50", "p95")]
+        console.print(f"{name} agent loops (--tool-call-kv-ttl {a['tool_call_kv_ttl']:g}): follow-up hit rate "
+                      f"[bold]{_fmt(a['follow_up_hit_rate'], '{:.1%}')}[/] over {a['num_follow_ups']} follow-ups, TTFT "
+                      f"p50 {ttft[0]} p95 {ttft[1]}; "
+                      f"{a['tool_call_holds_granted']} holds granted, {a['tool_call_holds_used']} ended by their "
+                      f"follow-up; {a['num_failed']} failed; pages in use at the end {a['pages_in_use_at_end']} "
+                      f"of {a['pool_pages']}, {a['pages_leaked']} leaked")
+    agents = list(report.get("agent", {}).values())
+    if len(agents) == 2 and None not in (agents[0]["follow_up_hit_rate"], agents[1]["follow_up_hit_rate"]):
+        console.print(f"tool-call retention raises the follow-up hit rate by "
+                      f"[bold]{agents[0]['follow_up_hit_rate'] - agents[1]['follow_up_hit_rate']:+.3f}[/]")
     if "grammar" in report:
         g = report["grammar"]
         console.print(f"grammar engine {g['engine']}: vocabulary preprocessing {g['startup_s'] * 1e3:.0f} ms at "

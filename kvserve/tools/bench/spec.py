@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvserve.tools.bench.workload import Loops
+
 WARMUP_IDS = list(range(1000, 1064))
 
 
@@ -22,6 +24,7 @@ class RunSpec:
     engine_kwargs: dict = field(default_factory=dict)
     threads: int | None = None
     json_schema: dict | None = None  # --vs grammar: every request constrained by this JSON schema
+    loops: Loops | None = None  # a closed-loop workload (the agent trace), run by agent_run.py
 
 
 

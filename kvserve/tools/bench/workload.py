@@ -1,5 +1,6 @@
 """Bench workloads: the W1 file, a generated mix or a trace file, resolved once to token ids and
-max_tokens per request, so every engine gets the same input."""
+max_tokens per request, so every engine gets the same input; a trace with closed loops (the agent
+trace) also keeps who follows whom (Loops), since a follow-up's prompt is known only at run time."""
 
 from __future__ import annotations
 
@@ -9,10 +10,33 @@ from pathlib import Path
 
 from kvserve.cache.hashing import common_prefix_len
 from kvserve.config import ConfigError
-from kvserve.tools.traces import GENERATORS, encode_prompts, generate_trace, load_trace
+from kvserve.tools.traces import GENERATORS, TraceRequest, encode_prompts, generate_trace, has_loops, load_trace
 
 DEFAULT_MAX_TOKENS = 64
 DEFAULT_NUM_REQUESTS = 32  # generated mixes
+
+
+@dataclass(slots=True)
+class Loops:
+    """Per request of a closed-loop workload: its arrival (None: it follows another), the index of
+    the request it follows, the delay after that one finishes, whether its prompt continues that
+    conversation (its token_ids are then only what it appends), whether its answer is a tool call."""
+
+    arrivals: list[float | None]
+    after: list[int | None]
+    delay_s: list[float]
+    continues: list[bool]
+    tool_call: list[bool]
+
+    @classmethod
+    def of(cls, trace: list[TraceRequest]) -> Loops:
+        index = {r.id: i for i, r in enumerate(trace)}
+        followed = {r.after for r in trace if r.continues}
+        return cls([(r.arrival or 0.0) if r.after is None else None for r in trace],
+                   [None if r.after is None else index[r.after] for r in trace],
+                   [r.delay_s or 0.0 for r in trace], [r.continues for r in trace],
+                   # a call nobody answers (the trace was cut after it) is a final answer
+                   [r.tool_call and r.id in followed for r in trace])
 
 
 @dataclass(slots=True)
@@ -22,11 +46,16 @@ class Workload:
     request_ids: list[str]
     token_ids: list[list[int]]
     max_tokens: list[int]
+    loops: Loops | None = None
 
     def describe(self) -> dict:
-        return {"name": self.name, "source": self.source, "num_requests": len(self.token_ids),
-                "prompt_tokens": sum(map(len, self.token_ids)), "max_tokens": sum(self.max_tokens),
-                "shared_prefix_tokens": shared_prefix_len(self.token_ids)}
+        out = {"name": self.name, "source": self.source, "num_requests": len(self.token_ids),
+               "prompt_tokens": sum(map(len, self.token_ids)), "max_tokens": sum(self.max_tokens),
+               "shared_prefix_tokens": shared_prefix_len(self.token_ids)}
+        if self.loops is not None:  # prompt_tokens: what the trace gives; follow-ups resend more
+            out.update(closed_loop=True, num_follow_ups=sum(self.loops.continues),
+                       num_tool_calls=sum(self.loops.tool_call))
+        return out
 
 
 
@@ -63,5 +92,6 @@ def load_workload(name: str, limit: int | None = None, max_tokens: int | None = 
     token_ids = encode_prompts(trace, resolve_model_path(model) if any(r.prompt_token_ids is None for r in trace)
                                else "none")
     caps = [max_tokens or r.max_tokens or DEFAULT_MAX_TOKENS for r in trace]
-    return Workload(Path(name).stem if Path(name).is_file() else name, source, [r.id for r in trace], token_ids, caps)
+    return Workload(Path(name).stem if Path(name).is_file() else name, source, [r.id for r in trace], token_ids, caps,
+                    Loops.of(trace) if has_loops(trace) else None)
 

@@ -3,12 +3,12 @@ to recommend."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from kvserve.cache.spans import find_hidden_spans
 from kvserve.config import ConfigError
 from kvserve.tools.simulate.ideals import Ideals, compute_ideals, short_prefixes
-from kvserve.tools.simulate.replayer import RunResult, SchedulerLimits, ServiceModel, replay
+from kvserve.tools.simulate.replayer import CacheOptions, RunResult, SchedulerLimits, ServiceModel, replay
 from kvserve.tools.simulate.requests import SimRequest, pages_needed, unbounded_pages
 from kvserve.tools.simulate.spans import move_span_to_front
 
@@ -72,20 +72,33 @@ def capacity_for(requests: list[SimRequest], policy: str, page_size: int, goal: 
 
 def analyze(requests: list[SimRequest], policies: list[str], page_sizes: list[int],
             capacities: list[int | None], target_hit_rate: float = 0.9, service: ServiceModel | None = None,
-            min_span: int = 64, limits: SchedulerLimits | None = None) -> dict:
-    """Every run asked for, the ideals, the radix/hash comparisons, the diagnosis and a recommendation."""
-    service, limits = service or ServiceModel(), limits or SchedulerLimits()
+            min_span: int = 64, limits: SchedulerLimits | None = None, cache: CacheOptions | None = None) -> dict:
+    """Every run asked for, the ideals, the radix/hash comparisons, the diagnosis and a recommendation;
+    with tool calls in the trace, each run again with the tool-call holds off beside it."""
+    service, limits, cache = service or ServiceModel(), limits or SchedulerLimits(), cache or CacheOptions()
     ideals = compute_ideals(requests, page_sizes)
     results: dict[tuple[str, int, int | None], RunResult] = {}
 
     def run(policy: str, ps: int, capacity: int | None) -> RunResult:
         key = (policy, ps, capacity)
         if key not in results:
-            r = results[key] = replay(requests, policy, ps, _pages_for(capacity, ps), service, limits=limits)
+            r = results[key] = replay(requests, policy, ps, _pages_for(capacity, ps), service, limits=limits,
+                                      cache=cache)
             r.attainable_hit_rate = ideals.rate((ideals.radix if policy == "radix" else ideals.hash)[ps])
         return results[key]
 
     runs = [run(p, ps, c) for ps in page_sizes for c in capacities for p in policies]
+    holds = []
+    if any(r.tool_call for r in requests) and cache.tool_call_kv_ttl > 0:
+        off = replace(cache, tool_call_kv_ttl=0.0)
+        for r in runs:
+            o = replay(requests, r.policy, r.page_size, _pages_for(r.capacity_tokens, r.page_size), service,
+                       limits=limits, cache=off)
+            holds.append({"policy": r.policy, "page_size": r.page_size, "capacity_tokens": r.capacity_tokens,
+                          "tool_call_kv_ttl": cache.tool_call_kv_ttl, "num_follow_ups": r.num_follow_ups,
+                          "follow_up_hit_rate_on": r.follow_up_hit_rate, "follow_up_hit_rate_off": o.follow_up_hit_rate,
+                          "holds_granted": r.tool_call_holds_granted, "holds_used": r.tool_call_holds_used,
+                          "hit_rate_on": r.hit_rate, "hit_rate_off": o.hit_rate})
     comparisons = [compare_runs(run("radix", ps, c), run("hash", ps, c))
                    for ps in page_sizes for c in capacities if set(POLICIES) <= set(policies)]
 
@@ -125,6 +138,7 @@ def analyze(requests: list[SimRequest], policies: list[str], page_sizes: list[in
         "scheduler": asdict(limits),
         "ideal_hit_rate": ideals.rate(ideals.token),
         "runs": [_run_json(r) for r in runs],
+        "tool_call_holds": holds,
         "comparisons": comparisons,
         "diagnosis": {"hidden_spans": spans, "short_prefixes": shorts},
         "recommendation": recommendation,

@@ -9,7 +9,7 @@ from pathlib import Path
 from kvserve.config import ConfigError
 from kvserve.tools.planner import parse_tokens
 from kvserve.tools.simulate.analysis import POLICIES, analyze
-from kvserve.tools.simulate.replayer import SchedulerLimits, ServiceModel
+from kvserve.tools.simulate.replayer import CacheOptions, SchedulerLimits, ServiceModel
 from kvserve.tools.simulate.requests import prepare
 from kvserve.tools.traces import GENERATORS, encode_prompts, generate_trace, load_trace, write_trace
 
@@ -32,6 +32,11 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=SchedulerLimits().max_num_batched_tokens,
                         help="scheduler: tokens per step (default: the engine's)")
     parser.add_argument("--min-span", type=int, default=64, help="shortest repeated span the diagnosis reports")
+    parser.add_argument("--tool-call-kv-ttl", type=float, default=CacheOptions().tool_call_kv_ttl,
+                        help="seconds an answer that is a tool call keeps its KV (the engine's flag; 0: off). "
+                             "A trace with tool calls is replayed with the holds off too, side by side")
+    parser.add_argument("--max-leased-fraction", type=float, default=CacheOptions().max_leased_fraction,
+                        help="of the pool, at most held by leases and tool-call holds (the engine's flag)")
     parser.add_argument("--generate", default=None, choices=list(GENERATORS), help="write an example trace")
     parser.add_argument("-n", "--num-requests", type=int, default=64, help="requests to generate (default 64)")
     parser.add_argument("--seed", type=int, default=0)
@@ -67,6 +72,8 @@ def _parse_args(args: argparse.Namespace) -> tuple[list[str], list[int], list[in
         raise ConfigError("--max-num-seqs and --max-num-batched-tokens must be at least 1")
     if args.min_span < 2:
         raise ConfigError(f"--min-span must be at least 2 tokens, got {args.min_span}")
+    if not 0 <= args.tool_call_kv_ttl <= 3600 or not 0 <= args.max_leased_fraction <= 0.9:
+        raise ConfigError("--tool-call-kv-ttl must be in [0, 3600] seconds and --max-leased-fraction in [0, 0.9]")
     return list(dict.fromkeys(policies)), list(dict.fromkeys(page_sizes)), list(dict.fromkeys(capacities))
 
 
@@ -93,7 +100,8 @@ def main_simulate(args: argparse.Namespace) -> int:
     requests = prepare(trace, encode_prompts(trace, args.tokenizer), not args.no_generation)
     result = analyze(requests, policies, page_sizes, capacities, args.target_hit_rate,
                      ServiceModel(args.prefill_tps, args.decode_tps), args.min_span,
-                     SchedulerLimits(args.max_num_seqs, args.max_num_batched_tokens))
+                     SchedulerLimits(args.max_num_seqs, args.max_num_batched_tokens),
+                     CacheOptions(max_leased_fraction=args.max_leased_fraction, tool_call_kv_ttl=args.tool_call_kv_ttl))
     result["trace"]["source"] = args.trace
     if args.json:
         print(json.dumps(result, indent=2))

@@ -31,6 +31,12 @@ def render_simulation(result: dict, console) -> None:
     console.print(table)
     console.print("(attainable: this policy and page size with unbounded capacity, each earlier request "
                   "finished: hash reuses full pages only, radix also the matching start of a filled page)")
+    for h in result.get("tool_call_holds", []):
+        cap = "unbounded" if h["capacity_tokens"] is None else f"{h['capacity_tokens']:,} tokens"
+        console.print(f"tool-call holds ({h['policy']}, page size {h['page_size']}, {cap}): follow-up hit rate "
+                      f"[bold]{h['follow_up_hit_rate_on']:.1%}[/] with --tool-call-kv-ttl {h['tool_call_kv_ttl']:g}, "
+                      f"{h['follow_up_hit_rate_off']:.1%} with 0, over {h['num_follow_ups']} follow-ups "
+                      f"({h['holds_granted']} holds granted, {h['holds_used']} ended by their follow-up)")
     for c in result["comparisons"]:
         cap = "unbounded" if c["capacity_tokens"] is None else f"{c['capacity_tokens']:,} tokens"
         console.print(f"page size {c['page_size']}, {cap}: {c['reason']}")

@@ -8,16 +8,20 @@ One step of the replay is the engine's step (step.run_step) with this replay as 
               step's tokens; sampled: synthetic ids, unique per request (never shared), EOS ignored
               ─► scheduler.update(out, sampled, now) (commits, leases) ─► the tiers' page moves
 
-Without arrivals the trace is replayed one request at a time. Page moves carry no KV data, only the
-cache's bookkeeping. Leases (the trace's cache breakpoints), the host tier (evicted pages kept and
-loaded back) and miss explanations are the engine's own code too: `RunResult.requests` records what
-each request got, to compare with the engine request by request.
+Without arrivals the trace is replayed one request at a time. Closed-loop lines (`after`) are added
+their delay after the request they follow finishes; a tool call's answer ends in an end-of-turn token,
+and the engine's own tool_call_kv holds its conversation until the follow-up (with --tool-call-kv-ttl
+above 0). Page moves carry no KV data, only the cache's bookkeeping. Leases (the trace's cache
+breakpoints), the host tier (evicted pages kept and loaded back) and miss explanations are the engine's
+own code too: `RunResult.requests` records what each request got, to compare with the engine request
+by request.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass, field, fields
 
 from kvserve.batch import PageOps, SampledToken, SchedulerOutput, StepResult
@@ -27,12 +31,12 @@ from kvserve.cache.manager import KVCacheManager
 from kvserve.cache.offload import Offloader
 from kvserve.cache.tiers import HostTier
 from kvserve.config import EngineConfig
-from kvserve.request import Request, RequestOutput, SamplingParams
+from kvserve.request import Request, RequestOutput, SamplingParams, ToolCallKV
 from kvserve.scheduler import ADMISSION_AGE_BOUND_S, ADMISSION_SCAN_LIMIT, Scheduler
 from kvserve.step import run_step
-from kvserve.tools.simulate.requests import SimRequest, pages_needed, unbounded_pages
-
-GENERATED_ID_BASE = 1 << 40  # synthetic generated-token ids: above any vocabulary, unique per request
+from kvserve.tool_call_kv import after_step
+from kvserve.tools.simulate.requests import (END_OF_TURN_ID, GENERATED_ID_BASE, SimRequest, follow_ups,
+                                           output_stride, pages_needed, synthetic_token, unbounded_pages)
 _ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
 
 
@@ -67,6 +71,7 @@ class CacheOptions:
     max_leased_fraction: float = _ENGINE_DEFAULTS["max_leased_fraction"]
     min_cacheable_tokens: int = _ENGINE_DEFAULTS["min_cacheable_tokens"]
     explain: bool = False  # every request's kv_explain
+    tool_call_kv_ttl: float = _ENGINE_DEFAULTS["tool_call_kv_ttl"]  # holds while a tool runs; 0: off
 
 
 @dataclass(slots=True, frozen=True)
@@ -124,6 +129,11 @@ class RunResult:
     requests: dict[str, RequestRecord] = field(default_factory=dict)  # by request id, served ones
     num_lease_grants: int = 0
     host_tier_hits: int = 0  # pages loaded back from the host tier
+    follow_up_hit_rate: float | None = None  # cached / prompt tokens of the lines that continue a conversation
+    num_follow_ups: int = 0
+    tool_call_holds_granted: int = 0
+    tool_call_holds_used: int = 0  # ended by the follow-up that read them
+    num_used_pages_at_end: int = 0  # pages requests still hold after the replay (0: none leaked)
 
 
 def replay(requests: list[SimRequest], policy: str, page_size: int, num_pages: int | None = None,
@@ -146,12 +156,16 @@ def replay(requests: list[SimRequest], policy: str, page_size: int, num_pages: i
         assert manager.num_used_pages == 0, "pages leaked after the replay"
     stats = manager.stats()
     queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+    follow = [run.served[r.id] for r in follow_ups(requests) if r.id in run.served]
+    follow_prompt = sum(r.num_prompt_tokens for r in follow)
     return RunResult(policy, page_size, capacity, num_pages, hits / queries if queries else 0.0, math.nan,
                      queries, hits, run.partial, stats.num_evictions, run.peak, run.peak * page_size,
                      len(requests) - len(run.unservable), len(run.waited), run.unservable,
                      run.scheduler.stats.num_preemptions, run.num_steps, run.clock.now - run.start,
                      {r.request_id: RequestRecord.of(r) for r in run.served.values()},
-                     manager.leases.stats.grants, host.stats.offload_hits)
+                     manager.leases.stats.grants, host.stats.offload_hits,
+                     sum(r.num_cached_tokens for r in follow) / follow_prompt if follow_prompt else None, len(follow),
+                     stats.leases.tool_call_lease_grants, stats.leases.tool_call_lease_used, manager.num_used_pages)
 
 
 class _Replay:
@@ -168,36 +182,51 @@ class _Replay:
             clock=self.clock,
         )
         self.index = {r.id: i for i, r in enumerate(requests)}
-        self.stride = max((r.num_generated for r in requests), default=0) + 1
+        self.stride = output_stride(requests)
+        self.sims = {r.id: r for r in requests}
+        self.children: dict[str, list[SimRequest]] = defaultdict(list)
+        for r in requests:
+            if r.after is not None:
+                self.children[r.after].append(r)
+        self.due: list[tuple[float, int, SimRequest]] = []  # closed-loop lines, by the time they are sent
         self.partial = self.peak = self.num_steps = 0
         self.waited: set[str] = set()
         self._waiting: set[str] = set()  # waiting when the step began
         self.unservable: list[str] = []
 
     def run(self) -> None:
-        pending = deque(self.requests)
-        sequential = bool(self.requests) and self.requests[0].arrival is None
+        pending = deque(r for r in self.requests if r.after is None)
+        sequential = bool(pending) and pending[0].arrival is None
         max_steps = 100 * sum(len(r.token_ids) + r.num_generated for r in self.requests) + 1000
-        while pending or self.scheduler.has_unfinished():
+        while pending or self.due or self.scheduler.has_unfinished():
             if sequential and not self.scheduler.has_unfinished():
                 self._add(pending.popleft())
             elif not sequential:
                 if not self.scheduler.has_unfinished():
-                    self.clock.now = max(self.clock.now, pending[0].arrival)
+                    nexts = ([pending[0].arrival] if pending else []) + ([self.due[0][0]] if self.due else [])
+                    self.clock.now = max(self.clock.now, min(nexts))
                 while pending and pending[0].arrival <= self.clock.now:
                     self._add(pending.popleft())
+                while self.due and self.due[0][0] <= self.clock.now:
+                    self._add(heapq.heappop(self.due)[2])
             if self.scheduler.has_unfinished():
                 self._step()
             assert self.num_steps <= max_steps, "the replay does not progress"
 
     def _add(self, r: SimRequest) -> None:
         if pages_needed(r, self.manager.page_size) > self.manager.num_pages - 1:
-            self.unservable.append(r.id)  # larger than the whole pool
+            self._unservable(r.id)  # larger than the whole pool
             return
-        params = SamplingParams(max_tokens=max(1, r.num_generated), ignore_eos=True)
+        params = SamplingParams(max_tokens=max(1, r.num_generated), ignore_eos=not r.tool_call)
         tenant, salt = split_namespace(r.namespace)
         request = Request(request_id=r.id, prompt_token_ids=list(r.token_ids), sampling_params=params,
-                          tenant=tenant, cache_salt=salt, arrival_time=self.clock.now)
+                          eos_token_id=END_OF_TURN_ID, tenant=tenant, cache_salt=salt, arrival_time=self.clock.now)
+        parent = self.served.get(r.after) if r.continues else None
+        answers = (parent.cache.held_lease_id,) if parent is not None and parent.cache.held_lease_id else ()
+        hold = r.tool_call and self.cache.tool_call_kv_ttl > 0
+        if hold or answers:  # as the server asks: hold this answer's KV, end the hold of the call it answers
+            request.tool_call = ToolCallKV(hold=hold, answers=answers)
+            request.hold_ttl_s = self.cache.tool_call_kv_ttl if hold else 0.0
         request.retention = Retention.of(list(r.breakpoints), len(r.token_ids), tenant,
                                          self.cache.min_cacheable_tokens)
         request.kv_explain = self.cache.explain
@@ -210,9 +239,14 @@ class _Replay:
         self._waiting = {r.request_id for r in scheduler.waiting}
         step = run_step(scheduler, self, self.clock)
         self.num_steps += 1
+        for request in step.changed:
+            after_step(self.manager, request)  # the engine's own: holds while a tool runs
+            if request.status.is_finished:
+                for child in self.children.get(request.request_id, ()):
+                    heapq.heappush(self.due, (self.clock.now + child.delay_s, self.index[child.id], child))
         self.waited.update(step.out.preempted)
-        if not step.out.seqs and not scheduler.running:
-            self._drop_unadmittable()
+        if not step.out.seqs and not scheduler.running and not step.out.preempted:
+            self._drop_unadmittable()  # (one that preempted itself is admitted next step, leases giving way)
 
     # -- the executor: a virtual clock in place of the model (step.Executor) ---------------------
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -239,7 +273,14 @@ class _Replay:
         return [bytearray() for _ in ops.saves]  # (empty pages; the tiers copy what they keep)
 
     def _next_token(self, request: Request) -> int:
-        return GENERATED_ID_BASE + self.index[request.request_id] * self.stride + request.num_output_tokens
+        r = self.sims[request.request_id]
+        return synthetic_token(self.index[r.id], self.stride, r, request.num_output_tokens)
+
+    def _unservable(self, request_id: str) -> None:
+        """Never served, and neither are the closed-loop lines that would follow it."""
+        self.unservable.append(request_id)
+        for child in self.children.get(request_id, ()):
+            self._unservable(child.id)
 
     def _first_chunk_is_short(self, request: Request, budget: int) -> tuple[bool, bool]:
         """(short of pages now, short even with every idle cached page of its hit counted free)."""
@@ -272,5 +313,5 @@ class _Replay:
             raise RuntimeError("the simulated scheduler admitted nothing although no request runs")
         for request in stuck:
             self.scheduler.abort(request.request_id)
-            self.unservable.append(request.request_id)
+            self._unservable(request.request_id)
             self.served.pop(request.request_id, None)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kvserve.cache.spans import HiddenSpan
 from kvserve.tools.simulate.requests import SimRequest
 
@@ -14,6 +16,6 @@ def move_span_to_front(requests: list[SimRequest], span: HiddenSpan) -> list[Sim
         if i in span.starts:
             s, e = span.starts[i], span.starts[i] + span.length
             tokens = tokens[s:e] + tokens[:s] + tokens[e:]
-        out.append(SimRequest(r.id, tokens, r.namespace, r.arrival, r.num_generated))
+        out.append(replace(r, token_ids=tokens))
     return out
 

@@ -1,0 +1,62 @@
+"""`kvserve bench` on a closed-loop workload (the agent trace's shape, issue 26): follow-ups sent after
+the answers they continue, each call forced by the grammar and held, side by side with the holds off
+(`--vs no-tool-holds`) in one run; no request fails, no page is left in use, the answers are the same."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvserve.cli import main
+
+SMALL_POOL = ["--kv-cache-memory", "64MiB", "--max-model-len", "512"]
+
+
+def loop_trace(tmp_path):
+    """Two agents (a call, a call, an answer) sharing 64 tokens of tool definitions, and another user."""
+    tools = list(range(400, 464))
+    lines = []
+    for a in range(2):
+        lines.append({"id": f"a{a}-0", "prompt_token_ids": tools + list(range(1000 + 40 * a, 1020 + 40 * a)),
+                      "arrival": 0.05 * a, "max_tokens": 48, "tool_call": True, "session": f"a{a}"})
+        for k in (1, 2):
+            result = list(range(2000 + 100 * a + 20 * k, 2016 + 100 * a + 20 * k))
+            lines.append({"id": f"a{a}-{k}", "prompt_token_ids": result,
+                          "after": f"a{a}-{k - 1}", "delay_s": 0.05, "continues": True, "tool_call": k == 1,
+                          "max_tokens": 48 if k == 1 else 4, "session": f"a{a}"})
+    lines.append({"id": "o0", "prompt_token_ids": list(range(3000, 3060)), "arrival": 0.0, "max_tokens": 4})
+    lines.append({"id": "o1", "prompt_token_ids": list(range(3100, 3160)), "after": "o0", "delay_s": 0.01,
+                  "max_tokens": 4})
+    path = tmp_path / "loops.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+@pytest.mark.slow
+def test_agent_loops_with_holds_on_and_off_in_one_run(tmp_path, capsys):
+    argv = ["bench", "--workload", str(loop_trace(tmp_path)), "--vs", "no-tool-holds", "--json", *SMALL_POOL]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    on, off = report["agent"]["kvserve"], report["agent"]["kvserve+no-tool-holds"]
+    assert report["workload"]["closed_loop"] and report["workload"]["num_follow_ups"] == 4
+    for a in (on, off):
+        assert a["num_failed"] == 0 and a["num_follow_ups"] == 4 and a["num_tool_calls"] == 4
+        assert a["num_calls_unfinished"] == 0  # every forced call ended itself (finish_reason stop)
+        assert a["pages_in_use_at_end"] == 0 and a["pages_leaked"] == 0
+    assert on["tool_call_holds_granted"] == on["tool_call_holds_used"] == 4 and on["leases_at_end"] == 0
+    assert off["tool_call_holds_granted"] == 0
+    assert on["follow_up_hit_rate"] >= off["follow_up_hit_rate"] > 0
+    assert report["greedy_agreement"]["kvserve+no-tool-holds"]["fraction"] == 1.0
+    assert report["engines"]["kvserve"]["num_requests"] == 8
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--concurrency", "2"], "runs in process"),
+    (["--vs", "transformers"], "runs in process"),
+])
+def test_closed_loop_flag_mistakes_are_one_line(tmp_path, capsys, argv, message):
+    assert main(["bench", "--workload", str(loop_trace(tmp_path)), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+

@@ -187,7 +187,8 @@ def test_gemma_greedy_equals_transformers_past_the_sliding_window(gemma):
 
 
 @pytest.mark.slow
-def test_smollm2_from_a_safetensors_folder_equals_the_gguf(tmp_path):
+def test_smollm2_from_a_safetensors_folder_equals_the_gguf(tmp_path, hf_model):
+    import copy
     from pathlib import Path
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -196,13 +197,13 @@ def test_smollm2_from_a_safetensors_folder_equals_the_gguf(tmp_path):
 
     gguf_path = Path(bundled_model_path())
     kwargs = dict(gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=torch.float32, **kwargs)
-    # transformers will not save a model it loaded from GGUF: the same weights in a plain model will do
-    config = model.config
+    # transformers will not save a model it loaded from GGUF (hf_model: the session's, loaded from
+    # the bundled file): the same weights in a plain model will do
+    config = copy.deepcopy(hf_model.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(model.state_dict())
+    plain.load_state_dict(hf_model.state_dict())
     plain.save_pretrained(tmp_path)
     AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs).save_pretrained(tmp_path)
     assert not list(tmp_path.glob("*.bin"))
@@ -267,31 +268,32 @@ def test_transformers4_config_json_fields_are_read():
 
 
 @pytest.mark.slow
-def test_gemma_4096_token_request_holds_what_kvserve_plan_says(gemma, capsys):
+def test_gemma_2048_token_request_holds_what_kvserve_plan_says(gemma, capsys):
     """Hybrid allocator: the 15 sliding layers hold the last 512 tokens' pages, the 3 global ones all
-    4,096, i.e. (5/6 x 512 + 1/6 x 4,096) tokens per layer on average; stats and plan agree."""
+    2,048 (four windows), i.e. (5/6 x 512 + 1/6 x 2,048) tokens per layer on average; stats and plan
+    agree."""
     import json
 
     from kvserve.tools.planner import main_plan
     from tests.tools.test_planner import plan_args
 
     llm = make_llm(model=gemma, page_size=16, kv_cache_memory="512MiB", max_model_len=8192,
-                   max_num_batched_tokens=2048)
+                   max_num_batched_tokens=1024)
     engine = llm.engine
-    prompt = gemma_prompt(engine.loaded, 4096, seed=3)
-    assert len(prompt) == 4096
+    prompt = gemma_prompt(engine.loaded, 2048, seed=3)
+    assert len(prompt) == 2048
     engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     engine.step()
-    engine.step()  # two chunks of 2,048: the prompt is computed and the first token sampled
+    engine.step()  # two chunks of 1,024: the prompt is computed and the first token sampled
     stats = engine.stats().as_dict()
     kv_dtype = engine.cache_config.kv_dtype.name
-    assert main_plan(plan_args("--model", gemma, "--context", "4096", "--kv-cache-dtype", kv_dtype,
+    assert main_plan(plan_args("--model", gemma, "--context", "2048", "--kv-cache-dtype", kv_dtype,
                                "--json")) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["hybrid_kv"] and plan["model"]["num_window_layers"] == 15
     assert stats["kv_bytes_used"] == plan["dtypes"][0]["request_bytes"]
-    assert stats["num_pages_used"] == 4096 // 16 and stats["window_pool"]["num_pages_used"] == 512 // 16
+    assert stats["num_pages_used"] == 2048 // 16 and stats["window_pool"]["num_pages_used"] == 512 // 16
     per_layer_token = plan["dtypes"][0]["bytes_per_token"] / 18
-    assert stats["kv_bytes_used"] == per_layer_token * (15 * 512 + 3 * 4096)
+    assert stats["kv_bytes_used"] == per_layer_token * (15 * 512 + 3 * 2048)
     while engine.has_unfinished():
         engine.step()

@@ -32,6 +32,19 @@ def spec(draft: str, k: int = 4) -> dict:
             "disable_by_batch_size": 8}  # (speculate with the whole test batch running)
 
 
+def drafted_equals_off(kwargs: dict, prompts, params, draft: str, k: int = 4) -> LLM:
+    """Asserts the outputs with the draft model equal those without it; returns the engine that drafted."""
+    off = run(make_llm(**kwargs), prompts, params)
+    llm = make_llm(**kwargs, speculative_config=spec(draft, k))
+    assert run(llm, prompts, params) == off
+    return llm
+
+
+def assert_pools_full(llm: LLM) -> None:
+    stats = llm.stats()
+    assert stats["num_pages_free"] == stats["num_pages_total"] and draft_pages_used(llm) == 0
+
+
 def pages_memory(num_pages: int, page_size: int, target: str, draft: str | None, dtype: str) -> int:
     """The kv_cache_memory that gives exactly `num_pages` pages (page 0 included) to the target and
     as many to the draft."""
@@ -84,11 +97,8 @@ def test_tiny_model_greedy_tokens_are_unchanged_by_a_draft_model(mode, draft, ll
     # 26 pages of 4 tokens each for ~6 x 50 tokens: requests are preempted and recomputed
     kwargs = dict(model=llama_path, dtype=mode, page_size=4, max_num_seqs=8, max_model_len=96,
                   kv_cache_memory=pages_memory(26, 4, llama_path, draft_path, mode))
-    off = run(make_llm(**kwargs), prompts, params)
-    llm = make_llm(**kwargs, speculative_config=spec(draft_path))
+    llm = drafted_equals_off(kwargs, prompts, params, draft_path)
     assert llm.engine.cache_config.num_pages == 26
-    on = run(llm, prompts, params)
-    assert on == off
     stats = llm.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     drafted, accepted = stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]
@@ -96,7 +106,7 @@ def test_tiny_model_greedy_tokens_are_unchanged_by_a_draft_model(mode, draft, ll
         assert drafted > 0 and accepted == drafted  # the same model, batch-invariant: every draft kept
     else:
         assert accepted < drafted / 2  # rejected drafts rolled back in both pools
-    assert stats["num_pages_free"] == stats["num_pages_total"] and draft_pages_used(llm) == 0
+    assert_pools_full(llm)
 
 
 @pytest.mark.parametrize("draft", ["self", "random"])
@@ -122,16 +132,13 @@ def test_gemma3_window_pool_with_a_draft_model(gemma_path, random_draft):
     prompts, params = batch(rng, VOCAB)
     kwargs = dict(model=gemma_path, page_size=4, kv_cache_memory="1MiB", max_num_seqs=8,
                   max_num_batched_tokens=64)
-    off = run(make_llm(**kwargs), prompts, params)
-    llm = make_llm(**kwargs, speculative_config=spec(random_draft))
+    llm = drafted_equals_off(kwargs, prompts, params, random_draft)
     assert llm.stats()["window_pool"] is not None
-    on = run(llm, prompts, params)
-    assert on == off
     stats = llm.stats()
     assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"]
     assert stats["prefix_cache_hits"] > 0
     assert stats["window_pool"]["num_pages_free"] == stats["window_pool"]["num_pages_total"]
-    assert stats["num_pages_free"] == stats["num_pages_total"] and draft_pages_used(llm) == 0
+    assert_pools_full(llm)
 
 
 @pytest.mark.parametrize("mode", [pytest.param("float32", marks=pytest.mark.slow), DEFAULT_MODE])
@@ -139,13 +146,10 @@ def test_bundled_model_with_a_tiny_draft_sharing_its_tokenizer(mode, bundled_dra
     prompts = [[1, 9690, 314, 1345, 28, 33, 34, 35] * 3, [1, 504, 3458, 282, 4649, 314]]
     params = [SamplingParams(max_tokens=10, ignore_eos=True)] * 2
     kwargs = dict(dtype=mode, max_model_len=256, kv_cache_memory="64MiB")
-    off = run(make_llm(**kwargs), prompts, params)
-    llm = make_llm(**kwargs, speculative_config=spec(bundled_draft, k=3))
-    on = run(llm, prompts, params)
-    assert on == off
+    llm = drafted_equals_off(kwargs, prompts, params, bundled_draft, k=3)
     stats = llm.stats()
     assert stats["spec_decode_num_drafts"] > 0
-    assert stats["num_pages_free"] == stats["num_pages_total"] and draft_pages_used(llm) == 0
+    assert_pools_full(llm)
 
 
 @pytest.mark.slow
@@ -158,14 +162,11 @@ def test_bundled_model_drafting_for_itself_has_every_draft_accepted(mode):
     bundled = bundled_model_path()
     kwargs = dict(dtype=mode, page_size=8, max_num_seqs=8, max_model_len=96,
                   kv_cache_memory=pages_memory(13, 8, bundled, bundled, mode))  # preempted, recomputed
-    off = run(make_llm(**kwargs), prompts, params)
-    llm = make_llm(**kwargs, speculative_config=spec(bundled))
-    on = run(llm, prompts, params)
-    assert on == off
+    llm = drafted_equals_off(kwargs, prompts, params, bundled)
     stats = llm.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     assert 0 < stats["spec_decode_num_draft_tokens"] == stats["spec_decode_num_accepted_tokens"]
-    assert stats["num_pages_free"] == stats["num_pages_total"] and draft_pages_used(llm) == 0
+    assert_pools_full(llm)
 
 
 def test_swap_preemption_with_a_draft_model(llama_path, random_draft):
@@ -174,13 +175,10 @@ def test_swap_preemption_with_a_draft_model(llama_path, random_draft):
     params = [SamplingParams(max_tokens=16, ignore_eos=True)] * len(prompts)  # (swap: no forks)
     kwargs = dict(model=llama_path, page_size=4, max_num_seqs=8, max_model_len=96, preemption_mode="swap",
                   kv_cache_memory=pages_memory(26, 4, llama_path, random_draft, "float32"))
-    off = run(make_llm(**kwargs), prompts, params)
-    llm = make_llm(**kwargs, speculative_config=spec(random_draft))
-    on = run(llm, prompts, params)
-    assert on == off
+    llm = drafted_equals_off(kwargs, prompts, params, random_draft)
     stats = llm.stats()
     assert stats["num_preemptions"] > 0 and stats["spec_decode_num_drafts"] > 0
-    assert stats["num_pages_free"] == stats["num_pages_total"] and draft_pages_used(llm) == 0
+    assert_pools_full(llm)
 
 
 def test_the_start_up_check_and_kvserve_plan_count_the_draft_models_pages(llama_path, random_draft):

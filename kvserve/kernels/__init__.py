@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import os
 import sys
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from kvserve.errors import ConfigError
 
 ISAS = ("scalar", "avx2", "avx512")
 LIB_DIR = Path(__file__).with_name("_lib")
+SRC_DIR = Path(__file__).with_name("src")
 # /proc/cpuinfo flags each build needs (the compiler flags in build.py turn on the same set)
 ISA_FLAGS = {
     "scalar": (),
@@ -28,6 +30,16 @@ ISA_FLAGS = {
 
 def library_path(isa: str) -> Path:
     return LIB_DIR / f"libkvserve_{isa}.so"
+
+
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """A digest of every kernel source and header: a library built from other sources (a checkout
+    that moved on without a rebuild) has other C signatures, and calling it would crash."""
+    digest = hashlib.sha256()
+    for path in sorted([*SRC_DIR.glob("*.cpp"), *SRC_DIR.glob("*.h")]):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
 
 
 @functools.lru_cache(maxsize=1)
@@ -96,6 +108,13 @@ def _load(isa: str) -> KernelLibrary | None:
     except OSError as e:
         _warn_once(f"native kernels failed to load ({e}); using the torch path")
         return None
+    built_from = getattr(lib, "kvs_source_digest", None)
+    if built_from is not None:
+        built_from.restype = ctypes.c_char_p
+    if built_from is None or built_from().decode() != source_digest():
+        _warn_once(f"native kernels in {LIB_DIR} were built from other sources (run `python -m "
+                   "kvserve.kernels.build`); using the torch path")
+        return None
     lib.kvs_isa.restype = ctypes.c_char_p
     if lib.kvs_isa().decode() != isa:
         raise RuntimeError(f"{path} was built for {lib.kvs_isa().decode()}, not {isa}")
@@ -108,9 +127,22 @@ def available() -> bool:
     if not enabled():
         return False
     try:
-        return library_path(selected_isa()).is_file()
+        isa = selected_isa()
     except ConfigError:
         return False
+    return library_path(isa).is_file() and built_digest(isa) == source_digest()
+
+
+def digest_path(isa: str) -> Path:
+    """Written beside each library by build.py: the source digest it was built from."""
+    return LIB_DIR / f"libkvserve_{isa}.digest"
+
+
+def built_digest(isa: str) -> str | None:
+    try:
+        return digest_path(isa).read_text().strip()
+    except OSError:
+        return None
 
 
 def library() -> KernelLibrary | None:

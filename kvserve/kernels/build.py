@@ -15,9 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kvserve.kernels import ISAS, LIB_DIR, library_path
-
-SRC_DIR = Path(__file__).with_name("src")
+from kvserve.kernels import ISAS, LIB_DIR, SRC_DIR, built_digest, digest_path, library_path, source_digest
 BASE_FLAGS = ["-std=c++17", "-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-Wall",
               "-fvisibility=hidden"]
 # no -ffast-math, no FMA contraction: the kernels' results must not depend on how the compiler
@@ -40,22 +38,24 @@ def sources() -> list[Path]:
 
 def up_to_date(isa: str) -> bool:
     out = library_path(isa)
-    if not out.is_file():
+    if not out.is_file() or built_digest(isa) != source_digest():
         return False
-    newest = max(p.stat().st_mtime for p in [*sources(), *SRC_DIR.glob("*.h"), Path(__file__)])
-    return out.stat().st_mtime >= newest
+    return out.stat().st_mtime >= Path(__file__).stat().st_mtime  # (flags changed: rebuild)
 
 
 def build_one(cxx: str, isa: str) -> None:
     out = library_path(isa)
     with tempfile.NamedTemporaryFile(dir=LIB_DIR, suffix=".so", delete=False) as tmp:
         tmp_path = tmp.name
-    cmd = [cxx, *BASE_FLAGS, *ISA_COMPILER_FLAGS[isa], f"-I{SRC_DIR}", *map(str, sources()), "-o", tmp_path]
+    digest = source_digest()
+    cmd = [cxx, *BASE_FLAGS, *ISA_COMPILER_FLAGS[isa], f'-DKVS_SOURCE_DIGEST="{digest}"', f"-I{SRC_DIR}",
+           *map(str, sources()), "-o", tmp_path]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         os.unlink(tmp_path)
         raise RuntimeError(f"building the {isa} kernels failed:\n{' '.join(cmd)}\n{result.stderr}")
     os.replace(tmp_path, out)  # atomic: a running process never sees half a library
+    digest_path(isa).write_text(digest + "\n")
 
 
 def build(isas: list[str] | tuple[str, ...] = ISAS, force: bool = False) -> int:

@@ -138,17 +138,23 @@ def test_a_row_length_off_the_block_is_refused(lib):
         km.dequantize_rows(lib, Q.Q4_K, w, 96, torch.tensor([0]))
 
 
-@pytest.mark.parametrize("qtype", BLOCK_TYPES + FLOAT_TYPES, ids=lambda q: q.name)
-def test_the_decoded_weights_are_the_same_on_every_isa(qtype, monkeypatch):
-    k = 512
-    w = torch.from_numpy(random_weight(qtype, 4, k, seed=8))
+def on_every_isa(monkeypatch, fn) -> list:
+    """fn(library) on each instruction set this host runs, forced by KVSERVE_KERNELS_ISA."""
     got = []
     for isa in kernels.host_isas():
         monkeypatch.setenv("KVSERVE_KERNELS_ISA", isa)
         kl = kernels.library()
         if kl is None:
             pytest.skip("native kernels not built")
-        got.append(km.dequantize_rows(kl, qtype, w, k, torch.arange(4)))
+        got.append(fn(kl))
+    return got
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES + FLOAT_TYPES, ids=lambda q: q.name)
+def test_the_decoded_weights_are_the_same_on_every_isa(qtype, monkeypatch):
+    k = 512
+    w = torch.from_numpy(random_weight(qtype, 4, k, seed=8))
+    got = on_every_isa(monkeypatch, lambda kl: km.dequantize_rows(kl, qtype, w, k, torch.arange(4)))
     for rows in got[1:]:
         assert torch.equal(rows, got[0])
 
@@ -156,13 +162,7 @@ def test_the_decoded_weights_are_the_same_on_every_isa(qtype, monkeypatch):
 def test_the_int16_rounding_is_the_same_on_every_isa(monkeypatch):
     x = torch.randn(4, 128) * 5
     x[1, :32] = 0.0  # an all-zero block: q = 0, d = 0
-    got = []
-    for isa in kernels.host_isas():
-        monkeypatch.setenv("KVSERVE_KERNELS_ISA", isa)
-        kl = kernels.library()
-        if kl is None:
-            pytest.skip("native kernels not built")
-        got.append(km.quantize_activations(kl, x))
+    got = on_every_isa(monkeypatch, lambda kl: km.quantize_activations(kl, x))
     assert torch.equal(got[0][0][1, :32], torch.zeros(32, dtype=torch.int16)) and got[0][1][1, 0] == 0
     for q, d in got[1:]:
         assert torch.equal(q, got[0][0]) and torch.equal(d, got[0][1])

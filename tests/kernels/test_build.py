@@ -1,0 +1,46 @@
+"""The kernel build and its guard: each library records the sources it was built from, and a library
+built from other sources (a checkout that moved on without a rebuild: other C signatures) is refused
+with one line and the torch path, never called; a missing compiler is one line too."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve import kernels
+from kvserve.kernels import build
+
+
+@pytest.fixture
+def fresh_loader():
+    kernels._load.cache_clear()
+    kernels._warned.clear()
+    yield
+    kernels._load.cache_clear()  # later tests load the real libraries again
+
+
+def test_every_built_library_records_the_sources_it_was_built_from(monkeypatch):
+    monkeypatch.setenv("KVSERVE_KERNELS", "on")
+    for isa in kernels.host_isas():
+        if not kernels.library_path(isa).is_file():
+            pytest.skip("native kernels not built")
+        assert kernels.built_digest(isa) == kernels.source_digest()
+        assert build.up_to_date(isa)
+
+
+def test_a_library_built_from_other_sources_is_refused_with_one_line(monkeypatch, capsys, fresh_loader):
+    monkeypatch.setenv("KVSERVE_KERNELS", "on")
+    if not kernels.library_path(kernels.selected_isa()).is_file():
+        pytest.skip("native kernels not built")
+    for module in (kernels, build):  # the sources moved on
+        monkeypatch.setattr(module, "source_digest", lambda: "0" * 16)
+    assert kernels.library() is None and not kernels.available()
+    assert not build.up_to_date(kernels.selected_isa())
+    err = capsys.readouterr().err.strip()
+    assert "built from other sources" in err and "kvserve.kernels.build" in err and "\n" not in err
+
+
+def test_a_missing_compiler_is_one_line_and_builds_nothing(monkeypatch, capsys):
+    monkeypatch.setattr(build, "compiler", lambda: None)
+    assert build.build(force=True) == 0
+    err = capsys.readouterr().err.strip()
+    assert "no C++ compiler" in err and "torch path" in err and "\n" not in err

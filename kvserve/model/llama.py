@@ -14,11 +14,16 @@ from torch import nn
 
 from kvserve import kernels
 from kvserve.config import ModelConfig
-from kvserve.kernels import ops as native_ops
+from kvserve.kernels import attention as native_attention, layers as native_layers, ops as native_ops
 from kvserve.model.attention import AttentionMetadata, paged_attention
 from kvserve.model.gguf_loader import GGUFTensor
 from kvserve.model.kv_quant import PagedKV
-from kvserve.model.linear import WeightBuilder
+from kvserve.model.linear import NativeLinear, WeightBuilder
+
+# steps of up to this many rows run every layer in one native call (kernels/layers.py) when the model
+# and its KV codec allow; longer prefill chunks run op by op (bounded scratch; the per-op cost is
+# small against theirs). Both give the same bits.
+FUSED_MAX_ROWS = 256
 
 
 class RMSNorm(nn.Module):
@@ -183,6 +188,7 @@ class LlamaModel(nn.Module):
             self.local_rope = Rotary(cfg.head_dim, cfg.rope_local_theta, cfg.max_position_embeddings, device,
                                      self.dtype)
         self.windows = [cfg.layer_window(i) for i in range(cfg.num_layers)]
+        self._fused: dict[kernels.KernelLibrary, native_layers.DecoderLayers | None] = {}
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -194,10 +200,15 @@ class LlamaModel(nn.Module):
         x = self.embed(input_ids)  # [T, hidden]
         if self.config.embedding_scale != 1.0:  # HF multiplies by the scale cast to the model dtype
             x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
+        lib = kernels.library() if x.dtype == torch.float32 and x.device.type == "cpu" else None
+        fused = self._fused_layers(lib, kv_caches, x) if lib is not None else None
+        if fused is not None:  # x is the embedding's own fresh tensor: the call may overwrite it
+            return fused.run(x, kv_caches[0][0].codec.name, [(k.data, v.data) for k, v in kv_caches],
+                             meta.page_size, meta.rows_for_kernel(), meta.slot_mapping.contiguous(),
+                             torch.get_num_threads())
         rope = self.rope(positions)
         local_rope = self.local_rope(positions) if self.local_rope is not None else rope
         windowed = {w: (window_meta or meta).with_window(w) for w in set(self.windows) if w is not None}
-        lib = kernels.library() if x.dtype == torch.float32 and x.device.type == "cpu" else None
         residual = None  # each layer's output is x + residual, added by the next norm
         for layer, window, (k_cache, v_cache) in zip(self.layers, self.windows, kv_caches):
             if window is None:
@@ -205,6 +216,40 @@ class LlamaModel(nn.Module):
             else:
                 x, residual = layer(x, residual, local_rope, k_cache, v_cache, windowed[window], lib)
         return self.norm(x, lib) if residual is None else self.norm.add_forward(x, residual, lib)[1]
+
+    def _fused_layers(self, lib: kernels.KernelLibrary, kv_caches: list[tuple[PagedKV, PagedKV]],
+                      x: torch.Tensor) -> native_layers.DecoderLayers | None:
+        """The one-call native layers for this step, or None: op by op. They cover Llama-style
+        layers (no QK-norm, post-norms, biases or sliding windows) whose linears run on `lib` (the
+        same kernels the per-op path would call) over a KV codec the attention kernel writes itself."""
+        codec = kv_caches[0][0].codec
+        if (x.shape[0] > FUSED_MAX_ROWS or codec.name not in native_attention.WRITES
+                or any(k.codec is not codec or v.codec is not codec for k, v in kv_caches)
+                or not native_attention.supports(lib, codec.name, self.config.head_dim, x)):
+            return None
+        if lib not in self._fused:
+            self._fused[lib] = self._build_fused(lib)
+        return self._fused[lib]
+
+    def _build_fused(self, lib: kernels.KernelLibrary) -> native_layers.DecoderLayers | None:
+        def weights(m: nn.Module) -> native_layers.LinearWeights | None:
+            if (not isinstance(m, NativeLinear) or m.library is not lib or m.bias is not None
+                    or len(m.qtypes) > native_layers.MAX_PARTS):
+                return None
+            return native_layers.LinearWeights([(q, m.blocks(i)) for i, q in enumerate(m.qtypes)], m.in_features)
+
+        layers = []
+        for layer, window in zip(self.layers, self.windows):
+            linears = [weights(m) for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+            if (window is not None or layer.q_norm is not None or layer.attn_out_norm is not None
+                    or layer.mlp_out_norm is not None or None in linears):
+                return None
+            layers.append(native_layers.LayerWeights(*linears, layer.input_norm.weight,
+                                                     layer.post_attention_norm.weight))
+        first, cfg = self.layers[0], self.config
+        shapes = native_layers.Shapes(cfg.hidden_size, first.num_heads, first.num_kv_heads, first.head_dim,
+                                      first.down.in_features, self.norm.eps, first.q_scale, first.hidden_act)
+        return native_layers.DecoderLayers(lib, layers, self.norm.weight, shapes, self.rope.cos, self.rope.sin)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in float32."""

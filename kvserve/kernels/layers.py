@@ -1,0 +1,145 @@
+"""ctypes wrapper of the fused decoder layers (src/ops_layers.cpp): a Llama-style model's layers and
+final norm for a step's rows in one native call, made of the same kernel calls (same arguments) as
+model/llama.py's per-op path, so the bits are the same. The weights' part of the arguments is made
+once; a step fills in its rows, RoPE tables, attention rows and one scratch buffer."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.kernels import KernelLibrary
+from kvserve.kernels.attention import CODEC_IDS, AttentionRows
+from kvserve.kernels.ops import ACTIVATIONS
+
+MAX_PARTS = 4  # kMaxParts in ops_layers.cpp: formats stacked in one linear layer
+_i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("num_parts", _i64), ("in_features", _i64), ("out_features", _i64), ("qtypes", _i64 * MAX_PARTS),
+                ("weights", _ptr * MAX_PARTS), ("rows", _i64 * MAX_PARTS)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Linear), ("o_proj", _Linear), ("gate_up", _Linear), ("down", _Linear),
+                ("input_norm", _ptr), ("post_attention_norm", _ptr), ("k_data", _ptr), ("v_data", _ptr)]
+
+
+_SCRATCH = ("m", "normed", "qkv", "qk", "attn", "gate_up", "act_out", "out", "cos", "sin")
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("rows", _i64), ("num_layers", _i64), *((n, _i64) for n in (
+        "hidden", "heads", "kv_heads", "head_dim", "inter", "page_size", "codec", "act", "num_threads")),
+        *((n, _f32) for n in ("eps", "q_scale", "attn_scale", "pad")),
+        *((n, _ptr) for n in ("cos_table", "sin_table", "positions", "table_offsets", "table_first", "tables",
+                              "slot_mapping", "final_norm", "h", *_SCRATCH))]
+
+
+@functools.lru_cache(maxsize=None)
+def _entry(lib: KernelLibrary):
+    fn = lib.lib.kvs_decoder_layers
+    fn.argtypes = [_ptr, _ptr]
+    fn.restype = ctypes.c_int
+    sizes = lib.lib.kvs_decoder_layers_struct_sizes
+    sizes.restype = _i64
+    assert sizes() == ctypes.sizeof(_Layer) * 1000 + ctypes.sizeof(_Step), "ops_layers.cpp's structs moved"
+    return fn
+
+
+@dataclass(frozen=True, slots=True)
+class LinearWeights:
+    """One linear layer as the kernel reads it: (ggml type, blocks [rows, row bytes] uint8) parts
+    stacked by rows, over `in_features` inputs."""
+
+    parts: list[tuple[int, torch.Tensor]]
+    in_features: int
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    qkv: LinearWeights
+    o_proj: LinearWeights
+    gate_up: LinearWeights
+    down: LinearWeights
+    input_norm: torch.Tensor  # [hidden] float32
+    post_attention_norm: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class Shapes:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    eps: float
+    q_scale: float  # queries' extra factor (RoPE's scaled heads)
+    activation: str
+
+
+def _linear(w: LinearWeights) -> _Linear:
+    assert 1 <= len(w.parts) <= MAX_PARTS
+    out = _Linear(num_parts=len(w.parts), in_features=w.in_features,
+                  out_features=sum(int(b.shape[0]) for _, b in w.parts))
+    for i, (qtype, blocks) in enumerate(w.parts):
+        assert blocks.dtype == torch.uint8 and blocks.is_contiguous()
+        out.qtypes[i], out.weights[i], out.rows[i] = int(qtype), blocks.data_ptr(), int(blocks.shape[0])
+    return out
+
+
+class DecoderLayers:
+    """The layers' weights as the native call reads them (made once: the tensors must not move);
+    `run` executes one step's rows through every layer and the final norm."""
+
+    def __init__(self, lib: KernelLibrary, layers: list[LayerWeights], final_norm: torch.Tensor, shapes: Shapes,
+                 cos_table: torch.Tensor, sin_table: torch.Tensor) -> None:
+        self.fn = _entry(lib)
+        self.shapes = shapes
+        self._keep = (layers, final_norm, cos_table, sin_table)  # the pointers below point into these
+        self.layers = (_Layer * len(layers))()
+        for dst, w in zip(self.layers, layers):
+            dst.qkv, dst.o_proj, dst.gate_up, dst.down = (_linear(x) for x in (w.qkv, w.o_proj, w.gate_up, w.down))
+            dst.input_norm, dst.post_attention_norm = w.input_norm.data_ptr(), w.post_attention_norm.data_ptr()
+        self.qkv_width = self.layers[0].qkv.out_features
+        s = shapes
+        self.step = _Step(num_layers=len(layers), hidden=s.hidden, heads=s.heads, kv_heads=s.kv_heads,
+                          head_dim=s.head_dim, inter=s.inter, act=ACTIVATIONS[s.activation], eps=s.eps,
+                          q_scale=s.q_scale, attn_scale=s.head_dim ** -0.5, final_norm=final_norm.data_ptr(),
+                          cos_table=cos_table.data_ptr(), sin_table=sin_table.data_ptr())
+        widths = {"m": s.hidden, "normed": s.hidden, "qkv": self.qkv_width, "qk": (s.heads + s.kv_heads) * s.head_dim,
+                  "attn": s.heads * s.head_dim, "gate_up": 2 * s.inter, "act_out": s.inter, "out": s.hidden,
+                  "cos": s.head_dim, "sin": s.head_dim}
+        self.widths = [widths[n] for n in _SCRATCH]
+        self.row_floats = sum(self.widths)
+
+    def run(self, x: torch.Tensor, codec: str, kv: list[tuple[torch.Tensor, torch.Tensor]], page_size: int,
+            rows: AttentionRows, slot_mapping: torch.Tensor, num_threads: int) -> torch.Tensor:
+        """x [T, hidden] float32 contiguous (the embeddings; overwritten: it holds the residual stream)
+        -> the final norm's output [T, hidden]. kv: each layer's (K data, V data) pages of a codec
+        whose write the attention kernel does (fp32, bf16)."""
+        t = x.shape[0]
+        assert x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == self.shapes.hidden
+        scratch = torch.empty(t * self.row_floats, dtype=torch.float32)
+        step = self.step
+        step.rows, step.page_size, step.codec, step.num_threads = t, page_size, CODEC_IDS[codec], num_threads
+        step.h = x.data_ptr()
+        step.positions, step.table_offsets = rows.positions.data_ptr(), rows.table_offsets.data_ptr()
+        step.table_first, step.tables = rows.table_first.data_ptr(), rows.tables.data_ptr()
+        step.slot_mapping = slot_mapping.data_ptr()
+        address, out_at = scratch.data_ptr(), 0
+        for name, width in zip(_SCRATCH, self.widths):
+            if name == "out":
+                out_at = (address - scratch.data_ptr()) // 4
+            setattr(step, name, address)
+            address += 4 * t * width
+        for layer, (k, v) in zip(self.layers, kv):
+            layer.k_data, layer.v_data = k.data_ptr(), v.data_ptr()
+        rc = self.fn(ctypes.byref(self.layers), ctypes.byref(step))
+        if rc:
+            raise RuntimeError(f"the fused decoder layers failed (kernel code {rc})")
+        return scratch[out_at:out_at + t * self.shapes.hidden].view(t, self.shapes.hidden)

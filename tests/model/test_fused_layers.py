@@ -1,0 +1,77 @@
+"""The one-call native decoder layers (kernels/layers.py) give the per-op path's bits: the bundled
+model's hidden states over prefill chunks, decode rows and a step mixing both, for the two KV codecs
+whose write the attention kernel does; and the steps they cover make no per-op kernel call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve import kernels
+from kvserve.config import KV_DTYPES
+from kvserve.kernels import ops
+from kvserve.model import llama
+from kvserve.model.attention import AttentionMetadata
+from kvserve.model.gguf_loader import bundled_model_path, load_gguf
+from kvserve.model.runner import ModelRunner
+
+pytestmark = pytest.mark.skipif(kernels.library() is None, reason="native kernels not built")
+PAGE = 16
+# (start positions, tokens) per sequence of each step: A's prefill in two chunks, then A decoding
+# beside B's prefill, then both decoding
+STEPS = [
+    {"a": (0, 37)},
+    {"a": (37, 20)},
+    {"a": (57, 1), "b": (0, 23)},
+    {"b": (23, 1), "a": (58, 1)},
+]
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_gguf(bundled_model_path())
+
+
+def hidden_states(loaded, kv_dtype: str) -> list[torch.Tensor]:
+    runner = ModelRunner(loaded, 12, PAGE, KV_DTYPES[kv_dtype], dtype="native")
+    tables = {"a": list(range(1, 6)), "b": list(range(6, 9))}
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for step in STEPS:
+        names = list(step)
+        starts, lens = [step[n][0] for n in names], [step[n][1] for n in names]
+        meta = AttentionMetadata.build(starts, lens, [tables[n] for n in names], PAGE, runner.device)
+        ids = torch.randint(3, 49_000, (sum(lens),), generator=gen)
+        with torch.inference_mode():
+            out.append(runner.model(ids, meta.positions, runner.kv_caches, meta).clone())
+    return out
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp32"])
+def test_fused_layers_equal_the_per_op_path_bitwise(loaded, kv_dtype, monkeypatch):
+    fused = hidden_states(loaded, kv_dtype)
+    monkeypatch.setattr(llama, "FUSED_MAX_ROWS", 0)
+    per_op = hidden_states(loaded, kv_dtype)
+    for a, b in zip(fused, per_op, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_covered_steps_make_no_per_op_kernel_call(loaded, monkeypatch):
+    def per_op(*args, **kwargs):
+        raise AssertionError("a per-op kernel ran")
+
+    monkeypatch.setattr(ops, "rms_norm", per_op)
+    hidden_states(loaded, "bf16")
+
+
+def test_long_chunks_and_other_codecs_run_op_by_op(loaded, monkeypatch):
+    monkeypatch.setattr(llama, "FUSED_MAX_ROWS", 30)  # the 37-token chunk is past it
+    calls = []
+    real = ops.rms_norm
+    monkeypatch.setattr(ops, "rms_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    hidden_states(loaded, "bf16")
+    assert len(calls) == 61  # the first step only: 2 norms a layer and the final one
+    calls.clear()
+    monkeypatch.setattr(llama, "FUSED_MAX_ROWS", 256)
+    hidden_states(loaded, "int8")  # its page scales are written by the torch codec
+    assert len(calls) == 61 * len(STEPS)

@@ -109,10 +109,12 @@ def test_each_row_is_bitwise_the_same_in_any_batch_and_thread_count(lib, qtype):
     batch_invariance(lib, qtype, 70, 256, counts, 300)
 
 
-@pytest.mark.parametrize("qtype, k", [(Q.Q4_K, 2048), (Q.Q8_0, 2048), (Q.F32, 1001), (Q.F16, 37)], ids=str)
+@pytest.mark.parametrize("qtype, k", [(Q.Q4_K, 2048), (Q.Q8_0, 2048), (Q.F32, 1001), (Q.F16, 37), (Q.Q4_1, 576),
+                                      (Q.Q4_0, 608), (Q.Q8_0, 96)], ids=str)
 def test_rows_spanning_several_decoded_blocks_and_ragged_float_rows(lib, qtype, k):
     # k = 2048: a thread's weight rows are decoded in several blocks; float rows off the 8/16 lanes
-    # take the scalar tail
+    # take the scalar tail; 576, 608, 96: rows whose last blocks are not a group of eight (decode rows
+    # take them one by one)
     batch_invariance(lib, qtype, 37, k, [(1, 2), (4, 1), (5, 2), (13, 1), (40, 2)], 40)
 
 

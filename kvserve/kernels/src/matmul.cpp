@@ -17,6 +17,7 @@ namespace kvs {
 namespace {
 
 constexpr int TILE_ROWS = 4;              // activation rows sharing each decoded weight row in registers
+constexpr int64_t DIRECT_ROWS = 8;        // up to this many rows: weights decoded in registers, no scratch
 constexpr int64_t L1_BYTES = 24 * 1024;  // decoded rows for a few activation rows: stay in L1
 constexpr int64_t L2_BYTES = 96 * 1024;  // decoded rows reread by every tile of a prefill chunk: in L2
 
@@ -61,6 +62,32 @@ void run_float(int type, const uint8_t* w, int64_t N, int64_t K, const float* x,
     }
 }
 
+#if KVS_SIMD
+// Up to DIRECT_ROWS activation rows: every weight row decoded in registers and dotted as it streams in
+// (a decode step is bound by reading the weights once; a scratch copy would be a second pass)
+void run_quant_direct(int type, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t nb, const XRow* xrows,
+                      int64_t T, bool offsets, float* y, int64_t ldy, int nthreads) {
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t per = (N + nth - 1) / nth;
+        const int64_t lo = std::min(N, tid * per), hi = std::min(N, lo + per);
+        thread_local std::vector<float> off;  // per-block offsets of the weight rows in flight
+        if (int64_t(off.size()) < 4 * nb) off.resize(4 * nb);
+        switch (T) {
+            case 1: qdot_direct_rows<1>(type, w, row_bytes, lo, hi, nb, xrows, offsets, off.data(), y, ldy); break;
+            case 2: qdot_direct_rows<2>(type, w, row_bytes, lo, hi, nb, xrows, offsets, off.data(), y, ldy); break;
+            case 3: qdot_direct_rows<3>(type, w, row_bytes, lo, hi, nb, xrows, offsets, off.data(), y, ldy); break;
+            case 4: qdot_direct_rows<4>(type, w, row_bytes, lo, hi, nb, xrows, offsets, off.data(), y, ldy); break;
+            case 5: qdot_direct_rows<5>(type, w, row_bytes, lo, hi, nb, xrows, offsets, off.data(), y, ldy); break;
+            case 6: qdot_direct_rows<6>(type, w, row_bytes, lo, hi, nb, xrows, offsets, off.data(), y, ldy); break;
+            case 7: qdot_direct_rows<7>(type, w, row_bytes, lo, hi, nb, xrows, offsets, off.data(), y, ldy); break;
+            default: qdot_direct_rows<8>(type, w, row_bytes, lo, hi, nb, xrows, offsets, off.data(), y, ldy); break;
+        }
+    }
+}
+#endif
+
 // Block formats: activations rounded to int16 blocks once, rows decoded to int16 codes
 void run_quant(int type, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t ldx, int64_t T, float* y,
                int64_t ldy, int nthreads) {
@@ -75,6 +102,12 @@ void run_quant(int type, const uint8_t* w, int64_t N, int64_t K, const float* x,
         xrows[t] = XRow{&xq[t * K], &xd[t * nb], &xs[t * nb]};
     }
     const bool offsets = has_offset(type);
+#if KVS_SIMD
+    if (T <= DIRECT_ROWS) {
+        run_quant_direct(type, w, row_bytes, N, nb, xrows.data(), T, offsets, y, ldy, nthreads);
+        return;
+    }
+#endif
     const int64_t qbytes = qrow_bytes(K);
     const int64_t rows_per_block = std::max<int64_t>(8, (T <= TILE_ROWS ? L1_BYTES : L2_BYTES) / qbytes);
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)

@@ -1,6 +1,8 @@
 // Block formats on integers: the activation rounding to int16 blocks of 32, the weight rows decoded to
 // int16 codes with per-block float scales, and the integer dot-product tiles (see the chain below).
 #pragma once
+#include <type_traits>
+
 #include "matmul_quant.h"
 
 namespace kvs {
@@ -211,6 +213,174 @@ inline void qdot_tile(const XRow* x, const QRow* w, int64_t nb, bool offsets, fl
     }
 #endif
 }
+
+#if KVS_SIMD
+// Few activation rows (decode, a speculative verify): each weight row is decoded in registers as its
+// blocks stream in and dotted with the R rows at once, never stored. The chain is qdot_tile's to the
+// bit: the same int32 lanes, the same acc += float(lanes) * (dw * dx) per block, hsum8, offset_dot.
+template <int R>
+struct DotSink {
+    const XRow* x;
+    float* off;  // the row's per-block offsets, for offset_dot at the end
+    __m256 acc[R];
+    void operator()(int64_t b, const Block32& k) {
+        __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(k.c));
+        __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(k.c, 1));
+        if (k.sc0 != 1 || k.sc1 != 1) {
+            w0 = _mm256_mullo_epi16(w0, _mm256_set1_epi16(short(k.sc0)));
+            w1 = _mm256_mullo_epi16(w1, _mm256_set1_epi16(short(k.sc1)));
+        }
+        const __m256 dw = _mm256_set1_ps(k.d);
+        off[b] = k.off;
+        for (int r = 0; r < R; ++r) {
+            const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, load256(x[r].q + 32 * b)),
+                                               _mm256_madd_epi16(w1, load256(x[r].q + 32 * b + 16)));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, _mm256_broadcast_ss(x[r].d + b)), acc[r]);
+        }
+    }
+};
+
+// y[r * ldy] = x[r] . W[row] for R <= DIRECT_ROWS activation rows; `off` holds K / 32 floats
+template <int R>
+inline void qdot_direct(int type, const uint8_t* row, int64_t nb, const XRow* x, bool offsets, float* off, float* y,
+                        int64_t ldy) {
+    DotSink<R> sink{x, off, {}};
+    for (int r = 0; r < R; ++r) sink.acc[r] = _mm256_setzero_ps();
+    walk_blocks(type, row, 32 * nb, sink);
+    for (int r = 0; r < R; ++r) {
+        float v = hsum8(sink.acc[r]);
+        if (offsets) v = v + offset_dot(off, x[r].s, nb);
+        y[r * ldy] = v;
+    }
+}
+
+// Q4_0, Q4_1, Q8_0 rows for few activation rows, C weight rows side by side (independent chains):
+// eight blocks at a time, whose fp16 scales (and Q4_1's offsets) are converted with one instruction
+// and multiplied by the activations' scales as one vector. Each product, sum and conversion is the
+// one qdot_tile makes (same int32 lanes, acc += float(lanes) * (dw * dx) in block order, offset_dot).
+// block b of C rows against R activation rows: acc[r][c] += float(lanes) * dwx[c][r][i]
+template <int Q, int R, int C>
+inline void direct32_block(const uint8_t* const* rows, int64_t b, const XRow* x, const float (&dwx)[C][R][8], int i,
+                           __m256 (&acc)[R][C]) {
+    constexpr int bytes = Q == T_Q8_0 ? 34 : Q == T_Q4_0 ? 18 : 20;
+    constexpr int qs_at = Q == T_Q4_1 ? 4 : 2;
+    const __m128i m15 = _mm_set1_epi8(15);
+    __m256i w0[C], w1[C];
+    for (int c = 0; c < C; ++c) {
+        const uint8_t* qs = rows[c] + b * bytes + qs_at;
+        if constexpr (Q == T_Q8_0) {
+            w0[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+            w1[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)));
+        } else {
+            const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+            w0[c] = _mm256_cvtepu8_epi16(_mm_and_si128(v, m15));
+            w1[c] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), m15));
+            if constexpr (Q == T_Q4_0) {
+                w0[c] = _mm256_sub_epi16(w0[c], _mm256_set1_epi16(8));
+                w1[c] = _mm256_sub_epi16(w1[c], _mm256_set1_epi16(8));
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        const __m256i x0 = load256(x[r].q + 32 * b), x1 = load256(x[r].q + 32 * b + 16);
+        for (int c = 0; c < C; ++c) {
+            const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0[c], x0), _mm256_madd_epi16(w1[c], x1));
+            acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&dwx[c][r][i]), acc[r][c]);
+        }
+    }
+}
+
+template <int Q, int R, int C>
+inline void qdot_direct32(const uint8_t* const* rows, int64_t nb, const XRow* x, float* const* off, float* y,
+                          int64_t ldy) {
+    constexpr int bytes = Q == T_Q8_0 ? 34 : Q == T_Q4_0 ? 18 : 20;
+    __m256 acc[R][C];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+    alignas(32) float dwx[C][R][8];
+    for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+        const int n8 = int(std::min<int64_t>(8, nb - b0));
+        for (int c = 0; c < C; ++c) {
+            const uint8_t* blk = rows[c] + b0 * bytes;
+            if (n8 == 8) {
+                __m128i dh = _mm_setzero_si128(), mh = _mm_setzero_si128();
+#define KVS_LANE(i)                                                  \
+    dh = _mm_insert_epi16(dh, load_u16(blk + (i) * bytes), (i));     \
+    if constexpr (Q == T_Q4_1) mh = _mm_insert_epi16(mh, load_u16(blk + (i) * bytes + 2), (i));
+                KVS_LANE(0) KVS_LANE(1) KVS_LANE(2) KVS_LANE(3) KVS_LANE(4) KVS_LANE(5) KVS_LANE(6) KVS_LANE(7)
+#undef KVS_LANE
+                const __m256 d8 = _mm256_cvtph_ps(dh);
+                for (int r = 0; r < R; ++r) _mm256_store_ps(dwx[c][r], _mm256_mul_ps(d8, _mm256_loadu_ps(x[r].d + b0)));
+                if constexpr (Q == T_Q4_1) _mm256_storeu_ps(off[c] + b0, _mm256_cvtph_ps(mh));
+            } else {
+                for (int i = 0; i < n8; ++i) {
+                    const float d = half_at(blk + i * bytes);
+                    for (int r = 0; r < R; ++r) dwx[c][r][i] = d * x[r].d[b0 + i];
+                    off[c][b0 + i] = Q == T_Q4_1 ? half_at(blk + i * bytes + 2) : 0.0f;
+                }
+            }
+        }
+        // a full group unrolled (the accumulators stay in registers), the row's last blocks one by one
+        if (n8 == 8) {
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; ++i) direct32_block<Q, R, C>(rows, b0 + i, x, dwx, i, acc);
+        } else {
+            for (int i = 0; i < n8; ++i) direct32_block<Q, R, C>(rows, b0 + i, x, dwx, i, acc);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < C; ++c) {
+            float v = hsum8(acc[r][c]);
+            if constexpr (Q == T_Q4_1) v = v + offset_dot(off[c], x[r].s, nb);
+            y[r * ldy + c] = v;
+        }
+    }
+}
+
+template <int R>
+constexpr int direct_cols() { return R == 1 ? 4 : R <= 4 ? 2 : 1; }
+
+// y[r * ldy + j] = x[r] . W[lo + j] for R activation rows and the weight rows lo .. hi; `off` holds
+// direct_cols<R>() rows of K / 32 floats
+template <int R>
+inline void qdot_direct_rows(int type, const uint8_t* w, int64_t row_bytes, int64_t lo, int64_t hi, int64_t nb,
+                             const XRow* x, bool offsets, float* off, float* y, int64_t ldy) {
+    constexpr int C = direct_cols<R>();
+    const uint8_t* rows[C];
+    float* offs[C];
+    for (int c = 0; c < C; ++c) offs[c] = off + c * nb;
+    int64_t n = lo;
+    auto run32 = [&](auto q) {
+        constexpr int Q = decltype(q)::value;
+        for (; n + C <= hi; n += C) {
+            for (int c = 0; c < C; ++c) rows[c] = w + (n + c) * row_bytes;
+            // the weights stream from memory once: ask for the rows three groups ahead while these compute
+            const uint8_t* ahead = w + std::min(hi, n + 4 * C) * row_bytes;
+            for (const uint8_t* p = w + std::min(hi, n + 3 * C) * row_bytes; p < ahead; p += 64)
+                _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+            qdot_direct32<Q, R, C>(rows, nb, x, offs, y + n, ldy);
+        }
+        for (; n < hi; ++n) {
+            rows[0] = w + n * row_bytes;
+            qdot_direct32<Q, R, 1>(rows, nb, x, offs, y + n, ldy);
+        }
+    };
+    switch (type) {
+        case T_Q4_0: run32(std::integral_constant<int, T_Q4_0>{}); return;
+        case T_Q4_1: run32(std::integral_constant<int, T_Q4_1>{}); return;
+        case T_Q8_0: run32(std::integral_constant<int, T_Q8_0>{}); return;
+        default:
+            for (; n < hi; ++n) {
+                if (n + 4 < hi) {
+                    const uint8_t* next = w + (n + 4) * row_bytes;
+                    for (int64_t p = 0; p < row_bytes; p += 64)
+                        _mm_prefetch(reinterpret_cast<const char*>(next + p), _MM_HINT_T0);
+                }
+                qdot_direct<R>(type, w + n * row_bytes, nb, x, offsets, off, y + n, ldy);
+            }
+    }
+}
+#endif  // KVS_SIMD
 
 template <int R>
 constexpr int qtile_cols() { return R == 1 ? 4 : 2; }

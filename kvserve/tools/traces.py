@@ -17,6 +17,8 @@ a workload whose prefix-cache behaviour is well known:
                call) + a task; each answer a tool call, each follow-up the conversation + the call +
                the tool's result, sent a tool latency (lognormal) after the answer; beside them, other
                users' unrelated requests (closed loops with think times) that keep the pool churning
+    agent-small  the agent trace sized for `kvserve bench` on 2 cores (1k tokens of system prompt and
+               tools, 3 calls a session, ~40 s tools, one other user; tools/agent_trace.py)
     agent-steps  open loop: system prompt + one of a few tool-definition variants + a task, then steps
                that append a tool call and its result (each step resends everything before it)
     multiturn  sessions of 6 turns, each resending the whole history and the previous answer
@@ -37,7 +39,7 @@ import random
 from pathlib import Path
 
 from kvserve.config import ConfigError
-from kvserve.tools.agent_trace import agent_trace
+from kvserve.tools.agent_trace import agent_trace, small_agent_trace
 from kvserve.tools.trace_line import VOCAB_HIGH, VOCAB_LOW, TraceRequest, synthetic_tokens
 
 __all__ = ["GENERATORS", "VOCAB_HIGH", "VOCAB_LOW", "TraceRequest", "check_loops", "encode_prompts", "generate_trace",
@@ -266,8 +268,8 @@ def _midprompt(rng: random.Random, n: int) -> list[TraceRequest]:
     return _finish("midprompt", drafts, n)
 
 
-GENERATORS = {"w1": _w1, "agent": agent_trace, "agent-steps": _agent_steps, "multiturn": _multiturn, "rag": _rag,
-              "midprompt": _midprompt}
+GENERATORS = {"w1": _w1, "agent": agent_trace, "agent-small": small_agent_trace, "agent-steps": _agent_steps,
+              "multiturn": _multiturn, "rag": _rag, "midprompt": _midprompt}
 
 
 def generate_trace(name: str, n: int = 64, seed: int = 0) -> list[TraceRequest]:

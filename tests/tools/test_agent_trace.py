@@ -14,20 +14,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvserve.config import ConfigError
-from kvserve.tools.agent_trace import AGENT_SYSTEM_TOKENS, AGENT_TOOL_TOKENS, TOOL_LATENCY_MAX_S
+from kvserve.tools.agent_trace import AGENT_SHAPE, SMALL_AGENT_SHAPE
 from kvserve.tools.simulate import add_simulate_arguments, main_simulate, prepare, replay
-from kvserve.tools.simulate.replayer import CacheOptions, ServiceModel
+from kvserve.tools.simulate.replayer import CacheOptions, SchedulerLimits, ServiceModel
 from kvserve.tools.simulate.requests import END_OF_TURN_ID, output_stride, pages_needed, synthetic_output
 from kvserve.tools.traces import (TraceRequest, check_loops, encode_prompts, generate_trace, load_trace,
                                   write_trace)
 
-PREFIX = AGENT_SYSTEM_TOKENS + AGENT_TOOL_TOKENS
+PREFIX = AGENT_SHAPE.prefix_tokens
 
 
 def test_every_call_sends_the_same_tools_and_each_follow_up_continues_a_call():
     trace = generate_trace("agent", 60, seed=2)
     assert [r.to_json() for r in trace] == [r.to_json() for r in generate_trace("agent", 60, seed=2)]
-    assert [r.id for r in generate_trace("agent", 30, seed=2)] == [r.id for r in trace[:30]]  # a prefix
+    assert {r.id for r in generate_trace("agent", 30, seed=2)} <= {r.id for r in trace}  # the same sessions
     check_loops(trace, "generated")  # every after names an earlier line
     by_id = {r.id: r for r in trace}
     firsts = [r for r in trace if r.session.startswith("agent-") and r.after is None]
@@ -39,7 +39,7 @@ def test_every_call_sends_the_same_tools_and_each_follow_up_continues_a_call():
     for r in follow_ups:
         parent = by_id[r.after]
         assert parent.tool_call and parent.session == r.session and r.arrival is None
-        assert 0 < r.delay_s <= TOOL_LATENCY_MAX_S  # the tool's latency
+        assert 0 < r.delay_s <= AGENT_SHAPE.tool_latency_max_s  # the tool's latency
     assert len({r.delay_s for r in follow_ups}) > 1
     last = {}
     for r in trace:
@@ -48,6 +48,30 @@ def test_every_call_sends_the_same_tools_and_each_follow_up_continues_a_call():
     assert not any(r.tool_call for r in last.values())
     assert not any(r.continues or r.tool_call for r in others)
     assert sum(r.after is not None for r in others) >= len(others) - 3  # closed loops with think times
+
+
+def test_the_small_agent_trace_is_whole_sessions_and_its_holds_survive_the_bench_pool():
+    """agent-small as `kvserve bench` runs it (30 lines, docs/simulate.md): every session whole (3 calls,
+    2 follow-ups), 1k tokens of system prompt and tools on each call; replayed at the bench's 3,072-token
+    pool and flags at this host's speed, the holds keep each conversation and off loses most of it."""
+    trace = generate_trace("agent-small", 30, seed=0)
+    assert len(trace) == 30 and [r.to_json() for r in trace] == [r.to_json() for r in generate_trace("agent-small", 30)]
+    sessions: dict[str, list[TraceRequest]] = {}
+    for r in trace:
+        sessions.setdefault(r.session, []).append(r)
+    agents = {s: lines for s, lines in sessions.items() if s.startswith("agent-")}
+    assert len(agents) == 2 and all(len(lines) == 3 for lines in agents.values())
+    prefix = SMALL_AGENT_SHAPE.prefix_tokens
+    assert len({tuple(lines[0].prompt_token_ids[:prefix]) for lines in agents.values()}) == 1 and prefix == 1000
+    assert all(r.delay_s <= SMALL_AGENT_SHAPE.tool_latency_max_s for lines in agents.values() for r in lines[1:])
+    requests = prepare(trace, encode_prompts(trace, "none"))
+    on, off = (replay(requests, "radix", 16, 3072 // 16, ServiceModel(100.0, 7.0), check_invariants=True,
+                      limits=SchedulerLimits(max_num_batched_tokens=256),
+                      cache=CacheOptions(max_leased_fraction=0.85, tool_call_kv_ttl=ttl)) for ttl in (90.0, 0.0))
+    assert on.num_follow_ups == off.num_follow_ups == 4
+    assert on.tool_call_holds_granted == on.tool_call_holds_used == 4
+    assert on.follow_up_hit_rate > 0.9 and on.follow_up_hit_rate - off.follow_up_hit_rate >= 0.4, \
+        (on.follow_up_hit_rate, off.follow_up_hit_rate)
 
 
 def test_loop_lines_round_trip_and_bad_ones_are_config_errors(tmp_path):

@@ -49,6 +49,7 @@ def test_agent_loops_with_holds_on_and_off_in_one_run(tmp_path, capsys):
     assert on["follow_up_hit_rate"] >= off["follow_up_hit_rate"] > 0
     assert report["greedy_agreement"]["kvserve+no-tool-holds"]["fraction"] == 1.0
     assert report["engines"]["kvserve"]["num_requests"] == 8
+    assert report["agent_summary"]["problems"] == [] and report["agent_summary"]["pages_leaked"] == 0
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -60,3 +61,46 @@ def test_closed_loop_flag_mistakes_are_one_line(tmp_path, capsys, argv, message)
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
 
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    from tests.model.tiny_models import make_hf_model, write_gguf
+
+    return str(write_gguf(make_hf_model("llama3", max_position_embeddings=1024), "llama3",
+                          tmp_path_factory.mktemp("bench-agent") / "llama3.gguf"))
+
+
+@pytest.mark.slow
+def test_a_closed_loop_run_reports_its_gain_failures_and_a_pool_back_to_full(tmp_path, capsys, tiny_llama):
+    """The tiny model (ids folded into its 2,048-token vocabulary): the summary of holds on beside off,
+    every page back in the pool once the leases are released, no failure; exit 0."""
+    trace = []
+    for line in map(json.loads, loop_trace(tmp_path).read_text().splitlines()):
+        line["prompt_token_ids"] = [3 + t % 2000 for t in line["prompt_token_ids"]]
+        trace.append(json.dumps(line) + "\n")
+    (tmp_path / "tiny.jsonl").write_text("".join(trace))
+    argv = ["bench", "--workload", str(tmp_path / "tiny.jsonl"), "--vs", "no-tool-holds", "--json",
+            "--model", tiny_llama, "--kv-cache-memory", "4MiB", "--max-model-len", "512", "--swap-space", "0"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    for a in report["agent"].values():
+        assert a["num_failed"] == 0 and a["pages_leaked"] == 0 and a["pool_free_pages_at_end"] == a["pool_pages"] > 0
+    on, off = report["agent"]["kvserve"], report["agent"]["kvserve+no-tool-holds"]
+    summary = report["agent_summary"]
+    assert summary["follow_up_hit_rate_gain"] == on["follow_up_hit_rate"] - off["follow_up_hit_rate"]
+    assert summary["num_failed"] == summary["pages_leaked"] == 0 and summary["problems"] == []
+
+
+def test_a_failed_request_or_a_leaked_page_is_a_problem():
+    from kvserve.tools.bench.report import agent_problems, agent_summary
+
+    clean = {"num_failed": 0, "failures": [], "pages_leaked": 0, "pool_free_pages_at_end": 8, "pool_pages": 8,
+             "follow_up_hit_rate": 0.9}
+    report = {"agent": {"kvserve": dict(clean), "kvserve+no-tool-holds": dict(clean, follow_up_hit_rate=0.5)}}
+    assert agent_problems(report) == [] and agent_summary(report)["follow_up_hit_rate_gain"] == pytest.approx(0.4)
+    report["agent"]["kvserve"].update(pages_leaked=2, pool_free_pages_at_end=6)
+    report["agent"]["kvserve+no-tool-holds"].update(num_failed=1, failures=["aborted"])
+    assert agent_problems(report) == ["kvserve: 2 pages leaked (the pool did not return to full)",
+                                      "kvserve+no-tool-holds: 1 requests failed (aborted)"]
+    assert agent_summary(report)["problems"] == agent_problems(report)

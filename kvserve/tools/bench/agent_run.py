@@ -4,7 +4,13 @@ time); a follow-up resends the conversation it continues (that request's prompt 
 own tokens). A tool call's answer is forced by a JSON-schema grammar over the call object, as the
 server forces `tool_choice: "required"`, and goes in with the ToolCallKV the server gives the engine: hold
 this answer's KV, end the hold of the call whose result it brings. Reported beside the usual figures:
-follow-up hit rate and TTFT, failures, and the pages still in use when it is over."""
+follow-up hit rate and TTFT, failures, and the pages still in use when it is over (with every lease
+released the pool must be full again: `pages_leaked` 0; cli.py exits 1 otherwise).
+
+The workload sized for this (`--workload agent-small --limit 30`, 2 agents, 4 follow-ups, on a
+3,072-token pool with `--max-leased-fraction 0.85 --tool-call-kv-ttl 90 --swap-space 0
+--max-num-batched-tokens 256`, the same flags for both engines) and why: docs/simulate.md, "The agent
+bench"."""
 
 from __future__ import annotations
 
@@ -113,4 +119,4 @@ def _agent_figures(engine, loops, prompts: dict, outs: dict, failed: dict) -> di
             "num_failed": len(failed), "failures": sorted(set(failed.values()))[:3],
             "pages_in_use_at_end": in_use, "leases_at_end": num_leases,
             "pages_leaked": engine.manager.pool.num_used,  # with every lease released: must be 0
-            "pool_pages": engine.manager.pool.num_usable}
+            "pool_free_pages_at_end": engine.manager.pool.num_free, "pool_pages": engine.manager.pool.num_usable}

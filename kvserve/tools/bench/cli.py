@@ -143,6 +143,10 @@ def run_bench(args: argparse.Namespace, progress_console=None) -> dict:
     else:
         _run_in_process(report, args, workload, model_path, kwargs, modes, progress_console)
     report["machine"]["load_avg_after"] = list(os.getloadavg())
+    if "agent" in report:
+        from kvserve.tools.bench.report import agent_summary
+
+        report["agent_summary"] = agent_summary(report)
     return report
 
 
@@ -209,7 +213,7 @@ def _run_over_http(report: dict, args, workload, model_path: str, kwargs: dict, 
 def main_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from kvserve.tools.bench.report import plot, render
+    from kvserve.tools.bench.report import agent_problems, plot, render
 
     report = run_bench(args, Console(stderr=True))
     if args.plot:
@@ -220,4 +224,4 @@ def main_bench(args: argparse.Namespace) -> int:
         render(report, Console())
         if args.plot:
             print(f"plot written to {args.plot}")
-    return 0
+    return 1 if agent_problems(report) else 0  # a closed-loop run that failed a request or leaked a page

@@ -43,6 +43,7 @@ def run_kvserve(spec: RunSpec, report: Reporter) -> dict:
         hits = after.cache.prefix_cache_hits - before.cache.prefix_cache_hits
         return {**raw, "load_s": load_s, "grammar": None, "kv_bytes": after.kv_cache_bytes,
                 "kv_bytes_used_peak": raw.pop("peak_pages") * engine.runner.page_bytes,
+                "kv_capacity_tokens": engine.cache_config.num_pages * engine.cache_config.page_size,
                 "prefix_hit_rate": hits / queries if queries else 0.0}
     pending = list(zip(spec.arrivals, spec.token_ids, spec.max_tokens))[::-1]  # arrivals ascend: pop() next
     ids, done, peak_pages = [], {}, 0

@@ -54,8 +54,15 @@ def render(report: dict, console) -> None:
                       f"of {a['pool_pages']}, {a['pages_leaked']} leaked")
     agents = list(report.get("agent", {}).values())
     if len(agents) == 2 and None not in (agents[0]["follow_up_hit_rate"], agents[1]["follow_up_hit_rate"]):
+        on, off = agents
         console.print(f"tool-call retention raises the follow-up hit rate by "
-                      f"[bold]{agents[0]['follow_up_hit_rate'] - agents[1]['follow_up_hit_rate']:+.3f}[/]")
+                      f"[bold]{on['follow_up_hit_rate'] - off['follow_up_hit_rate']:+.3f}[/] "
+                      f"({on['follow_up_hit_rate']:.3f} on, {off['follow_up_hit_rate']:.3f} off); follow-up TTFT p50 "
+                      f"{_fmt(on['follow_up_ttft_p50_s'], '{:.2f} s')} on, "
+                      f"{_fmt(off['follow_up_ttft_p50_s'], '{:.2f} s')} off; p95 {_fmt(on['follow_up_ttft_p95_s'], '{:.2f} s')} on, "
+                      f"{_fmt(off['follow_up_ttft_p95_s'], '{:.2f} s')} off")
+    for problem in agent_problems(report):
+        console.print(f"[bold red]{problem}[/]")
     if "grammar" in report:
         g = report["grammar"]
         console.print(f"grammar engine {g['engine']}: vocabulary preprocessing {g['startup_s'] * 1e3:.0f} ms at "
@@ -68,6 +75,31 @@ def render(report: dict, console) -> None:
                       + (f"; llama-server --parallel {peer['parallel']} -c {peer['context_tokens']}" if peer else ""))
     console.print(f"machine: {m['cpu']}, {m['threads'] or m['usable_cpus']} threads; load average "
                   f"{m['load_avg_before'][0]:.2f} before, {m['load_avg_after'][0]:.2f} after (1 min)")
+
+
+def agent_summary(report: dict) -> dict | None:
+    """Holds on beside off (kvserve, then kvserve+no-tool-holds): the follow-up hit rate's gain and what
+    must never show (agent_problems); None without a closed-loop run of both."""
+    agents = list(report.get("agent", {}).values())
+    if len(agents) != 2 or None in (agents[0]["follow_up_hit_rate"], agents[1]["follow_up_hit_rate"]):
+        return None
+    on, off = agents
+    return {"follow_up_hit_rate_gain": on["follow_up_hit_rate"] - off["follow_up_hit_rate"],
+            "num_failed": on["num_failed"] + off["num_failed"],
+            "pages_leaked": on["pages_leaked"] + off["pages_leaked"],
+            "problems": agent_problems(report)}
+
+
+def agent_problems(report: dict) -> list[str]:
+    """What a closed-loop run must never show, per engine: a request that failed, a page still in use
+    once every lease is released (the pool not back to full)."""
+    problems = []
+    for name, a in report.get("agent", {}).items():
+        if a["num_failed"]:
+            problems.append(f"{name}: {a['num_failed']} requests failed ({'; '.join(a['failures'])})")
+        if a["pages_leaked"] or a.get("pool_free_pages_at_end", a["pool_pages"]) != a["pool_pages"]:
+            problems.append(f"{name}: {a['pages_leaked']} pages leaked (the pool did not return to full)")
+    return problems
 
 
 def plot(report: dict, path: str) -> None:

@@ -242,7 +242,7 @@ struct DotSink {
 
 // y[r * ldy] = x[r] . W[row] for R <= DIRECT_ROWS activation rows; `off` holds K / 32 floats
 template <int R>
-inline void qdot_direct(int type, const uint8_t* row, int64_t nb, const XRow* x, bool offsets, float* off, float* y,
+__attribute__((noinline)) void qdot_direct(int type, const uint8_t* row, int64_t nb, const XRow* x, bool offsets, float* off, float* y,
                         int64_t ldy) {
     DotSink<R> sink{x, off, {}};
     for (int r = 0; r < R; ++r) sink.acc[r] = _mm256_setzero_ps();
@@ -376,7 +376,20 @@ inline void qdot_direct_rows(int type, const uint8_t* w, int64_t row_bytes, int6
                     for (int64_t p = 0; p < row_bytes; p += 64)
                         _mm_prefetch(reinterpret_cast<const char*>(next + p), _MM_HINT_T0);
                 }
-                qdot_direct<R>(type, w + n * row_bytes, nb, x, offsets, off, y + n, ldy);
+                // the other formats in pieces of 4, 2 and 1 activation rows: three compiled walkers each
+                for (int t = 0; t < R;) {
+                    const int64_t at = n + t * ldy;
+                    if (R - t >= 4) {
+                        qdot_direct<4>(type, w + n * row_bytes, nb, x + t, offsets, off, y + at, ldy);
+                        t += 4;
+                    } else if (R - t >= 2) {
+                        qdot_direct<2>(type, w + n * row_bytes, nb, x + t, offsets, off, y + at, ldy);
+                        t += 2;
+                    } else {
+                        qdot_direct<1>(type, w + n * row_bytes, nb, x + t, offsets, off, y + at, ldy);
+                        t += 1;
+                    }
+                }
             }
     }
 }

@@ -1,14 +1,15 @@
-// Paged attention over the KV cache pages in place: for each (query row, KV head) an online softmax
-// over the row's keys, positions lo..p. The keys are cut into SEGMENTs of absolute positions; each
-// segment gives a partial state (max m, sum l, unnormalized output o) from an online softmax over its
-// BLOCKs, and a row's partials are merged in ascending segment order. A tile (up to TILE consecutive
-// rows of one block table) decodes each block of K/V once for all its rows.
+// Paged attention over the KV cache pages in place: for each (query row, KV head) a softmax over the
+// row's keys, positions lo..p. The keys are cut into SEGMENTs of absolute positions; each segment
+// gives a partial state (max m, sum l, unnormalized output o) from one softmax over the row's keys in
+// it (every score first, then their max, exp and sum, then p . v), and a row's partials are merged in
+// ascending segment order. A tile (up to TILE consecutive rows of one block table) reads each key
+// and value of a segment once for all its rows, and each key row once for three query vectors.
 //
 //   cache [num_pages, page_size, kv_heads, head_dim (int4: head_dim / 2 bytes)]
 //   row r: position p, keys lo..p (lo = max(0, p - window + 1)); logical page i of its block table
 //          is tables[table_offsets[r] + i - table_first[r]]
 //
-//   keys 0 .. 255 | 256 .. 511 | 512 .. p     segments (SEGMENT = 256), each blocks of 16
+//   keys 0 .. 255 | 256 .. 511 | 512 .. p     segments (SEGMENT = 256)
 //        (m,l,o)0     (m,l,o)1     (m,l,o)2   -> merge(merge(0, 1), 2) -> o / l
 //
 // Two schedules, the same float operations: with few (tile, KV head) units for the threads (one
@@ -17,8 +18,10 @@
 //
 // Invariance by construction: a (row, head)'s float operations depend only on p, lo and the values of
 // its keys, never on the other rows, the tile, the chunking, the schedule or the thread count (a
-// score is one fma chain per lane over head_dim then one fixed lane tree; a block's sums use one
-// fixed tree; segments are fixed by absolute position and always merged in one order).
+// score is one fma chain per lane over head_dim then one fixed lane tree; a segment's sum runs over
+// W-lane chunks aligned to the segment in ascending order then one fixed tree; each output element is
+// one fma chain over the keys in ascending order; segments are fixed by absolute position and always
+// merged in one order).
 #include "ops_simd.h"
 #include <omp.h>
 #include <algorithm>
@@ -30,11 +33,10 @@ namespace {
 
 using namespace kvs::simd;
 
-constexpr int BLOCK = 16;  // keys per online-softmax step, aligned to absolute positions
 constexpr int KG = 4;  // keys whose scores are reduced together (reduce4)
 constexpr int SEGMENT = 256;  // keys per partial softmax state, aligned to absolute positions
 constexpr int TILE = 16;  // prefill rows of one table attended together (each key block decoded once)
-static_assert(SEGMENT % BLOCK == 0 && BLOCK % KG == 0, "blocks never straddle segments");
+static_assert(SEGMENT % KG == 0 && SEGMENT % 16 == 0, "score groups and W-lane chunks never straddle segments");
 
 enum Codec : int { FP32 = 0, BF16 = 1, FP16 = 2, FP8 = 3, INT8 = 4, INT4 = 5 };
 enum Schedule : int { AUTO = 0, BY_TILE = 1, BY_SEGMENT = 2 };
@@ -64,6 +66,15 @@ struct Args {
 int64_t row_bytes(const Args& a) {
     int elem = a.codec == FP32 ? 4 : a.codec == BF16 || a.codec == FP16 ? 2 : 1;
     return a.codec == INT4 ? a.head_dim / 2 : static_cast<int64_t>(a.head_dim) * elem;
+}
+
+constexpr int AHEAD = 16;  // keys between a row's prefetch and its use (memory latency / time per key)
+
+// `bytes` from a key's row on, ahead of their use: a head's rows are kv_heads rows apart, a stride
+// the hardware prefetchers follow poorly, so a pass over head 0 may fetch every head's rows of a key
+// (they are contiguous) for the passes over the others.
+inline void prefetch_row(const void* row, int bytes) {
+    for (int b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(row) + b);
 }
 
 // The W low and W high nibbles of bytes src[0..W) as floats.
@@ -136,33 +147,41 @@ Tile make_tile(const Args& a, int64_t row0, int rows) {
     return t;
 }
 
-struct Scratch {
-    std::vector<float> k, v;  // [BLOCK, head_dim] decoded keys / values (codecs other than fp32)
-    std::vector<float> zero;  // [head_dim] zeros (float32 or bf16): the keys of a score batch no row reads
-    std::vector<float> q;  // [rows * group, head_dim] scaled queries
-    std::vector<float> s;  // [rows * group, BLOCK] scores, then probabilities
-    std::vector<float> m, l, o;  // one segment's partial state [rows * group] (o: x head_dim)
-    std::vector<float> sm, sl, so;  // the merged state
+// A unit attends the heads h0 .. h0 + nh - 1 of a tile: every KV head of it (the default, so each
+// pass over the keys reads every head's rows of a key, which are contiguous) or one.
+struct Heads {
+    int h0, nh;
+};
 
-    void prepare(int nq, int hd) {
-        const size_t n = static_cast<size_t>(nq);
-        q.resize(n * hd);
-        s.resize(n * BLOCK);
-        m.resize(n);
-        l.resize(n);
-        o.resize(n * hd);
-        sm.resize(n);
-        sl.resize(n);
-        so.resize(n * hd);
+// Per-unit buffers; a head hh = h - h0 of the unit has its own slice of each.
+struct Scratch {
+    std::vector<float> k, v;  // [SEGMENT, nh, head_dim] decoded keys / values (codecs other than fp32 / bf16)
+    std::vector<float> zero;  // [nh, head_dim] zeros (float32 or bf16): the keys of a score group no row reads
+    std::vector<float> q;  // [nh, nq, head_dim] scaled queries
+    std::vector<float> s;  // [nh, nq, SEGMENT] scores, then probabilities
+    std::vector<float> part;  // [nh] x (m [nq], l [nq], o [nq, head_dim]): one segment's partial state
+    std::vector<float> sm, sl, so;  // the merged state [nh, nq] (so: x head_dim)
+    const void* kb[SEGMENT];  // each key's row of head h0 (key j at j - segment start)
+    const void* vb[SEGMENT];
+
+    void prepare(int nh, int nq, int hd, bool decodes) {  // sizes only grow: one thread's units reuse them
+        const size_t n = static_cast<size_t>(nh) * nq, d = static_cast<size_t>(hd);
+        for (auto [vec, size] : {std::pair{&q, n * d}, {&s, n * SEGMENT}, {&part, n * (d + 2)}, {&sm, n}, {&sl, n},
+                                 {&so, n * d}, {&k, decodes ? SEGMENT * nh * d : 0},
+                                 {&v, decodes ? SEGMENT * nh * d : 0}})
+            if (vec->size() < size) vec->resize(size);
+        if (zero.size() < nh * d) zero.assign(nh * d, 0.0f);
     }
 };
 
-// A key / value row as the score and p . v loops read it: float32 (fp32 pages, own-page views and
-// rows decoded into scratch) or bf16 pages in place, widened in registers (exact).
+// A key / value row as the score and p . v loops read it, `at` bytes past a row pointer (head h's
+// row: the unit's head stride times h - h0): float32 (fp32 pages, own-page views and rows decoded
+// into scratch) or bf16 pages in place, widened in registers (exact).
 template <bool B16>
-inline vf load_row(const void* row, int d) {
-    if constexpr (B16) return vload_bf16(static_cast<const uint16_t*>(row) + d);
-    else return vload(static_cast<const float*>(row) + d);
+inline vf load_row(const void* row, int64_t at, int d) {
+    const void* r = static_cast<const char*>(row) + at;
+    if constexpr (B16) return vload_bf16(static_cast<const uint16_t*>(r) + d);
+    else return vload(static_cast<const float*>(r) + d);
 }
 
 // out[k] = the sum of acc[k]'s lanes for k < KG, each by one fixed tree whatever the other
@@ -184,53 +203,54 @@ inline void reduce4(const vf* acc, float* out) {
 #endif
 }
 
-// s[i * BLOCK + k] = q_i . key k for NQ query vectors (hd floats apart) and the KG keys kb[0..KG):
-// per lane one fma chain over head_dim, then reduce4 (a score never depends on its neighbours).
+// s[i * SEGMENT + k] = q_i . key k for NQ query vectors (hd floats apart) and the KG keys kb[0..KG)
+// (`at` bytes on): per lane one fma chain over head_dim, then reduce4 (a score never depends on its
+// neighbours; NQ only decides which chains share a key load).
 template <bool B16, int NQ>
-inline void scores_kg(const float* q, const void* const* kb, int hd, float* s) {
+inline void scores_kg(const float* q, const void* const* kb, int64_t at, int hd, float* s) {
     vf acc[NQ][KG];
     {
-        vf k[KG];
-        for (int kk = 0; kk < KG; ++kk) k[kk] = load_row<B16>(kb[kk], 0);
-        for (int i = 0; i < NQ; ++i) {
-            const vf qd = vload(q + i * hd);
-            for (int kk = 0; kk < KG; ++kk) acc[i][kk] = vmul(qd, k[kk]);
+        vf qd[NQ];
+        for (int i = 0; i < NQ; ++i) qd[i] = vload(q + i * hd);
+        for (int kk = 0; kk < KG; ++kk) {
+            const vf k = load_row<B16>(kb[kk], at, 0);
+            for (int i = 0; i < NQ; ++i) acc[i][kk] = vmul(qd[i], k);
         }
     }
     for (int d = W; d < hd; d += W) {
-        vf k[KG];
-        for (int kk = 0; kk < KG; ++kk) k[kk] = load_row<B16>(kb[kk], d);
-        for (int i = 0; i < NQ; ++i) {
-            const vf qd = vload(q + i * hd + d);
-            for (int kk = 0; kk < KG; ++kk) acc[i][kk] = vfma(qd, k[kk], acc[i][kk]);
+        vf qd[NQ];
+        for (int i = 0; i < NQ; ++i) qd[i] = vload(q + i * hd + d);
+        for (int kk = 0; kk < KG; ++kk) {
+            const vf k = load_row<B16>(kb[kk], at, d);
+            for (int i = 0; i < NQ; ++i) acc[i][kk] = vfma(qd[i], k, acc[i][kk]);
         }
     }
-    for (int i = 0; i < NQ; ++i) reduce4(acc[i], s + i * BLOCK);
+    for (int i = 0; i < NQ; ++i) reduce4(acc[i], s + i * SEGMENT);
 }
 
-// Scores of nq query vectors against the block's keys in groups g0..g1 (offsets, multiples of KG).
+// Scores of nq query vectors against the keys g .. g + KG - 1, each key row loaded once for three.
 template <bool B16>
-void block_scores(const float* q, int nq, const void* const* kb, int g0, int g1, int hd, float* s) {
-    for (int g = g0; g <= g1; g += KG) {
-        int i = 0;
-        for (; i + 2 <= nq; i += 2) scores_kg<B16, 2>(q + i * hd, kb + g, hd, s + i * BLOCK + g);
-        if (i < nq) scores_kg<B16, 1>(q + i * hd, kb + g, hd, s + i * BLOCK + g);
-    }
+inline void group_scores(const float* q, int nq, const void* const* kb, int64_t at, int hd, float* s) {
+    int i = 0;
+    for (; i + 3 <= nq; i += 3) scores_kg<B16, 3>(q + i * hd, kb, at, hd, s + i * SEGMENT);
+    if (nq - i == 2) scores_kg<B16, 2>(q + i * hd, kb, at, hd, s + i * SEGMENT);
+    if (nq - i == 1) scores_kg<B16, 1>(q + i * hd, kb, at, hd, s + i * SEGMENT);
 }
 
-// o_i += sum_j p_i[j] v_j for NQ query vectors of one row (p_i at p + i * BLOCK, o_i at o + i * hd),
+// o_i += sum_j p_i[j] v_j for NQ query vectors of one row (p_i at p + i * SEGMENT, o_i at o + i * hd),
 // keys j0..j1 ascending, ND vectors of head_dim from d0: each element one fma chain in j, whatever
-// NQ and ND are (they only decide which chains share a value load).
+// NQ, ND and the span of keys per call are (they only decide which chains share a value load).
 template <bool B16, int NQ, int ND>
-inline void accumulate_span(const float* p, const void* const* vb, int j0, int j1, int d0, int hd, float* o) {
+inline void accumulate_span(const float* p, const void* const* vb, int64_t at, int j0, int j1, int d0, int hd,
+                            float* o) {
     vf acc[NQ][ND];
     for (int i = 0; i < NQ; ++i)
         for (int c = 0; c < ND; ++c) acc[i][c] = vload(o + i * hd + d0 + c * W);
     for (int j = j0; j <= j1; ++j) {
         vf pj[NQ];
-        for (int i = 0; i < NQ; ++i) pj[i] = vset1(p[i * BLOCK + j]);
+        for (int i = 0; i < NQ; ++i) pj[i] = vset1(p[i * SEGMENT + j]);
         for (int c = 0; c < ND; ++c) {
-            const vf vr = load_row<B16>(vb[j], d0 + c * W);
+            const vf vr = load_row<B16>(vb[j], at, d0 + c * W);
             for (int i = 0; i < NQ; ++i) acc[i][c] = vfma(pj[i], vr, acc[i][c]);
         }
     }
@@ -239,31 +259,37 @@ inline void accumulate_span(const float* p, const void* const* vb, int j0, int j
 }
 
 template <bool B16, int NQ>
-void accumulate_rows(const float* p, const void* const* vb, int j0, int j1, int hd, float* o) {
+void accumulate_rows(const float* p, const void* const* vb, int64_t at, int j0, int j1, int hd, float* o) {
     constexpr int ND = NQ == 1 ? 8 : 4;  // NQ * ND accumulators + NQ probabilities + one value in registers
     int d = 0;
-    for (; d + ND * W <= hd; d += ND * W) accumulate_span<B16, NQ, ND>(p, vb, j0, j1, d, hd, o);
-    for (; d + 2 * W <= hd; d += 2 * W) accumulate_span<B16, NQ, 2>(p, vb, j0, j1, d, hd, o);
-    for (; d < hd; d += W) accumulate_span<B16, NQ, 1>(p, vb, j0, j1, d, hd, o);
+    for (; d + ND * W <= hd; d += ND * W) accumulate_span<B16, NQ, ND>(p, vb, at, j0, j1, d, hd, o);
+    for (; d + 2 * W <= hd; d += 2 * W) accumulate_span<B16, NQ, 2>(p, vb, at, j0, j1, d, hd, o);
+    for (; d < hd; d += W) accumulate_span<B16, NQ, 1>(p, vb, at, j0, j1, d, hd, o);
 }
 
 // p . v for the n query vectors of one row, three at a time.
 template <bool B16>
-void accumulate(const float* p, const void* const* vb, int j0, int j1, int hd, int n, float* o) {
+void accumulate(const float* p, const void* const* vb, int64_t at, int j0, int j1, int hd, int n, float* o) {
     int i = 0;
-    for (; i + 3 <= n; i += 3) accumulate_rows<B16, 3>(p + i * BLOCK, vb, j0, j1, hd, o + i * hd);
-    if (n - i == 2) accumulate_rows<B16, 2>(p + i * BLOCK, vb, j0, j1, hd, o + i * hd);
-    if (n - i == 1) accumulate_rows<B16, 1>(p + i * BLOCK, vb, j0, j1, hd, o + i * hd);
+    for (; i + 3 <= n; i += 3) accumulate_rows<B16, 3>(p + i * SEGMENT, vb, at, j0, j1, hd, o + i * hd);
+    if (n - i == 2) accumulate_rows<B16, 2>(p + i * SEGMENT, vb, at, j0, j1, hd, o + i * hd);
+    if (n - i == 1) accumulate_rows<B16, 1>(p + i * SEGMENT, vb, at, j0, j1, hd, o + i * hd);
 }
 
-// kb[jj], vb[jj] for the keys j0..j1 of the block at b0 (jj = j - b0): rows of the cache (fp32 and
-// bf16 in place), of the own-page view, or decoded into scratch. Keys outside j0..j1 point at zeros.
-// Walks the block table page by page (one division per block).
+// Bytes from a key's row of head h to its row of head h + 1: in place in the cache (fp32, bf16),
+// in an own-page view or decoded into scratch (float32, every other codec).
+int64_t head_stride(const Args& a) { return a.codec == BF16 ? 2 * a.head_dim : 4 * a.head_dim; }
+
+// sc.kb[jj], sc.vb[jj] for the keys j0..j1 of the segment at s0 (jj = j - s0), each key's row of
+// head h0 (the unit's other heads follow at head_stride): rows of the cache (fp32 and bf16 in
+// place), of the own-page view, or decoded into scratch; z0..z1 (a superset, whole score groups)
+// around them point at zeros. Walks the block table page by page.
 template <int C>
-void load_block(const Args& a, const Tile& t, int h, int64_t b0, int64_t j0, int64_t j1, Scratch& sc,
-                const void** kb, const void** vb) {
+void load_keys(const Args& a, const Tile& t, Heads u, int64_t s0, int64_t j0, int64_t j1, int z0, int z1,
+               Scratch& sc) {
     const int hd = a.head_dim, ps = a.page_size, kvh = a.kv_heads;
-    for (int jj = 0; jj < BLOCK; ++jj) kb[jj] = vb[jj] = sc.zero.data();
+    for (int jj = z0; jj < j0 - s0; ++jj) sc.kb[jj] = sc.vb[jj] = sc.zero.data();
+    for (int jj = static_cast<int>(j1 - s0) + 1; jj <= z1; ++jj) sc.kb[jj] = sc.vb[jj] = sc.zero.data();
     const int64_t rb = row_bytes(a);
     const auto* kd = static_cast<const uint8_t*>(a.k_data);
     const auto* vd = static_cast<const uint8_t*>(a.v_data);
@@ -278,113 +304,143 @@ void load_block(const Args& a, const Tile& t, int h, int64_t b0, int64_t j0, int
                 off = 0;
                 page = t.table[++li];
             }
-            const int jj = static_cast<int>(j - b0);
-            const int64_t slot = (page * ps + off) * kvh + h;
+            const int jj = static_cast<int>(j - s0);
+            const int64_t slot = (page * ps + off) * kvh + u.h0;
             if constexpr (C == FP32 || C == BF16) {
-                kb[jj] = kd + slot * rb;
-                vb[jj] = vd + slot * rb;
+                sc.kb[jj] = kd + slot * rb;
+                sc.vb[jj] = vd + slot * rb;
             } else {
-                const float ks = a.k_scales ? a.k_scales[page * kvh + h] : 0.0f;
-                const float vs = a.v_scales ? a.v_scales[page * kvh + h] : 0.0f;
-                decode_row<C>(kd + slot * rb, hd, ks, a.k_table, sc.k.data() + jj * hd);
-                decode_row<C>(vd + slot * rb, hd, vs, a.v_table, sc.v.data() + jj * hd);
-                kb[jj] = sc.k.data() + jj * hd;
-                vb[jj] = sc.v.data() + jj * hd;
+                float* kr = sc.k.data() + static_cast<size_t>(jj) * u.nh * hd;
+                float* vr = sc.v.data() + static_cast<size_t>(jj) * u.nh * hd;
+                for (int hh = 0; hh < u.nh; ++hh) {
+                    const float ks = a.k_scales ? a.k_scales[page * kvh + u.h0 + hh] : 0.0f;
+                    const float vs = a.v_scales ? a.v_scales[page * kvh + u.h0 + hh] : 0.0f;
+                    decode_row<C>(kd + (slot + hh) * rb, hd, ks, a.k_table, kr + hh * hd);
+                    decode_row<C>(vd + (slot + hh) * rb, hd, vs, a.v_table, vr + hh * hd);
+                }
+                sc.kb[jj] = kr;
+                sc.vb[jj] = vr;
             }
         }
     }
     for (; j <= j1; ++j) {  // float32 views: only int codecs have them (never bf16)
-        const int jj = static_cast<int>(j - b0);
-        const int64_t at = ((t.own * ps + (j - t.own_start)) * kvh + h) * hd;
-        kb[jj] = a.k_own + at;
-        vb[jj] = a.v_own + at;
+        const int jj = static_cast<int>(j - s0);
+        const int64_t at = ((t.own * ps + (j - t.own_start)) * kvh + u.h0) * hd;
+        sc.kb[jj] = a.k_own + at;
+        sc.vb[jj] = a.v_own + at;
     }
 }
 
-// One query vector takes the block's keys c0..c1 (scores in sq): max, rescale, exp, sum; sq then
-// holds its probabilities (zero outside c0..c1) for accumulate.
-inline void softmax_step(float* sq, int c0, int c1, int hd, float& m, float& l, float* o) {
-    const bool full = c0 == 0 && c1 == BLOCK - 1;
-    float mb;
-    if (full) {
-        vf mx = vload(sq);
-        for (int v = W; v < BLOCK; v += W) mx = vmax(mx, vload(sq + v));
-        mb = hmax(mx);
-    } else {
-        mb = sq[c0];
-        for (int j = c0 + 1; j <= c1; ++j) mb = sq[j] > mb ? sq[j] : mb;
+// One query vector's softmax over its keys c0..c1 of the segment (scores in sq): m = their max,
+// sq = exp(score - m) on c0..c1 and zeros on the rest of their W-lane chunks, l = the sum over the
+// chunks in ascending order, then one fixed lane tree (chunks are aligned to the segment start).
+inline void segment_softmax(float* sq, int c0, int c1, float& m, float& l) {
+    const int v0 = c0 / W * W, v1 = c1 / W * W;
+    for (int j = v0; j < c0; ++j) sq[j] = -INFINITY;
+    for (int j = c1 + 1; j < v1 + W; ++j) sq[j] = -INFINITY;
+    vf mx = vload(sq + v0);
+    for (int v = v0 + W; v <= v1; v += W) mx = vmax(mx, vload(sq + v));
+    m = hmax(mx);
+    const vf mv = vset1(m);
+    vstore(sq + v0, vexp(vsub(vload(sq + v0), mv)));
+    for (int j = v0; j < c0; ++j) sq[j] = 0.0f;  // vexp gives ~2**-126 for -inf, not 0
+    if (v1 == v0)
+        for (int j = c1 + 1; j < v1 + W; ++j) sq[j] = 0.0f;
+    vf sum = vload(sq + v0);
+    for (int v = v0 + W; v <= v1; v += W) {
+        vf p = vexp(vsub(vload(sq + v), mv));
+        vstore(sq + v, p);
+        if (v == v1) {
+            for (int j = c1 + 1; j < v1 + W; ++j) sq[j] = 0.0f;
+            p = vload(sq + v);
+        }
+        sum = vadd(sum, p);
     }
-    const float m_old = m, m_new = mb > m_old ? mb : m_old;
-    // alpha rescales what earlier blocks accumulated; the first block has none (exp(0) is exactly 1)
-    const float alpha = m_old == -INFINITY ? 0.0f : m_old == m_new ? 1.0f : vfirst(vexp(vset1(m_old - m_new)));
-    m = m_new;
-    const vf mv = vset1(m_new);
-    for (int v = 0; v < BLOCK; v += W) vstore(sq + v, vexp(vsub(vload(sq + v), mv)));
-    if (!full) {  // lanes outside the row's keys add exact zeros to the sum below
-        for (int j = 0; j < c0; ++j) sq[j] = 0.0f;
-        for (int j = c1 + 1; j < BLOCK; ++j) sq[j] = 0.0f;
-    }
-    vf sum = vload(sq);  // one fixed tree over the block's lanes
-    for (int v = W; v < BLOCK; v += W) sum = vadd(sum, vload(sq + v));
-    l = l * alpha + hsum(sum);
-    if (alpha != 1.0f) {
-        const vf va = vset1(alpha);
-        for (int d = 0; d < hd; d += W) vstore(o + d, vmul(vload(o + d), va));
-    }
+    l = hsum(sum);
 }
 
-// The tile's queries of KV head h, scaled, into sc.q.
-void load_queries(const Args& a, const Tile& t, int h, Scratch& sc) {
+// The tile's queries of the unit's heads, scaled, into sc.q.
+void load_queries(const Args& a, const Tile& t, Heads u, Scratch& sc) {
     const int hd = a.head_dim, group = a.heads / a.kv_heads;
     const vf sv = vset1(a.scale);
-    for (int i = 0; i < t.rows; ++i)
-        for (int g = 0; g < group; ++g) {
-            const float* qr = a.q + (t.row0 + i) * a.q_row_stride + static_cast<int64_t>(h * group + g) * hd;
-            float* dst = sc.q.data() + (i * group + g) * hd;
-            for (int d = 0; d < hd; d += W) vstore(dst + d, vmul(vload(qr + d), sv));
-        }
+    for (int hh = 0; hh < u.nh; ++hh)
+        for (int i = 0; i < t.rows; ++i)
+            for (int g = 0; g < group; ++g) {
+                const int64_t head = static_cast<int64_t>(u.h0 + hh) * group + g;
+                const float* qr = a.q + (t.row0 + i) * a.q_row_stride + head * hd;
+                float* dst = sc.q.data() + ((hh * t.rows + i) * group + g) * static_cast<size_t>(hd);
+                for (int d = 0; d < hd; d += W) vstore(dst + d, vmul(vload(qr + d), sv));
+            }
 }
 
-// Segment `seg`'s partial state (m, l [nq], o [nq, hd]) of the tile's query vectors for KV head h,
-// from the scaled queries in sc.q. Rows that see no key of the segment are left at (-inf, 0, 0).
+constexpr int PV_BLOCK = 16;  // keys per p . v step (every head's values of them stay in L1)
+
+// Segment `seg`'s partial state of the tile's query vectors for the unit's heads, from the scaled
+// queries in sc.q, into part ([nh] x (m [nq], l [nq], o [nq, hd])): every score of the segment
+// first, then each row's softmax over its keys of the segment at once, then p . v. Both passes go
+// key by key over every head of the unit (rows read in place: prefetched AHEAD keys on). Rows that
+// see no key of the segment are left at (-inf, 0, 0).
 template <int C>
-void attend_segment(const Args& a, const Tile& t, int h, int64_t seg, Scratch& sc, float* m, float* l, float* o) {
+void attend_segment(const Args& a, const Tile& t, Heads u, int64_t seg, Scratch& sc, float* part) {
     const int hd = a.head_dim, group = a.heads / a.kv_heads, nq = t.rows * group;
     const int64_t s0 = seg * SEGMENT, s1 = s0 + SEGMENT - 1;
     const int64_t kmin = std::max(t.kmin, s0), kmax = std::min(t.kmax, s1);
-    std::fill(m, m + nq, -INFINITY);
-    std::fill(l, l + nq, 0.0f);
-    std::fill(o, o + static_cast<size_t>(nq) * hd, 0.0f);
-    const void* kb[BLOCK];
-    const void* vb[BLOCK];
+    const int64_t per_head = static_cast<int64_t>(nq) * (hd + 2), hs = head_stride(a);
+    for (int hh = 0; hh < u.nh; ++hh) {
+        float* m = part + hh * per_head;
+        std::fill(m, m + nq, -INFINITY);
+        std::fill(m + nq, m + per_head, 0.0f);
+    }
     constexpr bool B16 = C == BF16;  // rows read in place as bf16; every other codec's rows are float32
-    for (int64_t b0 = kmin - kmin % BLOCK; b0 <= kmax; b0 += BLOCK) {
-        const int64_t j0 = std::max(b0, kmin), j1 = std::min(b0 + BLOCK - 1, kmax);
-        load_block<C>(a, t, h, b0, j0, j1, sc, kb, vb);
-        const int g0 = static_cast<int>(j0 - b0) / KG * KG, g1 = static_cast<int>(j1 - b0) / KG * KG;
-        block_scores<B16>(sc.q.data(), nq, kb, g0, g1, hd, sc.s.data());
+    const int g0 = static_cast<int>(kmin - s0) / KG * KG, g1 = static_cast<int>(kmax - s0) / KG * KG;
+    const int z1 = g1 + KG - 1;
+    load_keys<C>(a, t, u, s0, kmin, kmax, g0, z1, sc);
+    // the unit's rows of a key are contiguous: one stretch (decoded rows were read by load_keys)
+    const int stretch = C == FP32 || C == BF16 ? static_cast<int>(u.nh * row_bytes(a)) : 0;
+    for (int g = g0; g <= g1; g += KG) {
+        if (stretch)  // keys AHEAD on, then the first values once the keys run out
+            for (int x = g + AHEAD; x < g + AHEAD + KG; ++x)
+                prefetch_row(x <= z1 ? sc.kb[x] : sc.vb[std::min(g0 + x - z1 - 1, z1)], stretch);
+        for (int hh = 0; hh < u.nh; ++hh)
+            group_scores<B16>(sc.q.data() + static_cast<size_t>(hh) * nq * hd, nq, sc.kb + g, hh * hs, hd,
+                              sc.s.data() + static_cast<size_t>(hh) * nq * SEGMENT + g);
+    }
+    for (int hh = 0; hh < u.nh; ++hh)
         for (int i = 0; i < t.rows; ++i) {
-            const int64_t r0 = std::max({b0, t.lo[i], s0}), r1 = std::min({b0 + BLOCK - 1, t.hi[i], s1});
-            if (r0 > r1) continue;  // this row sees no key of the block
-            const int c0 = static_cast<int>(r0 - b0), c1 = static_cast<int>(r1 - b0);
+            const int64_t r0 = std::max(t.lo[i], s0), r1 = std::min(t.hi[i], s1);
+            if (r0 > r1) continue;  // this row sees no key of the segment
             for (int g = 0; g < group; ++g) {
                 const int qv = i * group + g;
-                softmax_step(sc.s.data() + qv * BLOCK, c0, c1, hd, m[qv], l[qv], o + static_cast<size_t>(qv) * hd);
+                float* m = part + hh * per_head;
+                segment_softmax(sc.s.data() + (static_cast<size_t>(hh) * nq + qv) * SEGMENT, static_cast<int>(r0 - s0),
+                                static_cast<int>(r1 - s0), m[qv], m[nq + qv]);
             }
-            accumulate<B16>(sc.s.data() + i * group * BLOCK, vb, c0, c1, hd, group,
-                            o + static_cast<size_t>(i) * group * hd);
+        }
+    const int b_first = static_cast<int>(kmin - s0) / PV_BLOCK * PV_BLOCK;
+    for (int b = b_first; b <= kmax - s0; b += PV_BLOCK) {
+        if (stretch)
+            for (int x = b + AHEAD; x < std::min<int64_t>(b + AHEAD + PV_BLOCK, kmax - s0 + 1); ++x)
+                prefetch_row(sc.vb[x], stretch);
+        for (int i = 0; i < t.rows; ++i) {
+            const int64_t r0 = std::max({t.lo[i], s0 + b}), r1 = std::min({t.hi[i], s0 + b + PV_BLOCK - 1, s1});
+            if (r0 > r1) continue;  // this row sees no key of the block
+            for (int hh = 0; hh < u.nh; ++hh) {
+                float* o = part + hh * per_head + 2 * nq + static_cast<size_t>(i) * group * hd;
+                accumulate<B16>(sc.s.data() + (static_cast<size_t>(hh) * nq + i * group) * SEGMENT, sc.vb, hh * hs,
+                                static_cast<int>(r0 - s0), static_cast<int>(r1 - s0), hd, group, o);
+            }
         }
     }
 }
 
-void attend_segment_any(const Args& a, const Tile& t, int h, int64_t seg, Scratch& sc, float* m, float* l, float* o) {
+void attend_segment_any(const Args& a, const Tile& t, Heads u, int64_t seg, Scratch& sc, float* part) {
     switch (a.codec) {
-        case FP32: attend_segment<FP32>(a, t, h, seg, sc, m, l, o); break;
-        case BF16: attend_segment<BF16>(a, t, h, seg, sc, m, l, o); break;
-        case FP16: attend_segment<FP16>(a, t, h, seg, sc, m, l, o); break;
-        case FP8: attend_segment<FP8>(a, t, h, seg, sc, m, l, o); break;
-        case INT8: attend_segment<INT8>(a, t, h, seg, sc, m, l, o); break;
-        default: attend_segment<INT4>(a, t, h, seg, sc, m, l, o); break;
+        case FP32: attend_segment<FP32>(a, t, u, seg, sc, part); break;
+        case BF16: attend_segment<BF16>(a, t, u, seg, sc, part); break;
+        case FP16: attend_segment<FP16>(a, t, u, seg, sc, part); break;
+        case FP8: attend_segment<FP8>(a, t, u, seg, sc, part); break;
+        case INT8: attend_segment<INT8>(a, t, u, seg, sc, part); break;
+        default: attend_segment<INT4>(a, t, u, seg, sc, part); break;
     }
 }
 
@@ -416,29 +472,40 @@ void merge_segment(const Tile& t, int group, int hd, int64_t seg, const float* m
     }
 }
 
-// out = so / sl for the tile's rows and the query heads of KV head h.
-void finish(const Args& a, const Tile& t, int h, const float* sl, const float* so) {
-    const int hd = a.head_dim, group = a.heads / a.kv_heads;
-    for (int i = 0; i < t.rows; ++i)
-        for (int g = 0; g < group; ++g) {
-            const int qv = i * group + g;
-            float* dst = a.out + ((t.row0 + i) * a.heads + h * group + g) * static_cast<int64_t>(hd);
-            const vf vl = vset1(sl[qv]);
-            for (int d = 0; d < hd; d += W) vstore(dst + d, vdiv(vload(so + static_cast<size_t>(qv) * hd + d), vl));
-        }
+// Segment seg's partial `part` ([nh] x (m, l, o)) into the merged state of the unit's heads.
+void merge_unit(const Args& a, const Tile& t, Heads u, int64_t seg, const float* part, Scratch& sc) {
+    const int hd = a.head_dim, group = a.heads / a.kv_heads, nq = t.rows * group;
+    const int64_t per_head = static_cast<int64_t>(nq) * (hd + 2);
+    for (int hh = 0; hh < u.nh; ++hh) {
+        const float* pm = part + hh * per_head;
+        merge_segment(t, group, hd, seg, pm, pm + nq, pm + 2 * nq, sc.sm.data() + hh * nq, sc.sl.data() + hh * nq,
+                      sc.so.data() + static_cast<size_t>(hh) * nq * hd);
+    }
 }
 
-// Many units: one thread takes the tile x KV head h, its segments in order, merging as it goes.
-void attend_tile(const Args& a, const Tile& t, int h, Scratch& sc) {
-    const int group = a.heads / a.kv_heads, hd = a.head_dim;
-    sc.prepare(t.rows * group, hd);
-    load_queries(a, t, h, sc);
+// out = so / sl for the tile's rows and the unit's heads.
+void finish(const Args& a, const Tile& t, Heads u, const Scratch& sc) {
+    const int hd = a.head_dim, group = a.heads / a.kv_heads, nq = t.rows * group;
+    for (int hh = 0; hh < u.nh; ++hh)
+        for (int i = 0; i < t.rows; ++i)
+            for (int g = 0; g < group; ++g) {
+                const int qv = hh * nq + i * group + g;
+                const int64_t head = static_cast<int64_t>(u.h0 + hh) * group + g;
+                float* dst = a.out + ((t.row0 + i) * a.heads + head) * static_cast<int64_t>(hd);
+                const vf vl = vset1(sc.sl[qv]);
+                for (int d = 0; d < hd; d += W) vstore(dst + d, vdiv(vload(sc.so.data() + static_cast<size_t>(qv) * hd + d), vl));
+            }
+}
+
+// Many units: one thread takes the tile's heads, its segments in order, merging as it goes.
+void attend_tile(const Args& a, const Tile& t, Heads u, Scratch& sc) {
+    sc.prepare(u.nh, t.rows * (a.heads / a.kv_heads), a.head_dim, a.codec != FP32 && a.codec != BF16);
+    load_queries(a, t, u, sc);
     for (int64_t seg = t.kmin / SEGMENT; seg <= t.kmax / SEGMENT; ++seg) {
-        attend_segment_any(a, t, h, seg, sc, sc.m.data(), sc.l.data(), sc.o.data());
-        merge_segment(t, group, hd, seg, sc.m.data(), sc.l.data(), sc.o.data(), sc.sm.data(), sc.sl.data(),
-                      sc.so.data());
+        attend_segment_any(a, t, u, seg, sc, sc.part.data());
+        merge_unit(a, t, u, seg, sc.part.data(), sc);
     }
-    finish(a, t, h, sc.sl.data(), sc.so.data());
+    finish(a, t, u, sc);
 }
 
 // The new K/V rows of this step into their slots (fp32 / bf16 codecs; the same bits as the torch
@@ -491,34 +558,33 @@ KVS_EXPORT int kvs_paged_attention(
     }
     const int64_t num_tiles = static_cast<int64_t>(tiles.size());
     tiles.push_back(num_rows);
-    const int64_t units = num_tiles * kv_heads;
     const int threads = num_threads > 0 ? num_threads : 1;
-    const bool by_segment = schedule == BY_SEGMENT || (schedule == AUTO && threads > 1 && units < 4 * threads);
-    // per segment: units (tile, head, segment), each partial at its offset in `partials`
+    const bool by_segment = schedule == BY_SEGMENT || (schedule == AUTO && threads > 1 && num_tiles < 4 * threads);
+    // per segment: units (tile, segment), each with its partials at its offset in `partials`
     const int group = heads / kv_heads;
-    std::vector<int64_t> first_unit;  // [units + 1]: (tile, head) u's segments are units first_unit[u]..
+    const Heads all{0, kv_heads};
+    std::vector<int64_t> first_unit;  // [num_tiles + 1]: tile t's segments are units first_unit[t]..
     std::vector<int64_t> seg_of, offset_of;
     int64_t total = 0;
     if (by_segment) {
-        first_unit.reserve(units + 1);
-        for (int64_t u = 0; u < units; ++u) {
-            const int64_t t = u / kv_heads;
+        first_unit.reserve(num_tiles + 1);
+        for (int64_t t = 0; t < num_tiles; ++t) {
             const Tile tile = make_tile(a, tiles[t], static_cast<int>(tiles[t + 1] - tiles[t]));
             first_unit.push_back(static_cast<int64_t>(seg_of.size()));
             for (int64_t seg = tile.kmin / SEGMENT; seg <= tile.kmax / SEGMENT; ++seg) {
                 seg_of.push_back(seg);
                 offset_of.push_back(total);
-                total += static_cast<int64_t>(tile.rows) * group * (head_dim + 2);
+                total += static_cast<int64_t>(kv_heads) * tile.rows * group * (head_dim + 2);
             }
         }
         first_unit.push_back(static_cast<int64_t>(seg_of.size()));
     }
     std::vector<float> partials(static_cast<size_t>(total));
     const int64_t num_seg_units = static_cast<int64_t>(seg_of.size());
-    // per (tile, head): segments not yet attended; the thread that attends the last one merges them
-    std::vector<std::atomic<int64_t>> pending(by_segment ? units : 0);
-    for (int64_t u = 0; u < static_cast<int64_t>(pending.size()); ++u)
-        pending[u].store(first_unit[u + 1] - first_unit[u], std::memory_order_relaxed);
+    // per tile: segments not yet attended; the thread that attends the last one merges them
+    std::vector<std::atomic<int64_t>> pending(by_segment ? num_tiles : 0);
+    for (int64_t t = 0; t < static_cast<int64_t>(pending.size()); ++t)
+        pending[t].store(first_unit[t + 1] - first_unit[t], std::memory_order_relaxed);
     if (k_new) {  // every new row is written before any row is read
         const int64_t n = static_cast<int64_t>(kv_heads) * head_dim;
 #pragma omp parallel for schedule(static) num_threads(threads) if (num_rows * n >= 65536)
@@ -536,35 +602,23 @@ KVS_EXPORT int kvs_paged_attention(
 #pragma omp parallel num_threads(threads)
     {
         Scratch sc;
-        sc.k.resize(static_cast<size_t>(BLOCK) * head_dim);
-        sc.v.resize(static_cast<size_t>(BLOCK) * head_dim);
-        sc.zero.assign(head_dim, 0.0f);
         if (!by_segment) {
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t u = 0; u < units; ++u) {
-                const int64_t t = u / kv_heads;
-                attend_tile(a, make_tile(a, tiles[t], static_cast<int>(tiles[t + 1] - tiles[t])),
-                            static_cast<int>(u % kv_heads), sc);
-            }
+            for (int64_t t = 0; t < num_tiles; ++t)
+                attend_tile(a, make_tile(a, tiles[t], static_cast<int>(tiles[t + 1] - tiles[t])), all, sc);
         } else {
 #pragma omp for schedule(dynamic, 1)
             for (int64_t p = 0; p < num_seg_units; ++p) {
-                const int64_t u = std::upper_bound(first_unit.begin(), first_unit.end(), p) - first_unit.begin() - 1;
-                const int64_t t = u / kv_heads;
+                const int64_t t = std::upper_bound(first_unit.begin(), first_unit.end(), p) - first_unit.begin() - 1;
                 const Tile tile = make_tile(a, tiles[t], static_cast<int>(tiles[t + 1] - tiles[t]));
-                const int nq = tile.rows * group, h = static_cast<int>(u % kv_heads);
-                sc.prepare(nq, head_dim);
-                load_queries(a, tile, h, sc);
-                float* m = partials.data() + offset_of[p];
-                attend_segment_any(a, tile, h, seg_of[p], sc, m, m + nq, m + 2 * nq);
+                sc.prepare(kv_heads, tile.rows * group, head_dim, codec != FP32 && codec != BF16);
+                load_queries(a, tile, all, sc);
+                attend_segment_any(a, tile, all, seg_of[p], sc, partials.data() + offset_of[p]);
                 // acq_rel: the last one sees every other segment's partial
-                if (pending[u].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;
-                for (int64_t i = first_unit[u]; i < first_unit[u + 1]; ++i) {  // ascending segments
-                    const float* pm = partials.data() + offset_of[i];
-                    merge_segment(tile, group, head_dim, seg_of[i], pm, pm + nq, pm + 2 * nq, sc.sm.data(),
-                                  sc.sl.data(), sc.so.data());
-                }
-                finish(a, tile, h, sc.sl.data(), sc.so.data());
+                if (pending[t].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;
+                for (int64_t i = first_unit[t]; i < first_unit[t + 1]; ++i)  // ascending segments
+                    merge_unit(a, tile, all, seg_of[i], partials.data() + offset_of[i], sc);
+                finish(a, tile, all, sc);
             }
         }
     }

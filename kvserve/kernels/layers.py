@@ -21,23 +21,30 @@ _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 class _Linear(ctypes.Structure):
     _fields_ = [("num_parts", _i64), ("in_features", _i64), ("out_features", _i64), ("qtypes", _i64 * MAX_PARTS),
-                ("weights", _ptr * MAX_PARTS), ("rows", _i64 * MAX_PARTS)]
+                ("weights", _ptr * MAX_PARTS), ("rows", _i64 * MAX_PARTS), ("bias", _ptr)]
+
+
+class _Rows(ctypes.Structure):
+    _fields_ = [*((n, _ptr) for n in ("positions", "table_offsets", "table_first", "tables", "slot_mapping")),
+                ("window", _i64)]
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Linear), ("o_proj", _Linear), ("gate_up", _Linear), ("down", _Linear),
-                ("input_norm", _ptr), ("post_attention_norm", _ptr), ("k_data", _ptr), ("v_data", _ptr)]
+                *((n, _ptr) for n in ("input_norm", "post_attention_norm", "q_norm", "k_norm", "attn_out_norm",
+                                      "mlp_out_norm", "k_data", "v_data")),
+                ("rows_set", _i64), ("rope_set", _i64)]
 
 
-_SCRATCH = ("m", "normed", "qkv", "qk", "attn", "gate_up", "act_out", "out", "cos", "sin")
+_SCRATCH = ("m", "normed", "qkv", "qk_normed", "qk", "attn", "gate_up", "act_out", "out", "cos", "sin")
 
 
 class _Step(ctypes.Structure):
     _fields_ = [("rows", _i64), ("num_layers", _i64), *((n, _i64) for n in (
         "hidden", "heads", "kv_heads", "head_dim", "inter", "page_size", "codec", "act", "num_threads")),
         *((n, _f32) for n in ("eps", "q_scale", "attn_scale", "pad")),
-        *((n, _ptr) for n in ("cos_table", "sin_table", "positions", "table_offsets", "table_first", "tables",
-                              "slot_mapping", "final_norm", "h", *_SCRATCH))]
+        ("row_sets", _Rows * 2), ("cos_table", _ptr * 2), ("sin_table", _ptr * 2),
+        *((n, _ptr) for n in ("final_norm", "h", *_SCRATCH))]
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,6 +65,7 @@ class LinearWeights:
 
     parts: list[tuple[int, torch.Tensor]]
     in_features: int
+    bias: torch.Tensor | None = None  # [out] float32
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +76,11 @@ class LayerWeights:
     down: LinearWeights
     input_norm: torch.Tensor  # [hidden] float32
     post_attention_norm: torch.Tensor
+    q_norm: torch.Tensor | None = None  # [head_dim] (QK-norm)
+    k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None  # [hidden] (Gemma's norms of the attention and MLP outputs)
+    mlp_out_norm: torch.Tensor | None = None
+    windowed: bool = False  # attends the step's sliding-window rows, with the local RoPE tables if any
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +102,16 @@ def _linear(w: LinearWeights) -> _Linear:
     for i, (qtype, blocks) in enumerate(w.parts):
         assert blocks.dtype == torch.uint8 and blocks.is_contiguous()
         out.qtypes[i], out.weights[i], out.rows[i] = int(qtype), blocks.data_ptr(), int(blocks.shape[0])
+    if w.bias is not None:
+        out.bias = _floats(w.bias)
     return out
+
+
+def _floats(t: torch.Tensor | None) -> int | None:
+    if t is None:
+        return None
+    assert t.dtype == torch.float32 and t.is_contiguous()
+    return t.data_ptr()
 
 
 class DecoderLayers:
@@ -97,40 +119,51 @@ class DecoderLayers:
     `run` executes one step's rows through every layer and the final norm."""
 
     def __init__(self, lib: KernelLibrary, layers: list[LayerWeights], final_norm: torch.Tensor, shapes: Shapes,
-                 cos_table: torch.Tensor, sin_table: torch.Tensor) -> None:
+                 rope: tuple[torch.Tensor, torch.Tensor], local_rope: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """rope, local_rope: (cos, signed sin) tables [positions, head_dim] float32 (model/llama.py's
+        Rotary); the windowed layers use local_rope when given."""
         self.fn = _entry(lib)
         self.shapes = shapes
-        self._keep = (layers, final_norm, cos_table, sin_table)  # the pointers below point into these
+        self._keep = (layers, final_norm, rope, local_rope)  # the pointers below point into these
         self.layers = (_Layer * len(layers))()
         for dst, w in zip(self.layers, layers):
             dst.qkv, dst.o_proj, dst.gate_up, dst.down = (_linear(x) for x in (w.qkv, w.o_proj, w.gate_up, w.down))
-            dst.input_norm, dst.post_attention_norm = w.input_norm.data_ptr(), w.post_attention_norm.data_ptr()
-        self.qkv_width = self.layers[0].qkv.out_features
+            for name in ("input_norm", "post_attention_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm"):
+                setattr(dst, name, _floats(getattr(w, name)))
+            dst.rows_set = int(w.windowed)
+            dst.rope_set = int(w.windowed and local_rope is not None)
+        self.qkv_width = max(layer.qkv.out_features for layer in self.layers)
         s = shapes
         self.step = _Step(num_layers=len(layers), hidden=s.hidden, heads=s.heads, kv_heads=s.kv_heads,
                           head_dim=s.head_dim, inter=s.inter, act=ACTIVATIONS[s.activation], eps=s.eps,
-                          q_scale=s.q_scale, attn_scale=s.head_dim ** -0.5, final_norm=final_norm.data_ptr(),
-                          cos_table=cos_table.data_ptr(), sin_table=sin_table.data_ptr())
-        widths = {"m": s.hidden, "normed": s.hidden, "qkv": self.qkv_width, "qk": (s.heads + s.kv_heads) * s.head_dim,
+                          q_scale=s.q_scale, attn_scale=s.head_dim ** -0.5, final_norm=_floats(final_norm))
+        for i, tables in enumerate((rope, local_rope)):
+            if tables is not None:
+                self.step.cos_table[i], self.step.sin_table[i] = _floats(tables[0]), _floats(tables[1])
+        qk = (s.heads + s.kv_heads) * s.head_dim
+        widths = {"m": s.hidden, "normed": s.hidden, "qkv": self.qkv_width, "qk_normed": qk, "qk": qk,
                   "attn": s.heads * s.head_dim, "gate_up": 2 * s.inter, "act_out": s.inter, "out": s.hidden,
-                  "cos": s.head_dim, "sin": s.head_dim}
+                  "cos": 2 * s.head_dim, "sin": 2 * s.head_dim}
         self.widths = [widths[n] for n in _SCRATCH]
         self.row_floats = sum(self.widths)
 
     def run(self, x: torch.Tensor, codec: str, kv: list[tuple[torch.Tensor, torch.Tensor]], page_size: int,
-            rows: AttentionRows, slot_mapping: torch.Tensor, num_threads: int) -> torch.Tensor:
+            row_sets: list[tuple[AttentionRows, torch.Tensor, int | None]], num_threads: int) -> torch.Tensor:
         """x [T, hidden] float32 contiguous (the embeddings; overwritten: it holds the residual stream)
         -> the final norm's output [T, hidden]. kv: each layer's (K data, V data) pages of a codec
-        whose write the attention kernel does (fp32, bf16)."""
+        whose write the attention kernel does (fp32, bf16). row_sets: (rows, slot_mapping [T] int64,
+        window) for the full-attention layers, then (if any) for the windowed ones."""
         t = x.shape[0]
         assert x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == self.shapes.hidden
         scratch = torch.empty(t * self.row_floats, dtype=torch.float32)
         step = self.step
         step.rows, step.page_size, step.codec, step.num_threads = t, page_size, CODEC_IDS[codec], num_threads
         step.h = x.data_ptr()
-        step.positions, step.table_offsets = rows.positions.data_ptr(), rows.table_offsets.data_ptr()
-        step.table_first, step.tables = rows.table_first.data_ptr(), rows.tables.data_ptr()
-        step.slot_mapping = slot_mapping.data_ptr()
+        for dst, (rows, slots, window) in zip(step.row_sets, row_sets):
+            assert slots.dtype == torch.int64 and slots.is_contiguous()
+            dst.positions, dst.table_offsets = rows.positions.data_ptr(), rows.table_offsets.data_ptr()
+            dst.table_first, dst.tables = rows.table_first.data_ptr(), rows.tables.data_ptr()
+            dst.slot_mapping, dst.window = slots.data_ptr(), window or 0
         address, out_at = scratch.data_ptr(), 0
         for name, width in zip(_SCRATCH, self.widths):
             if name == "out":

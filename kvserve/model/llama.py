@@ -202,13 +202,13 @@ class LlamaModel(nn.Module):
             x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
         lib = kernels.library() if x.dtype == torch.float32 and x.device.type == "cpu" else None
         fused = self._fused_layers(lib, kv_caches, x) if lib is not None else None
+        windowed = {w: (window_meta or meta).with_window(w) for w in set(self.windows) if w is not None}
         if fused is not None:  # x is the embedding's own fresh tensor: the call may overwrite it
+            row_sets = [(m.rows_for_kernel(), m.slot_mapping.contiguous(), m.window) for m in (meta, *windowed.values())]
             return fused.run(x, kv_caches[0][0].codec.name, [(k.data, v.data) for k, v in kv_caches],
-                             meta.page_size, meta.rows_for_kernel(), meta.slot_mapping.contiguous(),
-                             torch.get_num_threads())
+                             meta.page_size, row_sets, torch.get_num_threads())
         rope = self.rope(positions)
         local_rope = self.local_rope(positions) if self.local_rope is not None else rope
-        windowed = {w: (window_meta or meta).with_window(w) for w in set(self.windows) if w is not None}
         residual = None  # each layer's output is x + residual, added by the next norm
         for layer, window, (k_cache, v_cache) in zip(self.layers, self.windows, kv_caches):
             if window is None:
@@ -219,9 +219,9 @@ class LlamaModel(nn.Module):
 
     def _fused_layers(self, lib: kernels.KernelLibrary, kv_caches: list[tuple[PagedKV, PagedKV]],
                       x: torch.Tensor) -> native_layers.DecoderLayers | None:
-        """The one-call native layers for this step, or None: op by op. They cover Llama-style
-        layers (no QK-norm, post-norms, biases or sliding windows) whose linears run on `lib` (the
-        same kernels the per-op path would call) over a KV codec the attention kernel writes itself."""
+        """The one-call native layers for this step, or None: op by op. They cover every layer kind
+        (QK-norm, post-norms, biases, one sliding-window size) whose linears run on `lib` (the same
+        kernels the per-op path would call) over a KV codec the attention kernel writes itself."""
         codec = kv_caches[0][0].codec
         if (x.shape[0] > FUSED_MAX_ROWS or codec.name not in native_attention.WRITES
                 or any(k.codec is not codec or v.codec is not codec for k, v in kv_caches)
@@ -233,23 +233,30 @@ class LlamaModel(nn.Module):
 
     def _build_fused(self, lib: kernels.KernelLibrary) -> native_layers.DecoderLayers | None:
         def weights(m: nn.Module) -> native_layers.LinearWeights | None:
-            if (not isinstance(m, NativeLinear) or m.library is not lib or m.bias is not None
-                    or len(m.qtypes) > native_layers.MAX_PARTS):
+            if not isinstance(m, NativeLinear) or m.library is not lib or len(m.qtypes) > native_layers.MAX_PARTS:
                 return None
-            return native_layers.LinearWeights([(q, m.blocks(i)) for i, q in enumerate(m.qtypes)], m.in_features)
+            return native_layers.LinearWeights([(q, m.blocks(i)) for i, q in enumerate(m.qtypes)], m.in_features,
+                                               m.bias)
 
+        def weight(norm: RMSNorm | None) -> torch.Tensor | None:
+            return None if norm is None else norm.weight
+
+        if len({w for w in self.windows if w is not None}) > 1:
+            return None
         layers = []
         for layer, window in zip(self.layers, self.windows):
             linears = [weights(m) for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
-            if (window is not None or layer.q_norm is not None or layer.attn_out_norm is not None
-                    or layer.mlp_out_norm is not None or None in linears):
+            if None in linears:
                 return None
-            layers.append(native_layers.LayerWeights(*linears, layer.input_norm.weight,
-                                                     layer.post_attention_norm.weight))
+            layers.append(native_layers.LayerWeights(
+                *linears, layer.input_norm.weight, layer.post_attention_norm.weight, weight(layer.q_norm),
+                weight(layer.k_norm), weight(layer.attn_out_norm), weight(layer.mlp_out_norm), window is not None))
         first, cfg = self.layers[0], self.config
         shapes = native_layers.Shapes(cfg.hidden_size, first.num_heads, first.num_kv_heads, first.head_dim,
                                       first.down.in_features, self.norm.eps, first.q_scale, first.hidden_act)
-        return native_layers.DecoderLayers(lib, layers, self.norm.weight, shapes, self.rope.cos, self.rope.sin)
+        local = self.local_rope
+        return native_layers.DecoderLayers(lib, layers, self.norm.weight, shapes, (self.rope.cos, self.rope.sin),
+                                           None if local is None else (local.cos, local.sin))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in float32."""

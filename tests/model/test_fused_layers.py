@@ -75,3 +75,30 @@ def test_long_chunks_and_other_codecs_run_op_by_op(loaded, monkeypatch):
     monkeypatch.setattr(llama, "FUSED_MAX_ROWS", 256)
     hidden_states(loaded, "int8")  # its page scales are written by the torch codec
     assert len(calls) == 61 * len(STEPS)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "gemma3"])
+def test_other_layer_kinds_answer_as_op_by_op(kind, tmp_path, monkeypatch):
+    """Biases (Qwen2), QK-norm (Qwen3), post-norms, sliding windows with their own RoPE base and the
+    hybrid pool (Gemma 3): the same tokens and logprobs, bit for bit, fused or not."""
+    from tests.conftest import make_llm
+    from tests.model.tiny_models import make_hf_model, write_gguf
+
+    from kvserve import SamplingParams
+
+    path = str(write_gguf(make_hf_model(kind), kind, tmp_path / f"{kind}.gguf"))
+    prompts = [{"prompt_token_ids": [3 + (7 * i + 11 * j) % 2000 for j in range(n)]} for i, n in enumerate((40, 9))]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)
+
+    def answers():
+        llm = make_llm(model=path, dtype="native", page_size=PAGE, max_model_len=256, kv_cache_memory="16MiB")
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+
+    calls = []
+    real = ops.rms_norm
+    monkeypatch.setattr(ops, "rms_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    fused = answers()
+    assert not calls  # every step ran fused
+    monkeypatch.setattr(llama, "FUSED_MAX_ROWS", 0)
+    assert answers() == fused
+    assert calls

@@ -110,7 +110,7 @@ def test_each_row_is_bitwise_the_same_in_any_batch_and_thread_count(lib, qtype):
 
 
 @pytest.mark.parametrize("qtype, k", [(Q.Q4_K, 2048), (Q.Q8_0, 2048), (Q.F32, 1001), (Q.F16, 37), (Q.Q4_1, 576),
-                                      (Q.Q4_0, 608), (Q.Q8_0, 96)], ids=str)
+                                      (Q.Q4_0, 608), (Q.Q8_0, 96), (Q.Q5_0, 352), (Q.Q5_1, 160)], ids=str)
 def test_rows_spanning_several_decoded_blocks_and_ragged_float_rows(lib, qtype, k):
     # k = 2048: a thread's weight rows are decoded in several blocks; float rows off the 8/16 lanes
     # take the scalar tail; 576, 608, 96: rows whose last blocks are not a group of eight (decode rows

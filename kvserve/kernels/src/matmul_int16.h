@@ -254,31 +254,42 @@ __attribute__((noinline)) void qdot_direct(int type, const uint8_t* row, int64_t
     }
 }
 
-// Q4_0, Q4_1, Q8_0 rows for few activation rows, C weight rows side by side (independent chains):
+// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 rows for few activation rows, C weight rows side by side (independent chains):
 // eight blocks at a time, whose fp16 scales (and Q4_1's offsets) are converted with one instruction
 // and multiplied by the activations' scales as one vector. Each product, sum and conversion is the
 // one qdot_tile makes (same int32 lanes, acc += float(lanes) * (dw * dx) in block order, offset_dot).
 // block b of C rows against R activation rows: acc[r][c] += float(lanes) * dwx[c][r][i]
+// the 32-element formats the direct kernel runs: block bytes, where the codes start, an offset
+template <int Q>
+constexpr int block_bytes32() { return Q == T_Q8_0 ? 34 : Q == T_Q4_0 ? 18 : Q == T_Q4_1 ? 20 : Q == T_Q5_0 ? 22 : 24; }
+template <int Q>
+constexpr bool has_min32() { return Q == T_Q4_1 || Q == T_Q5_1; }
+
 template <int Q, int R, int C>
 inline void direct32_block(const uint8_t* const* rows, int64_t b, const XRow* x, const float (&dwx)[C][R][8], int i,
                            __m256 (&acc)[R][C]) {
-    constexpr int bytes = Q == T_Q8_0 ? 34 : Q == T_Q4_0 ? 18 : 20;
-    constexpr int qs_at = Q == T_Q4_1 ? 4 : 2;
+    constexpr int bytes = block_bytes32<Q>();
     const __m128i m15 = _mm_set1_epi8(15);
     __m256i w0[C], w1[C];
     for (int c = 0; c < C; ++c) {
-        const uint8_t* qs = rows[c] + b * bytes + qs_at;
+        const uint8_t* blk = rows[c] + b * bytes;
         if constexpr (Q == T_Q8_0) {
-            w0[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
-            w1[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)));
-        } else {
-            const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+            w0[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
+            w1[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)));
+        } else if constexpr (Q == T_Q4_0 || Q == T_Q4_1) {
+            const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (Q == T_Q4_1 ? 4 : 2)));
             w0[c] = _mm256_cvtepu8_epi16(_mm_and_si128(v, m15));
             w1[c] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), m15));
             if constexpr (Q == T_Q4_0) {
                 w0[c] = _mm256_sub_epi16(w0[c], _mm256_set1_epi16(8));
                 w1[c] = _mm256_sub_epi16(w1[c], _mm256_set1_epi16(8));
             }
+        } else {  // Q5_0 (codes - 16), Q5_1: the fifth bits over the nibbles, as walk_blocks32
+            constexpr int qh_at = Q == T_Q5_1 ? 4 : 2;
+            __m256i v = _mm256_or_si256(nibbles32(blk + qh_at + 4), fifth_bits(load_u32(blk + qh_at)));
+            if constexpr (Q == T_Q5_0) v = _mm256_sub_epi8(v, _mm256_set1_epi8(16));
+            w0[c] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
+            w1[c] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
         }
     }
     for (int r = 0; r < R; ++r) {
@@ -293,7 +304,7 @@ inline void direct32_block(const uint8_t* const* rows, int64_t b, const XRow* x,
 template <int Q, int R, int C>
 inline void qdot_direct32(const uint8_t* const* rows, int64_t nb, const XRow* x, float* const* off, float* y,
                           int64_t ldy) {
-    constexpr int bytes = Q == T_Q8_0 ? 34 : Q == T_Q4_0 ? 18 : 20;
+    constexpr int bytes = block_bytes32<Q>();
     __m256 acc[R][C];
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
@@ -306,17 +317,17 @@ inline void qdot_direct32(const uint8_t* const* rows, int64_t nb, const XRow* x,
                 __m128i dh = _mm_setzero_si128(), mh = _mm_setzero_si128();
 #define KVS_LANE(i)                                                  \
     dh = _mm_insert_epi16(dh, load_u16(blk + (i) * bytes), (i));     \
-    if constexpr (Q == T_Q4_1) mh = _mm_insert_epi16(mh, load_u16(blk + (i) * bytes + 2), (i));
+    if constexpr (has_min32<Q>()) mh = _mm_insert_epi16(mh, load_u16(blk + (i) * bytes + 2), (i));
                 KVS_LANE(0) KVS_LANE(1) KVS_LANE(2) KVS_LANE(3) KVS_LANE(4) KVS_LANE(5) KVS_LANE(6) KVS_LANE(7)
 #undef KVS_LANE
                 const __m256 d8 = _mm256_cvtph_ps(dh);
                 for (int r = 0; r < R; ++r) _mm256_store_ps(dwx[c][r], _mm256_mul_ps(d8, _mm256_loadu_ps(x[r].d + b0)));
-                if constexpr (Q == T_Q4_1) _mm256_storeu_ps(off[c] + b0, _mm256_cvtph_ps(mh));
+                if constexpr (has_min32<Q>()) _mm256_storeu_ps(off[c] + b0, _mm256_cvtph_ps(mh));
             } else {
                 for (int i = 0; i < n8; ++i) {
                     const float d = half_at(blk + i * bytes);
                     for (int r = 0; r < R; ++r) dwx[c][r][i] = d * x[r].d[b0 + i];
-                    off[c][b0 + i] = Q == T_Q4_1 ? half_at(blk + i * bytes + 2) : 0.0f;
+                    off[c][b0 + i] = has_min32<Q>() ? half_at(blk + i * bytes + 2) : 0.0f;
                 }
             }
         }
@@ -331,7 +342,7 @@ inline void qdot_direct32(const uint8_t* const* rows, int64_t nb, const XRow* x,
     for (int r = 0; r < R; ++r) {
         for (int c = 0; c < C; ++c) {
             float v = hsum8(acc[r][c]);
-            if constexpr (Q == T_Q4_1) v = v + offset_dot(off[c], x[r].s, nb);
+            if constexpr (has_min32<Q>()) v = v + offset_dot(off[c], x[r].s, nb);
             y[r * ldy + c] = v;
         }
     }
@@ -360,14 +371,19 @@ inline void qdot_direct_rows(int type, const uint8_t* w, int64_t row_bytes, int6
                 _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
             qdot_direct32<Q, R, C>(rows, nb, x, offs, y + n, ldy);
         }
-        for (; n < hi; ++n) {
-            rows[0] = w + n * row_bytes;
-            qdot_direct32<Q, R, 1>(rows, nb, x, offs, y + n, ldy);
+        if (n < hi) {  // the last rows: a full tile over repeats of the last row, only the real ones kept
+            float tail[R * C];
+            for (int c = 0; c < C; ++c) rows[c] = w + std::min(n + c, hi - 1) * row_bytes;
+            qdot_direct32<Q, R, C>(rows, nb, x, offs, tail, C);
+            for (int r = 0; r < R; ++r)
+                for (int64_t c = 0; c < hi - n; ++c) y[r * ldy + n + c] = tail[r * C + c];
         }
     };
     switch (type) {
         case T_Q4_0: run32(std::integral_constant<int, T_Q4_0>{}); return;
         case T_Q4_1: run32(std::integral_constant<int, T_Q4_1>{}); return;
+        case T_Q5_0: run32(std::integral_constant<int, T_Q5_0>{}); return;
+        case T_Q5_1: run32(std::integral_constant<int, T_Q5_1>{}); return;
         case T_Q8_0: run32(std::integral_constant<int, T_Q8_0>{}); return;
         default:
             for (; n < hi; ++n) {

@@ -8,6 +8,16 @@
 namespace kvs {
 
 #if KVS_SIMD
+// a block's 32 codes times their sub-scales as int16: elements 0..15 in lo, 16..31 in hi
+inline void widen_scaled(const Block32& k, __m256i* lo, __m256i* hi) {
+    *lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(k.c));
+    *hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(k.c, 1));
+    if (k.sc0 != 1 || k.sc1 != 1) {
+        *lo = _mm256_mullo_epi16(*lo, _mm256_set1_epi16(short(k.sc0)));
+        *hi = _mm256_mullo_epi16(*hi, _mm256_set1_epi16(short(k.sc1)));
+    }
+}
+
 // the integer kernel's row: codes times the sub-scale as int16 (|c * sc| <= 128 * 32: no overflow
 // below), the block's d and offset as floats
 struct Int16Sink {
@@ -15,12 +25,8 @@ struct Int16Sink {
     float* d;
     float* off;
     void operator()(int64_t b, const Block32& k) const {
-        __m256i lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(k.c));
-        __m256i hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(k.c, 1));
-        if (k.sc0 != 1 || k.sc1 != 1) {
-            lo = _mm256_mullo_epi16(lo, _mm256_set1_epi16(short(k.sc0)));
-            hi = _mm256_mullo_epi16(hi, _mm256_set1_epi16(short(k.sc1)));
-        }
+        __m256i lo, hi;
+        widen_scaled(k, &lo, &hi);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * b), lo);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * b + 16), hi);
         d[b] = k.d;
@@ -38,7 +44,7 @@ struct Int16Sink {
 // and accumulated as acc += float(lanes) * (dw * dx) in block order; then the fixed-tree sum, then
 // the offsets' dot sum_b off[b] * dx[b] * (sum of the block's q) (8 blocks a lane, then the tail).
 
-inline bool has_offset(int type) { return type == T_Q4_1 || type == T_Q5_1 || type == T_Q4_K || type == T_Q5_K; }
+constexpr bool has_offset(int type) { return type == T_Q4_1 || type == T_Q5_1 || type == T_Q4_K || type == T_Q5_K; }
 
 struct QRow {  // a decoded weight row: w[k] = d[k / 32] * q[k] + off[k / 32]
     const int16_t* q;
@@ -224,12 +230,8 @@ struct DotSink {
     float* off;  // the row's per-block offsets, for offset_dot at the end
     __m256 acc[R];
     void operator()(int64_t b, const Block32& k) {
-        __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(k.c));
-        __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(k.c, 1));
-        if (k.sc0 != 1 || k.sc1 != 1) {
-            w0 = _mm256_mullo_epi16(w0, _mm256_set1_epi16(short(k.sc0)));
-            w1 = _mm256_mullo_epi16(w1, _mm256_set1_epi16(short(k.sc1)));
-        }
+        __m256i w0, w1;
+        widen_scaled(k, &w0, &w1);
         const __m256 dw = _mm256_set1_ps(k.d);
         off[b] = k.off;
         for (int r = 0; r < R; ++r) {
@@ -240,10 +242,11 @@ struct DotSink {
     }
 };
 
-// y[r * ldy] = x[r] . W[row] for R <= DIRECT_ROWS activation rows; `off` holds K / 32 floats
+// y[r * ldy] = x[r] . W[row] for R activation rows (1, 2 or 4: one compiled walker each, not inlined
+// into every caller); `off` holds K / 32 floats
 template <int R>
-__attribute__((noinline)) void qdot_direct(int type, const uint8_t* row, int64_t nb, const XRow* x, bool offsets, float* off, float* y,
-                        int64_t ldy) {
+__attribute__((noinline)) void qdot_direct(int type, const uint8_t* row, int64_t nb, const XRow* x, bool offsets,
+                                           float* off, float* y, int64_t ldy) {
     DotSink<R> sink{x, off, {}};
     for (int r = 0; r < R; ++r) sink.acc[r] = _mm256_setzero_ps();
     walk_blocks(type, row, 32 * nb, sink);
@@ -254,21 +257,11 @@ __attribute__((noinline)) void qdot_direct(int type, const uint8_t* row, int64_t
     }
 }
 
-// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 rows for few activation rows, C weight rows side by side (independent chains):
-// eight blocks at a time, whose fp16 scales (and Q4_1's offsets) are converted with one instruction
-// and multiplied by the activations' scales as one vector. Each product, sum and conversion is the
-// one qdot_tile makes (same int32 lanes, acc += float(lanes) * (dw * dx) in block order, offset_dot).
 // block b of C rows against R activation rows: acc[r][c] += float(lanes) * dwx[c][r][i]
-// the 32-element formats the direct kernel runs: block bytes, where the codes start, an offset
-template <int Q>
-constexpr int block_bytes32() { return Q == T_Q8_0 ? 34 : Q == T_Q4_0 ? 18 : Q == T_Q4_1 ? 20 : Q == T_Q5_0 ? 22 : 24; }
-template <int Q>
-constexpr bool has_min32() { return Q == T_Q4_1 || Q == T_Q5_1; }
-
 template <int Q, int R, int C>
 inline void direct32_block(const uint8_t* const* rows, int64_t b, const XRow* x, const float (&dwx)[C][R][8], int i,
                            __m256 (&acc)[R][C]) {
-    constexpr int bytes = block_bytes32<Q>();
+    constexpr int bytes = geometry(Q).bytes;
     const __m128i m15 = _mm_set1_epi8(15);
     __m256i w0[C], w1[C];
     for (int c = 0; c < C; ++c) {
@@ -301,10 +294,15 @@ inline void direct32_block(const uint8_t* const* rows, int64_t b, const XRow* x,
     }
 }
 
+// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 rows for few activation rows, C weight rows side by side (independent
+// chains): eight blocks at a time, whose fp16 scales (and Q4_1/Q5_1's offsets) are converted with one
+// instruction and multiplied by the activations' scales as one vector. Each product, sum and
+// conversion is the one qdot_tile makes (same int32 lanes, acc += float(lanes) * (dw * dx) in block
+// order, offset_dot).
 template <int Q, int R, int C>
 inline void qdot_direct32(const uint8_t* const* rows, int64_t nb, const XRow* x, float* const* off, float* y,
                           int64_t ldy) {
-    constexpr int bytes = block_bytes32<Q>();
+    constexpr int bytes = geometry(Q).bytes;
     __m256 acc[R][C];
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
@@ -317,17 +315,17 @@ inline void qdot_direct32(const uint8_t* const* rows, int64_t nb, const XRow* x,
                 __m128i dh = _mm_setzero_si128(), mh = _mm_setzero_si128();
 #define KVS_LANE(i)                                                  \
     dh = _mm_insert_epi16(dh, load_u16(blk + (i) * bytes), (i));     \
-    if constexpr (has_min32<Q>()) mh = _mm_insert_epi16(mh, load_u16(blk + (i) * bytes + 2), (i));
+    if constexpr (has_offset(Q)) mh = _mm_insert_epi16(mh, load_u16(blk + (i) * bytes + 2), (i));
                 KVS_LANE(0) KVS_LANE(1) KVS_LANE(2) KVS_LANE(3) KVS_LANE(4) KVS_LANE(5) KVS_LANE(6) KVS_LANE(7)
 #undef KVS_LANE
                 const __m256 d8 = _mm256_cvtph_ps(dh);
                 for (int r = 0; r < R; ++r) _mm256_store_ps(dwx[c][r], _mm256_mul_ps(d8, _mm256_loadu_ps(x[r].d + b0)));
-                if constexpr (has_min32<Q>()) _mm256_storeu_ps(off[c] + b0, _mm256_cvtph_ps(mh));
+                if constexpr (has_offset(Q)) _mm256_storeu_ps(off[c] + b0, _mm256_cvtph_ps(mh));
             } else {
                 for (int i = 0; i < n8; ++i) {
                     const float d = half_at(blk + i * bytes);
                     for (int r = 0; r < R; ++r) dwx[c][r][i] = d * x[r].d[b0 + i];
-                    off[c][b0 + i] = has_min32<Q>() ? half_at(blk + i * bytes + 2) : 0.0f;
+                    off[c][b0 + i] = has_offset(Q) ? half_at(blk + i * bytes + 2) : 0.0f;
                 }
             }
         }
@@ -342,7 +340,7 @@ inline void qdot_direct32(const uint8_t* const* rows, int64_t nb, const XRow* x,
     for (int r = 0; r < R; ++r) {
         for (int c = 0; c < C; ++c) {
             float v = hsum8(acc[r][c]);
-            if constexpr (has_min32<Q>()) v = v + offset_dot(off[c], x[r].s, nb);
+            if constexpr (has_offset(Q)) v = v + offset_dot(off[c], x[r].s, nb);
             y[r * ldy + c] = v;
         }
     }

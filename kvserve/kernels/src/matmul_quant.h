@@ -125,7 +125,7 @@ struct Block32 {
 // Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: w = d * c (+ m)
 template <int Q, class Sink>
 inline void walk_blocks32(const uint8_t* row, int64_t K, Sink& sink) {
-    constexpr int bytes = Q == T_Q8_0 ? 34 : Q == T_Q4_0 ? 18 : Q == T_Q4_1 ? 20 : Q == T_Q5_0 ? 22 : 24;
+    constexpr int bytes = geometry(Q).bytes;
     for (int64_t b = 0; b < K / 32; ++b) {
         const uint8_t* blk = row + b * bytes;
         __m256i c;

@@ -18,7 +18,7 @@ struct Geometry {
 };
 
 // {0, 0} for a type the kernels do not run
-inline Geometry geometry(int type) {
+constexpr Geometry geometry(int type) {
     switch (type) {
         case T_F32: return {1, 4};
         case T_F16: return {1, 2};

@@ -11,7 +11,7 @@
 #include <cmath>
 #include <vector>
 
-#include "matmul_int16.h"
+#include "matmul_direct.h"
 
 namespace kvs {
 namespace {

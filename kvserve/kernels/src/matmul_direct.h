@@ -1,0 +1,199 @@
+// The decode path of the block formats: up to a few activation rows (decode, a speculative verify)
+// against weight rows decoded in registers as they stream in, with the same chain as the tiles.
+#pragma once
+#include <type_traits>
+
+#include "matmul_int16.h"
+
+namespace kvs {
+
+#if KVS_SIMD
+// Few activation rows (decode, a speculative verify): each weight row is decoded in registers as its
+// blocks stream in and dotted with the R rows at once, never stored. The chain is qdot_tile's to the
+// bit: the same int32 lanes, the same acc += float(lanes) * (dw * dx) per block, hsum8, offset_dot.
+template <int R>
+struct DotSink {
+    const XRow* x;
+    float* off;  // the row's per-block offsets, for offset_dot at the end
+    __m256 acc[R];
+    void operator()(int64_t b, const Block32& k) {
+        __m256i w0, w1;
+        widen_scaled(k, &w0, &w1);
+        const __m256 dw = _mm256_set1_ps(k.d);
+        off[b] = k.off;
+        for (int r = 0; r < R; ++r) {
+            const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, load256(x[r].q + 32 * b)),
+                                               _mm256_madd_epi16(w1, load256(x[r].q + 32 * b + 16)));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, _mm256_broadcast_ss(x[r].d + b)), acc[r]);
+        }
+    }
+};
+
+// y[r * ldy] = x[r] . W[row] for R activation rows (1, 2 or 4: one compiled walker each, not inlined
+// into every caller); `off` holds K / 32 floats
+template <int R>
+__attribute__((noinline)) void qdot_direct(int type, const uint8_t* row, int64_t nb, const XRow* x, bool offsets,
+                                           float* off, float* y, int64_t ldy) {
+    DotSink<R> sink{x, off, {}};
+    for (int r = 0; r < R; ++r) sink.acc[r] = _mm256_setzero_ps();
+    walk_blocks(type, row, 32 * nb, sink);
+    for (int r = 0; r < R; ++r) {
+        float v = hsum8(sink.acc[r]);
+        if (offsets) v = v + offset_dot(off, x[r].s, nb);
+        y[r * ldy] = v;
+    }
+}
+
+// block b of C rows against R activation rows: acc[r][c] += float(lanes) * dwx[c][r][i]
+template <int Q, int R, int C>
+inline void direct32_block(const uint8_t* const* rows, int64_t b, const XRow* x, const float (&dwx)[C][R][8], int i,
+                           __m256 (&acc)[R][C]) {
+    constexpr int bytes = geometry(Q).bytes;
+    const __m128i m15 = _mm_set1_epi8(15);
+    __m256i w0[C], w1[C];
+    for (int c = 0; c < C; ++c) {
+        const uint8_t* blk = rows[c] + b * bytes;
+        if constexpr (Q == T_Q8_0) {
+            w0[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
+            w1[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)));
+        } else if constexpr (Q == T_Q4_0 || Q == T_Q4_1) {
+            const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (Q == T_Q4_1 ? 4 : 2)));
+            w0[c] = _mm256_cvtepu8_epi16(_mm_and_si128(v, m15));
+            w1[c] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), m15));
+            if constexpr (Q == T_Q4_0) {
+                w0[c] = _mm256_sub_epi16(w0[c], _mm256_set1_epi16(8));
+                w1[c] = _mm256_sub_epi16(w1[c], _mm256_set1_epi16(8));
+            }
+        } else {  // Q5_0 (codes - 16), Q5_1: the fifth bits over the nibbles, as walk_blocks32
+            constexpr int qh_at = Q == T_Q5_1 ? 4 : 2;
+            __m256i v = _mm256_or_si256(nibbles32(blk + qh_at + 4), fifth_bits(load_u32(blk + qh_at)));
+            if constexpr (Q == T_Q5_0) v = _mm256_sub_epi8(v, _mm256_set1_epi8(16));
+            w0[c] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
+            w1[c] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        const __m256i x0 = load256(x[r].q + 32 * b), x1 = load256(x[r].q + 32 * b + 16);
+        for (int c = 0; c < C; ++c) {
+            const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0[c], x0), _mm256_madd_epi16(w1[c], x1));
+            acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&dwx[c][r][i]), acc[r][c]);
+        }
+    }
+}
+
+// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 rows for few activation rows, C weight rows side by side (independent
+// chains): eight blocks at a time, whose fp16 scales (and Q4_1/Q5_1's offsets) are converted with one
+// instruction and multiplied by the activations' scales as one vector. Each product, sum and
+// conversion is the one qdot_tile makes (same int32 lanes, acc += float(lanes) * (dw * dx) in block
+// order, offset_dot).
+template <int Q, int R, int C>
+inline void qdot_direct32(const uint8_t* const* rows, int64_t nb, const XRow* x, float* const* off, float* y,
+                          int64_t ldy) {
+    constexpr int bytes = geometry(Q).bytes;
+    __m256 acc[R][C];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+    alignas(32) float dwx[C][R][8];
+    for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+        const int n8 = int(std::min<int64_t>(8, nb - b0));
+        for (int c = 0; c < C; ++c) {
+            const uint8_t* blk = rows[c] + b0 * bytes;
+            if (n8 == 8) {
+                __m128i dh = _mm_setzero_si128(), mh = _mm_setzero_si128();
+#define KVS_LANE(i)                                                  \
+    dh = _mm_insert_epi16(dh, load_u16(blk + (i) * bytes), (i));     \
+    if constexpr (has_offset(Q)) mh = _mm_insert_epi16(mh, load_u16(blk + (i) * bytes + 2), (i));
+                KVS_LANE(0) KVS_LANE(1) KVS_LANE(2) KVS_LANE(3) KVS_LANE(4) KVS_LANE(5) KVS_LANE(6) KVS_LANE(7)
+#undef KVS_LANE
+                const __m256 d8 = _mm256_cvtph_ps(dh);
+                for (int r = 0; r < R; ++r) _mm256_store_ps(dwx[c][r], _mm256_mul_ps(d8, _mm256_loadu_ps(x[r].d + b0)));
+                if constexpr (has_offset(Q)) _mm256_storeu_ps(off[c] + b0, _mm256_cvtph_ps(mh));
+            } else {
+                for (int i = 0; i < n8; ++i) {
+                    const float d = half_at(blk + i * bytes);
+                    for (int r = 0; r < R; ++r) dwx[c][r][i] = d * x[r].d[b0 + i];
+                    off[c][b0 + i] = has_offset(Q) ? half_at(blk + i * bytes + 2) : 0.0f;
+                }
+            }
+        }
+        // a full group unrolled (the accumulators stay in registers), the row's last blocks one by one
+        if (n8 == 8) {
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; ++i) direct32_block<Q, R, C>(rows, b0 + i, x, dwx, i, acc);
+        } else {
+            for (int i = 0; i < n8; ++i) direct32_block<Q, R, C>(rows, b0 + i, x, dwx, i, acc);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < C; ++c) {
+            float v = hsum8(acc[r][c]);
+            if constexpr (has_offset(Q)) v = v + offset_dot(off[c], x[r].s, nb);
+            y[r * ldy + c] = v;
+        }
+    }
+}
+
+template <int R>
+constexpr int direct_cols() { return R == 1 ? 4 : R <= 4 ? 2 : 1; }
+
+// y[r * ldy + j] = x[r] . W[lo + j] for R activation rows and the weight rows lo .. hi; `off` holds
+// direct_cols<R>() rows of K / 32 floats
+template <int R>
+inline void qdot_direct_rows(int type, const uint8_t* w, int64_t row_bytes, int64_t lo, int64_t hi, int64_t nb,
+                             const XRow* x, bool offsets, float* off, float* y, int64_t ldy) {
+    constexpr int C = direct_cols<R>();
+    const uint8_t* rows[C];
+    float* offs[C];
+    for (int c = 0; c < C; ++c) offs[c] = off + c * nb;
+    int64_t n = lo;
+    auto run32 = [&](auto q) {
+        constexpr int Q = decltype(q)::value;
+        for (; n + C <= hi; n += C) {
+            for (int c = 0; c < C; ++c) rows[c] = w + (n + c) * row_bytes;
+            // the weights stream from memory once: ask for the rows three groups ahead while these compute
+            const uint8_t* ahead = w + std::min(hi, n + 4 * C) * row_bytes;
+            for (const uint8_t* p = w + std::min(hi, n + 3 * C) * row_bytes; p < ahead; p += 64)
+                _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+            qdot_direct32<Q, R, C>(rows, nb, x, offs, y + n, ldy);
+        }
+        if (n < hi) {  // the last rows: a full tile over repeats of the last row, only the real ones kept
+            float tail[R * C];
+            for (int c = 0; c < C; ++c) rows[c] = w + std::min(n + c, hi - 1) * row_bytes;
+            qdot_direct32<Q, R, C>(rows, nb, x, offs, tail, C);
+            for (int r = 0; r < R; ++r)
+                for (int64_t c = 0; c < hi - n; ++c) y[r * ldy + n + c] = tail[r * C + c];
+        }
+    };
+    switch (type) {
+        case T_Q4_0: run32(std::integral_constant<int, T_Q4_0>{}); return;
+        case T_Q4_1: run32(std::integral_constant<int, T_Q4_1>{}); return;
+        case T_Q5_0: run32(std::integral_constant<int, T_Q5_0>{}); return;
+        case T_Q5_1: run32(std::integral_constant<int, T_Q5_1>{}); return;
+        case T_Q8_0: run32(std::integral_constant<int, T_Q8_0>{}); return;
+        default:
+            for (; n < hi; ++n) {
+                if (n + 4 < hi) {
+                    const uint8_t* next = w + (n + 4) * row_bytes;
+                    for (int64_t p = 0; p < row_bytes; p += 64)
+                        _mm_prefetch(reinterpret_cast<const char*>(next + p), _MM_HINT_T0);
+                }
+                // the other formats in pieces of 4, 2 and 1 activation rows: three compiled walkers each
+                for (int t = 0; t < R;) {
+                    const int64_t at = n + t * ldy;
+                    if (R - t >= 4) {
+                        qdot_direct<4>(type, w + n * row_bytes, nb, x + t, offsets, off, y + at, ldy);
+                        t += 4;
+                    } else if (R - t >= 2) {
+                        qdot_direct<2>(type, w + n * row_bytes, nb, x + t, offsets, off, y + at, ldy);
+                        t += 2;
+                    } else {
+                        qdot_direct<1>(type, w + n * row_bytes, nb, x + t, offsets, off, y + at, ldy);
+                        t += 1;
+                    }
+                }
+            }
+    }
+}
+#endif  // KVS_SIMD
+
+}  // namespace kvs

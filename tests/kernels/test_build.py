@@ -44,3 +44,32 @@ def test_a_missing_compiler_is_one_line_and_builds_nothing(monkeypatch, capsys):
     assert build.build(force=True) == 0
     err = capsys.readouterr().err.strip()
     assert "no C++ compiler" in err and "torch path" in err and "\n" not in err
+
+
+def test_an_object_is_rebuilt_only_when_its_source_a_header_it_includes_or_the_digest_changes(
+        tmp_path, monkeypatch):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.h").write_text("#pragma once\n#include \"b.h\"\n")
+    (src / "b.h").write_text("#pragma once\n")
+    (src / "c.h").write_text("#pragma once\n")
+    (src / "one.cpp").write_text("#include \"a.h\"\n")
+    (src / "two.cpp").write_text("#include \"c.h\"\n#include <vector>\n")
+    (src / "isa.cpp").write_text("")
+    monkeypatch.setattr(build, "SRC_DIR", src)
+    monkeypatch.setattr(build, "OBJ_DIR", tmp_path / "obj")
+    digest = ["1" * 16]
+    monkeypatch.setattr(build, "source_digest", lambda: digest[0])
+
+    def objects() -> dict[str, str]:
+        return {s.name: build.compile_job("g++", "avx2", s).object_path.name for s in build.sources()}
+
+    assert [h.name for h in build.included_headers(src / "one.cpp")] == ["a.h", "b.h"]
+    before = objects()
+    (src / "b.h").write_text("#pragma once\n// changed\n")  # reached from one.cpp through a.h
+    after = objects()
+    assert after["one.cpp"] != before["one.cpp"]
+    assert after["two.cpp"] == before["two.cpp"] and after["isa.cpp"] == before["isa.cpp"]
+    digest[0] = "2" * 16  # isa.cpp records the digest of every source
+    assert objects()["isa.cpp"] != after["isa.cpp"] and objects()["two.cpp"] == after["two.cpp"]
+    assert build.compile_job("g++", "avx2", src / "two.cpp") != build.compile_job("g++", "scalar", src / "two.cpp")

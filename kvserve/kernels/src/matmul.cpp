@@ -1,8 +1,9 @@
 // y[T, N] = x[T, K] @ W^T with W in a GGUF format (the file's own bytes, one row of blocks per output),
 // x and y float32. Block formats round each activation row to int16 blocks of 32 once; each thread
-// takes a contiguous share of the N weight rows, decodes them a few at a time (int16 codes for block
-// formats, float32 for float formats; once per call, whatever T), then runs every tile of up to
-// TILE_ROWS activation rows against them (matmul_quant.h's dot tiles).
+// takes a contiguous share of the N weight rows (block formats' prefill: panels of them, handed out
+// dynamically), decodes them a few at a time (int16 codes for block formats, float32 for float
+// formats; once per call, whatever T), then runs every tile of up to TILE_ROWS activation rows against
+// them (matmul_quant.h's dot tiles; the block formats' offset terms as a pass of their own).
 // Invariance: y[t, n] is one dot chain over row t of x and the decoded row n of W, in one order; threads
 // split N only, and T and N are tiled without changing any element's operations.
 #include <omp.h>
@@ -20,6 +21,7 @@ constexpr int TILE_ROWS = 4;              // activation rows sharing each decode
 constexpr int64_t DIRECT_ROWS = 8;        // up to this many rows: weights decoded in registers, no scratch
 constexpr int64_t L1_BYTES = 24 * 1024;  // decoded rows for a few activation rows: stay in L1
 constexpr int64_t L2_BYTES = 96 * 1024;  // decoded rows reread by every tile of a prefill chunk: in L2
+constexpr int64_t PANELS_PER_THREAD = 4;  // prefill: weight panels a thread takes at least (dynamically)
 
 // Float formats: rows decoded to float32 (F32 read in place), float activations
 void run_float(int type, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t ldx, int64_t T, float* y,
@@ -88,6 +90,33 @@ void run_quant_direct(int type, const uint8_t* w, int64_t row_bytes, int64_t N, 
 }
 #endif
 
+#if KVS_SIMD
+// y[j] += sum_b off[j][b] * s[b] for the nw decoded rows of a panel, eight rows a vector: offT holds
+// the panel's offsets transposed ([nb][ldo], rows past nw zero). Each lane runs offset_dot's chain to
+// the bit (lane l of the 8-block chunks as one fma chain, hsum8's tree over them, then the tail's
+// multiply-adds in order), so adding it to a tile's offset-free result is the tile's own result.
+inline void add_offsets(const float* offT, int64_t ldo, int64_t nw, int64_t nb, const float* s, float* y) {
+    for (int64_t j = 0; j < nw; j += 8) {
+        __m256 a[8];
+        for (int l = 0; l < 8; ++l) a[l] = _mm256_setzero_ps();
+        int64_t b = 0;
+        for (; b + 8 <= nb; b += 8)
+            for (int l = 0; l < 8; ++l)
+                a[l] = _mm256_fmadd_ps(_mm256_loadu_ps(offT + (b + l) * ldo + j), _mm256_broadcast_ss(s + b + l), a[l]);
+        __m256 v = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a[0], a[4]), _mm256_add_ps(a[2], a[6])),
+                                 _mm256_add_ps(_mm256_add_ps(a[1], a[5]), _mm256_add_ps(a[3], a[7])));
+        for (; b < nb; ++b) v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_loadu_ps(offT + b * ldo + j), _mm256_broadcast_ss(s + b)));
+        if (j + 8 <= nw) {
+            _mm256_storeu_ps(y + j, _mm256_add_ps(_mm256_loadu_ps(y + j), v));
+        } else {
+            alignas(32) float tail[8];
+            _mm256_store_ps(tail, v);
+            for (int64_t c = 0; c < nw - j; ++c) y[j + c] = y[j + c] + tail[c];
+        }
+    }
+}
+#endif
+
 // Block formats: activations rounded to int16 blocks once, rows decoded to int16 codes
 void run_quant(int type, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t ldx, int64_t T, float* y,
                int64_t ldy, int nthreads) {
@@ -109,32 +138,50 @@ void run_quant(int type, const uint8_t* w, int64_t N, int64_t K, const float* x,
     }
 #endif
     const int64_t qbytes = qrow_bytes(K);
-    const int64_t rows_per_block = std::max<int64_t>(8, (T <= TILE_ROWS ? L1_BYTES : L2_BYTES) / qbytes);
+    // panels of weight rows handed out one at a time, at least PANELS_PER_THREAD a thread: on a shared
+    // host a thread that loses its core leaves the rest of its panels to the other
+    const int64_t rows_per_block = std::max<int64_t>(
+        8, std::min((T <= TILE_ROWS ? L1_BYTES : L2_BYTES) / qbytes, (N + PANELS_PER_THREAD * nthreads - 1) /
+                                                                          (PANELS_PER_THREAD * nthreads)));
+    const int64_t num_panels = (N + rows_per_block - 1) / rows_per_block;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
-        const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
-        const int64_t per = (N + nth - 1) / nth;
-        const int64_t lo = std::min(N, tid * per), hi = std::min(N, lo + per);
         thread_local std::vector<int16_t> scratch;  // rows_per_block decoded rows, 32-byte aligned parts
         if (int64_t(scratch.size()) < rows_per_block * qbytes / 2) scratch.resize(rows_per_block * qbytes / 2);
         std::vector<QRow> wrows(rows_per_block);
-        for (int64_t n0 = lo; n0 < hi; n0 += rows_per_block) {
-            const int64_t nw = std::min(hi, n0 + rows_per_block) - n0;
+        // the offsets' dot runs as its own pass over eight rows a vector (SIMD builds): the tiles skip it
+        const bool split_offsets = KVS_SIMD && offsets;
+        const int64_t ldo = (rows_per_block + 7) / 8 * 8;
+        thread_local std::vector<float> offT;  // [nb][ldo] the panel's offsets, transposed
+        if (split_offsets && int64_t(offT.size()) < nb * ldo) offT.resize(nb * ldo);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t panel = 0; panel < num_panels; ++panel) {
+            const int64_t n0 = panel * rows_per_block, nw = std::min(N, n0 + rows_per_block) - n0;
             for (int64_t j = 0; j < nw; ++j) {
                 int16_t* q = &scratch[j * qbytes / 2];
                 float* d = reinterpret_cast<float*>(q + K);
                 decode_row_q(type, w + (n0 + j) * row_bytes, K, q, d, d + nb);
                 wrows[j] = QRow{q, d, d + nb};
+                if (split_offsets)
+                    for (int64_t b = 0; b < nb; ++b) offT[b * ldo + j] = d[nb + b];
             }
+            if (split_offsets)
+                for (int64_t b = 0; b < nb; ++b) std::fill(&offT[b * ldo + nw], &offT[b * ldo + ldo], 0.0f);
+            const bool tile_offsets = offsets && !split_offsets;
             for (int64_t t = 0; t < T; t += TILE_ROWS) {
                 const XRow* xr = &xrows[t];
                 float* yt = y + t * ldy + n0;
-                switch (std::min<int64_t>(TILE_ROWS, T - t)) {
-                    case 4: qdot_panel<4>(xr, wrows.data(), nw, nb, offsets, yt, ldy); break;
-                    case 3: qdot_panel<3>(xr, wrows.data(), nw, nb, offsets, yt, ldy); break;
-                    case 2: qdot_panel<2>(xr, wrows.data(), nw, nb, offsets, yt, ldy); break;
-                    default: qdot_panel<1>(xr, wrows.data(), nw, nb, offsets, yt, ldy); break;
+                const int64_t nr = std::min<int64_t>(TILE_ROWS, T - t);
+                switch (nr) {
+                    case 4: qdot_panel<4>(xr, wrows.data(), nw, nb, tile_offsets, yt, ldy); break;
+                    case 3: qdot_panel<3>(xr, wrows.data(), nw, nb, tile_offsets, yt, ldy); break;
+                    case 2: qdot_panel<2>(xr, wrows.data(), nw, nb, tile_offsets, yt, ldy); break;
+                    default: qdot_panel<1>(xr, wrows.data(), nw, nb, tile_offsets, yt, ldy); break;
                 }
+#if KVS_SIMD
+                if (split_offsets)
+                    for (int64_t r = 0; r < nr; ++r) add_offsets(offT.data(), ldo, nw, nb, xr[r].s, yt + r * ldy);
+#endif
             }
         }
     }

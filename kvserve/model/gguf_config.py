@@ -10,22 +10,21 @@ from kvserve.model import architectures
 
 
 def read_gguf(path: str) -> Any:
-    """A gguf.GGUFReader over `path` (memory-mapped), or a one-line ConfigError."""
-    from gguf import GGUFReader  # lazy: importing gguf costs ~0.1 s
+    """A GGUFFile over `path` (memory-mapped; gguf_file.py), or a one-line ConfigError."""
+    from kvserve.model.gguf_file import GGUFFile  # lazy: importing gguf costs ~0.1 s
 
     try:
-        return GGUFReader(path)
-    except Exception as exc:  # gguf raises ValueError, OSError, struct errors...
+        return GGUFFile(path)
+    except Exception as exc:  # ValueError, OSError, struct errors...
         raise ConfigError(f"cannot read GGUF file {path}: {exc}") from None
 
 
 def gguf_metadata(reader: Any, tokenizer: bool = True) -> dict[str, Any]:
-    """The key-value metadata. tokenizer=False skips decoding the vocabulary and merges (slow)
-    and keeps only the token count's worth of `tokenizer.ggml.tokens` (its field indices)."""
-    meta = {k: f.contents() for k, f in reader.fields.items()
-            if not k.startswith("GGUF.") and (tokenizer or not k.startswith("tokenizer.ggml."))}
+    """The key-value metadata. tokenizer=False leaves out the vocabulary and merges but keeps
+    `tokenizer.ggml.tokens` (its length is the vocabulary size where the file gives none)."""
+    meta = {k: v for k, v in reader.fields.items() if tokenizer or not k.startswith("tokenizer.ggml.")}
     if not tokenizer and "tokenizer.ggml.tokens" in reader.fields:
-        meta["tokenizer.ggml.tokens"] = reader.fields["tokenizer.ggml.tokens"].data
+        meta["tokenizer.ggml.tokens"] = reader.fields["tokenizer.ggml.tokens"]
     return meta
 
 

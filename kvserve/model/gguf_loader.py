@@ -89,7 +89,7 @@ def _load(path: str) -> LoadedModel:
         offset = arch.gguf_norm_offset if name.endswith("norm.weight") else 0.0
         tensors[name] = GGUFTensor(tensor.data, tensor.tensor_type,
                                    tuple(int(d) for d in reversed(tensor.shape)),  # GGUF: innermost first
-                                   rope_heads.get(proj), offset)
+                                   rope_heads.get(proj), offset, (path, tensor.data_offset))
     tokenizer = build_tokenizer(meta)
     eos_ids = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     return LoadedModel(

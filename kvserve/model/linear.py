@@ -184,14 +184,14 @@ def q4_blocks(t: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] 
 
 def native_blocks(t: GGUFTensor | FloatTensor) -> tuple[int, torch.Tensor]:
     """(ggml type, [rows, row bytes] uint8) of a matrix as the native kernels read it: the file's own
-    blocks copied out of the memory map (rows in HF order), or a float32 matrix's bytes as F32."""
+    blocks copied from the file (rows in HF order), or a float32 matrix's bytes as F32."""
     if isinstance(t, FloatTensor):
         return 0, t.value.float().contiguous().view(torch.uint8)
     qtype = int(t.qtype)
     if not native_matmul.supported(qtype):
         raise ConfigError(f"--dtype native has no kernel for ggml type {t.qtype.name}; use --dtype int8")
     rows, cols = t.shape
-    data = np.array(t.data, copy=True).view(np.uint8).reshape(rows, -1)
+    data = t.copy_data().view(np.uint8).reshape(rows, -1)
     assert data.shape[1] == native_matmul.row_bytes(qtype, cols), (t.shape, data.shape)
     blocks = torch.from_numpy(data)
     if t.rope_heads is not None:

@@ -24,6 +24,24 @@ class GGUFTensor:
     shape: tuple[int, ...]  # torch order: [out, in]
     rope_heads: int | None = None
     offset: float = 0.0  # subtracted on use: Gemma's norm weights are stored as 1 + w
+    source: tuple[str, int] | None = None  # (file, offset of `data` in it)
+
+    def copy_data(self) -> np.ndarray:
+        """A writable copy of `data`, read from the file when its place is known: copying through
+        the memory map would leave the file's pages resident beside the copy (twice the bytes)."""
+        if self.source is None:
+            return np.array(self.data, copy=True)
+        out = np.empty_like(self.data)
+        path, offset = self.source
+        with open(path, "rb", buffering=0) as f:
+            f.seek(offset)
+            view, done = memoryview(out.reshape(-1).view(np.uint8)), 0
+            while done < out.nbytes:
+                n = f.readinto(view[done:])
+                if not n:
+                    raise OSError(f"{path}: file ended inside a tensor")
+                done += n
+        return out
 
     def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
         """float32 [rows, in] in HF layout (a row slice is only allowed without rope_heads)."""

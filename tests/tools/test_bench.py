@@ -13,7 +13,8 @@ from kvserve.config import ConfigError
 from kvserve.tools.bench import (ENGINE_KEYS, RATIO_KEYS, agreement, load_workload, percentile, plot, ratios,
                                  shared_prefix_len, summarize, workloads_dir)
 from kvserve.tools.bench.http_client import token_counts
-from kvserve.tools.bench.http_mode import kv_capacity_tokens, kvserve_label_for, llama_server_context, pass_labels
+from kvserve.tools.bench.http_mode import (kv_capacity_tokens, kvserve_label_for, llama_server_context, pass_labels,
+                                           same_slots_kwargs)
 from kvserve.tools.bench.servers import llama_server_path
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -173,6 +174,11 @@ def test_passes_are_labelled_cold_then_warm_and_compared_pass_by_pass():
     assert llama_server_context([[1] * 300, [1] * 10], [64, 64], 4) == 4 * 512  # each slot holds 364 + 16
     assert llama_server_context([[1] * 300], [64], 4, kv_capacity_tokens=46_000) == 46_000  # kvserve's pool
     assert llama_server_context([[1] * 300], [64], 4, kv_capacity_tokens=1_000) == 4 * 512  # slots must fit
+
+
+def test_beside_llama_server_kvserve_holds_as_many_sequences_as_its_slots():
+    assert same_slots_kwargs({"max_num_seqs": 64, "page_size": 16}, 1) == {"max_num_seqs": 1, "page_size": 16}
+    assert same_slots_kwargs({"max_num_seqs": 4}, 8) == {"max_num_seqs": 4}  # a smaller --max-num-seqs stays
 
 
 @pytest.mark.parametrize("prefix", ["kvserve", "vllm"])

@@ -182,7 +182,7 @@ def _run_in_process(report: dict, args, workload, model_path: str, kwargs: dict,
 
 def _run_over_http(report: dict, args, workload, model_path: str, kwargs: dict, concurrency: int,
                    console) -> None:
-    from kvserve.tools.bench.http_mode import kvserve_label_for, run_http
+    from kvserve.tools.bench.http_mode import kvserve_label_for, run_http, same_slots_kwargs
     from kvserve.tools.bench.progress import ProgressBars
     from kvserve.tools.bench.servers import llama_server_path
 
@@ -190,6 +190,9 @@ def _run_over_http(report: dict, args, workload, model_path: str, kwargs: dict, 
     if args.vs == "llama-server" and not binary.is_file():
         raise ConfigError(f"--vs llama-server needs the llama-server binary, not found at {binary}; "
                           "give --llama-server PATH")
+    if args.vs == "llama-server":  # both servers sized for `concurrency` sequences
+        kwargs = same_slots_kwargs(kwargs, concurrency)
+        report["engine_args"]["max_num_seqs"] = kwargs["max_num_seqs"]
     servers = ["kvserve"] + {"llama-server": ["llama-server"], "ngram": [NGRAM_PEER]}.get(args.vs, [])
     peers, capacity = [], None
     with ProgressBars(console) as bar:

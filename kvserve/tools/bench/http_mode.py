@@ -31,6 +31,14 @@ def llama_server_context(token_ids: list[list[int]], max_tokens: list[int], para
     return max(fits, kv_capacity_tokens or 0)
 
 
+def same_slots_kwargs(engine_kwargs: dict, concurrency: int) -> dict:
+    """kvserve's engine flags beside `llama-server --parallel N`: both sized for N sequences
+    (--max-num-seqs at most N). A sliding-window model's window pool is sized by it, as llama-server's
+    SWA cache is by its slots, so the same KV capacity holds for both layer kinds, not only for the
+    full-attention layers' tokens."""
+    return {**engine_kwargs, "max_num_seqs": min(engine_kwargs["max_num_seqs"], concurrency)}
+
+
 def kv_capacity_tokens(metrics_text: str) -> int | None:
     """Pages x page size from kvserve's `cache_config_info` series (vLLM's num_gpu_blocks, block_size)."""
     for line in metrics_text.splitlines():

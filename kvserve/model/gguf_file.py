@@ -1,0 +1,109 @@
+"""A GGUF file's header read straight from its memory map: metadata as plain Python values and the
+tensor table, each tensor's data a read-only numpy view of the map (nothing of it is read until used).
+
+gguf-py's GGUFReader keeps a numpy view per array element: for a 262k-token vocabulary that is ~680 MB
+of Python objects while a model loads, more than the file itself. This reader keeps only the values.
+
+    magic "GGUF" | version u32 | tensors u64 | kv pairs u64
+    kv pair:     key (u64 length + bytes) | value type u32 | value (arrays: type u32, count u64, items)
+    tensor info: name | dims u32 | dims x u64 (innermost first) | ggml type u32 | offset u64
+    data:        from the next multiple of general.alignment (default 32), tensor offsets relative to it
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+__all__ = ["GGUFFile", "GGUFTensorInfo"]
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
+          12: "<f8"}
+# ggml types whose data are plain numbers (the rest are blocks: bytes per row)
+_ELEMENT_TYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
+                  GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
+                  GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
+                  GGMLQuantizationType.I64: np.int64}
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFTensorInfo:
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF order: innermost first
+    n_elements: int
+    data_offset: int  # in the file
+    n_bytes: int
+    data: np.ndarray  # numpy order; block types: uint8 [..., row bytes]
+
+
+class GGUFFile:
+    """`fields`: key -> value (str, int, float, bool, or a list of them); `tensors` in file order."""
+
+    def __init__(self, path: str) -> None:
+        with open(path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._pos = 0
+        if self._map[:4] != b"GGUF":
+            raise ValueError("not a GGUF file (bad magic)")
+        self._pos = 4
+        version = self._scalar(4)
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} is not supported (2 or 3; big-endian files neither)")
+        num_tensors, num_fields = self._scalar(10), self._scalar(10)
+        self.fields: dict[str, Any] = {}
+        for _ in range(num_fields):
+            key = self._string()
+            self.fields[key] = self._value(self._scalar(4))
+        infos = [self._tensor_info() for _ in range(num_tensors)]
+        alignment = int(self.fields.get("general.alignment", 32))
+        start = -(-self._pos // alignment) * alignment
+        self.tensors = [self._tensor(name, dims, qtype, start + offset) for name, dims, qtype, offset in infos]
+
+    def _scalar(self, kind: int) -> Any:
+        fmt = _SCALARS[kind]
+        (value,) = struct.unpack_from(fmt, self._map, self._pos)
+        self._pos += struct.calcsize(fmt)
+        return value
+
+    def _string(self) -> str:
+        (n,) = struct.unpack_from("<Q", self._map, self._pos)
+        start = self._pos + 8
+        self._pos = start + n
+        return self._map[start:start + n].decode("utf-8")
+
+    def _value(self, kind: int) -> Any:
+        if kind == _STRING:
+            return self._string()
+        if kind != _ARRAY:
+            return self._scalar(kind)
+        item, count = self._scalar(4), self._scalar(10)
+        if item in _NUMPY:  # numbers: one read
+            values = np.frombuffer(self._map, _NUMPY[item], count, self._pos)
+            self._pos += values.nbytes
+            return values.tolist()
+        return [self._value(item) for _ in range(count)]
+
+    def _tensor_info(self) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int]:
+        name = self._string()
+        dims = tuple(self._scalar(10) for _ in range(self._scalar(4)))
+        return name, dims, GGMLQuantizationType(self._scalar(4)), self._scalar(10)
+
+    def _tensor(self, name: str, dims: tuple[int, ...], qtype: GGMLQuantizationType, offset: int) -> GGUFTensorInfo:
+        n_elements = int(np.prod(dims, dtype=np.int64))
+        block, block_bytes = GGML_QUANT_SIZES[qtype]
+        n_bytes = n_elements // block * block_bytes
+        shape = tuple(reversed(dims))
+        if qtype in _ELEMENT_TYPES:
+            data = np.frombuffer(self._map, _ELEMENT_TYPES[qtype], n_elements, offset).reshape(shape)
+        else:
+            data = np.frombuffer(self._map, np.uint8, n_bytes, offset)
+            data = data.reshape(*shape[:-1], shape[-1] // block * block_bytes)
+        return GGUFTensorInfo(name, qtype, dims, n_elements, offset, n_bytes, data)

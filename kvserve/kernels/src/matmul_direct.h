@@ -133,6 +133,81 @@ inline void qdot_direct32(const uint8_t* const* rows, int64_t nb, const XRow* x,
     }
 }
 
+// Q4_K and Q6_K rows for few activation rows, C weight rows side by side (independent chains): each
+// superblock's codes unpacked in registers, times their sub-scales as int16 (always multiplied:
+// times 1 is exact, so this is widen_scaled's value), then qdot_tile's chain per sub-block of 32 (same
+// int32 lanes, acc += float(lanes) * (d * dx) in block order, hsum8, Q4_K's offset_dot).
+template <int Q, int R, int C>
+inline void qdot_directk(const uint8_t* const* rows, int64_t nb, const XRow* x, float* const* off, float* y,
+                         int64_t ldy) {
+    static_assert(Q == T_Q4_K || Q == T_Q6_K, "Q4_K and Q6_K only");
+    constexpr int bytes = geometry(Q).bytes;
+    const __m256i m15 = _mm256_set1_epi8(15), m48 = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
+    __m256 acc[R][C];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < nb / 8; ++sb) {
+        const uint8_t* blk[C];
+        __m256 d[C];
+        int sc[C][16];  // each sub-block's scales: Q4_K one per 32 (twice), Q6_K one per 16
+        for (int c = 0; c < C; ++c) {
+            blk[c] = rows[c] + sb * bytes;
+            if constexpr (Q == T_Q4_K) {
+                d[c] = _mm256_set1_ps(half_at(blk[c]));
+                const float dmin = half_at(blk[c] + 2);
+                for (int j = 0; j < 8; ++j) {
+                    int m;
+                    k4_scale_min(j, blk[c] + 4, &sc[c][2 * j], &m);
+                    sc[c][2 * j + 1] = sc[c][2 * j];
+                    off[c][sb * 8 + j] = -(dmin * float(m));
+                }
+            } else {
+                d[c] = _mm256_set1_ps(half_at(blk[c] + 208));
+                for (int i = 0; i < 16; ++i) sc[c][i] = reinterpret_cast<const int8_t*>(blk[c] + 192)[i];
+            }
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+            const int64_t b = sb * 8 + j;
+            __m256i w0[C], w1[C];
+            for (int c = 0; c < C; ++c) {
+                __m256i v;
+                if constexpr (Q == T_Q4_K) {
+                    const __m256i q = load256(blk[c] + 16 + 32 * (j / 2));
+                    v = j & 1 ? _mm256_and_si256(_mm256_srli_epi16(q, 4), m15) : _mm256_and_si256(q, m15);
+                } else {  // walk_q6k's groups: half n = j / 4, group i = j % 4
+                    const int n = j / 4, i = j % 4;
+                    const __m256i ql = load256(blk[c] + 64 * n + 32 * (i & 1));
+                    const __m256i qh = load256(blk[c] + 128 + 32 * n);
+                    const __m256i lo = i < 2 ? _mm256_and_si256(ql, m15) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), m15);
+                    const __m256i hi = i == 0 ? _mm256_slli_epi16(qh, 4) : i == 1 ? _mm256_slli_epi16(qh, 2)
+                                       : i == 2 ? qh : _mm256_srli_epi16(qh, 2);
+                    v = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_and_si256(hi, m48)), bias);
+                }
+                w0[c] = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)),
+                                           _mm256_set1_epi16(short(sc[c][2 * j])));
+                w1[c] = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1)),
+                                           _mm256_set1_epi16(short(sc[c][2 * j + 1])));
+            }
+            for (int r = 0; r < R; ++r) {
+                const __m256i x0 = load256(x[r].q + 32 * b), x1 = load256(x[r].q + 32 * b + 16);
+                const __m256 dx = _mm256_broadcast_ss(x[r].d + b);
+                for (int c = 0; c < C; ++c) {
+                    const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0[c], x0), _mm256_madd_epi16(w1[c], x1));
+                    acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(d[c], dx), acc[r][c]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < C; ++c) {
+            float v = hsum8(acc[r][c]);
+            if constexpr (Q == T_Q4_K) v = v + offset_dot(off[c], x[r].s, nb);
+            y[r * ldy + c] = v;
+        }
+    }
+}
+
 template <int R>
 constexpr int direct_cols() { return R == 1 ? 4 : R <= 4 ? 2 : 1; }
 
@@ -146,20 +221,27 @@ inline void qdot_direct_rows(int type, const uint8_t* w, int64_t row_bytes, int6
     float* offs[C];
     for (int c = 0; c < C; ++c) offs[c] = off + c * nb;
     int64_t n = lo;
-    auto run32 = [&](auto q) {
+    auto dot = [&](auto q, float* out, int64_t ld) {  // the tile of `rows`: out[r * ld + c]
         constexpr int Q = decltype(q)::value;
+        if constexpr (Q == T_Q4_K || Q == T_Q6_K) {
+            qdot_directk<Q, R, C>(rows, nb, x, offs, out, ld);
+        } else {
+            qdot_direct32<Q, R, C>(rows, nb, x, offs, out, ld);
+        }
+    };
+    auto run32 = [&](auto q) {
         for (; n + C <= hi; n += C) {
             for (int c = 0; c < C; ++c) rows[c] = w + (n + c) * row_bytes;
             // the weights stream from memory once: ask for the rows three groups ahead while these compute
             const uint8_t* ahead = w + std::min(hi, n + 4 * C) * row_bytes;
             for (const uint8_t* p = w + std::min(hi, n + 3 * C) * row_bytes; p < ahead; p += 64)
                 _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-            qdot_direct32<Q, R, C>(rows, nb, x, offs, y + n, ldy);
+            dot(q, y + n, ldy);
         }
         if (n < hi) {  // the last rows: a full tile over repeats of the last row, only the real ones kept
             float tail[R * C];
             for (int c = 0; c < C; ++c) rows[c] = w + std::min(n + c, hi - 1) * row_bytes;
-            qdot_direct32<Q, R, C>(rows, nb, x, offs, tail, C);
+            dot(q, tail, C);
             for (int r = 0; r < R; ++r)
                 for (int64_t c = 0; c < hi - n; ++c) y[r * ldy + n + c] = tail[r * C + c];
         }
@@ -170,6 +252,8 @@ inline void qdot_direct_rows(int type, const uint8_t* w, int64_t row_bytes, int6
         case T_Q5_0: run32(std::integral_constant<int, T_Q5_0>{}); return;
         case T_Q5_1: run32(std::integral_constant<int, T_Q5_1>{}); return;
         case T_Q8_0: run32(std::integral_constant<int, T_Q8_0>{}); return;
+        case T_Q4_K: run32(std::integral_constant<int, T_Q4_K>{}); return;
+        case T_Q6_K: run32(std::integral_constant<int, T_Q6_K>{}); return;
         default:
             for (; n < hi; ++n) {
                 if (n + 4 < hi) {

@@ -289,7 +289,7 @@ def wait_healthy(url: str, procs, logs, timeout: float = 300) -> None:
 
     deadline = time.monotonic() + timeout
     while True:
-        assert all(p.poll() is None for p in procs), [p.read_text()[-2000:] for p in logs]
+        assert all(p.poll() is None for p in procs), [p.read_text()[-2000:] for p in logs if p.exists()]
         try:
             if httpx.get(url + "/health", timeout=10).status_code == 200:
                 return

@@ -24,8 +24,6 @@ __all__ = ["GGUFFile", "GGUFTensorInfo"]
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
-_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
-          12: "<f8"}
 # ggml types whose data are plain numbers (the rest are blocks: bytes per row)
 _ELEMENT_TYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
                   GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
@@ -85,8 +83,8 @@ class GGUFFile:
         if kind != _ARRAY:
             return self._scalar(kind)
         item, count = self._scalar(4), self._scalar(10)
-        if item in _NUMPY:  # numbers: one read
-            values = np.frombuffer(self._map, _NUMPY[item], count, self._pos)
+        if item in _SCALARS:  # numbers: one read (numpy reads the struct codes as dtypes)
+            values = np.frombuffer(self._map, np.dtype(_SCALARS[item]), count, self._pos)
             self._pos += values.nbytes
             return values.tolist()
         return [self._value(item) for _ in range(count)]

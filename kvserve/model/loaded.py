@@ -48,7 +48,10 @@ class GGUFTensor:
         from gguf.quants import dequantize
 
         assert self.rope_heads is None or rows == slice(None)
-        data = self.data[rows] if len(self.shape) > 1 else self.data
+        # whole tensors are read from the file too: touching even a norm weight through the map can
+        # map a large folio of the file's page cache (~1 MiB each on this kernel) into the process
+        whole = rows == slice(None) or len(self.shape) == 1
+        data = self.copy_data() if whole else self.data[rows]
         values = np.array(dequantize(data, self.qtype), dtype=np.float32)  # a copy: the map is read-only
         w = torch.from_numpy(values.reshape(-1, *self.shape[1:]))
         if self.offset:

@@ -16,10 +16,19 @@ import pytest
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port free now and never handed out before in this process: binding to port 0 and
+    closing can give the same port to two callers in a row (two backends then collide at start-up)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 class RedisServer:

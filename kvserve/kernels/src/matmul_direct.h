@@ -208,8 +208,203 @@ inline void qdot_directk(const uint8_t* const* rows, int64_t nb, const XRow* x, 
     }
 }
 
+#if defined(KVS_ISA_AVX512)
+// ---------------------------------------------------------------- AVX-512: two weight rows a vector
+// The direct tiles above with rows c and c + 1 in one vector (lanes 0..7 and 8..15), each lane the
+// AVX2 chain's operations exactly (pair_step), so the bits are the AVX2 build's and the tiles'.
+
+// C8[h] = the 16 bytes at lo[h] | the 16 at hi[h]
+inline __m256i pair128(const uint8_t* lo, const uint8_t* hi) {
+    return _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(hi), reinterpret_cast<const __m128i*>(lo));
+}
+
+// block b of the pair (rows[0], rows[1]) as int16 codes: w0 = elements 0..15 of each row, w1 = 16..31
+template <int Q>
+inline void direct32_pair_codes(const uint8_t* const* rows, int64_t b, __m512i* w0, __m512i* w1) {
+    constexpr int bytes = geometry(Q).bytes;
+    const uint8_t* lo = rows[0] + b * bytes;
+    const uint8_t* hi = rows[1] + b * bytes;
+    if constexpr (Q == T_Q8_0) {
+        *w0 = _mm512_cvtepi8_epi16(pair128(lo + 2, hi + 2));
+        *w1 = _mm512_cvtepi8_epi16(pair128(lo + 18, hi + 18));
+    } else if constexpr (Q == T_Q4_0 || Q == T_Q4_1) {
+        constexpr int at = Q == T_Q4_1 ? 4 : 2;
+        const __m256i v = pair128(lo + at, hi + at), m15 = _mm256_set1_epi8(15);
+        *w0 = _mm512_cvtepu8_epi16(_mm256_and_si256(v, m15));
+        *w1 = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), m15));
+        if constexpr (Q == T_Q4_0) {
+            *w0 = _mm512_sub_epi16(*w0, _mm512_set1_epi16(8));
+            *w1 = _mm512_sub_epi16(*w1, _mm512_set1_epi16(8));
+        }
+    } else {  // Q5_0, Q5_1 as walk_blocks32
+        constexpr int qh_at = Q == T_Q5_1 ? 4 : 2;
+        __m256i a = _mm256_or_si256(nibbles32(lo + qh_at + 4), fifth_bits(load_u32(lo + qh_at)));
+        __m256i c = _mm256_or_si256(nibbles32(hi + qh_at + 4), fifth_bits(load_u32(hi + qh_at)));
+        if constexpr (Q == T_Q5_0) {
+            a = _mm256_sub_epi8(a, _mm256_set1_epi8(16));
+            c = _mm256_sub_epi8(c, _mm256_set1_epi8(16));
+        }
+        *w0 = _mm512_cvtepi8_epi16(_mm256_permute2x128_si256(a, c, 0x20));
+        *w1 = _mm512_cvtepi8_epi16(_mm256_permute2x128_si256(a, c, 0x31));
+    }
+}
+
+// qdot_direct32 for 2P rows side by side: dwx per pair and activation row holds both rows' eight
+// scales (d * dx, as qdot_direct32 computes them), block i's taken out by one permute
+template <int Q, int R, int P>
+inline void qdot_direct32_pairs(const uint8_t* const* rows, int64_t nb, const XRow* x, float* const* off, float* y,
+                                int64_t ldy) {
+    constexpr int bytes = geometry(Q).bytes;
+    __m512 acc[R][P];
+    for (int r = 0; r < R; ++r)
+        for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+    alignas(64) float dwx[P][R][16];
+    for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+        const int n8 = int(std::min<int64_t>(8, nb - b0));
+        for (int c = 0; c < 2 * P; ++c) {
+            const uint8_t* blk = rows[c] + b0 * bytes;
+            float* to = &dwx[c / 2][0][8 * (c % 2)];
+            if (n8 == 8) {
+                __m128i dh = _mm_setzero_si128(), mh = _mm_setzero_si128();
+#define KVS_LANE(i)                                                  \
+    dh = _mm_insert_epi16(dh, load_u16(blk + (i) * bytes), (i));     \
+    if constexpr (has_offset(Q)) mh = _mm_insert_epi16(mh, load_u16(blk + (i) * bytes + 2), (i));
+                KVS_LANE(0) KVS_LANE(1) KVS_LANE(2) KVS_LANE(3) KVS_LANE(4) KVS_LANE(5) KVS_LANE(6) KVS_LANE(7)
+#undef KVS_LANE
+                const __m256 d8 = _mm256_cvtph_ps(dh);
+                for (int r = 0; r < R; ++r) _mm256_store_ps(to + 16 * r, _mm256_mul_ps(d8, _mm256_loadu_ps(x[r].d + b0)));
+                if constexpr (has_offset(Q)) _mm256_storeu_ps(off[c] + b0, _mm256_cvtph_ps(mh));
+            } else {
+                for (int i = 0; i < n8; ++i) {
+                    const float d = half_at(blk + i * bytes);
+                    for (int r = 0; r < R; ++r) to[16 * r + i] = d * x[r].d[b0 + i];
+                    off[c][b0 + i] = has_offset(Q) ? half_at(blk + i * bytes + 2) : 0.0f;
+                }
+            }
+        }
+        auto block = [&](int i) {
+            const int64_t b = b0 + i;
+            const __m512i pick = _mm512_add_epi32(_mm512_set1_epi32(i), _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8,
+                                                                                           8, 8, 8, 8, 8, 8));
+            __m512i w0[P], w1[P];
+            for (int p = 0; p < P; ++p) direct32_pair_codes<Q>(rows + 2 * p, b, &w0[p], &w1[p]);
+            for (int r = 0; r < R; ++r) {
+                const __m512i x0 = both_halves(x[r].q + 32 * b), x1 = both_halves(x[r].q + 32 * b + 16);
+                for (int p = 0; p < P; ++p)
+                    acc[r][p] = pair_step(acc[r][p], w0[p], w1[p], x0, x1,
+                                          _mm512_permutexvar_ps(pick, _mm512_load_ps(dwx[p][r])));
+            }
+        };
+        if (n8 == 8) {
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; ++i) block(i);
+        } else {
+            for (int i = 0; i < n8; ++i) block(i);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        for (int p = 0; p < P; ++p) {
+            const __m256 half[2] = {_mm512_castps512_ps256(acc[r][p]), _mm512_extractf32x8_ps(acc[r][p], 1)};
+            for (int h = 0; h < 2; ++h) {
+                float v = hsum8(half[h]);
+                if constexpr (has_offset(Q)) v = v + offset_dot(off[2 * p + h], x[r].s, nb);
+                y[r * ldy + 2 * p + h] = v;
+            }
+        }
+    }
+}
+
+// [a x 16 | b x 16] as int16
+inline __m512i pair_epi16(int a, int b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(short(a))), _mm256_set1_epi16(short(b)), 1);
+}
+
+// qdot_directk for 2P rows side by side
+template <int Q, int R, int P>
+inline void qdot_directk_pairs(const uint8_t* const* rows, int64_t nb, const XRow* x, float* const* off, float* y,
+                               int64_t ldy) {
+    static_assert(Q == T_Q4_K || Q == T_Q6_K, "Q4_K and Q6_K only");
+    constexpr int bytes = geometry(Q).bytes;
+    const __m256i m15 = _mm256_set1_epi8(15), m48 = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
+    __m512 acc[R][P];
+    for (int r = 0; r < R; ++r)
+        for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < nb / 8; ++sb) {
+        const uint8_t* blk[2 * P];
+        float d[2 * P];
+        int sc[2 * P][16];
+        for (int c = 0; c < 2 * P; ++c) {
+            blk[c] = rows[c] + sb * bytes;
+            if constexpr (Q == T_Q4_K) {
+                d[c] = half_at(blk[c]);
+                const float dmin = half_at(blk[c] + 2);
+                for (int j = 0; j < 8; ++j) {
+                    int m;
+                    k4_scale_min(j, blk[c] + 4, &sc[c][2 * j], &m);
+                    sc[c][2 * j + 1] = sc[c][2 * j];
+                    off[c][sb * 8 + j] = -(dmin * float(m));
+                }
+            } else {
+                d[c] = half_at(blk[c] + 208);
+                for (int i = 0; i < 16; ++i) sc[c][i] = reinterpret_cast<const int8_t*>(blk[c] + 192)[i];
+            }
+        }
+        __m512 dp[P];
+        for (int p = 0; p < P; ++p) dp[p] = pair_ps(d[2 * p], d[2 * p + 1]);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+            const int64_t b = sb * 8 + j;
+            __m256i v[2 * P];
+            for (int c = 0; c < 2 * P; ++c) {
+                if constexpr (Q == T_Q4_K) {
+                    const __m256i q = load256(blk[c] + 16 + 32 * (j / 2));
+                    v[c] = j & 1 ? _mm256_and_si256(_mm256_srli_epi16(q, 4), m15) : _mm256_and_si256(q, m15);
+                } else {
+                    const int n = j / 4, i = j % 4;
+                    const __m256i ql = load256(blk[c] + 64 * n + 32 * (i & 1));
+                    const __m256i qh = load256(blk[c] + 128 + 32 * n);
+                    const __m256i lo = i < 2 ? _mm256_and_si256(ql, m15) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), m15);
+                    const __m256i hi = i == 0 ? _mm256_slli_epi16(qh, 4) : i == 1 ? _mm256_slli_epi16(qh, 2)
+                                       : i == 2 ? qh : _mm256_srli_epi16(qh, 2);
+                    v[c] = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_and_si256(hi, m48)), bias);
+                }
+            }
+            __m512i w0[P], w1[P];
+            for (int p = 0; p < P; ++p) {
+                const __m256i a = v[2 * p], c = v[2 * p + 1];
+                w0[p] = _mm512_mullo_epi16(_mm512_cvtepi8_epi16(_mm256_permute2x128_si256(a, c, 0x20)),
+                                           pair_epi16(sc[2 * p][2 * j], sc[2 * p + 1][2 * j]));
+                w1[p] = _mm512_mullo_epi16(_mm512_cvtepi8_epi16(_mm256_permute2x128_si256(a, c, 0x31)),
+                                           pair_epi16(sc[2 * p][2 * j + 1], sc[2 * p + 1][2 * j + 1]));
+            }
+            for (int r = 0; r < R; ++r) {
+                const __m512i x0 = both_halves(x[r].q + 32 * b), x1 = both_halves(x[r].q + 32 * b + 16);
+                const __m512 dx = _mm512_set1_ps(x[r].d[b]);
+                for (int p = 0; p < P; ++p) acc[r][p] = pair_step(acc[r][p], w0[p], w1[p], x0, x1, _mm512_mul_ps(dp[p], dx));
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        for (int p = 0; p < P; ++p) {
+            const __m256 half[2] = {_mm512_castps512_ps256(acc[r][p]), _mm512_extractf32x8_ps(acc[r][p], 1)};
+            for (int h = 0; h < 2; ++h) {
+                float v = hsum8(half[h]);
+                if constexpr (Q == T_Q4_K) v = v + offset_dot(off[2 * p + h], x[r].s, nb);
+                y[r * ldy + 2 * p + h] = v;
+            }
+        }
+    }
+}
+#endif  // KVS_ISA_AVX512
+
 template <int R>
-constexpr int direct_cols() { return R == 1 ? 4 : R <= 4 ? 2 : 1; }
+constexpr int direct_cols() {
+#if defined(KVS_ISA_AVX512)
+    return R <= 4 ? 4 : 2;  // pairs of rows, 32 vector registers
+#else
+    return R == 1 ? 4 : R <= 4 ? 2 : 1;
+#endif
+}
 
 // y[r * ldy + j] = x[r] . W[lo + j] for R activation rows and the weight rows lo .. hi; `off` holds
 // direct_cols<R>() rows of K / 32 floats
@@ -223,6 +418,16 @@ inline void qdot_direct_rows(int type, const uint8_t* w, int64_t row_bytes, int6
     int64_t n = lo;
     auto dot = [&](auto q, float* out, int64_t ld) {  // the tile of `rows`: out[r * ld + c]
         constexpr int Q = decltype(q)::value;
+#if defined(KVS_ISA_AVX512)
+        if constexpr (C % 2 == 0) {
+            if constexpr (Q == T_Q4_K || Q == T_Q6_K) {
+                qdot_directk_pairs<Q, R, C / 2>(rows, nb, x, offs, out, ld);
+            } else {
+                qdot_direct32_pairs<Q, R, C / 2>(rows, nb, x, offs, out, ld);
+            }
+            return;
+        }
+#endif
         if constexpr (Q == T_Q4_K || Q == T_Q6_K) {
             qdot_directk<Q, R, C>(rows, nb, x, offs, out, ld);
         } else {

@@ -24,10 +24,12 @@ from kvserve.server.protocol import APIError, error_body
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 DEFAULT_READ_TIMEOUT_S = 30.0
-# A refused body is still read (and dropped) up to this much before the 413, so the client, which
-# sends its whole body before it reads an answer, gets the answer rather than a reset connection
-# (nginx's lingering close). Past it the connection is closed mid-upload.
-DRAIN_BYTES = 64 << 20
+# A refused body is still read (and dropped) before the 413, up to this much and within the read
+# timeout, so the client, which sends its whole body before it reads an answer, gets the answer
+# rather than a reset connection (nginx's lingering close is bounded by time alone). Past it the
+# connection is closed mid-upload, and whether the client then sees the 413 is a race: at 64 MiB a
+# 200 MB upload over loopback lost it to the reset on a fast host.
+DRAIN_BYTES = 1 << 30
 
 Scope = dict[str, Any]
 Receive = Callable[[], Any]

@@ -6,12 +6,26 @@ import os
 # OpenMP runtime, so it is set before anything imports torch; $OMP_WAIT_POLICY overrides it). On a
 # busy host a spinning thread holds the core its descheduled partner needs: at load 8 on 2 cores a
 # native decode step took 1.8-3.1 s spinning against 49-52 ms passive (docs/performance.md, Round 3).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# ... after a short spin (libgomp's pause loop, ~100 turns: microseconds), which catches a partner that
-# is a moment behind: a step makes ~150 parallel regions, and a futex wake-up on a VM costs ~40 us
-# each. W1 decode step at 1.5k context, 2 threads (Zen 5): quiet 14.1 -> 7.1 ms; two engines at
-# once 10.2 -> 11.3 ms; beside two busy processes 14.7 -> 12.3 ms (docs/performance.md, Zen 5).
-os.environ.setdefault("GOMP_SPINCOUNT", "100")
+# They sleep after a short spin (libgomp's pause loop, 300 turns: microseconds), which catches a
+# partner that is a moment behind: a step makes ~150 parallel regions, and a futex wake-up on a VM
+# costs ~40 us each. W1 decode step at 1.5k context, 2 threads, Zen 5 (docs/performance.md): alone
+# 14.1 -> 5.5 ms; beside two busy processes 26.8 -> 13.2 ms; beside one 10.7 -> 12.7 ms; two engines
+# of 2 threads on 2 cores 10.2 -> 13.6 ms (there, give each `--threads 1`, or set GOMP_SPINCOUNT=0).
+OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "300"}
+# which of them kvserve set (not the user), inherited by child processes: benchmark peers run without
+# them (kvserve.tools.bench), with their own runtime's defaults
+_SET_HERE = "KVSERVE_OPENMP_DEFAULTS_SET"
+if _SET_HERE not in os.environ:
+    os.environ[_SET_HERE] = ",".join(k for k in OPENMP_DEFAULTS if k not in os.environ)
+for _key, _value in OPENMP_DEFAULTS.items():
+    os.environ.setdefault(_key, _value)
+
+
+def peer_environment() -> dict[str, str]:
+    """This process's environment less the OpenMP settings kvserve made (the user's own are kept)."""
+    ours = set(os.environ.get(_SET_HERE, "").split(","))
+    return {k: v for k, v in os.environ.items() if k not in ours and k != _SET_HERE}
+
 
 from kvserve.beam_search import BeamSearchParams  # noqa: E402
 from kvserve.request import CompletionOutput, RequestOutput, SamplingParams  # noqa: E402

@@ -5,6 +5,9 @@ concurrent streaming clients, cold and warm passes, beside llama-server) with st
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -248,3 +251,23 @@ def test_ngram_peer_is_kvserve_again_with_speculation_and_the_same_greedy_tokens
     assert list(report["engines"]) == ["kvserve", "kvserve+ngram"]
     assert report["greedy_agreement"]["kvserve+ngram"]["identical_requests"] == 1  # speculation changes no token
     assert report["engines"]["kvserve+ngram"]["output_tokens"] == 24
+
+
+@pytest.mark.parametrize("user_sets_policy", [False, True])
+def test_peers_run_without_the_openmp_settings_kvserve_made(user_sets_policy):
+    # kvserve makes OpenMP threads sleep after a short spin; a benchmark peer (llama.cpp) gets its own
+    # runtime's defaults, unless the user set the variable, which every engine then sees
+    probe = ("import json, os, kvserve; print(json.dumps([os.environ.get('OMP_WAIT_POLICY'), "
+             "os.environ.get('GOMP_SPINCOUNT'), kvserve.peer_environment().get('OMP_WAIT_POLICY'), "
+             "kvserve.peer_environment().get('GOMP_SPINCOUNT')]))")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KVSERVE_OPENMP_DEFAULTS_SET")}
+    if user_sets_policy:
+        env["OMP_WAIT_POLICY"] = "ACTIVE"
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    ours, spin, peers, peer_spin = json.loads(done.stdout)
+    assert spin == "300" and peer_spin is None
+    if user_sets_policy:
+        assert ours == peers == "ACTIVE"
+    else:
+        assert ours == "PASSIVE" and peers is None

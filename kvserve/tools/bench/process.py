@@ -25,6 +25,12 @@ def _runner(engine: str):
 
 
 def _worker(spec: RunSpec, queue) -> None:
+    if not spec.engine.startswith("kvserve"):  # a peer runs with its OpenMP runtime's own defaults
+        from kvserve import peer_environment
+
+        environment = peer_environment()
+        os.environ.clear()
+        os.environ.update(environment)
     os.environ["TQDM_DISABLE"] = "1"  # transformers' GGUF loader draws its own bar
     if spec.threads:
         os.environ["OMP_NUM_THREADS"] = str(spec.threads)

@@ -44,6 +44,12 @@ class ServerProcess:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def base_env(self) -> dict[str, str]:
+        """kvserve's environment for kvserve; a peer's without the OpenMP settings kvserve made."""
+        from kvserve import peer_environment
+
+        return dict(os.environ) if self.name == "kvserve" else peer_environment()
+
     def start(self, timeout_s: float = 300.0) -> ServerProcess:
         import httpx
 
@@ -52,7 +58,7 @@ class ServerProcess:
         start = time.monotonic()
         with os.fdopen(fd, "wb") as out:
             self.process = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, env={**os.environ, **self.env})
+                                            stdin=subprocess.DEVNULL, env={**self.base_env(), **self.env})
         while time.monotonic() - start < timeout_s:
             if self.process.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with status {self.process.returncode} while starting:\n"

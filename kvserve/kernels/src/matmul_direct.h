@@ -81,6 +81,31 @@ inline void direct32_block(const uint8_t* const* rows, int64_t b, const XRow* x,
     }
 }
 
+// Blocks b0 .. b0 + n8 of one weight row (n8 <= 8, blk at block b0): to[r * stride + i] = d_i * dx
+// of activation row r, and the offsets into off[b0 + i]. A full group converts its eight fp16 scales
+// (and offsets) with one instruction and multiplies them by the activations' scales as one vector.
+template <int Q, int R>
+inline void group_scales(const uint8_t* blk, int n8, int64_t b0, const XRow* x, float* to, int stride, float* off) {
+    constexpr int bytes = geometry(Q).bytes;
+    if (n8 == 8) {
+        __m128i dh = _mm_setzero_si128(), mh = _mm_setzero_si128();
+#define KVS_LANE(i)                                                  \
+    dh = _mm_insert_epi16(dh, load_u16(blk + (i) * bytes), (i));     \
+    if constexpr (has_offset(Q)) mh = _mm_insert_epi16(mh, load_u16(blk + (i) * bytes + 2), (i));
+        KVS_LANE(0) KVS_LANE(1) KVS_LANE(2) KVS_LANE(3) KVS_LANE(4) KVS_LANE(5) KVS_LANE(6) KVS_LANE(7)
+#undef KVS_LANE
+        const __m256 d8 = _mm256_cvtph_ps(dh);
+        for (int r = 0; r < R; ++r) _mm256_storeu_ps(to + r * stride, _mm256_mul_ps(d8, _mm256_loadu_ps(x[r].d + b0)));
+        if constexpr (has_offset(Q)) _mm256_storeu_ps(off + b0, _mm256_cvtph_ps(mh));
+        return;
+    }
+    for (int i = 0; i < n8; ++i) {
+        const float d = half_at(blk + i * bytes);
+        for (int r = 0; r < R; ++r) to[r * stride + i] = d * x[r].d[b0 + i];
+        off[b0 + i] = has_offset(Q) ? half_at(blk + i * bytes + 2) : 0.0f;
+    }
+}
+
 // Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 rows for few activation rows, C weight rows side by side (independent
 // chains): eight blocks at a time, whose fp16 scales (and Q4_1/Q5_1's offsets) are converted with one
 // instruction and multiplied by the activations' scales as one vector. Each product, sum and
@@ -96,26 +121,7 @@ inline void qdot_direct32(const uint8_t* const* rows, int64_t nb, const XRow* x,
     alignas(32) float dwx[C][R][8];
     for (int64_t b0 = 0; b0 < nb; b0 += 8) {
         const int n8 = int(std::min<int64_t>(8, nb - b0));
-        for (int c = 0; c < C; ++c) {
-            const uint8_t* blk = rows[c] + b0 * bytes;
-            if (n8 == 8) {
-                __m128i dh = _mm_setzero_si128(), mh = _mm_setzero_si128();
-#define KVS_LANE(i)                                                  \
-    dh = _mm_insert_epi16(dh, load_u16(blk + (i) * bytes), (i));     \
-    if constexpr (has_offset(Q)) mh = _mm_insert_epi16(mh, load_u16(blk + (i) * bytes + 2), (i));
-                KVS_LANE(0) KVS_LANE(1) KVS_LANE(2) KVS_LANE(3) KVS_LANE(4) KVS_LANE(5) KVS_LANE(6) KVS_LANE(7)
-#undef KVS_LANE
-                const __m256 d8 = _mm256_cvtph_ps(dh);
-                for (int r = 0; r < R; ++r) _mm256_store_ps(dwx[c][r], _mm256_mul_ps(d8, _mm256_loadu_ps(x[r].d + b0)));
-                if constexpr (has_offset(Q)) _mm256_storeu_ps(off[c] + b0, _mm256_cvtph_ps(mh));
-            } else {
-                for (int i = 0; i < n8; ++i) {
-                    const float d = half_at(blk + i * bytes);
-                    for (int r = 0; r < R; ++r) dwx[c][r][i] = d * x[r].d[b0 + i];
-                    off[c][b0 + i] = has_offset(Q) ? half_at(blk + i * bytes + 2) : 0.0f;
-                }
-            }
-        }
+        for (int c = 0; c < C; ++c) group_scales<Q, R>(rows[c] + b0 * bytes, n8, b0, x, dwx[c][0], 8, off[c]);
         // a full group unrolled (the accumulators stay in registers), the row's last blocks one by one
         if (n8 == 8) {
 #pragma GCC unroll 8
@@ -261,27 +267,8 @@ inline void qdot_direct32_pairs(const uint8_t* const* rows, int64_t nb, const XR
     alignas(64) float dwx[P][R][16];
     for (int64_t b0 = 0; b0 < nb; b0 += 8) {
         const int n8 = int(std::min<int64_t>(8, nb - b0));
-        for (int c = 0; c < 2 * P; ++c) {
-            const uint8_t* blk = rows[c] + b0 * bytes;
-            float* to = &dwx[c / 2][0][8 * (c % 2)];
-            if (n8 == 8) {
-                __m128i dh = _mm_setzero_si128(), mh = _mm_setzero_si128();
-#define KVS_LANE(i)                                                  \
-    dh = _mm_insert_epi16(dh, load_u16(blk + (i) * bytes), (i));     \
-    if constexpr (has_offset(Q)) mh = _mm_insert_epi16(mh, load_u16(blk + (i) * bytes + 2), (i));
-                KVS_LANE(0) KVS_LANE(1) KVS_LANE(2) KVS_LANE(3) KVS_LANE(4) KVS_LANE(5) KVS_LANE(6) KVS_LANE(7)
-#undef KVS_LANE
-                const __m256 d8 = _mm256_cvtph_ps(dh);
-                for (int r = 0; r < R; ++r) _mm256_store_ps(to + 16 * r, _mm256_mul_ps(d8, _mm256_loadu_ps(x[r].d + b0)));
-                if constexpr (has_offset(Q)) _mm256_storeu_ps(off[c] + b0, _mm256_cvtph_ps(mh));
-            } else {
-                for (int i = 0; i < n8; ++i) {
-                    const float d = half_at(blk + i * bytes);
-                    for (int r = 0; r < R; ++r) to[16 * r + i] = d * x[r].d[b0 + i];
-                    off[c][b0 + i] = has_offset(Q) ? half_at(blk + i * bytes + 2) : 0.0f;
-                }
-            }
-        }
+        for (int c = 0; c < 2 * P; ++c)  // row c's scales in lanes 8 (c % 2) .. of its pair's vectors
+            group_scales<Q, R>(rows[c] + b0 * bytes, n8, b0, x, &dwx[c / 2][0][8 * (c % 2)], 16, off[c]);
         auto block = [&](int i) {
             const int64_t b = b0 + i;
             const __m512i pick = _mm512_add_epi32(_mm512_set1_epi32(i), _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8,

@@ -28,9 +28,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--swap-space", default=ENGINE_DEFAULTS.swap_space)
     group.add_argument("--device", default=ENGINE_DEFAULTS.device)
     group.add_argument("--threads", "-t", type=int, default=None,
-                       help="torch threads (default: $OMP_NUM_THREADS, else every usable core). On a "
-                            "small machine that also runs the clients, one thread fewer than the cores "
-                            "can serve faster (docs/performance.md)")
+                       help="torch threads (default: $OMP_NUM_THREADS, else every usable core; "
+                            "`serve`: every usable core but one, for the HTTP front door)")
     group.add_argument("--dtype", default="auto", choices=["auto", *MODEL_DTYPES],
                        help="weights and compute: float32 (exact), bfloat16, float16, int4 / int8 (the "
                             "GGUF's packed weights on torch's CPU kernels, bfloat16 activations); auto "

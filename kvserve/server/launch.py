@@ -119,7 +119,7 @@ class _Drain:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from kvserve.config import EngineConfig
+    from kvserve.config import EngineConfig, serving_threads
     from kvserve.engine import LLMEngine
     from kvserve.engine_args import engine_kwargs
     from kvserve.kv_events import fill_topic, pod_ip
@@ -128,8 +128,14 @@ def serve(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     api_keys = load_api_keys(args)
     admin_keys = read_key_file(args.admin_api_key_file, "--admin-api-key-file") if args.admin_api_key_file else []
-    engine = LLMEngine(EngineConfig(model=args.model, role=args.role, **engine_kwargs(args)))
+    kwargs = engine_kwargs(args)
+    if kwargs.get("threads") is None:
+        kwargs["threads"] = serving_threads()
+    engine = LLMEngine(EngineConfig(model=args.model, role=args.role, **kwargs))
     log.info("%s", engine_memory_promise(engine, args).line())
+    if args.threads is None and kwargs["threads"] is not None:
+        log.info("engine threads: %d (every usable core but one, left to the HTTP front door; --threads "
+                 "to change)", kwargs["threads"])
     # no structured-outputs warm-up: the first constrained request preprocesses the vocabulary (and
     # logs its cost), as vLLM does; a server that never gets one never holds it (~220 MB for
     # Gemma 3's 262k tokens, docs/structured_outputs.md)

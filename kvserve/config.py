@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -399,14 +398,3 @@ def plan_cache(config: EngineConfig, model: ModelConfig,
                         tenant_kv_share=config.tenant_kv_share, num_window_slots=num_slots,
                         sliding_window=model.sliding_window if hybrid else None)
     return cache, max_model_len
-
-
-def serving_threads() -> int | None:
-    """`kvserve serve`'s torch threads when --threads is not given: every usable core but one, which
-    the HTTP front door (event loop, tokenization, streaming) and clients on the same host need; None
-    (the engine's default) when $OMP_NUM_THREADS is set or one core is all there is. W1 over HTTP on
-    2 cores (Zen 5, docs/performance.md): 1 client's warm pass 32.4 s at 2 threads, 17.1-18.0 s at 1."""
-    if "OMP_NUM_THREADS" in os.environ or not hasattr(os, "sched_getaffinity"):
-        return None
-    cores = len(os.sched_getaffinity(0))
-    return cores - 1 if cores > 1 else None

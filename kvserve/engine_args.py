@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 
 from kvserve.config import MODEL_DTYPES, EngineConfig
 
@@ -154,3 +155,14 @@ def configure_tier_secret(args: argparse.Namespace) -> None:
     path = getattr(args, "kv_tier_secret_file", None)
     if path:
         set_process_secret(read_secret_file(path))
+
+
+def serving_threads() -> int | None:
+    """`kvserve serve`'s torch threads when --threads is not given: every usable core but one, which
+    the HTTP front door (event loop, tokenization, streaming) and clients on the same host need; None
+    (the engine's default) when $OMP_NUM_THREADS is set or one core is all there is. W1 over HTTP on
+    2 cores (Zen 5, docs/performance.md): 1 client's warm pass 32.4 s at 2 threads, 17.1-18.0 s at 1."""
+    if "OMP_NUM_THREADS" in os.environ or not hasattr(os, "sched_getaffinity"):
+        return None
+    cores = len(os.sched_getaffinity(0))
+    return cores - 1 if cores > 1 else None

@@ -119,9 +119,9 @@ class _Drain:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from kvserve.config import EngineConfig, serving_threads
+    from kvserve.config import EngineConfig
     from kvserve.engine import LLMEngine
-    from kvserve.engine_args import engine_kwargs
+    from kvserve.engine_args import engine_kwargs, serving_threads
     from kvserve.kv_events import fill_topic, pod_ip
     from kvserve.server.api import build_app, default_model_name
 

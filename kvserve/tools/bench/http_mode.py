@@ -8,7 +8,7 @@ import os
 import re
 from pathlib import Path
 
-from kvserve.config import serving_threads
+from kvserve.engine_args import serving_threads
 from kvserve.tools.bench.http_client import HttpTarget, run_pass
 from kvserve.tools.bench.spec import WARMUP_IDS
 from kvserve.tools.bench.servers import SERVED_MODEL_NAME, kvserve_server, llama_server

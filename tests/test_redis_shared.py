@@ -167,7 +167,10 @@ def test_two_processes_share_a_1500_token_prefix(redis_server, tmp_path, capsys)
     prompt = prefix + token_prompt(5, 20)
 
     def run(warmup_seed: int) -> dict:
-        job = {"url": redis_server.url, "prompt": prompt, "warmup": token_prompt(warmup_seed, 64)}
+        # a read timeout for a loaded host: B's lookup reads ~70 MB of float32 pages, and the tier's
+        # default 0.25 s (fail fast, serve without Redis) ran out once under a loaded suite
+        job = {"url": redis_server.url + "?socket_timeout=5", "prompt": prompt,
+               "warmup": token_prompt(warmup_seed, 64)}
         done = subprocess.run([sys.executable, str(worker), json.dumps(job)], capture_output=True,
                               text=True, timeout=900, cwd=str(tmp_path))
         assert done.returncode == 0, done.stderr[-3000:]

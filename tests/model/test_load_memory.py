@@ -18,7 +18,7 @@ from kvserve.model.gguf_file import GGUFFile
 from kvserve.model.gguf_loader import bundled_model_path
 
 _CHILD = r"""
-import json, sys
+import json, os, sys
 
 def status():
     fields = {}
@@ -40,7 +40,6 @@ def rss_of_mappings_of(path):
             total += int(head[1]) * 1024
     return total
 
-import os
 import numpy as np
 import torch
 from kvserve.model.gguf_loader import load_gguf

@@ -64,10 +64,8 @@ inline void direct32_block(const uint8_t* const* rows, int64_t b, const XRow* x,
                 w0[c] = _mm256_sub_epi16(w0[c], _mm256_set1_epi16(8));
                 w1[c] = _mm256_sub_epi16(w1[c], _mm256_set1_epi16(8));
             }
-        } else {  // Q5_0 (codes - 16), Q5_1: the fifth bits over the nibbles, as walk_blocks32
-            constexpr int qh_at = Q == T_Q5_1 ? 4 : 2;
-            __m256i v = _mm256_or_si256(nibbles32(blk + qh_at + 4), fifth_bits(load_u32(blk + qh_at)));
-            if constexpr (Q == T_Q5_0) v = _mm256_sub_epi8(v, _mm256_set1_epi8(16));
+        } else {  // Q5_0, Q5_1 as walk_blocks32
+            const __m256i v = q5_codes<Q>(blk);
             w0[c] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
             w1[c] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
         }
@@ -243,13 +241,7 @@ inline void direct32_pair_codes(const uint8_t* const* rows, int64_t b, __m512i* 
             *w1 = _mm512_sub_epi16(*w1, _mm512_set1_epi16(8));
         }
     } else {  // Q5_0, Q5_1 as walk_blocks32
-        constexpr int qh_at = Q == T_Q5_1 ? 4 : 2;
-        __m256i a = _mm256_or_si256(nibbles32(lo + qh_at + 4), fifth_bits(load_u32(lo + qh_at)));
-        __m256i c = _mm256_or_si256(nibbles32(hi + qh_at + 4), fifth_bits(load_u32(hi + qh_at)));
-        if constexpr (Q == T_Q5_0) {
-            a = _mm256_sub_epi8(a, _mm256_set1_epi8(16));
-            c = _mm256_sub_epi8(c, _mm256_set1_epi8(16));
-        }
+        const __m256i a = q5_codes<Q>(lo), c = q5_codes<Q>(hi);
         *w0 = _mm512_cvtepi8_epi16(_mm256_permute2x128_si256(a, c, 0x20));
         *w1 = _mm512_cvtepi8_epi16(_mm256_permute2x128_si256(a, c, 0x31));
     }
@@ -289,16 +281,9 @@ inline void qdot_direct32_pairs(const uint8_t* const* rows, int64_t nb, const XR
             for (int i = 0; i < n8; ++i) block(i);
         }
     }
-    for (int r = 0; r < R; ++r) {
-        for (int p = 0; p < P; ++p) {
-            const __m256 half[2] = {_mm512_castps512_ps256(acc[r][p]), _mm512_extractf32x8_ps(acc[r][p], 1)};
-            for (int h = 0; h < 2; ++h) {
-                float v = hsum8(half[h]);
-                if constexpr (has_offset(Q)) v = v + offset_dot(off[2 * p + h], x[r].s, nb);
-                y[r * ldy + 2 * p + h] = v;
-            }
-        }
-    }
+    for (int r = 0; r < R; ++r)
+        for (int p = 0; p < P; ++p)
+            store_pair(acc[r][p], off[2 * p], off[2 * p + 1], x[r].s, nb, has_offset(Q), y + r * ldy + 2 * p);
 }
 
 // [a x 16 | b x 16] as int16
@@ -371,16 +356,9 @@ inline void qdot_directk_pairs(const uint8_t* const* rows, int64_t nb, const XRo
             }
         }
     }
-    for (int r = 0; r < R; ++r) {
-        for (int p = 0; p < P; ++p) {
-            const __m256 half[2] = {_mm512_castps512_ps256(acc[r][p]), _mm512_extractf32x8_ps(acc[r][p], 1)};
-            for (int h = 0; h < 2; ++h) {
-                float v = hsum8(half[h]);
-                if constexpr (Q == T_Q4_K) v = v + offset_dot(off[2 * p + h], x[r].s, nb);
-                y[r * ldy + 2 * p + h] = v;
-            }
-        }
-    }
+    for (int r = 0; r < R; ++r)
+        for (int p = 0; p < P; ++p)
+            store_pair(acc[r][p], off[2 * p], off[2 * p + 1], x[r].s, nb, Q == T_Q4_K, y + r * ldy + 2 * p);
 }
 #endif  // KVS_ISA_AVX512
 

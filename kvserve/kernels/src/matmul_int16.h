@@ -242,12 +242,15 @@ inline __m512 pair_step(__m512 acc, __m512i w0, __m512i w1, __m512i x0, __m512i 
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), scale, acc);
 }
 
-// y[r * ldy + c] for the pair's two rows: each half's hsum8, then the offsets' dot as qdot_tile adds it
-inline void store_pair(__m512 acc, const XRow& x, const QRow* w, int64_t nb, bool offsets, float* y) {
+// y[0], y[1] for a pair's two rows: each half's hsum8, then (offsets) that row's offsets' dot with
+// the activation row's block sums s, as qdot_tile adds it
+inline void store_pair(__m512 acc, const float* off0, const float* off1, const float* s, int64_t nb, bool offsets,
+                       float* y) {
     const __m256 half[2] = {_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1)};
+    const float* off[2] = {off0, off1};
     for (int h = 0; h < 2; ++h) {
         float v = hsum8(half[h]);
-        if (offsets) v = v + offset_dot(w[h].off, x.s, nb);
+        if (offsets) v = v + offset_dot(off[h], s, nb);
         y[h] = v;
     }
 }
@@ -273,7 +276,8 @@ inline void qdot_tile_pairs(const XRow* x, const QRow* w, int64_t nb, bool offse
         }
     }
     for (int r = 0; r < R; ++r)
-        for (int p = 0; p < P; ++p) store_pair(acc[r][p], x[r], w + 2 * p, nb, offsets, y + r * ldy + 2 * p);
+        for (int p = 0; p < P; ++p)
+            store_pair(acc[r][p], w[2 * p].off, w[2 * p + 1].off, x[r].s, nb, offsets, y + r * ldy + 2 * p);
 }
 
 template <int R>

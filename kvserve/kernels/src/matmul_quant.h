@@ -113,6 +113,15 @@ inline __m256i fifth_bits(uint32_t bits) {
 
 inline __m256i load256(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
+// a Q5_0 / Q5_1 block's 32 codes in element order: the fifth bits over the nibbles (Q5_0's minus 16)
+template <int Q>
+inline __m256i q5_codes(const uint8_t* blk) {
+    constexpr int qh_at = Q == T_Q5_1 ? 4 : 2;
+    const __m256i c = _mm256_or_si256(nibbles32(blk + qh_at + 4), fifth_bits(load_u32(blk + qh_at)));
+    if constexpr (Q == T_Q5_0) return _mm256_sub_epi8(c, _mm256_set1_epi8(16));
+    return c;
+}
+
 // One block of 32 weights as the walkers below hand it to a sink: w[i] = d * sc[i / 16] * c[i] + off,
 // c: 32 int8 codes in element order, sc: two integer sub-scales (1 where the format has none)
 struct Block32 {
@@ -135,13 +144,12 @@ inline void walk_blocks32(const uint8_t* row, int64_t K, Sink& sink) {
         } else if constexpr (Q == T_Q4_0) {
             c = _mm256_sub_epi8(nibbles32(blk + 2), _mm256_set1_epi8(8));
         } else if constexpr (Q == T_Q5_0) {
-            c = _mm256_or_si256(nibbles32(blk + 6), fifth_bits(load_u32(blk + 2)));
-            c = _mm256_sub_epi8(c, _mm256_set1_epi8(16));
+            c = q5_codes<Q>(blk);
         } else if constexpr (Q == T_Q4_1) {
             c = nibbles32(blk + 4);
             off = half_at(blk + 2);
         } else {  // Q5_1
-            c = _mm256_or_si256(nibbles32(blk + 8), fifth_bits(load_u32(blk + 4)));
+            c = q5_codes<Q>(blk);
             off = half_at(blk + 2);
         }
         sink(b, Block32{c, half_at(blk), 1, 1, off});

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import dataclasses
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -87,53 +88,53 @@ class AttentionMetadata:
     ) -> AttentionMetadata:
         """Sequence i computes query_lens[i] tokens from position start_positions[i], over the pages
         block_tables[i] (which must cover start_positions[i] + query_lens[i] positions)."""
+        # The integer bookkeeping runs in numpy (a numpy op costs about a microsecond, a torch op on
+        # a few elements several): each field becomes a tensor once, at the end.
         num_pages = [-(-(s + n) // page_size) for s, n in zip(start_positions, query_lens)]
         width = max(num_pages)
         assert all(len(bt) >= p for bt, p in zip(block_tables, num_pages)), "block table too short"
-        padded = torch.tensor([bt[:p] + [0] * (width - p) for bt, p in zip(block_tables, num_pages)],
-                              dtype=torch.int64, device=device)  # [S, width]
-        lens = torch.tensor(query_lens, dtype=torch.int64, device=device)  # [S]
-        starts = torch.tensor(start_positions, dtype=torch.int64, device=device)  # [S]
-        num_tokens = sum(query_lens)
+        padded = np.zeros((len(query_lens), width), dtype=np.int64)  # [S, width]
+        for row, bt, p in zip(padded, block_tables, num_pages):
+            row[:p] = bt[:p]
+        lens = np.array(query_lens, dtype=np.int64)  # [S]
+        starts = np.array(start_positions, dtype=np.int64)  # [S]
 
         # flat token index -> its sequence, its position, its slot (no per-sequence loop)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens), device=device), lens)
-        first_row = torch.cumsum(lens, 0) - lens  # [S]
-        offset_in_seq = torch.arange(num_tokens, device=device) - first_row[seq_of_token]
-        positions = starts[seq_of_token] + offset_in_seq  # [T]
-        pages = padded[seq_of_token, positions // page_size]  # [T]
-        slot_mapping = pages * page_size + positions % page_size
+        seq_of_token = np.repeat(np.arange(len(query_lens)), lens)
+        first_row = np.cumsum(lens) - lens  # [S]
+        positions = starts[seq_of_token] + np.arange(int(lens.sum())) - first_row[seq_of_token]  # [T]
+        slot_mapping = padded[seq_of_token, positions // page_size] * page_size + positions % page_size
 
         decode = [i for i, n in enumerate(query_lens) if n == 1]
-        decode_idx = torch.tensor(decode, dtype=torch.int64, device=device)
+        decode_idx = np.array(decode, dtype=np.int64)
         decode_width = max((num_pages[i] for i in decode), default=0)
         num_shared = 0
         if len(decode) > 1:  # full pages before every row's own page, the same in every table
             limit = min(start_positions[i] for i in decode) // page_size
-            same = (padded[decode_idx, :limit] == padded[decode_idx[:1], :limit]).all(dim=0)
-            num_shared = int(same.cumprod(dim=0).sum())
+            same = (padded[decode_idx, :limit] == padded[decode_idx[:1], :limit]).all(axis=0)
+            num_shared = int(np.cumprod(same).sum())
         decode_shared_pages = padded[decode_idx[:1], :num_shared].reshape(-1)  # [S]
         decode_block_tables = padded[decode_idx, num_shared:decode_width]  # [B, P]
         context_lens = (starts + lens)[decode_idx]  # [B]
-        span = torch.arange(num_shared * page_size, decode_width * page_size, device=device)
+        span = np.arange(num_shared * page_size, decode_width * page_size)
         decode_mask = (span[None, :] < context_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
         single = len(decode) == 1 and not num_shared
 
+        def tensor(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
         prefills = []
-        rows = first_row.tolist()
         for i, n in enumerate(query_lens):
             if n == 1:
                 continue
             start = start_positions[i]
             mask = None
             if start > 0:  # query j sees context positions 0..start+j
-                ctx = torch.arange(start + n, device=device)
-                mask = ctx[None, :] <= (start + torch.arange(n, device=device))[:, None]
-            prefills.append(PrefillChunk(rows[i], n, start, padded[i, : num_pages[i]], mask))
-        return cls(page_size, positions, slot_mapping, first_row[decode_idx], decode_shared_pages,
-                   decode_block_tables, decode_mask, prefills,
+                mask = tensor(np.arange(start + n)[None, :] <= (start + np.arange(n))[:, None])
+            prefills.append(PrefillChunk(int(first_row[i]), n, start, tensor(padded[i, : num_pages[i]]), mask))
+        return cls(page_size, tensor(positions), tensor(slot_mapping), tensor(first_row[decode_idx]),
+                   tensor(decode_shared_pages), tensor(decode_block_tables), tensor(decode_mask), prefills,
                    decode_context=start_positions[decode[0]] + 1 if single else None)
-
 
     def with_window(self, window: int) -> AttentionMetadata:
         """The same step for a sliding-window layer: every mask also hides keys at positions
@@ -166,26 +167,29 @@ class AttentionMetadata:
         first layer's call, reused by the others)."""
         if self.native_rows is None:
             num_rows = self.positions.shape[0]
-            offsets = torch.zeros(num_rows, dtype=torch.int64)
-            first = torch.zeros(num_rows, dtype=torch.int64)
-            own_index = torch.full((num_rows,), -1, dtype=torch.int64)
+            offsets = np.zeros(num_rows, dtype=np.int64)
+            first = np.zeros(num_rows, dtype=np.int64)
+            own_index = np.full(num_rows, -1, dtype=np.int64)
             b, parts, base, own = self.num_decode, [], 0, 0
             if b:
-                tables = torch.cat([self.decode_shared_pages[None].expand(b, -1), self.decode_block_tables], 1)
+                decode_rows = self.decode_rows.numpy()
+                shared, own_pages = self.decode_shared_pages.numpy(), self.decode_block_tables.numpy()
+                tables = np.concatenate([np.broadcast_to(shared, (b, shared.shape[0])), own_pages], axis=1)
                 parts.append(tables.reshape(-1))
-                offsets[self.decode_rows] = torch.arange(b) * tables.shape[1]
-                first[self.decode_rows] = self.decode_first_page
-                base = tables.numel()
+                offsets[decode_rows] = np.arange(b) * tables.shape[1]
+                first[decode_rows] = self.decode_first_page
+                base = tables.size
             for c in self.prefills:
                 rows = slice(c.row, c.row + c.num_tokens)
                 offsets[rows] = base
-                own_index[rows] = torch.arange(own, own + c.num_tokens)
-                parts.append(c.block_table)
+                own_index[rows] = np.arange(own, own + c.num_tokens)
+                parts.append(c.block_table.numpy())
                 base += c.block_table.numel()
                 own += c.num_tokens
-            tables = torch.cat(parts) if parts else torch.zeros(1, dtype=torch.int64)
-            self.native_rows = native.AttentionRows(self.positions.contiguous(), offsets, first,
-                                                    tables.contiguous(), own_index)
+            tables = np.concatenate(parts) if parts else np.zeros(1, dtype=np.int64)
+            self.native_rows = native.AttentionRows(self.positions.contiguous(), torch.from_numpy(offsets),
+                                                    torch.from_numpy(first), torch.from_numpy(tables),
+                                                    torch.from_numpy(own_index))
         return self.native_rows
 
 

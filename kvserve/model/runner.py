@@ -20,6 +20,7 @@ sequence's window block table; `kv` then holds only the full-attention layers.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 from dataclasses import replace
 from typing import Any, Protocol
@@ -30,6 +31,7 @@ import torch
 from kvserve.config import CORPUS_PATH, KV_DTYPES, KVDtype, resolve_model_dtype
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.gguf_loader import LoadedModel
+from kvserve.model.host_heap import retain_freed_memory
 from kvserve.model.kv_quant import PagedKV, codec_for, fp8_scale_for
 from kvserve.model.llama import LlamaModel
 from kvserve.batch import DraftSeq, PageOps, SampledToken, ScheduledSeq, SchedulerOutput, StepResult
@@ -72,6 +74,8 @@ class ModelRunner:
         self.drafter = drafter  # speculative method draft_model: proposes drafts before each step
         dtype = resolve_model_dtype(dtype, device)  # ConfigError for an unknown name
         configure_threads(threads)
+        if torch.device(device).type == "cpu":
+            retain_freed_memory()
         cfg = loaded.config
         self.config = cfg
         self.page_size = page_size
@@ -156,12 +160,12 @@ class ModelRunner:
             if not rows:
                 return result, accepted
             # a sampled sequence's last row, and before it one row per draft token it carries
-            ends = np.cumsum(query_lens)
+            ends = list(itertools.accumulate(query_lens))
             counts = [1 + len(seqs[i].draft_token_ids) for i in rows]
             picked = [r for i, n in zip(rows, counts) for r in range(ends[i] - n, ends[i])]
             logits = self.model.compute_logits(
                 hidden.index_select(0, torch.tensor(picked, device=self.device)))  # [sum(counts), vocab]
-            offsets = np.cumsum([0, *counts])
+            offsets = list(itertools.accumulate(counts, initial=0))
             plain = [r for r, i in enumerate(rows) if counts[r] == 1]
             if plain:
                 tokens = sample(logits[torch.tensor([offsets[r] for r in plain], device=self.device)],

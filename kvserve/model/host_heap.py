@@ -1,0 +1,41 @@
+"""The process heap of a CPU engine: glibc's malloc keeps the memory a step frees for the next step.
+
+By default glibc serves each allocation over its (adaptive) mmap threshold with fresh pages and hands
+freed memory at the top of the heap back to the kernel; a prefill chunk's activations (megabytes a
+layer) then page-fault in again on every chunk: ~17,000 minor faults for each W1 prefill of the
+bundled model, ~5% of its time (docs/performance.md, "Round 3, the host heap"). llama.cpp sizes its
+compute buffers once; this keeps what a step used instead. Peak RSS is unchanged: what a step freed
+stays mapped for the next one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+M_TRIM_THRESHOLD = -1  # mallopt parameters (malloc.h)
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's ceiling for it on 64-bit hosts: larger blocks stay mmap'ed
+TRIM_THRESHOLD_BYTES = 2**31 - 1  # (an int): the top of the heap is not trimmed
+# glibc's own variables for the same settings: where the user set one, theirs stands
+USER_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_")
+
+_applied = False
+
+
+def retain_freed_memory() -> bool:
+    """Set the two thresholds once per process (glibc only; elsewhere, or where the user set
+    glibc's variables, nothing changes). True if they are set."""
+    global _applied
+    if _applied:
+        return True
+    if any(name in os.environ for name in USER_SETTINGS):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    _applied = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
+        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+    return _applied

@@ -4,8 +4,9 @@ By default glibc serves each allocation over its (adaptive) mmap threshold with 
 freed memory at the top of the heap back to the kernel; a prefill chunk's activations (megabytes a
 layer) then page-fault in again on every chunk: ~17,000 minor faults for each W1 prefill of the
 bundled model, ~5% of its time (docs/performance.md, "Round 3, the host heap"). llama.cpp sizes its
-compute buffers once; this keeps what a step used instead. Peak RSS is unchanged: what a step freed
-stays mapped for the next one.
+compute buffers once; this keeps what a step used instead. What a step freed stays mapped for the
+next one, so resident memory stays near its peak, and the peak itself moves little (the bundled
+model over HTTP: 1,533 -> 1,580 MiB).
 """
 
 from __future__ import annotations

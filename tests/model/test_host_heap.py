@@ -1,4 +1,4 @@
-"""The CPU engine's heap keeps what a step frees: a second step's buffers fault no pages in."""
+"""The CPU engine's heap keeps what a step frees: later steps' buffers mostly reuse its pages."""
 
 import json
 import os

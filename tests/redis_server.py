@@ -19,16 +19,28 @@ REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 _handed_out: set[int] = set()
 
 
-def free_port() -> int:
-    """A loopback port free now and never handed out before in this process: binding to port 0 and
-    closing can give the same port to two callers in a row (two backends then collide at start-up)."""
+def free_port(count: int = 1) -> int:
+    """The first of `count` consecutive loopback ports, all free now and none handed out before in
+    this process: binding to port 0 and closing can give the same port to two callers in a row (two
+    backends then collide at start-up). A KV events endpoint takes 2: its replay socket binds the
+    next port."""
     while True:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        if port not in _handed_out:
-            _handed_out.add(port)
+        run = range(port, port + count)
+        if port + count <= 65536 and not _handed_out.intersection(run) and all(map(_bindable, run[1:])):
+            _handed_out.update(run)
             return port
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class RedisServer:

@@ -391,7 +391,7 @@ def test_kv_policy_sends_a_known_prefix_where_its_pages_are(tmp_path):
     urls = [f"http://127.0.0.1:{p}" for p in ports[:2]]
     logs = [tmp_path / f"{i}.log" for i in range(3)]
     procs = [start(["serve", "--port", str(p), "--kv-events-endpoint",
-                    f"tcp://127.0.0.1:{free_port()}", *ENGINE], logs[i])
+                    f"tcp://127.0.0.1:{free_port(2)}", *ENGINE], logs[i])
              for i, p in enumerate(ports[:2])]
     try:
         for url in urls:

@@ -353,7 +353,7 @@ def test_keyed_backends_stopped_mid_answer_and_a_200mb_body(tmp_path):
     urls = [f"http://127.0.0.1:{p}" for p in ports[:2]]
     logs = [tmp_path / f"{i}.log" for i in range(3)]
     backends = [start(["serve", "--port", str(p), "--api-key-file", str(keys),
-                       "--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}", *ENGINE], logs[i])
+                       "--kv-events-endpoint", f"tcp://127.0.0.1:{free_port(2)}", *ENGINE], logs[i])
                 for i, p in enumerate(ports[:2])]
     procs = list(backends)
     stopped: list = []

@@ -84,6 +84,19 @@ def test_streamed_pieces_add_up_to_the_whole(text, fmt):
     assert args == [c.arguments for c in whole.calls]
 
 
+def test_a_character_still_arriving_is_not_streamed_as_u_fffd():
+    """Detokenized mid-character, the text ends in U+FFFD until the character's last byte comes: the
+    arguments streamed are the final ones (they were cut at the U+FFFD and never resent)."""
+    final = '<tool_call>\n{"name": "f", "arguments": {"city": "Pari\u03f3"}}\n</tool_call>'
+    cut = final.index("\u03f3")
+    texts = [final[:cut], final[:cut] + "\ufffd", final[:cut + 1], final[:cut + 2], final]
+    stream, args = ToolStream(ToolFormat.HERMES), ""
+    for i, text in enumerate(texts):
+        _, deltas = stream.update(text, i == len(texts) - 1)
+        args += "".join(d.arguments for d in deltas)
+    assert json.loads(args) == {"city": "Pari\u03f3"}
+
+
 def test_stream_of_one_call_only_when_not_parallel():
     stream = ToolStream(ToolFormat.HERMES, parallel=False)
     _, deltas = stream.update(QWEN_TWO, True)

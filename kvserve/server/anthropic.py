@@ -301,7 +301,7 @@ class MessagesService:
 
     async def _events(self, pending: Pending, stream: RequestStream, namespace: str) -> AsyncIterator[str]:
         delta = TextDelta(pending.stop_sequences or None)
-        blocks = BlockEvents(pending.tool_format, pending.parallel_tools, delta.update)
+        blocks = BlockEvents(pending.tool_format, pending.parallel_tools, delta)
         try:
             output = self._checked(await anext(stream))
             start = message_body(pending, output, self.decode)

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvserve.server.tool_parser import ToolFormat, ToolStream, parse_output
+
+if TYPE_CHECKING:
+    from kvserve.server.serving import TextDelta
 
 
 def tool_use_id() -> str:
@@ -42,9 +44,9 @@ class BlockEvents:
     pairs). Text streams as it comes; a tool call opens its tool_use block once its name is known
     and streams its arguments as `input_json_delta`."""
 
-    def __init__(self, fmt: ToolFormat | None, parallel: bool, new_text: Callable[[str, bool], str]) -> None:
+    def __init__(self, fmt: ToolFormat | None, parallel: bool, text_delta: TextDelta) -> None:
         self.stream = ToolStream(fmt, parallel) if fmt is not None else None
-        self.new_text = new_text  # (cumulative text, finished) -> text safe to send (TextDelta)
+        self.text_delta = text_delta  # what of the cumulative text is safe to send
         self.index = -1
         self.open_kind: str | None = None
         self.call_index: dict[int, int] = {}  # call number -> block index
@@ -71,10 +73,11 @@ class BlockEvents:
                                                   "delta": {"type": "text_delta", "text": text}})]
 
     def update(self, text: str, finished: bool) -> list[tuple[str, dict[str, Any]]]:
+        new_text = self.text_delta.update(text, finished)
         if self.stream is None:
-            events = self._text(self.new_text(text, finished))
-        else:
-            content, deltas = self.stream.update(text, finished)
+            events = self._text(new_text)
+        else:  # what the TextDelta let out, read for tool calls (as the OpenAI stream does)
+            content, deltas = self.stream.update(self.text_delta.sent, finished)
             events = self._text(content)
             for delta in deltas:
                 if delta.name is not None:

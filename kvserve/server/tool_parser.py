@@ -236,8 +236,6 @@ class ToolStream:
         self.args_sent: list[str] = []  # per started call
 
     def update(self, text: str, finished: bool) -> tuple[str, list[CallDelta]]:
-        if not finished:  # a character whose last bytes are still to come decodes to U+FFFD: wait for them
-            text = text.rstrip("\ufffd")
         found = scan(text, self.fmt, finished)
         if finished and any(not c.is_complete for c in found.calls) and not self.args_sent:
             found = Scan(text)

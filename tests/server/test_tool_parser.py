@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from kvserve.server.anthropic_blocks import BlockEvents
+from kvserve.server.serving import TextDelta
 from kvserve.server.tool_parser import ToolFormat, ToolStream, parse_output, tool_format
 
 QWEN = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}\n</tool_call>'
@@ -85,15 +87,17 @@ def test_streamed_pieces_add_up_to_the_whole(text, fmt):
 
 
 def test_a_character_still_arriving_is_not_streamed_as_u_fffd():
-    """Detokenized mid-character, the text ends in U+FFFD until the character's last byte comes: the
-    arguments streamed are the final ones (they were cut at the U+FFFD and never resent)."""
+    """Detokenized mid-character, the text ends in U+FFFD until the character's last byte comes: an
+    Anthropic stream's tool arguments are read from what TextDelta lets out, so the arguments
+    streamed are the final ones (cut at the U+FFFD, nothing was ever resent)."""
     final = '<tool_call>\n{"name": "f", "arguments": {"city": "Pari\u03f3"}}\n</tool_call>'
     cut = final.index("\u03f3")
     texts = [final[:cut], final[:cut] + "\ufffd", final[:cut + 1], final[:cut + 2], final]
-    stream, args = ToolStream(ToolFormat.HERMES), ""
+    blocks, args = BlockEvents(ToolFormat.HERMES, True, TextDelta(None)), ""
     for i, text in enumerate(texts):
-        _, deltas = stream.update(text, i == len(texts) - 1)
-        args += "".join(d.arguments for d in deltas)
+        for _, event in blocks.update(text, i == len(texts) - 1):
+            if event.get("delta", {}).get("type") == "input_json_delta":
+                args += event["delta"]["partial_json"]
     assert json.loads(args) == {"city": "Pari\u03f3"}
 
 

@@ -1,5 +1,5 @@
 """ctypes wrapper of the native matmul over a GGUF format's own blocks: `matmul` (y = x @ W^T, float32
-in and out, W as [N, row bytes] uint8), `dequantize_rows` (embedding lookups) and the int16
+in and out, W as [N, row bytes] uint8), `dequantize_rows` (embedding lookups) and the int8
 activation rounding the block formats use (`quantize_activations`, for tests)."""
 
 from __future__ import annotations
@@ -98,11 +98,11 @@ def dequantize_rows(kl: KernelLibrary, qtype: int, weight: torch.Tensor, k: int,
 
 
 def quantize_activations(kl: KernelLibrary, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x as the block formats see it: (q [T, K] int16, d [T, K / 32] float32), x ~ q * d per block of
-    32 (d = max|x| / 32767 of the block)."""
+    """x as the block formats see it: (q [T, K] int8, d [T, K / 32] float32), x ~ q * d per block of
+    32 (d = max|x| / 127 of the block)."""
     x = x.float().contiguous()
     t, k = x.shape
-    q = torch.empty(t, k, dtype=torch.int16)
+    q = torch.empty(t, k, dtype=torch.int8)
     d = torch.empty(t, k // 32, dtype=torch.float32)
     _check(_fn(kl, "kvs_quantize_activations")(x.data_ptr(), t, k, q.data_ptr(), d.data_ptr()), 8, k)
     return q, d

@@ -1,9 +1,10 @@
 // y[T, N] = x[T, K] @ W^T with W in a GGUF format (the file's own bytes, one row of blocks per output),
-// x and y float32. Block formats round each activation row to int16 blocks of 32 once; each thread
+// x and y float32. Block formats round each activation row to int8 blocks of 32 once; each thread
 // takes a contiguous share of the N weight rows (block formats' prefill: panels of them, handed out
-// dynamically), decodes them a few at a time (int16 codes for block formats, float32 for float
+// dynamically), decodes them a few at a time (8-bit codes for block formats, float32 for float
 // formats; once per call, whatever T), then runs every tile of up to TILE_ROWS activation rows against
-// them (matmul_quant.h's dot tiles; the block formats' offset terms as a pass of their own).
+// them (matmul_quant.h's and matmul_int8.h's dot tiles; the block formats' offset terms as a pass of
+// their own).
 // Invariance: y[t, n] is one dot chain over row t of x and the decoded row n of W, in one order; threads
 // split N only, and T and N are tiled without changing any element's operations.
 #include <omp.h>
@@ -75,7 +76,7 @@ void run_quant_direct(int type, const uint8_t* w, int64_t row_bytes, int64_t N, 
         const int64_t per = (N + nth - 1) / nth;
         const int64_t lo = std::min(N, tid * per), hi = std::min(N, lo + per);
         thread_local std::vector<float> off;  // per-block offsets of the weight rows in flight
-        if (int64_t(off.size()) < 4 * nb) off.resize(4 * nb);
+        if (int64_t(off.size()) < DIRECT_GROUP * nb) off.resize(DIRECT_GROUP * nb);
         switch (T) {
             case 1: qdot_direct_rows<1>(type, w, row_bytes, lo, hi, nb, xrows, offsets, off.data(), y, ldy); break;
             case 2: qdot_direct_rows<2>(type, w, row_bytes, lo, hi, nb, xrows, offsets, off.data(), y, ldy); break;
@@ -117,18 +118,38 @@ inline void add_offsets(const float* offT, int64_t ldo, int64_t nw, int64_t nb, 
 }
 #endif
 
-// Block formats: activations rounded to int16 blocks once, rows decoded to int16 codes
+// the tiles of format Q for up to TILE_ROWS activation rows against one group of decoded weight rows
+using GroupFn = void (*)(const XRow*, const QGroup&, int, int64_t, float*, int64_t);
+
+template <int Q>
+constexpr GroupFn group_fns[TILE_ROWS] = {qdot_group<Q, 1>, qdot_group<Q, 2>, qdot_group<Q, 3>, qdot_group<Q, 4>};
+
+inline const GroupFn* group_fns_of(int type) {
+    switch (type) {
+        case T_Q4_0: return group_fns<T_Q4_0>;
+        case T_Q4_1: return group_fns<T_Q4_1>;
+        case T_Q5_0: return group_fns<T_Q5_0>;
+        case T_Q5_1: return group_fns<T_Q5_1>;
+        case T_Q8_0: return group_fns<T_Q8_0>;
+        case T_Q4_K: return group_fns<T_Q4_K>;
+        case T_Q5_K: return group_fns<T_Q5_K>;
+        default: return group_fns<T_Q6_K>;
+    }
+}
+
+// Block formats: activations rounded to int8 blocks once, rows decoded to 8-bit codes
 void run_quant(int type, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t ldx, int64_t T, float* y,
                int64_t ldy, int nthreads) {
     const Geometry g = geometry(type);
     const int64_t row_bytes = K / g.block * g.bytes, nb = K / 32;
-    std::vector<int16_t> xq(T * K);
+    std::vector<int8_t> xq(T * K);
     std::vector<float> xd(T * nb), xs(T * nb);
+    std::vector<int32_t> xsum(T * nb), xhalf(T * nb);
     std::vector<XRow> xrows(T);
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && T > 1)
     for (int64_t t = 0; t < T; ++t) {
-        quantize_row(x + t * ldx, K, &xq[t * K], &xd[t * nb], &xs[t * nb]);
-        xrows[t] = XRow{&xq[t * K], &xd[t * nb], &xs[t * nb]};
+        quantize_row(x + t * ldx, K, &xq[t * K], &xd[t * nb], &xs[t * nb], &xsum[t * nb], &xhalf[t * nb]);
+        xrows[t] = XRow{&xq[t * K], &xd[t * nb], &xs[t * nb], &xsum[t * nb], &xhalf[t * nb]};
     }
     const bool offsets = has_offset(type);
 #if KVS_SIMD
@@ -137,47 +158,42 @@ void run_quant(int type, const uint8_t* w, int64_t N, int64_t K, const float* x,
         return;
     }
 #endif
-    const int64_t qbytes = qrow_bytes(K);
-    // panels of weight rows handed out one at a time, at least PANELS_PER_THREAD a thread: on a shared
-    // host a thread that loses its core leaves the rest of its panels to the other
-    const int64_t rows_per_block = std::max<int64_t>(
-        8, std::min((T <= TILE_ROWS ? L1_BYTES : L2_BYTES) / qbytes, (N + PANELS_PER_THREAD * nthreads - 1) /
-                                                                          (PANELS_PER_THREAD * nthreads)));
+    const int64_t gbytes = qgroup_bytes(K);
+    // panels of weight rows (whole groups) handed out one at a time, at least PANELS_PER_THREAD a
+    // thread: on a shared host a thread that loses its core leaves the rest of its panels to the other
+    const int64_t per_thread = (N + PANELS_PER_THREAD * nthreads - 1) / (PANELS_PER_THREAD * nthreads);
+    const int64_t rows_per_block =
+        (std::max<int64_t>(TILE_GROUP, std::min(TILE_GROUP * (T <= TILE_ROWS ? L1_BYTES : L2_BYTES) / gbytes, per_thread)) +
+         TILE_GROUP - 1) / TILE_GROUP * TILE_GROUP;
     const int64_t num_panels = (N + rows_per_block - 1) / rows_per_block;
+    const GroupFn* group_fn = group_fns_of(type);
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
-        thread_local std::vector<int16_t> scratch;  // rows_per_block decoded rows, 32-byte aligned parts
-        if (int64_t(scratch.size()) < rows_per_block * qbytes / 2) scratch.resize(rows_per_block * qbytes / 2);
-        std::vector<QRow> wrows(rows_per_block);
+        thread_local std::vector<uint8_t> scratch;  // the panel's decoded groups
+        if (int64_t(scratch.size()) < rows_per_block / TILE_GROUP * gbytes) scratch.resize(rows_per_block / TILE_GROUP * gbytes);
         // the offsets' dot runs as its own pass over eight rows a vector (SIMD builds): the tiles skip it
         const bool split_offsets = KVS_SIMD && offsets;
-        const int64_t ldo = (rows_per_block + 7) / 8 * 8;
+        const int64_t ldo = rows_per_block;
         thread_local std::vector<float> offT;  // [nb][ldo] the panel's offsets, transposed
         if (split_offsets && int64_t(offT.size()) < nb * ldo) offT.resize(nb * ldo);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t panel = 0; panel < num_panels; ++panel) {
             const int64_t n0 = panel * rows_per_block, nw = std::min(N, n0 + rows_per_block) - n0;
-            for (int64_t j = 0; j < nw; ++j) {
-                int16_t* q = &scratch[j * qbytes / 2];
-                float* d = reinterpret_cast<float*>(q + K);
-                decode_row_q(type, w + (n0 + j) * row_bytes, K, q, d, d + nb);
-                wrows[j] = QRow{q, d, d + nb};
+            const int64_t groups = (nw + TILE_GROUP - 1) / TILE_GROUP;
+            // a last group short of rows repeats the panel's last row (its outputs are not kept)
+            for (int64_t j = 0; j < groups * TILE_GROUP; ++j) {
+                const QGroup g = qgroup_at(&scratch[j / TILE_GROUP * gbytes], K);
+                decode_row_q(type, w + (n0 + std::min(j, nw - 1)) * row_bytes, K, g, int(j % TILE_GROUP));
                 if (split_offsets)
-                    for (int64_t b = 0; b < nb; ++b) offT[b * ldo + j] = d[nb + b];
+                    for (int64_t b = 0; b < nb; ++b) offT[b * ldo + j] = j < nw ? g.off[(j % TILE_GROUP) * nb + b] : 0.0f;
             }
-            if (split_offsets)
-                for (int64_t b = 0; b < nb; ++b) std::fill(&offT[b * ldo + nw], &offT[b * ldo + ldo], 0.0f);
-            const bool tile_offsets = offsets && !split_offsets;
             for (int64_t t = 0; t < T; t += TILE_ROWS) {
                 const XRow* xr = &xrows[t];
                 float* yt = y + t * ldy + n0;
                 const int64_t nr = std::min<int64_t>(TILE_ROWS, T - t);
-                switch (nr) {
-                    case 4: qdot_panel<4>(xr, wrows.data(), nw, nb, tile_offsets, yt, ldy); break;
-                    case 3: qdot_panel<3>(xr, wrows.data(), nw, nb, tile_offsets, yt, ldy); break;
-                    case 2: qdot_panel<2>(xr, wrows.data(), nw, nb, tile_offsets, yt, ldy); break;
-                    default: qdot_panel<1>(xr, wrows.data(), nw, nb, tile_offsets, yt, ldy); break;
-                }
+                for (int64_t gi = 0; gi < groups; ++gi)
+                    group_fn[nr - 1](xr, qgroup_at(&scratch[gi * gbytes], K), int(std::min<int64_t>(TILE_GROUP, nw - TILE_GROUP * gi)),
+                                     nb, yt + TILE_GROUP * gi, ldy);
 #if KVS_SIMD
                 if (split_offsets)
                     for (int64_t r = 0; r < nr; ++r) add_offsets(offT.data(), ldo, nw, nb, xr[r].s, yt + r * ldy);
@@ -206,7 +222,7 @@ using namespace kvs;
 KVS_EXPORT int kvs_matmul_supported(int type) { return geometry(type).block != 0; }
 
 // y[t * ldy + n] = sum_k x[t * ldx + k] * W[n, k]; W: N rows of K / block blocks (block formats see x
-// as int16 blocks of 32, `kvs_quantize_activations`). 0, or -1 for an unsupported type, -2 for K not a multiple of the
+// as int8 blocks of 32, `kvs_quantize_activations`). 0, or -1 for an unsupported type, -2 for K not a multiple of the
 // type's block.
 KVS_EXPORT int kvs_matmul(int type, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t ldx, int64_t T,
                           float* y, int64_t ldy, int nthreads) {
@@ -230,10 +246,12 @@ KVS_EXPORT int kvs_dequantize_rows(int type, const uint8_t* w, int64_t K, const 
     return 0;
 }
 
-// x as the block formats see it: q [T, K] int16, d [T, K / 32] (x ~ q * d; tests bound the error)
-KVS_EXPORT int kvs_quantize_activations(const float* x, int64_t T, int64_t K, int16_t* q, float* d) {
+// x as the block formats see it: q [T, K] int8, d [T, K / 32] (x ~ q * d; tests bound the error)
+KVS_EXPORT int kvs_quantize_activations(const float* x, int64_t T, int64_t K, int8_t* q, float* d) {
     if (K % 32 != 0) return -2;
     std::vector<float> s(K / 32);
-    for (int64_t t = 0; t < T; ++t) quantize_row(x + t * K, K, q + t * K, d + t * K / 32, s.data());
+    std::vector<int32_t> sums(K / 32), halves(K / 32);
+    for (int64_t t = 0; t < T; ++t)
+        quantize_row(x + t * K, K, q + t * K, d + t * K / 32, s.data(), sums.data(), halves.data());
     return 0;
 }

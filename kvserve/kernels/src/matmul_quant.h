@@ -1,7 +1,7 @@
 // Per-format decoding of one weight row (the file's blocks) and the dot-product tiles that run R
 // activation rows x C decoded weight rows in registers. Float formats (F32, F16, BF16) decode to float32
-// and take float32 activations; block formats decode to int16 codes with per-block float scales and
-// take activations rounded once to int16 per block of 32 (the int16 section below). Each output
+// and take float32 activations; block formats decode to 8-bit codes with per-block float scales and
+// take activations rounded once to int8 per block of 32 (matmul_int8.h). Each output
 // element is one chain of operations whatever R and C: they only choose which chains run side by
 // side (batch- and tile-invariant by construction). Decoding uses the same operations on every ISA,
 // so a weight decodes to the same value everywhere; the AVX-512 build runs the AVX2 code.
@@ -113,13 +113,12 @@ inline __m256i fifth_bits(uint32_t bits) {
 
 inline __m256i load256(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-// a Q5_0 / Q5_1 block's 32 codes in element order: the fifth bits over the nibbles (Q5_0's minus 16)
+// a Q5_0 / Q5_1 block's 32 codes in element order as stored: the fifth bits over the nibbles (0..31;
+// Q5_0's value is the code minus 16)
 template <int Q>
 inline __m256i q5_codes(const uint8_t* blk) {
     constexpr int qh_at = Q == T_Q5_1 ? 4 : 2;
-    const __m256i c = _mm256_or_si256(nibbles32(blk + qh_at + 4), fifth_bits(load_u32(blk + qh_at)));
-    if constexpr (Q == T_Q5_0) return _mm256_sub_epi8(c, _mm256_set1_epi8(16));
-    return c;
+    return _mm256_or_si256(nibbles32(blk + qh_at + 4), fifth_bits(load_u32(blk + qh_at)));
 }
 
 // One block of 32 weights as the walkers below hand it to a sink: w[i] = d * sc[i / 16] * c[i] + off,
@@ -144,7 +143,7 @@ inline void walk_blocks32(const uint8_t* row, int64_t K, Sink& sink) {
         } else if constexpr (Q == T_Q4_0) {
             c = _mm256_sub_epi8(nibbles32(blk + 2), _mm256_set1_epi8(8));
         } else if constexpr (Q == T_Q5_0) {
-            c = q5_codes<Q>(blk);
+            c = _mm256_sub_epi8(q5_codes<Q>(blk), _mm256_set1_epi8(16));
         } else if constexpr (Q == T_Q4_1) {
             c = nibbles32(blk + 4);
             off = half_at(blk + 2);

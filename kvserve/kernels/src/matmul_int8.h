@@ -1,0 +1,362 @@
+// Block formats on integers: the activation rounding to int8 blocks of 32, the weight rows decoded to
+// 8-bit codes with integer sub-scales and per-block float scales, and the integer dot-product tiles
+// (see the chain below).
+#pragma once
+#include "matmul_quant.h"
+
+namespace kvs {
+
+// ---------------------------------------------------------------- block formats: 8-bit products
+//
+// Block formats run on integers, as llama.cpp's do: each activation row is rounded once to int8 per
+// block of 32 (x ~ q * dx, dx = max|x| / 127: within dx / 2 of x), each weight row decoded to 8-bit
+// codes with integer sub-scales and a float d and offset per block. y[t, n] is one chain: per block
+// the exact integer total of c * sc * q over its 32 elements (c the signed code, sc its sub-scale, 1
+// where the format has none; |total| <= 32 * 32 * 128 * 127 < 2^24, so float(total) is exact too),
+// then acc = fma(float(total), dw * dx, acc) in block order; then acc plus the offsets' dot
+// sum_b off[b] * dx[b] * (sum of the block's q) (8 blocks a lane, hsum8, then the tail). Only the
+// totals' values enter the floats, so every path computes them its own way (u8 x s8 products, a sign
+// trick, a bias taken off, one vector lane per weight row) and gets the same bits.
+
+// How a format's codes enter the u8 x s8 products (vpmaddubsw: unsigned bytes times signed bytes, pairs
+// summed to int16 with saturation, which the sums below never reach; VNNI's vpdpbusd: four to int32):
+enum class Codes {
+    Unsigned,  // codes 0..31 as they are (Q4_1, Q5_1, Q4_K, Q5_K: the format's minimum is its offset)
+    Biased,    // c + bias stored (Q4_0: 8, Q5_0: 16, Q6_K: 32: the file's own bits); bias * q taken off
+    Signed,    // Q8_0's int8 codes: |c| times q with c's sign (the AVX-512 tiles store c + 128, Biased)
+};
+
+constexpr Codes codes_of(int type) {
+    return type == T_Q8_0 ? Codes::Signed
+           : (type == T_Q4_0 || type == T_Q5_0 || type == T_Q6_K) ? Codes::Biased : Codes::Unsigned;
+}
+
+constexpr int code_bias(int type) { return type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : type == T_Q6_K ? 32 : 0; }
+
+constexpr bool has_subscales(int type) { return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K; }
+
+constexpr bool has_offset(int type) { return type == T_Q4_1 || type == T_Q5_1 || type == T_Q4_K || type == T_Q5_K; }
+
+struct XRow {  // an activation row: x[k] ~ q[k] * d[k / 32]; block b's sum of q: sum[b], of its first
+               // 16: half[b]; s[b] = d[b] * sum[b]
+    const int8_t* q;
+    const float* d;
+    const float* s;
+    const int32_t* sum;
+    const int32_t* half;
+};
+
+// The scalar walk: block b's signed codes and Block32 fields, as the SIMD walkers give them
+inline void scalar_block(int type, const uint8_t* row, int64_t b, int8_t* c, float* d, int* sc0, int* sc1,
+                         float* off) {
+    *sc0 = *sc1 = 1;
+    *off = 0.0f;
+    if (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K) {
+        const uint8_t* blk = row + b / 8 * geometry(type).bytes;
+        const int j = int(b % 8);
+        if (type == T_Q6_K) {
+            const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+            *d = load_f16(blk + 208);
+            *sc0 = sc[2 * j];
+            *sc1 = sc[2 * j + 1];
+            for (int l = 0; l < 32; ++l) c[l] = int8_t(q6_code(blk, 32 * j + l) - 32);
+            return;
+        }
+        const bool five = type == T_Q5_K;
+        int sc, m;
+        k4_scale_min(j, blk + 4, &sc, &m);
+        *d = load_f16(blk);
+        *sc0 = *sc1 = sc;
+        *off = -(load_f16(blk + 2) * float(m));
+        for (int l = 0; l < 32; ++l) c[l] = int8_t(k_code(blk + 16 + (five ? 32 : 0), five ? blk + 16 : nullptr, j, l));
+        return;
+    }
+    const uint8_t* blk = row + b * geometry(type).bytes;
+    *d = load_f16(blk);
+    if (type == T_Q8_0) {
+        for (int l = 0; l < 32; ++l) c[l] = reinterpret_cast<const int8_t*>(blk + 2)[l];
+        return;
+    }
+    const bool has_min = type == T_Q4_1 || type == T_Q5_1, five = type == T_Q5_0 || type == T_Q5_1;
+    const uint8_t* qs = blk + 2 + (has_min ? 2 : 0) + (five ? 4 : 0);
+    const uint32_t qh = five ? load_u32(blk + 2 + (has_min ? 2 : 0)) : 0;
+    const int bias = has_min ? 0 : (five ? 16 : 8);
+    for (int l = 0; l < 32; ++l) {
+        int v = l < 16 ? qs[l] & 15 : qs[l - 16] >> 4;
+        if (five) v |= q5_high(qh, l);
+        c[l] = int8_t(v - bias);
+    }
+    if (has_min) *off = load_f16(blk + 2);
+}
+
+// x -> (q, d, s) per block of 32 (the same operations on every ISA)
+inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s, int32_t* sums, int32_t* halves) {
+    for (int64_t b = 0; b < K / 32; ++b) {
+        const float* xb = x + 32 * b;
+        float amax = 0.0f;
+#if KVS_SIMD
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 mx = _mm256_setzero_ps();
+        for (int i = 0; i < 32; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        amax = _mm_cvtss_f32(m4);
+#else
+        for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
+#endif
+        const float db = amax / 127.0f;
+        const float id = db > 0.0f ? 1.0f / db : 0.0f;
+        int8_t* qb = q + 32 * b;
+#if KVS_SIMD
+        __m256i v[4];
+        for (int i = 0; i < 4; ++i) {
+            __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xb + 8 * i), _mm256_set1_ps(id));
+            t = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            t = _mm256_min_ps(_mm256_max_ps(t, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
+            v[i] = _mm256_cvtps_epi32(t);
+        }
+        // packs interleave 128-bit lanes; the permute puts the 32 values back in element order
+        const __m256i w16 = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb),
+                            _mm256_permutevar8x32_epi32(w16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
+        for (int i = 0; i < 32; ++i) qb[i] = int8_t(std::min(127.0f, std::max(-127.0f, std::nearbyint(xb[i] * id))));
+#endif
+        int half = 0, sum = 0;
+        for (int i = 0; i < 16; ++i) half += qb[i];
+        sum = half;
+        for (int i = 16; i < 32; ++i) sum += qb[i];
+        d[b] = db;
+        s[b] = db * float(sum);
+        sums[b] = sum;
+        halves[b] = half;
+    }
+}
+
+// sum_b off[b] * s[b]: the offset terms of one output
+inline float offset_dot(const float* off, const float* s, int64_t nb) {
+    int64_t b = 0;
+    float v = 0.0f;
+#if KVS_SIMD
+    __m256 a = _mm256_setzero_ps();
+    for (; b + 8 <= nb; b += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(off + b), _mm256_loadu_ps(s + b), a);
+    v = hsum8(a);
+#endif
+    for (; b < nb; ++b) v = v + off[b] * s[b];
+    return v;
+}
+
+// ---------------------------------------------------------------- the prefill tile
+//
+// The weight rows of a panel are decoded once a call into groups of TILE_GROUP rows laid out for one
+// vector lane per row: block b's elements 4g .. 4g + 3 of every row side by side (k-group g), so one
+// activation block meets the group as eight u8 x s8 products against x's four bytes broadcast, the
+// int32 lane of row c summing row c's products (no reduction across lanes).
+
+#if defined(KVS_ISA_AVX512)
+constexpr int TILE_GROUP = 16;  // a 512-bit vector of int32 lanes
+#else
+constexpr int TILE_GROUP = 8;
+#endif
+
+// the bias a tile's codes are stored with: Q8_0 as c + 128 where vpdpbusd (no saturation) runs it
+constexpr int tile_bias(int type) {
+#if defined(KVS_ISA_AVX512)
+    if (type == T_Q8_0) return 128;
+#endif
+    return code_bias(type);
+}
+
+// A group of decoded weight rows: the byte of row c's element l of block b at
+// q[((8 b + l / 4) * TILE_GROUP + c) * 4 + l % 4] (code + tile_bias), and per block and row (index
+// b * TILE_GROUP + c) the sub-scale (Q4_K, Q5_K; Q6_K's first half's), Q6_K's second half's, d; off
+// per row (off[c * nb + b], the offset_dot order)
+struct QGroup {
+    uint8_t* q;
+    int32_t* scale;
+    int32_t* scale2;
+    float* d;
+    float* off;
+};
+
+inline int64_t qgroup_bytes(int64_t K) { return TILE_GROUP * (K + 16 * (K / 32)); }
+
+inline QGroup qgroup_at(uint8_t* p, int64_t K) {
+    const int64_t n = TILE_GROUP * (K / 32);
+    int32_t* scale = reinterpret_cast<int32_t*>(p + TILE_GROUP * K);
+    float* d = reinterpret_cast<float*>(scale + 2 * n);
+    return QGroup{p, scale, scale + n, d, d + n};
+}
+
+// block b of row c: its 32 codes (signed values) stored into the group, and its scales
+inline void store_block(const QGroup& g, int type, int64_t nb, int64_t b, int c, const int8_t* code, float d, int sc0,
+                        int sc1, float off) {
+    for (int k = 0; k < 8; ++k) {
+        uint8_t* to = g.q + ((8 * b + k) * TILE_GROUP + c) * 4;
+        for (int i = 0; i < 4; ++i) to[i] = uint8_t(code[4 * k + i] + tile_bias(type));
+    }
+    g.scale[b * TILE_GROUP + c] = sc0;
+    g.scale2[b * TILE_GROUP + c] = sc1;
+    g.d[b * TILE_GROUP + c] = d;
+    g.off[c * nb + b] = off;
+}
+
+#if KVS_SIMD
+struct GroupSink {  // one weight row into row c of a group
+    const QGroup& g;
+    int type;
+    int64_t nb;
+    int c;
+    void operator()(int64_t b, const Block32& k) const {
+        alignas(32) int8_t code[32];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(code), k.c);
+        store_block(g, type, nb, b, c, code, k.d, k.sc0, k.sc1, k.off);
+    }
+};
+#endif
+
+// One weight row of a block format -> row c of a group
+inline void decode_row_q(int type, const uint8_t* row, int64_t K, const QGroup& g, int c) {
+    const int64_t nb = K / 32;
+#if KVS_SIMD
+    GroupSink sink{g, type, nb, c};
+    walk_blocks(type, row, K, sink);
+#else
+    for (int64_t b = 0; b < nb; ++b) {
+        int8_t code[32];
+        float d, off;
+        int sc0, sc1;
+        scalar_block(type, row, b, code, &d, &sc0, &sc1, &off);
+        store_block(g, type, nb, b, c, code, d, sc0, sc1, off);
+    }
+#endif
+}
+
+#if KVS_SIMD
+inline int32_t load_i32(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return v; }
+
+#if defined(KVS_ISA_AVX512)
+using vtot = __m512i;
+inline vtot tot_load(const void* p) { return _mm512_loadu_si512(p); }
+inline vtot tot_set1(int32_t v) { return _mm512_set1_epi32(v); }
+inline vtot tot_sub(vtot a, vtot b) { return _mm512_sub_epi32(a, b); }
+inline vtot tot_mul(vtot a, vtot b) { return _mm512_mullo_epi32(a, b); }
+inline vtot tot_add(vtot a, vtot b) { return _mm512_add_epi32(a, b); }
+#else
+using vtot = __m256i;
+inline vtot tot_load(const void* p) { return load256(p); }
+inline vtot tot_set1(int32_t v) { return _mm256_set1_epi32(v); }
+inline vtot tot_sub(vtot a, vtot b) { return _mm256_sub_epi32(a, b); }
+inline vtot tot_mul(vtot a, vtot b) { return _mm256_mullo_epi32(a, b); }
+inline vtot tot_add(vtot a, vtot b) { return _mm256_add_epi32(a, b); }
+#endif
+
+// sum over k-groups lo .. hi - 1 of the group's u8 codes times x's four bytes, per row (int32 lanes).
+// AVX2: vpmaddubsw pairs added as int16 while they cannot pass 2^15 (codes of Q's bits: 16 products
+// of 4-bit codes, 8 of 5-bit, 4 of 6-bit), then widened; AVX-512: vpdpbusd straight to int32
+template <int Q>
+inline vtot kgroup_sums(const uint8_t* wb, const int8_t* xb, int lo, int hi) {
+#if defined(KVS_ISA_AVX512)
+    __m512i t = _mm512_setzero_si512();
+    for (int k = lo; k < hi; ++k) t = _mm512_dpbusd_epi32(t, _mm512_loadu_si512(wb + 64 * k), _mm512_set1_epi32(load_i32(xb + 4 * k)));
+    return t;
+#else
+    constexpr int run = Q == T_Q4_0 || Q == T_Q4_1 || Q == T_Q4_K ? 8 : Q == T_Q6_K ? 2 : 4;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i t = _mm256_setzero_si256();
+    for (int k0 = lo; k0 < hi; k0 += run) {
+        __m256i s16 = _mm256_setzero_si256();
+        for (int k = k0; k < k0 + run; ++k)
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(load256(wb + 32 * k), _mm256_set1_epi32(load_i32(xb + 4 * k))));
+        t = _mm256_add_epi32(t, _mm256_madd_epi16(s16, ones));
+    }
+    return t;
+#endif
+}
+
+// the block totals of a group's rows against one activation block (xb, its sum and half sum)
+template <int Q>
+inline vtot group_totals(const QGroup& g, int64_t b, const int8_t* xb, int32_t sum, int32_t half) {
+    const uint8_t* wb = g.q + 8 * 4 * TILE_GROUP * b;
+    if constexpr (Q == T_Q6_K) {  // two sub-scales a block: each half's sum less its bias, scaled
+        const vtot h0 = tot_sub(kgroup_sums<Q>(wb, xb, 0, 4), tot_set1(32 * half));
+        const vtot h1 = tot_sub(kgroup_sums<Q>(wb, xb, 4, 8), tot_set1(32 * (sum - half)));
+        return tot_add(tot_mul(tot_load(g.scale + TILE_GROUP * b), h0), tot_mul(tot_load(g.scale2 + TILE_GROUP * b), h1));
+    }
+    vtot t;
+#if !defined(KVS_ISA_AVX512)
+    if constexpr (Q == T_Q8_0) {  // signed codes: |c| times x with c's sign, widened every k-group
+        t = _mm256_setzero_si256();
+        for (int k = 0; k < 8; ++k) {
+            const __m256i w = load256(wb + 32 * k), xv = _mm256_set1_epi32(load_i32(xb + 4 * k));
+            t = _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w)),
+                                                      _mm256_set1_epi16(1)));
+        }
+        return t;
+    }
+#endif
+    t = kgroup_sums<Q>(wb, xb, 0, 8);
+    if constexpr (tile_bias(Q) != 0) t = tot_sub(t, tot_set1(tile_bias(Q) * sum));
+    if constexpr (Q == T_Q4_K || Q == T_Q5_K) t = tot_mul(t, tot_load(g.scale + TILE_GROUP * b));
+    return t;
+}
+#endif  // KVS_SIMD
+
+// y[r * ldy + c] = x[r] . (row c of the group) for R activation rows and the group's first nw rows,
+// without the offsets (add_offsets; offset_dot in the scalar build)
+template <int Q, int R>
+inline void qdot_group(const XRow* x, const QGroup& g, int nw, int64_t nb, float* y, int64_t ldy) {
+#if defined(KVS_ISA_AVX512)
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const __m512 dw = _mm512_loadu_ps(g.d + TILE_GROUP * b);
+        for (int r = 0; r < R; ++r) {
+            const __m512i t = group_totals<Q>(g, b, x[r].q + 32 * b, x[r].sum[b], x[r].half[b]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dw, _mm512_set1_ps(x[r].d[b])), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        alignas(64) float v[TILE_GROUP];
+        _mm512_store_ps(v, acc[r]);
+        for (int c = 0; c < nw; ++c) y[r * ldy + c] = v[c];
+    }
+#elif KVS_SIMD
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const __m256 dw = _mm256_loadu_ps(g.d + TILE_GROUP * b);
+        for (int r = 0; r < R; ++r) {
+            const __m256i t = group_totals<Q>(g, b, x[r].q + 32 * b, x[r].sum[b], x[r].half[b]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(dw, _mm256_broadcast_ss(x[r].d + b)), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        alignas(32) float v[TILE_GROUP];
+        _mm256_store_ps(v, acc[r]);
+        for (int c = 0; c < nw; ++c) y[r * ldy + c] = v[c];
+    }
+#else
+    for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < nw; ++c) {
+            float v = 0.0f;
+            for (int64_t b = 0; b < nb; ++b) {
+                const int64_t at = b * TILE_GROUP + c;
+                int32_t total = 0;
+                for (int l = 0; l < 32; ++l) {
+                    const uint8_t u = g.q[((8 * b + l / 4) * TILE_GROUP + c) * 4 + l % 4];
+                    const int code = codes_of(Q) == Codes::Signed ? int(int8_t(u)) : int(u) - tile_bias(Q);
+                    const int sc = !has_subscales(Q) ? 1 : (l < 16 ? g.scale[at] : g.scale2[at]);
+                    total += code * sc * x[r].q[32 * b + l];
+                }
+                v = std::fma(float(total), g.d[at] * x[r].d[b], v);
+            }
+            if (has_offset(Q)) v = v + offset_dot(g.off + c * nb, x[r].s, nb);
+            y[r * ldy + c] = v;
+        }
+    }
+#endif
+}
+
+}  // namespace kvs

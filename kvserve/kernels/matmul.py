@@ -19,7 +19,7 @@ _c_int, _c_i64, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {
     "kvs_matmul": [_c_int, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_int],
     "kvs_dequantize_rows": [_c_int, _ptr, _c_i64, _ptr, _c_i64, _ptr],
-    "kvs_quantize_activations": [_ptr, _c_i64, _c_i64, _ptr, _ptr],
+    "kvs_quantize_activations": [_ptr, _c_i64, _c_i64, _ptr, _ptr, _ptr],
     "kvs_matmul_supported": [_c_int],
 }
 _bound: set[int] = set()
@@ -97,12 +97,14 @@ def dequantize_rows(kl: KernelLibrary, qtype: int, weight: torch.Tensor, k: int,
 
 
 
-def quantize_activations(kl: KernelLibrary, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x as the block formats see it: (q [T, K] int8, d [T, K / 32] float32), x ~ q * d per block of
-    32 (d = max|x| / 127 of the block)."""
+def quantize_activations(kl: KernelLibrary, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x as the block formats see it: (q [T, K] int8, d [T, K / 32] float32, m [T, K] int16), x ~ q * m *
+    d per element (d: max|x| / 127 / 8 of the block of 32; m = 2^(3 - s) per sub-block of 8, whose step
+    is the block's over 2^s)."""
     x = x.float().contiguous()
     t, k = x.shape
     q = torch.empty(t, k, dtype=torch.int8)
     d = torch.empty(t, k // 32, dtype=torch.float32)
-    _check(_fn(kl, "kvs_quantize_activations")(x.data_ptr(), t, k, q.data_ptr(), d.data_ptr()), 8, k)
-    return q, d
+    pairs = torch.empty(t, k // 2, dtype=torch.int16)
+    _check(_fn(kl, "kvs_quantize_activations")(x.data_ptr(), t, k, q.data_ptr(), d.data_ptr(), pairs.data_ptr()), 8, k)
+    return q, d, pairs.repeat_interleave(2, dim=1)

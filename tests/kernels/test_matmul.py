@@ -75,13 +75,23 @@ def test_matmul_matches_float64_within_activation_rounding(lib, qtype):
     if qtype in FLOAT_TYPES:
         np.testing.assert_array_less(np.abs(y - xd @ wf.T), accumulation)
         return
-    # int8 per block of 32: |x - q d| <= d / 2 per element; the kernel equals x_q @ W up to float32
-    q, d = km.quantize_activations(lib, x)
-    xq = (q.double().view(t, -1, 32) * d.double()[..., None]).view(t, k).numpy()
-    half_step = np.repeat(d.double().numpy(), 32, 1) / 2 * 1.0001 + 1e-12
+    # int8 per block of 32 on the block's step, each sub-block of 8 on that step over 2^s (s <= 3, as
+    # fine as the sub-block's max allows): |x - q m d| <= m d / 2 per element; the kernel equals x_q @ W
+    # up to float32
+    q, d, m = km.quantize_activations(lib, x)
+    step = (m.double().view(t, -1, 32) * d.double()[..., None]).view(t, k).numpy()
+    xq = q.double().numpy() * step
+    half_step = step / 2 * 1.0001 + 1e-12
     assert np.all(np.abs(xq - xd) <= half_step)
     qi = np.abs(q.numpy().astype(np.int32))
-    assert np.all(qi <= 127) and np.all(qi.reshape(t, -1, 32).max(-1) == 127)
+    assert np.all(qi <= 127) and np.all(np.isin(m.numpy(), [1, 2, 4, 8]))
+    # the block's largest element is on the block's own step (m = 8, |q| = 127); a sub-block of 8 is
+    # on a finer step only where its own largest element still fits
+    assert np.all((qi * m.numpy()).reshape(t, -1, 32).max(-1) == 127 * 8)
+    sub = np.abs(xd).reshape(t, -1, 4, 8).max(-1)
+    finer = m.numpy().reshape(t, -1, 4, 8)[..., 0] < 8
+    assert np.all(sub[finer] * 2 <= np.repeat(np.abs(xd).reshape(t, -1, 32).max(-1, keepdims=True), 4, -1)[finer])
+    assert finer.any() and not finer.all()
     np.testing.assert_array_less(np.abs(y - xq @ wf.T), 1e-5 * (np.abs(xq) @ np.abs(wf).T) + 1e-6)
     np.testing.assert_array_less(np.abs(y - xd @ wf.T), half_step @ np.abs(wf).T + accumulation)
 
@@ -167,8 +177,8 @@ def test_the_int8_rounding_is_the_same_on_every_isa(monkeypatch):
     x[1, :32] = 0.0  # an all-zero block: q = 0, d = 0
     got = on_every_isa(monkeypatch, lambda kl: km.quantize_activations(kl, x))
     assert torch.equal(got[0][0][1, :32], torch.zeros(32, dtype=torch.int8)) and got[0][1][1, 0] == 0
-    for q, d in got[1:]:
-        assert torch.equal(q, got[0][0]) and torch.equal(d, got[0][1])
+    for q, d, m in got[1:]:
+        assert torch.equal(q, got[0][0]) and torch.equal(d, got[0][1]) and torch.equal(m, got[0][2])
 
 
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda q: q.name)

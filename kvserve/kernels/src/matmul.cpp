@@ -142,14 +142,13 @@ void run_quant(int type, const uint8_t* w, int64_t N, int64_t K, const float* x,
                int64_t ldy, int nthreads) {
     const Geometry g = geometry(type);
     const int64_t row_bytes = K / g.block * g.bytes, nb = K / 32;
-    std::vector<int8_t> xq(T * K);
-    std::vector<float> xd(T * nb), xs(T * nb);
-    std::vector<int32_t> xsum(T * nb), xhalf(T * nb);
+    XBlocks xb(T, K);
     std::vector<XRow> xrows(T);
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && T > 1)
     for (int64_t t = 0; t < T; ++t) {
-        quantize_row(x + t * ldx, K, &xq[t * K], &xd[t * nb], &xs[t * nb], &xsum[t * nb], &xhalf[t * nb]);
-        xrows[t] = XRow{&xq[t * K], &xd[t * nb], &xs[t * nb], &xsum[t * nb], &xhalf[t * nb]};
+        xrows[t] = xb.row(t, K);
+        quantize_row(x + t * ldx, K, &xb.q[t * K], &xb.d[t * nb], &xb.s[t * nb], &xb.sum[t * nb], &xb.half[t * nb],
+                     &xb.mult[16 * t * nb]);
     }
     const bool offsets = has_offset(type);
 #if KVS_SIMD
@@ -246,12 +245,12 @@ KVS_EXPORT int kvs_dequantize_rows(int type, const uint8_t* w, int64_t K, const 
     return 0;
 }
 
-// x as the block formats see it: q [T, K] int8, d [T, K / 32] (x ~ q * d; tests bound the error)
-KVS_EXPORT int kvs_quantize_activations(const float* x, int64_t T, int64_t K, int8_t* q, float* d) {
+// x as the block formats see it: q [T, K] int8, d [T, K / 32], mult [T, K / 2] int16 (x ~ q * m * d,
+// m of each pair of elements; tests bound the error)
+KVS_EXPORT int kvs_quantize_activations(const float* x, int64_t T, int64_t K, int8_t* q, float* d, int16_t* mult) {
     if (K % 32 != 0) return -2;
-    std::vector<float> s(K / 32);
-    std::vector<int32_t> sums(K / 32), halves(K / 32);
+    XBlocks xb(1, K);
     for (int64_t t = 0; t < T; ++t)
-        quantize_row(x + t * K, K, q + t * K, d + t * K / 32, s.data(), sums.data(), halves.data());
+        quantize_row(x + t * K, K, q + t * K, d + t * K / 32, xb.s.data(), xb.sum.data(), xb.half.data(), mult + t * K / 2);
     return 0;
 }

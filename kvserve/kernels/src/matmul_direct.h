@@ -15,27 +15,18 @@ inline __m256i pair_scales(int sc0, int sc1) {
     return _mm256_set_m128i(_mm_set1_epi16(short(sc1)), _mm_set1_epi16(short(sc0)));
 }
 
-// four u8 x s8 products summed per int32 lane (exact: the pairs never reach vpmaddubsw's saturation
-// at these ranges, and VNNI's vpdpbusd does not saturate)
-inline __m256i dot4(__m256i u, __m256i s) {
-#if defined(KVS_ISA_AVX512)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-
 // Lanes of one block for one weight row (w: its codes as codes_of(Q) stores them, w_abs: |w| for
-// Signed) and one activation row x, whose sum is the block's total before block_totals' per-row terms.
-// Q6_K's bias and two sub-scales are taken in here (x_bias: q6_bias_pairs(x); scales: pair_scales).
+// Signed) and one activation row (x, its multipliers per pair of elements: mult), whose sum is the
+// block's total before block_totals' per-row terms. Q6_K's bias and two sub-scales are taken in here
+// (x_bias: q6_bias_pairs(x); scales: pair_scales).
 template <int Q>
-inline __m256i block_lanes(__m256i w, __m256i w_abs, __m256i x, __m256i x_bias, __m256i scales) {
+inline __m256i block_lanes(__m256i w, __m256i w_abs, __m256i x, __m256i mult, __m256i x_bias, __m256i scales) {
     if constexpr (Q == T_Q6_K) {
-        return _mm256_madd_epi16(_mm256_sub_epi16(_mm256_maddubs_epi16(w, x), x_bias), scales);
+        return _mm256_madd_epi16(_mm256_sub_epi16(_mm256_maddubs_epi16(w, x), x_bias), _mm256_mullo_epi16(scales, mult));
     } else if constexpr (codes_of(Q) == Codes::Signed) {
-        return dot4(w_abs, _mm256_sign_epi8(x, w));
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w)), mult);
     } else {
-        return dot4(w, x);
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), mult);
     }
 }
 
@@ -50,7 +41,7 @@ inline __m256i totals8(const __m256i* p) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, e, 0x20), _mm256_permute2x128_si256(a, e, 0x31));
 }
 
-// Eight weight rows' totals of one block against one activation row (its block sum of q: xsum):
+// Eight weight rows' totals of one block against one activation row (its block sum of q * m: xsum):
 // totals8 of their block_lanes, then the terms each row has once a block: Q4_0's and Q5_0's bias
 // (bias * xsum), Q4_K's and Q5_K's one sub-scale (scale: the eight rows')
 template <int Q>
@@ -84,12 +75,13 @@ struct DotSink {
     float* off;  // the row's per-block offsets, for offset_dot at the end
     float acc[R];
     void operator()(int64_t b, const Block32& k) {
-        // the block's signed codes, |c| times q with c's sign, times the sub-scales: the block's total
+        // the block's signed codes, |c| times q with c's sign, times the sub-scales and multipliers
         const __m256i scales = pair_scales(k.sc0, k.sc1), w_abs = _mm256_abs_epi8(k.c);
         off[b] = k.off;
         for (int r = 0; r < R; ++r) {
-            const __m256i xq = load256(x[r].q + 32 * b);
-            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(xq, k.c)), scales);
+            const __m256i xq = load256(x[r].q + 32 * b), mult = load256(x[r].mult + 16 * b);
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(xq, k.c)),
+                                                _mm256_mullo_epi16(scales, mult));
             acc[r] = chain_step(acc[r], total1(p), k.d * x[r].d[b]);
         }
     }
@@ -150,9 +142,9 @@ inline void qdot_direct32(const uint8_t* const* rows, int64_t nb, const XRow* x,
             for (int c = 0; c < DIRECT_GROUP; ++c) off[c][b] = m[c];
         }
         for (int r = 0; r < R; ++r) {
-            const __m256i xq = load256(x[r].q + 32 * b);
+            const __m256i xq = load256(x[r].q + 32 * b), mult = load256(x[r].mult + 16 * b);
             __m256i p[DIRECT_GROUP];
-            for (int c = 0; c < DIRECT_GROUP; ++c) p[c] = block_lanes<Q>(w[c], w_abs[c], xq, zero, zero);
+            for (int c = 0; c < DIRECT_GROUP; ++c) p[c] = block_lanes<Q>(w[c], w_abs[c], xq, mult, zero, zero);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_totals<Q>(p, x[r].sum[b], zero)),
                                      _mm256_mul_ps(dw, _mm256_broadcast_ss(x[r].d + b)), acc[r]);
         }
@@ -231,10 +223,10 @@ inline void qdot_directk(const uint8_t* const* rows, int64_t nb, const XRow* x, 
                                                                    sc[4][2 * j], sc[5][2 * j], sc[6][2 * j], sc[7][2 * j])
                                               : _mm256_setzero_si256();
             for (int r = 0; r < R; ++r) {
-                const __m256i xq = load256(x[r].q + 32 * b);
+                const __m256i xq = load256(x[r].q + 32 * b), mult = load256(x[r].mult + 16 * b);
                 const __m256i xb = Q == T_Q6_K ? q6_bias_pairs(xq) : _mm256_setzero_si256();
                 __m256i p[DIRECT_GROUP];
-                for (int c = 0; c < DIRECT_GROUP; ++c) p[c] = block_lanes<Q>(w[c], w[c], xq, xb, scales[c]);
+                for (int c = 0; c < DIRECT_GROUP; ++c) p[c] = block_lanes<Q>(w[c], w[c], xq, mult, xb, scales[c]);
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_totals<Q>(p, x[r].sum[b], scale)),
                                          _mm256_mul_ps(dw, _mm256_broadcast_ss(x[r].d + b)), acc[r]);
             }

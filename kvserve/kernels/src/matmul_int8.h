@@ -2,21 +2,26 @@
 // 8-bit codes with integer sub-scales and per-block float scales, and the integer dot-product tiles
 // (see the chain below).
 #pragma once
+#include <vector>
+
 #include "matmul_quant.h"
 
 namespace kvs {
 
 // ---------------------------------------------------------------- block formats: 8-bit products
 //
-// Block formats run on integers, as llama.cpp's do: each activation row is rounded once to int8 per
-// block of 32 (x ~ q * dx, dx = max|x| / 127: within dx / 2 of x), each weight row decoded to 8-bit
-// codes with integer sub-scales and a float d and offset per block. y[t, n] is one chain: per block
-// the exact integer total of c * sc * q over its 32 elements (c the signed code, sc its sub-scale, 1
-// where the format has none; |total| <= 32 * 32 * 128 * 127 < 2^24, so float(total) is exact too),
-// then acc = fma(float(total), dw * dx, acc) in block order; then acc plus the offsets' dot
-// sum_b off[b] * dx[b] * (sum of the block's q) (8 blocks a lane, hsum8, then the tail). Only the
-// totals' values enter the floats, so every path computes them its own way (u8 x s8 products, a sign
-// trick, a bias taken off, one vector lane per weight row) and gets the same bits.
+// Block formats run on integers, as llama.cpp's do, with a finer activation rounding: each activation
+// row is rounded once to int8 per block of 32 on the block's step D = max|x| / 127, each sub-block of
+// 8 on D / 2^s (s <= 3, as fine as its own max allows), so x ~ q * m * dx with m = 2^(3 - s) the
+// sub-block's multiplier and dx = D / 8 (perplexity drift vs float32: +0.6% with one step a block,
+// under 0.2% with the sub-blocks'). Each weight row is decoded to 8-bit codes with integer sub-scales
+// and a float d and offset per block. y[t, n] is one chain: per block the exact integer total of
+// c * sc * q * m over its 32 elements (c the signed code, sc its sub-scale, 1 where the format has
+// none; |total| < 2^31), then acc = fma(float(total), dw * dx, acc) in block order; then acc plus the
+// offsets' dot sum_b off[b] * s[b], s[b] = dx[b] * (the block's sum of q * m) (8 blocks a lane,
+// hsum8, then the tail). Only the totals' values enter the floats, so every path computes them its
+// own way (u8 x s8 products, a sign trick, a bias taken off, one vector lane per weight row) and gets
+// the same bits.
 
 // How a format's codes enter the u8 x s8 products (vpmaddubsw: unsigned bytes times signed bytes, pairs
 // summed to int16 with saturation, which the sums below never reach; VNNI's vpdpbusd: four to int32):
@@ -37,13 +42,27 @@ constexpr bool has_subscales(int type) { return type == T_Q4_K || type == T_Q5_K
 
 constexpr bool has_offset(int type) { return type == T_Q4_1 || type == T_Q5_1 || type == T_Q4_K || type == T_Q5_K; }
 
-struct XRow {  // an activation row: x[k] ~ q[k] * d[k / 32]; block b's sum of q: sum[b], of its first
-               // 16: half[b]; s[b] = d[b] * sum[b]
+struct XRow {  // an activation row as the block formats see it: x[k] ~ q[k] * m(k) * d[k / 32]
     const int8_t* q;
     const float* d;
-    const float* s;
-    const int32_t* sum;
-    const int32_t* half;
+    const float* s;       // d[b] * sum[b]
+    const int32_t* sum;   // block b's sum of q * m
+    const int32_t* half;  // the same over its first 16 elements
+    const int16_t* mult;  // [16 per block] m of each pair of elements (a sub-block of 8 is four pairs)
+};
+
+// the arrays an XRow points into, for T rows of K
+struct XBlocks {
+    std::vector<int8_t> q;
+    std::vector<float> d, s;
+    std::vector<int32_t> sum, half;
+    std::vector<int16_t> mult;
+    XBlocks(int64_t T, int64_t K)
+        : q(T * K), d(T * K / 32), s(T * K / 32), sum(T * K / 32), half(T * K / 32), mult(T * K / 2) {}
+    XRow row(int64_t t, int64_t K) {
+        const int64_t b = t * (K / 32);
+        return XRow{&q[t * K], &d[b], &s[b], &sum[b], &half[b], &mult[16 * b]};
+    }
 };
 
 // The scalar walk: block b's signed codes and Block32 fields, as the SIMD walkers give them
@@ -89,46 +108,53 @@ inline void scalar_block(int type, const uint8_t* row, int64_t b, int8_t* c, flo
     if (has_min) *off = load_f16(blk + 2);
 }
 
-// x -> (q, d, s) per block of 32 (the same operations on every ISA)
-inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s, int32_t* sums, int32_t* halves) {
+// x -> one XRow (the same operations on every ISA)
+inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s, int32_t* sums, int32_t* halves,
+                         int16_t* mult) {
     for (int64_t b = 0; b < K / 32; ++b) {
         const float* xb = x + 32 * b;
-        float amax = 0.0f;
-#if KVS_SIMD
-        const __m256 sign = _mm256_set1_ps(-0.0f);
-        __m256 mx = _mm256_setzero_ps();
-        for (int i = 0; i < 32; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        amax = _mm_cvtss_f32(m4);
-#else
-        for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
-#endif
-        const float db = amax / 127.0f;
-        const float id = db > 0.0f ? 1.0f / db : 0.0f;
-        int8_t* qb = q + 32 * b;
-#if KVS_SIMD
-        __m256i v[4];
+        float amax8[4];
         for (int i = 0; i < 4; ++i) {
-            __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xb + 8 * i), _mm256_set1_ps(id));
+#if KVS_SIMD
+            const __m256 v = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_loadu_ps(xb + 8 * i));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            amax8[i] = _mm_cvtss_f32(m4);
+#else
+            amax8[i] = 0.0f;
+            for (int l = 0; l < 8; ++l) amax8[i] = std::max(amax8[i], std::fabs(xb[8 * i + l]));
+#endif
+        }
+        const float amax = std::max(std::max(amax8[0], amax8[1]), std::max(amax8[2], amax8[3]));
+        const float step = amax / 127.0f;  // the block's step D
+        const float id = step > 0.0f ? 1.0f / step : 0.0f;
+        int8_t* qb = q + 32 * b;
+        int sum = 0, half = 0;
+        for (int i = 0; i < 4; ++i) {
+            int shift = 0;  // the largest s <= 3 with amax8 * 2^s <= amax (powers of two: exact)
+            while (shift < 3 && amax8[i] * float(2 << shift) <= amax) ++shift;
+            const float scale = id * float(1 << shift);
+#if KVS_SIMD
+            __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xb + 8 * i), _mm256_set1_ps(scale));
             t = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             t = _mm256_min_ps(_mm256_max_ps(t, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
-            v[i] = _mm256_cvtps_epi32(t);
-        }
-        // packs interleave 128-bit lanes; the permute puts the 32 values back in element order
-        const __m256i w16 = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb),
-                            _mm256_permutevar8x32_epi32(w16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+            const __m128i v32 = _mm_packs_epi32(_mm256_castsi256_si128(_mm256_cvtps_epi32(t)),
+                                                _mm256_extracti128_si256(_mm256_cvtps_epi32(t), 1));
+            _mm_storel_epi64(reinterpret_cast<__m128i*>(qb + 8 * i), _mm_packs_epi16(v32, v32));
 #else
-        for (int i = 0; i < 32; ++i) qb[i] = int8_t(std::min(127.0f, std::max(-127.0f, std::nearbyint(xb[i] * id))));
+            for (int l = 0; l < 8; ++l)
+                qb[8 * i + l] = int8_t(std::min(127.0f, std::max(-127.0f, std::nearbyint(xb[8 * i + l] * scale))));
 #endif
-        int half = 0, sum = 0;
-        for (int i = 0; i < 16; ++i) half += qb[i];
-        sum = half;
-        for (int i = 16; i < 32; ++i) sum += qb[i];
-        d[b] = db;
-        s[b] = db * float(sum);
+            const int m = 8 >> shift;
+            int part = 0;
+            for (int l = 0; l < 8; ++l) part += qb[8 * i + l];
+            sum += m * part;
+            if (i < 2) half += m * part;
+            for (int l = 0; l < 4; ++l) mult[16 * b + 4 * i + l] = int16_t(m);
+        }
+        d[b] = step * 0.125f;
+        s[b] = d[b] * float(sum);
         sums[b] = sum;
         halves[b] = half;
     }
@@ -252,36 +278,43 @@ inline vtot tot_mul(vtot a, vtot b) { return _mm256_mullo_epi32(a, b); }
 inline vtot tot_add(vtot a, vtot b) { return _mm256_add_epi32(a, b); }
 #endif
 
-// sum over k-groups lo .. hi - 1 of the group's u8 codes times x's four bytes, per row (int32 lanes).
-// AVX2: vpmaddubsw pairs added as int16 while they cannot pass 2^15 (codes of Q's bits: 16 products
-// of 4-bit codes, 8 of 5-bit, 4 of 6-bit), then widened; AVX-512: vpdpbusd straight to int32
+// sum over sub-blocks lo .. hi - 1 (8 elements, two k-groups each) of the group's u8 codes times x's
+// bytes times the sub-block's multiplier, per row (int32 lanes). AVX2: the two k-groups' vpmaddubsw
+// pairs added as int16 (4 products of codes up to 63: below 2^15), widened by vpmaddwd with the
+// multiplier; AVX-512: vpdpbusd to int32, shifted by the multiplier's exponent
 template <int Q>
-inline vtot kgroup_sums(const uint8_t* wb, const int8_t* xb, int lo, int hi) {
+inline vtot subblock_sums(const uint8_t* wb, const XRow& x, int64_t b, int lo, int hi) {
+    const int8_t* xb = x.q + 32 * b;
+    const int16_t* m = x.mult + 16 * b;
 #if defined(KVS_ISA_AVX512)
     __m512i t = _mm512_setzero_si512();
-    for (int k = lo; k < hi; ++k) t = _mm512_dpbusd_epi32(t, _mm512_loadu_si512(wb + 64 * k), _mm512_set1_epi32(load_i32(xb + 4 * k)));
+    for (int i = lo; i < hi; ++i) {
+        __m512i u = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(wb + 128 * i),
+                                        _mm512_set1_epi32(load_i32(xb + 8 * i)));
+        u = _mm512_dpbusd_epi32(u, _mm512_loadu_si512(wb + 128 * i + 64), _mm512_set1_epi32(load_i32(xb + 8 * i + 4)));
+        t = _mm512_add_epi32(t, _mm512_sll_epi32(u, _mm_cvtsi32_si128(__builtin_ctz(unsigned(m[4 * i]))))); 
+    }
     return t;
 #else
-    constexpr int run = Q == T_Q4_0 || Q == T_Q4_1 || Q == T_Q4_K ? 8 : Q == T_Q6_K ? 2 : 4;
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256i t = _mm256_setzero_si256();
-    for (int k0 = lo; k0 < hi; k0 += run) {
-        __m256i s16 = _mm256_setzero_si256();
-        for (int k = k0; k < k0 + run; ++k)
-            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(load256(wb + 32 * k), _mm256_set1_epi32(load_i32(xb + 4 * k))));
-        t = _mm256_add_epi32(t, _mm256_madd_epi16(s16, ones));
+    for (int i = lo; i < hi; ++i) {
+        const __m256i s16 = _mm256_add_epi16(
+            _mm256_maddubs_epi16(load256(wb + 64 * i), _mm256_set1_epi32(load_i32(xb + 8 * i))),
+            _mm256_maddubs_epi16(load256(wb + 64 * i + 32), _mm256_set1_epi32(load_i32(xb + 8 * i + 4))));
+        t = _mm256_add_epi32(t, _mm256_madd_epi16(s16, _mm256_set1_epi16(m[4 * i])));
     }
     return t;
 #endif
 }
 
-// the block totals of a group's rows against one activation block (xb, its sum and half sum)
+// the block totals of a group's rows against block b of one activation row
 template <int Q>
-inline vtot group_totals(const QGroup& g, int64_t b, const int8_t* xb, int32_t sum, int32_t half) {
+inline vtot group_totals(const QGroup& g, int64_t b, const XRow& x) {
     const uint8_t* wb = g.q + 8 * 4 * TILE_GROUP * b;
+    const int32_t sum = x.sum[b], half = x.half[b];
     if constexpr (Q == T_Q6_K) {  // two sub-scales a block: each half's sum less its bias, scaled
-        const vtot h0 = tot_sub(kgroup_sums<Q>(wb, xb, 0, 4), tot_set1(32 * half));
-        const vtot h1 = tot_sub(kgroup_sums<Q>(wb, xb, 4, 8), tot_set1(32 * (sum - half)));
+        const vtot h0 = tot_sub(subblock_sums<Q>(wb, x, b, 0, 2), tot_set1(32 * half));
+        const vtot h1 = tot_sub(subblock_sums<Q>(wb, x, b, 2, 4), tot_set1(32 * (sum - half)));
         return tot_add(tot_mul(tot_load(g.scale + TILE_GROUP * b), h0), tot_mul(tot_load(g.scale2 + TILE_GROUP * b), h1));
     }
     vtot t;
@@ -289,14 +322,14 @@ inline vtot group_totals(const QGroup& g, int64_t b, const int8_t* xb, int32_t s
     if constexpr (Q == T_Q8_0) {  // signed codes: |c| times x with c's sign, widened every k-group
         t = _mm256_setzero_si256();
         for (int k = 0; k < 8; ++k) {
-            const __m256i w = load256(wb + 32 * k), xv = _mm256_set1_epi32(load_i32(xb + 4 * k));
+            const __m256i w = load256(wb + 32 * k), xv = _mm256_set1_epi32(load_i32(x.q + 32 * b + 4 * k));
             t = _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w)),
-                                                      _mm256_set1_epi16(1)));
+                                                      _mm256_set1_epi16(x.mult[16 * b + 2 * k])));
         }
         return t;
     }
 #endif
-    t = kgroup_sums<Q>(wb, xb, 0, 8);
+    t = subblock_sums<Q>(wb, x, b, 0, 4);
     if constexpr (tile_bias(Q) != 0) t = tot_sub(t, tot_set1(tile_bias(Q) * sum));
     if constexpr (Q == T_Q4_K || Q == T_Q5_K) t = tot_mul(t, tot_load(g.scale + TILE_GROUP * b));
     return t;
@@ -313,7 +346,7 @@ inline void qdot_group(const XRow* x, const QGroup& g, int nw, int64_t nb, float
     for (int64_t b = 0; b < nb; ++b) {
         const __m512 dw = _mm512_loadu_ps(g.d + TILE_GROUP * b);
         for (int r = 0; r < R; ++r) {
-            const __m512i t = group_totals<Q>(g, b, x[r].q + 32 * b, x[r].sum[b], x[r].half[b]);
+            const __m512i t = group_totals<Q>(g, b, x[r]);
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dw, _mm512_set1_ps(x[r].d[b])), acc[r]);
         }
     }
@@ -328,7 +361,7 @@ inline void qdot_group(const XRow* x, const QGroup& g, int nw, int64_t nb, float
     for (int64_t b = 0; b < nb; ++b) {
         const __m256 dw = _mm256_loadu_ps(g.d + TILE_GROUP * b);
         for (int r = 0; r < R; ++r) {
-            const __m256i t = group_totals<Q>(g, b, x[r].q + 32 * b, x[r].sum[b], x[r].half[b]);
+            const __m256i t = group_totals<Q>(g, b, x[r]);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(dw, _mm256_broadcast_ss(x[r].d + b)), acc[r]);
         }
     }
@@ -348,7 +381,7 @@ inline void qdot_group(const XRow* x, const QGroup& g, int nw, int64_t nb, float
                     const uint8_t u = g.q[((8 * b + l / 4) * TILE_GROUP + c) * 4 + l % 4];
                     const int code = codes_of(Q) == Codes::Signed ? int(int8_t(u)) : int(u) - tile_bias(Q);
                     const int sc = !has_subscales(Q) ? 1 : (l < 16 ? g.scale[at] : g.scale2[at]);
-                    total += code * sc * x[r].q[32 * b + l];
+                    total += code * sc * x[r].q[32 * b + l] * x[r].mult[16 * b + l / 2];
                 }
                 v = std::fma(float(total), g.d[at] * x[r].d[b], v);
             }

@@ -262,6 +262,7 @@ inline void decode_row_q(int type, const uint8_t* row, int64_t K, const QGroup& 
 #if KVS_SIMD
 inline int32_t load_i32(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return v; }
 
+// vtot: the tile's int32 totals, one lane per row of a group (TILE_GROUP lanes), and its few operations
 #if defined(KVS_ISA_AVX512)
 using vtot = __m512i;
 inline vtot tot_load(const void* p) { return _mm512_loadu_si512(p); }

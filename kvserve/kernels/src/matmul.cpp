@@ -146,9 +146,8 @@ void run_quant(int type, const uint8_t* w, int64_t N, int64_t K, const float* x,
     std::vector<XRow> xrows(T);
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && T > 1)
     for (int64_t t = 0; t < T; ++t) {
+        quantize_row(x + t * ldx, K, xb, t);
         xrows[t] = xb.row(t, K);
-        quantize_row(x + t * ldx, K, &xb.q[t * K], &xb.d[t * nb], &xb.s[t * nb], &xb.sum[t * nb], &xb.half[t * nb],
-                     &xb.mult[16 * t * nb]);
     }
     const bool offsets = has_offset(type);
 #if KVS_SIMD
@@ -249,8 +248,10 @@ KVS_EXPORT int kvs_dequantize_rows(int type, const uint8_t* w, int64_t K, const 
 // m of each pair of elements; tests bound the error)
 KVS_EXPORT int kvs_quantize_activations(const float* x, int64_t T, int64_t K, int8_t* q, float* d, int16_t* mult) {
     if (K % 32 != 0) return -2;
-    XBlocks xb(1, K);
-    for (int64_t t = 0; t < T; ++t)
-        quantize_row(x + t * K, K, q + t * K, d + t * K / 32, xb.s.data(), xb.sum.data(), xb.half.data(), mult + t * K / 2);
+    XBlocks xb(T, K);
+    for (int64_t t = 0; t < T; ++t) quantize_row(x + t * K, K, xb, t);
+    std::copy(xb.q.begin(), xb.q.end(), q);
+    std::copy(xb.d.begin(), xb.d.end(), d);
+    std::copy(xb.mult.begin(), xb.mult.end(), mult);
     return 0;
 }

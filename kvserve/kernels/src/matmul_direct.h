@@ -63,6 +63,20 @@ inline int total1(__m256i p) {
 inline float chain_step(float acc, int total, float scale) {
     return _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(float(total)), _mm_set_ss(scale), _mm_set_ss(acc)));
 }
+
+// y[r * ldy + c] = lane c of acc[r], plus row c's offsets' dot where format Q has offsets
+template <int Q, int R>
+inline void store_direct(const __m256 (&acc)[R], const XRow* x, float* const* off, int64_t nb, float* y, int64_t ldy) {
+    for (int r = 0; r < R; ++r) {
+        alignas(32) float v[DIRECT_GROUP];
+        _mm256_store_ps(v, acc[r]);
+        for (int c = 0; c < DIRECT_GROUP; ++c) {
+            if constexpr (has_offset(Q)) v[c] = v[c] + offset_dot(off[c], x[r].s, nb);
+            y[r * ldy + c] = v[c];
+        }
+    }
+}
+
 // Few activation rows (decode, a speculative verify): each weight row is decoded in registers as its
 // blocks stream in and dotted with the R rows at once, never stored. The chain is qdot_group's to the
 // bit: the same block totals, acc = fma(float(total), dw * dx, acc) in block order, then offset_dot.
@@ -149,14 +163,7 @@ inline void qdot_direct32(const uint8_t* const* rows, int64_t nb, const XRow* x,
                                      _mm256_mul_ps(dw, _mm256_broadcast_ss(x[r].d + b)), acc[r]);
         }
     }
-    for (int r = 0; r < R; ++r) {
-        alignas(32) float v[DIRECT_GROUP];
-        _mm256_store_ps(v, acc[r]);
-        for (int c = 0; c < DIRECT_GROUP; ++c) {
-            if constexpr (has_offset(Q)) v[c] = v[c] + offset_dot(off[c], x[r].s, nb);
-            y[r * ldy + c] = v[c];
-        }
-    }
+    store_direct<Q, R>(acc, x, off, nb, y, ldy);
 }
 
 // the codes of sub-block j of a Q4_K or Q6_K superblock as stored (Q4_K 0..15, Q6_K 0..63: the value
@@ -232,14 +239,7 @@ inline void qdot_directk(const uint8_t* const* rows, int64_t nb, const XRow* x, 
             }
         }
     }
-    for (int r = 0; r < R; ++r) {
-        alignas(32) float v[DIRECT_GROUP];
-        _mm256_store_ps(v, acc[r]);
-        for (int c = 0; c < DIRECT_GROUP; ++c) {
-            if constexpr (Q == T_Q4_K) v[c] = v[c] + offset_dot(off[c], x[r].s, nb);
-            y[r * ldy + c] = v[c];
-        }
-    }
+    store_direct<Q, R>(acc, x, off, nb, y, ldy);
 }
 
 // y[r * ldy + j] = x[r] . W[lo + j] for R activation rows and the weight rows lo .. hi; `off` holds

@@ -78,7 +78,7 @@ inline void scalar_block(int type, const uint8_t* row, int64_t b, int8_t* c, flo
             *d = load_f16(blk + 208);
             *sc0 = sc[2 * j];
             *sc1 = sc[2 * j + 1];
-            for (int l = 0; l < 32; ++l) c[l] = int8_t(q6_code(blk, 32 * j + l) - 32);
+            for (int l = 0; l < 32; ++l) c[l] = int8_t(q6_code(blk, 32 * j + l) - code_bias(type));
             return;
         }
         const bool five = type == T_Q5_K;
@@ -99,18 +99,20 @@ inline void scalar_block(int type, const uint8_t* row, int64_t b, int8_t* c, flo
     const bool has_min = type == T_Q4_1 || type == T_Q5_1, five = type == T_Q5_0 || type == T_Q5_1;
     const uint8_t* qs = blk + 2 + (has_min ? 2 : 0) + (five ? 4 : 0);
     const uint32_t qh = five ? load_u32(blk + 2 + (has_min ? 2 : 0)) : 0;
-    const int bias = has_min ? 0 : (five ? 16 : 8);
     for (int l = 0; l < 32; ++l) {
         int v = l < 16 ? qs[l] & 15 : qs[l - 16] >> 4;
         if (five) v |= q5_high(qh, l);
-        c[l] = int8_t(v - bias);
+        c[l] = int8_t(v - code_bias(type));
     }
     if (has_min) *off = load_f16(blk + 2);
 }
 
-// x -> one XRow (the same operations on every ISA)
-inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s, int32_t* sums, int32_t* halves,
-                         int16_t* mult) {
+// x -> row t of xb (the same operations on every ISA)
+inline void quantize_row(const float* x, int64_t K, XBlocks& xb, int64_t t) {
+    int8_t* q = &xb.q[t * K];
+    float *d = &xb.d[t * (K / 32)], *s = &xb.s[t * (K / 32)];
+    int32_t *sums = &xb.sum[t * (K / 32)], *halves = &xb.half[t * (K / 32)];
+    int16_t* mult = &xb.mult[t * K / 2];
     for (int64_t b = 0; b < K / 32; ++b) {
         const float* xb = x + 32 * b;
         float amax8[4];
@@ -379,18 +381,15 @@ inline void qdot_group(const XRow* x, const QGroup& g, int nw, int64_t nb, float
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         const __m256 dw = _mm256_loadu_ps(g.d + TILE_GROUP * b);
+        auto row = [&](int r) {
+            const __m256i t = group_totals<Q>(g, b, x[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(dw, _mm256_broadcast_ss(x[r].d + b)), acc[r]);
+        };
         if constexpr (unroll_rows<Q>()) {
-            auto row = [&](int r) {
-                const __m256i t = group_totals<Q>(g, b, x[r]);
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(dw, _mm256_broadcast_ss(x[r].d + b)), acc[r]);
-            };
 #pragma GCC unroll 4
             for (int r = 0; r < R; ++r) row(r);
-        } else {  // the plain loop (the same steps; GCC schedules it best for these formats)
-            for (int r = 0; r < R; ++r) {
-                const __m256i t = group_totals<Q>(g, b, x[r]);
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(dw, _mm256_broadcast_ss(x[r].d + b)), acc[r]);
-            }
+        } else {
+            for (int r = 0; r < R; ++r) row(r);
         }
     }
     for (int r = 0; r < R; ++r) {

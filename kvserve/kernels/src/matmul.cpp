@@ -3,7 +3,7 @@
 // takes a contiguous share of the N weight rows (block formats' prefill: panels of them, handed out
 // dynamically), decodes them a few at a time (8-bit codes for block formats, float32 for float
 // formats; once per call, whatever T), then runs every tile of up to TILE_ROWS activation rows against
-// them (matmul_quant.h's and matmul_int8.h's dot tiles; the block formats' offset terms as a pass of
+// them (matmul_quant.h's and matmul_tile.h's dot tiles; the block formats' offset terms as a pass of
 // their own).
 // Invariance: y[t, n] is one dot chain over row t of x and the decoded row n of W, in one order; threads
 // split N only, and T and N are tiled without changing any element's operations.
@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "matmul_direct.h"
+#include "matmul_tile.h"
 
 namespace kvs {
 namespace {

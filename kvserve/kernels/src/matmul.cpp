@@ -94,20 +94,11 @@ void run_quant_direct(int type, const uint8_t* w, int64_t row_bytes, int64_t N, 
 
 #if KVS_SIMD
 // y[j] += sum_b off[j][b] * s[b] for the nw decoded rows of a panel, eight rows a vector: offT holds
-// the panel's offsets transposed ([nb][ldo], rows past nw zero). Each lane runs offset_dot's chain to
-// the bit (lane l of the 8-block chunks as one fma chain, hsum8's tree over them, then the tail's
-// multiply-adds in order), so adding it to a tile's offset-free result is the tile's own result.
+// the panel's offsets transposed ([nb][ldo], rows past nw zero); offset_dots8 keeps offset_dot's
+// chain, so adding it to a tile's offset-free result is the tile's own result.
 inline void add_offsets(const float* offT, int64_t ldo, int64_t nw, int64_t nb, const float* s, float* y) {
     for (int64_t j = 0; j < nw; j += 8) {
-        __m256 a[8];
-        for (int l = 0; l < 8; ++l) a[l] = _mm256_setzero_ps();
-        int64_t b = 0;
-        for (; b + 8 <= nb; b += 8)
-            for (int l = 0; l < 8; ++l)
-                a[l] = _mm256_fmadd_ps(_mm256_loadu_ps(offT + (b + l) * ldo + j), _mm256_broadcast_ss(s + b + l), a[l]);
-        __m256 v = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a[0], a[4]), _mm256_add_ps(a[2], a[6])),
-                                 _mm256_add_ps(_mm256_add_ps(a[1], a[5]), _mm256_add_ps(a[3], a[7])));
-        for (; b < nb; ++b) v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_loadu_ps(offT + b * ldo + j), _mm256_broadcast_ss(s + b)));
+        const __m256 v = offset_dots8(offT + j, ldo, nb, s);
         if (j + 8 <= nw) {
             _mm256_storeu_ps(y + j, _mm256_add_ps(_mm256_loadu_ps(y + j), v));
         } else {

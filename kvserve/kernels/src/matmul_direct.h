@@ -64,16 +64,14 @@ inline float chain_step(float acc, int total, float scale) {
     return _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(float(total)), _mm_set_ss(scale), _mm_set_ss(acc)));
 }
 
-// y[r * ldy + c] = lane c of acc[r], plus row c's offsets' dot where format Q has offsets
+// y[r * ldy + c] = lane c of acc[r], plus row c's offsets' dot where format Q has offsets (offT: the
+// eight rows' offsets transposed, [nb][8])
 template <int Q, int R>
-inline void store_direct(const __m256 (&acc)[R], const XRow* x, float* const* off, int64_t nb, float* y, int64_t ldy) {
+inline void store_direct(const __m256 (&acc)[R], const XRow* x, const float* offT, int64_t nb, float* y, int64_t ldy) {
     for (int r = 0; r < R; ++r) {
-        alignas(32) float v[DIRECT_GROUP];
-        _mm256_store_ps(v, acc[r]);
-        for (int c = 0; c < DIRECT_GROUP; ++c) {
-            if constexpr (has_offset(Q)) v[c] = v[c] + offset_dot(off[c], x[r].s, nb);
-            y[r * ldy + c] = v[c];
-        }
+        __m256 v = acc[r];
+        if constexpr (has_offset(Q)) v = _mm256_add_ps(v, offset_dots8(offT, DIRECT_GROUP, nb, x[r].s));
+        _mm256_storeu_ps(y + r * ldy, v);
     }
 }
 
@@ -138,7 +136,7 @@ inline __m256i block32_codes(const uint8_t* row, int64_t b) {
 // Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: eight weight rows against R activation rows; per block the eight
 // rows' codes, then for each activation row their totals as one vector (totals8) and one fma
 template <int Q, int R>
-inline void qdot_direct32(const uint8_t* const* rows, int64_t nb, const XRow* x, float* const* off, float* y,
+inline void qdot_direct32(const uint8_t* const* rows, int64_t nb, const XRow* x, float* offT, float* y,
                           int64_t ldy) {
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -150,11 +148,7 @@ inline void qdot_direct32(const uint8_t* const* rows, int64_t nb, const XRow* x,
             w_abs[c] = codes_of(Q) == Codes::Signed ? _mm256_abs_epi8(w[c]) : w[c];
         }
         const __m256 dw = group_halves<Q>(rows, b, 0);
-        if constexpr (has_offset(Q)) {
-            alignas(32) float m[DIRECT_GROUP];
-            _mm256_store_ps(m, group_halves<Q>(rows, b, 2));
-            for (int c = 0; c < DIRECT_GROUP; ++c) off[c][b] = m[c];
-        }
+        if constexpr (has_offset(Q)) _mm256_storeu_ps(offT + DIRECT_GROUP * b, group_halves<Q>(rows, b, 2));
         for (int r = 0; r < R; ++r) {
             const __m256i xq = load256(x[r].q + 32 * b), mult = load256(x[r].mult + 16 * b);
             __m256i p[DIRECT_GROUP];
@@ -163,7 +157,7 @@ inline void qdot_direct32(const uint8_t* const* rows, int64_t nb, const XRow* x,
                                      _mm256_mul_ps(dw, _mm256_broadcast_ss(x[r].d + b)), acc[r]);
         }
     }
-    store_direct<Q, R>(acc, x, off, nb, y, ldy);
+    store_direct<Q, R>(acc, x, offT, nb, y, ldy);
 }
 
 // the codes of sub-block j of a Q4_K or Q6_K superblock as stored (Q4_K 0..15, Q6_K 0..63: the value
@@ -186,16 +180,16 @@ inline __m256i k_codes(const uint8_t* blk, int j) {
 }
 
 // A Q4_K / Q6_K superblock's sub-scales per pair of 16 elements (Q4_K's twice) and Q4_K's offsets
-// into off[8 sb ..]
+// into off[8 sb * stride ..] a stride apart
 template <int Q>
-inline void k_scales(const uint8_t* blk, int64_t sb, int* sc, float* off) {
+inline void k_scales(const uint8_t* blk, int64_t sb, int* sc, float* off, int stride) {
     if constexpr (Q == T_Q4_K) {
         const float dmin = half_at(blk + 2);
         for (int j = 0; j < 8; ++j) {
             int m;
             k4_scale_min(j, blk + 4, &sc[2 * j], &m);
             sc[2 * j + 1] = sc[2 * j];
-            off[sb * 8 + j] = -(dmin * float(m));
+            off[(sb * 8 + j) * stride] = -(dmin * float(m));
         }
     } else {
         for (int i = 0; i < 16; ++i) sc[i] = reinterpret_cast<const int8_t*>(blk + 192)[i];
@@ -205,7 +199,7 @@ inline void k_scales(const uint8_t* blk, int64_t sb, int* sc, float* off) {
 // Q4_K and Q6_K: eight weight rows against R activation rows, each superblock's codes unpacked in
 // registers, then qdot_direct32's steps per sub-block of 32
 template <int Q, int R>
-inline void qdot_directk(const uint8_t* const* rows, int64_t nb, const XRow* x, float* const* off, float* y,
+inline void qdot_directk(const uint8_t* const* rows, int64_t nb, const XRow* x, float* offT, float* y,
                          int64_t ldy) {
     static_assert(Q == T_Q4_K || Q == T_Q6_K, "Q4_K and Q6_K only");
     constexpr int bytes = geometry(Q).bytes;
@@ -216,7 +210,7 @@ inline void qdot_directk(const uint8_t* const* rows, int64_t nb, const XRow* x, 
         int sc[DIRECT_GROUP][16];
         for (int c = 0; c < DIRECT_GROUP; ++c) {
             blk[c] = rows[c] + sb * bytes;
-            k_scales<Q>(blk[c], sb, sc[c], off[c]);
+            k_scales<Q>(blk[c], sb, sc[c], offT + c, DIRECT_GROUP);
         }
         const __m256 dw = group_halves<Q>(rows, sb, Q == T_Q4_K ? 0 : 208);
         for (int j = 0; j < 8; ++j) {
@@ -239,33 +233,32 @@ inline void qdot_directk(const uint8_t* const* rows, int64_t nb, const XRow* x, 
             }
         }
     }
-    store_direct<Q, R>(acc, x, off, nb, y, ldy);
+    store_direct<Q, R>(acc, x, offT, nb, y, ldy);
 }
 
 // y[r * ldy + j] = x[r] . W[lo + j] for R activation rows and the weight rows lo .. hi; `off` holds
-// DIRECT_GROUP rows of K / 32 floats
+// DIRECT_GROUP * K / 32 floats (the group tiles' offsets transposed, [nb][8]; a walker's one row)
 template <int R>
 inline void qdot_direct_rows(int type, const uint8_t* w, int64_t row_bytes, int64_t lo, int64_t hi, int64_t nb,
                              const XRow* x, bool offsets, float* off, float* y, int64_t ldy) {
     constexpr int C = DIRECT_GROUP;
     const uint8_t* rows[C];
-    float* offs[C];
-    for (int c = 0; c < C; ++c) offs[c] = off + c * nb;
     int64_t n = lo;
     auto dot = [&](auto q, float* out, int64_t ld) {  // the eight rows of `rows`: out[r * ld + c]
         constexpr int Q = decltype(q)::value;
         if constexpr (Q == T_Q4_K || Q == T_Q6_K) {
-            qdot_directk<Q, R>(rows, nb, x, offs, out, ld);
+            qdot_directk<Q, R>(rows, nb, x, off, out, ld);
         } else {
-            qdot_direct32<Q, R>(rows, nb, x, offs, out, ld);
+            qdot_direct32<Q, R>(rows, nb, x, off, out, ld);
         }
     };
     auto run8 = [&](auto q) {
         for (; n + C <= hi; n += C) {
             for (int c = 0; c < C; ++c) rows[c] = w + (n + c) * row_bytes;
-            // the weights stream from memory once: ask for the next group's rows while these compute
-            const uint8_t* ahead = w + std::min(hi, n + 2 * C) * row_bytes;
-            for (const uint8_t* p = w + std::min(hi, n + C) * row_bytes; p < ahead; p += 64)
+            // the weights stream from memory once: ask for the group after next while these compute
+            // (the next one: 1.1x slower on the bundled model's Q4_1 rows from DRAM)
+            const uint8_t* ahead = w + std::min(hi, n + 3 * C) * row_bytes;
+            for (const uint8_t* p = w + std::min(hi, n + 2 * C) * row_bytes; p < ahead; p += 64)
                 _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
             dot(q, y + n, ldy);
         }

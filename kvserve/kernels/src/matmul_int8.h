@@ -175,4 +175,22 @@ inline float offset_dot(const float* off, const float* s, int64_t nb) {
     return v;
 }
 
+#if KVS_SIMD
+// offset_dot of eight weight rows at once, bit for bit: offT holds their offsets transposed (block b's
+// eight at offT[b * ldo ..]); each lane runs offset_dot's chain (lane l of the 8-block chunks as one
+// fma chain, hsum8's tree over them, then the tail's multiply-adds in order)
+inline __m256 offset_dots8(const float* offT, int64_t ldo, int64_t nb, const float* s) {
+    __m256 a[8];
+    for (int l = 0; l < 8; ++l) a[l] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8)
+        for (int l = 0; l < 8; ++l)
+            a[l] = _mm256_fmadd_ps(_mm256_loadu_ps(offT + (b + l) * ldo), _mm256_broadcast_ss(s + b + l), a[l]);
+    __m256 v = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a[0], a[4]), _mm256_add_ps(a[2], a[6])),
+                             _mm256_add_ps(_mm256_add_ps(a[1], a[5]), _mm256_add_ps(a[3], a[7])));
+    for (; b < nb; ++b) v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_loadu_ps(offT + b * ldo), _mm256_broadcast_ss(s + b)));
+    return v;
+}
+#endif
+
 }  // namespace kvs

@@ -96,9 +96,9 @@ inline float dequant_one(int type, const uint8_t* row, int64_t k) {
 
 // 16 bytes of nibbles -> 32 codes: the low nibbles (elements 0..15), then the high ones (16..31)
 inline __m256i nibbles32(const uint8_t* p) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m128i m = _mm_set1_epi8(15);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+    // the 16 bytes in both halves (a load, no shuffle), the upper half shifted by 4
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(15));
 }
 
 // byte i = 0x10 where bit i of `bits` is set (the fifth bit of Q5_0/Q5_1 codes)

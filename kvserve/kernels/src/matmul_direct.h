@@ -41,11 +41,59 @@ inline __m256i totals8(const __m256i* p) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, e, 0x20), _mm256_permute2x128_si256(a, e, 0x31));
 }
 
+// The group's weight rows as the products see them: one row a 256-bit vector, or on AVX-512 two (row
+// 2v in the low half, 2v + 1 in the high one: the products and the lanes' reduction at twice the
+// width); the totals and the float chain after them are the same on both, bit for bit.
+#if defined(KVS_ISA_AVX512)
+using wvec = __m512i;
+constexpr int ROWS_PER_VEC = 2;
+
+// f(c) (a 256-bit vector of weight row c) for the rows of vector v
+template <class F>
+inline wvec rows_of(int v, F f) { return _mm512_inserti64x4(_mm512_castsi256_si512(f(2 * v)), f(2 * v + 1), 1); }
+inline wvec both_halves(__m256i x) { return _mm512_broadcast_i64x4(x); }
+inline wvec abs8(wvec w) { return _mm512_abs_epi8(w); }
+inline wvec q6_bias_pairs(wvec x) { return _mm512_maddubs_epi16(_mm512_set1_epi8(32), x); }
+
+// block_lanes for two weight rows at once (AVX-512 has no vpsignb: x negated where w < 0 instead)
+template <int Q>
+inline wvec block_lanes(wvec w, wvec w_abs, wvec x, wvec mult, wvec x_bias, wvec scales) {
+    if constexpr (Q == T_Q6_K) {
+        return _mm512_madd_epi16(_mm512_sub_epi16(_mm512_maddubs_epi16(w, x), x_bias), _mm512_mullo_epi16(scales, mult));
+    } else if constexpr (codes_of(Q) == Codes::Signed) {
+        const wvec signed_x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+        return _mm512_madd_epi16(_mm512_maddubs_epi16(w_abs, signed_x), mult);
+    } else {
+        return _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), mult);
+    }
+}
+
+// totals8 of four vectors of two rows each
+inline __m256i totals8(const wvec* p) {
+    // quarter k (128 bits) of s03: row k's lanes 0..3 plus its lanes 4..7; of s47: row 4 + k's
+    const wvec s03 = _mm512_add_epi32(_mm512_shuffle_i64x2(p[0], p[1], 0x88), _mm512_shuffle_i64x2(p[0], p[1], 0xDD));
+    const wvec s47 = _mm512_add_epi32(_mm512_shuffle_i64x2(p[2], p[3], 0x88), _mm512_shuffle_i64x2(p[2], p[3], 0xDD));
+    const wvec t = _mm512_add_epi32(_mm512_unpacklo_epi32(s03, s47), _mm512_unpackhi_epi32(s03, s47));
+    const wvec u = _mm512_add_epi32(t, _mm512_shuffle_epi32(t, _MM_PERM_BADC));  // quarter k: rows k, 4 + k
+    const wvec order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_castsi512_si256(_mm512_permutexvar_epi32(order, u));
+}
+#else
+using wvec = __m256i;
+constexpr int ROWS_PER_VEC = 1;
+
+template <class F>
+inline wvec rows_of(int v, F f) { return f(v); }
+inline wvec both_halves(__m256i x) { return x; }
+inline wvec abs8(wvec w) { return _mm256_abs_epi8(w); }
+#endif
+constexpr int GROUP_VECS = DIRECT_GROUP / ROWS_PER_VEC;
+
 // Eight weight rows' totals of one block against one activation row (its block sum of q * m: xsum):
 // totals8 of their block_lanes, then the terms each row has once a block: Q4_0's and Q5_0's bias
 // (bias * xsum), Q4_K's and Q5_K's one sub-scale (scale: the eight rows')
 template <int Q>
-inline __m256i block_totals(const __m256i* p, int32_t xsum, __m256i scale) {
+inline __m256i block_totals(const wvec* p, int32_t xsum, __m256i scale) {
     __m256i t = totals8(p);
     if constexpr (codes_of(Q) == Codes::Biased && Q != T_Q6_K) t = _mm256_sub_epi32(t, _mm256_set1_epi32(code_bias(Q) * xsum));
     if constexpr (Q == T_Q4_K || Q == T_Q5_K) t = _mm256_mullo_epi32(t, scale);
@@ -140,20 +188,20 @@ inline void qdot_direct32(const uint8_t* const* rows, int64_t nb, const XRow* x,
                           int64_t ldy) {
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    const __m256i zero = _mm256_setzero_si256();
+    const wvec zero = both_halves(_mm256_setzero_si256());
     for (int64_t b = 0; b < nb; ++b) {
-        __m256i w[DIRECT_GROUP], w_abs[DIRECT_GROUP];
-        for (int c = 0; c < DIRECT_GROUP; ++c) {
-            w[c] = block32_codes<Q>(rows[c], b);
-            w_abs[c] = codes_of(Q) == Codes::Signed ? _mm256_abs_epi8(w[c]) : w[c];
+        wvec w[GROUP_VECS], w_abs[GROUP_VECS];
+        for (int v = 0; v < GROUP_VECS; ++v) {
+            w[v] = rows_of(v, [&](int c) { return block32_codes<Q>(rows[c], b); });
+            w_abs[v] = codes_of(Q) == Codes::Signed ? abs8(w[v]) : w[v];
         }
         const __m256 dw = group_halves<Q>(rows, b, 0);
         if constexpr (has_offset(Q)) _mm256_storeu_ps(offT + DIRECT_GROUP * b, group_halves<Q>(rows, b, 2));
         for (int r = 0; r < R; ++r) {
-            const __m256i xq = load256(x[r].q + 32 * b), mult = load256(x[r].mult + 16 * b);
-            __m256i p[DIRECT_GROUP];
-            for (int c = 0; c < DIRECT_GROUP; ++c) p[c] = block_lanes<Q>(w[c], w_abs[c], xq, mult, zero, zero);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_totals<Q>(p, x[r].sum[b], zero)),
+            const wvec xq = both_halves(load256(x[r].q + 32 * b)), mult = both_halves(load256(x[r].mult + 16 * b));
+            wvec p[GROUP_VECS];
+            for (int v = 0; v < GROUP_VECS; ++v) p[v] = block_lanes<Q>(w[v], w_abs[v], xq, mult, zero, zero);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_totals<Q>(p, x[r].sum[b], _mm256_setzero_si256())),
                                      _mm256_mul_ps(dw, _mm256_broadcast_ss(x[r].d + b)), acc[r]);
         }
     }
@@ -215,19 +263,19 @@ inline void qdot_directk(const uint8_t* const* rows, int64_t nb, const XRow* x, 
         const __m256 dw = group_halves<Q>(rows, sb, Q == T_Q4_K ? 0 : 208);
         for (int j = 0; j < 8; ++j) {
             const int64_t b = sb * 8 + j;
-            __m256i w[DIRECT_GROUP], scales[DIRECT_GROUP];
-            for (int c = 0; c < DIRECT_GROUP; ++c) {
-                w[c] = k_codes<Q>(blk[c], j);
-                if constexpr (Q == T_Q6_K) scales[c] = pair_scales(sc[c][2 * j], sc[c][2 * j + 1]);
+            wvec w[GROUP_VECS], scales[GROUP_VECS];
+            for (int v = 0; v < GROUP_VECS; ++v) {
+                w[v] = rows_of(v, [&](int c) { return k_codes<Q>(blk[c], j); });
+                if constexpr (Q == T_Q6_K) scales[v] = rows_of(v, [&](int c) { return pair_scales(sc[c][2 * j], sc[c][2 * j + 1]); });
             }
             const __m256i scale = Q == T_Q4_K ? _mm256_setr_epi32(sc[0][2 * j], sc[1][2 * j], sc[2][2 * j], sc[3][2 * j],
                                                                    sc[4][2 * j], sc[5][2 * j], sc[6][2 * j], sc[7][2 * j])
                                               : _mm256_setzero_si256();
             for (int r = 0; r < R; ++r) {
-                const __m256i xq = load256(x[r].q + 32 * b), mult = load256(x[r].mult + 16 * b);
-                const __m256i xb = Q == T_Q6_K ? q6_bias_pairs(xq) : _mm256_setzero_si256();
-                __m256i p[DIRECT_GROUP];
-                for (int c = 0; c < DIRECT_GROUP; ++c) p[c] = block_lanes<Q>(w[c], w[c], xq, mult, xb, scales[c]);
+                const wvec xq = both_halves(load256(x[r].q + 32 * b)), mult = both_halves(load256(x[r].mult + 16 * b));
+                const wvec xb = Q == T_Q6_K ? q6_bias_pairs(xq) : xq;
+                wvec p[GROUP_VECS];
+                for (int v = 0; v < GROUP_VECS; ++v) p[v] = block_lanes<Q>(w[v], w[v], xq, mult, xb, scales[v]);
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_totals<Q>(p, x[r].sum[b], scale)),
                                          _mm256_mul_ps(dw, _mm256_broadcast_ss(x[r].d + b)), acc[r]);
             }

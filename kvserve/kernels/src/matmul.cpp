@@ -70,7 +70,7 @@ void run_float(int type, const uint8_t* w, int64_t N, int64_t K, const float* x,
 // Up to DIRECT_ROWS activation rows: every weight row decoded in registers and dotted as it streams in
 // (a decode step is bound by reading the weights once; a scratch copy would be a second pass)
 void run_quant_direct(int type, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t nb, const XRow* xrows,
-                      int64_t T, bool offsets, float* y, int64_t ldy, int nthreads) {
+                      int64_t T, float* y, int64_t ldy, int nthreads) {
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
         const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
@@ -79,14 +79,14 @@ void run_quant_direct(int type, const uint8_t* w, int64_t row_bytes, int64_t N, 
         thread_local std::vector<float> off;  // per-block offsets of the weight rows in flight
         if (int64_t(off.size()) < DIRECT_GROUP * nb) off.resize(DIRECT_GROUP * nb);
         switch (T) {
-            case 1: qdot_direct_rows<1>(type, w, row_bytes, lo, hi, nb, xrows, offsets, off.data(), y, ldy); break;
-            case 2: qdot_direct_rows<2>(type, w, row_bytes, lo, hi, nb, xrows, offsets, off.data(), y, ldy); break;
-            case 3: qdot_direct_rows<3>(type, w, row_bytes, lo, hi, nb, xrows, offsets, off.data(), y, ldy); break;
-            case 4: qdot_direct_rows<4>(type, w, row_bytes, lo, hi, nb, xrows, offsets, off.data(), y, ldy); break;
-            case 5: qdot_direct_rows<5>(type, w, row_bytes, lo, hi, nb, xrows, offsets, off.data(), y, ldy); break;
-            case 6: qdot_direct_rows<6>(type, w, row_bytes, lo, hi, nb, xrows, offsets, off.data(), y, ldy); break;
-            case 7: qdot_direct_rows<7>(type, w, row_bytes, lo, hi, nb, xrows, offsets, off.data(), y, ldy); break;
-            default: qdot_direct_rows<8>(type, w, row_bytes, lo, hi, nb, xrows, offsets, off.data(), y, ldy); break;
+            case 1: qdot_direct_rows<1>(type, w, row_bytes, lo, hi, nb, xrows, off.data(), y, ldy); break;
+            case 2: qdot_direct_rows<2>(type, w, row_bytes, lo, hi, nb, xrows, off.data(), y, ldy); break;
+            case 3: qdot_direct_rows<3>(type, w, row_bytes, lo, hi, nb, xrows, off.data(), y, ldy); break;
+            case 4: qdot_direct_rows<4>(type, w, row_bytes, lo, hi, nb, xrows, off.data(), y, ldy); break;
+            case 5: qdot_direct_rows<5>(type, w, row_bytes, lo, hi, nb, xrows, off.data(), y, ldy); break;
+            case 6: qdot_direct_rows<6>(type, w, row_bytes, lo, hi, nb, xrows, off.data(), y, ldy); break;
+            case 7: qdot_direct_rows<7>(type, w, row_bytes, lo, hi, nb, xrows, off.data(), y, ldy); break;
+            default: qdot_direct_rows<8>(type, w, row_bytes, lo, hi, nb, xrows, off.data(), y, ldy); break;
         }
     }
 }
@@ -144,7 +144,7 @@ void run_quant(int type, const uint8_t* w, int64_t N, int64_t K, const float* x,
     const bool offsets = has_offset(type);
 #if KVS_SIMD
     if (T <= DIRECT_ROWS) {
-        run_quant_direct(type, w, row_bytes, N, nb, xrows.data(), T, offsets, y, ldy, nthreads);
+        run_quant_direct(type, w, row_bytes, N, nb, xrows.data(), T, y, ldy, nthreads);
         return;
     }
 #endif

@@ -100,18 +100,6 @@ inline __m256i block_totals(const wvec* p, int32_t xsum, __m256i scale) {
     return t;
 }
 
-// one block total of p (8 int32 lanes)
-inline int total1(__m256i p) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
-    s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
-    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
-}
-
-// acc = fma(float(total), scale, acc) as one rounding on every build
-inline float chain_step(float acc, int total, float scale) {
-    return _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(float(total)), _mm_set_ss(scale), _mm_set_ss(acc)));
-}
-
 // y[r * ldy + c] = lane c of acc[r], plus row c's offsets' dot where format Q has offsets (offT: the
 // eight rows' offsets transposed, [nb][8])
 template <int Q, int R>
@@ -123,43 +111,10 @@ inline void store_direct(const __m256 (&acc)[R], const XRow* x, const float* off
     }
 }
 
-// Few activation rows (decode, a speculative verify): each weight row is decoded in registers as its
-// blocks stream in and dotted with the R rows at once, never stored. The chain is qdot_group's to the
-// bit: the same block totals, acc = fma(float(total), dw * dx, acc) in block order, then offset_dot.
-
-// One weight row of any block format (the walkers), R activation rows: each block's total reduced
-// on its own, the chain in scalar registers
-template <int R>
-struct DotSink {
-    const XRow* x;
-    float* off;  // the row's per-block offsets, for offset_dot at the end
-    float acc[R];
-    void operator()(int64_t b, const Block32& k) {
-        // the block's signed codes, |c| times q with c's sign, times the sub-scales and multipliers
-        const __m256i scales = pair_scales(k.sc0, k.sc1), w_abs = _mm256_abs_epi8(k.c);
-        off[b] = k.off;
-        for (int r = 0; r < R; ++r) {
-            const __m256i xq = load256(x[r].q + 32 * b), mult = load256(x[r].mult + 16 * b);
-            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(xq, k.c)),
-                                                _mm256_mullo_epi16(scales, mult));
-            acc[r] = chain_step(acc[r], total1(p), k.d * x[r].d[b]);
-        }
-    }
-};
-
-// y[r * ldy] = x[r] . W[row] for R activation rows (1, 2 or 4: one compiled walker each, not inlined
-// into every caller); `off` holds K / 32 floats
-template <int R>
-__attribute__((noinline)) void qdot_direct(int type, const uint8_t* row, int64_t nb, const XRow* x, bool offsets,
-                                           float* off, float* y, int64_t ldy) {
-    DotSink<R> sink{x, off, {}};
-    walk_blocks(type, row, 32 * nb, sink);
-    for (int r = 0; r < R; ++r) {
-        float v = sink.acc[r];
-        if (offsets) v = v + offset_dot(off, x[r].s, nb);
-        y[r * ldy] = v;
-    }
-}
+// Few activation rows (decode, a speculative verify): each group of eight weight rows is decoded in
+// registers as its blocks stream in and dotted with the R rows at once, never stored. The chain is
+// qdot_group's to the bit: the same block totals, acc = fma(float(total), dw * dx, acc) in block
+// order, then offset_dot's.
 
 // the fp16 at byte `at` of block b of each of the eight rows, as floats in row order
 template <int Q>
@@ -208,14 +163,18 @@ inline void qdot_direct32(const uint8_t* const* rows, int64_t nb, const XRow* x,
     store_direct<Q, R>(acc, x, offT, nb, y, ldy);
 }
 
-// the codes of sub-block j of a Q4_K or Q6_K superblock as stored (Q4_K 0..15, Q6_K 0..63: the value
-// plus 32), walk_k4's and walk_q6k's unpacking
+// the codes of sub-block j of a Q4_K, Q5_K or Q6_K superblock as stored (Q4_K 0..15, Q5_K 0..31, Q6_K
+// 0..63: the value plus 32), walk_k4's and walk_q6k's unpacking
 template <int Q>
 inline __m256i k_codes(const uint8_t* blk, int j) {
     const __m256i m15 = _mm256_set1_epi8(15);
-    if constexpr (Q == T_Q4_K) {
-        const __m256i q = load256(blk + 16 + 32 * (j / 2));
-        return j & 1 ? _mm256_and_si256(_mm256_srli_epi16(q, 4), m15) : _mm256_and_si256(q, m15);
+    if constexpr (Q == T_Q4_K || Q == T_Q5_K) {
+        const __m256i q = load256(blk + (Q == T_Q5_K ? 48 : 16) + 32 * (j / 2));
+        const __m256i c = j & 1 ? _mm256_and_si256(_mm256_srli_epi16(q, 4), m15) : _mm256_and_si256(q, m15);
+        if constexpr (Q == T_Q4_K) return c;
+        // Q5_K's fifth bit: bit j of each byte of qh, moved to bit 4 of the same byte
+        const __m256i qh = load256(blk + 16);
+        return _mm256_or_si256(c, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, j), 4), _mm256_set1_epi8(0x10)));
     } else {  // walk_q6k's groups: half n = j / 4, group i = j % 4
         const int n = j / 4, i = j % 4;
         const __m256i ql = load256(blk + 64 * n + 32 * (i & 1));
@@ -227,11 +186,12 @@ inline __m256i k_codes(const uint8_t* blk, int j) {
     }
 }
 
-// A Q4_K / Q6_K superblock's sub-scales per pair of 16 elements (Q4_K's twice) and Q4_K's offsets
+// A Q4_K / Q5_K / Q6_K superblock's sub-scales per pair of 16 elements (Q4_K's and Q5_K's twice) and
+// Q4_K's and Q5_K's offsets
 // into off[8 sb * stride ..] a stride apart
 template <int Q>
 inline void k_scales(const uint8_t* blk, int64_t sb, int* sc, float* off, int stride) {
-    if constexpr (Q == T_Q4_K) {
+    if constexpr (Q == T_Q4_K || Q == T_Q5_K) {
         const float dmin = half_at(blk + 2);
         for (int j = 0; j < 8; ++j) {
             int m;
@@ -244,12 +204,12 @@ inline void k_scales(const uint8_t* blk, int64_t sb, int* sc, float* off, int st
     }
 }
 
-// Q4_K and Q6_K: eight weight rows against R activation rows, each superblock's codes unpacked in
+// Q4_K, Q5_K and Q6_K: eight weight rows against R activation rows, each superblock's codes unpacked in
 // registers, then qdot_direct32's steps per sub-block of 32
 template <int Q, int R>
 inline void qdot_directk(const uint8_t* const* rows, int64_t nb, const XRow* x, float* offT, float* y,
                          int64_t ldy) {
-    static_assert(Q == T_Q4_K || Q == T_Q6_K, "Q4_K and Q6_K only");
+    static_assert(Q == T_Q4_K || Q == T_Q5_K || Q == T_Q6_K, "K formats only");
     constexpr int bytes = geometry(Q).bytes;
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -260,7 +220,7 @@ inline void qdot_directk(const uint8_t* const* rows, int64_t nb, const XRow* x, 
             blk[c] = rows[c] + sb * bytes;
             k_scales<Q>(blk[c], sb, sc[c], offT + c, DIRECT_GROUP);
         }
-        const __m256 dw = group_halves<Q>(rows, sb, Q == T_Q4_K ? 0 : 208);
+        const __m256 dw = group_halves<Q>(rows, sb, Q == T_Q6_K ? 208 : 0);
         for (int j = 0; j < 8; ++j) {
             const int64_t b = sb * 8 + j;
             wvec w[GROUP_VECS], scales[GROUP_VECS];
@@ -268,7 +228,7 @@ inline void qdot_directk(const uint8_t* const* rows, int64_t nb, const XRow* x, 
                 w[v] = rows_of(v, [&](int c) { return k_codes<Q>(blk[c], j); });
                 if constexpr (Q == T_Q6_K) scales[v] = rows_of(v, [&](int c) { return pair_scales(sc[c][2 * j], sc[c][2 * j + 1]); });
             }
-            const __m256i scale = Q == T_Q4_K ? _mm256_setr_epi32(sc[0][2 * j], sc[1][2 * j], sc[2][2 * j], sc[3][2 * j],
+            const __m256i scale = Q != T_Q6_K ? _mm256_setr_epi32(sc[0][2 * j], sc[1][2 * j], sc[2][2 * j], sc[3][2 * j],
                                                                    sc[4][2 * j], sc[5][2 * j], sc[6][2 * j], sc[7][2 * j])
                                               : _mm256_setzero_si256();
             for (int r = 0; r < R; ++r) {
@@ -285,16 +245,16 @@ inline void qdot_directk(const uint8_t* const* rows, int64_t nb, const XRow* x, 
 }
 
 // y[r * ldy + j] = x[r] . W[lo + j] for R activation rows and the weight rows lo .. hi; `off` holds
-// DIRECT_GROUP * K / 32 floats (the group tiles' offsets transposed, [nb][8]; a walker's one row)
+// DIRECT_GROUP * K / 32 floats (a group's offsets transposed, [nb][8])
 template <int R>
 inline void qdot_direct_rows(int type, const uint8_t* w, int64_t row_bytes, int64_t lo, int64_t hi, int64_t nb,
-                             const XRow* x, bool offsets, float* off, float* y, int64_t ldy) {
+                             const XRow* x, float* off, float* y, int64_t ldy) {
     constexpr int C = DIRECT_GROUP;
     const uint8_t* rows[C];
     int64_t n = lo;
     auto dot = [&](auto q, float* out, int64_t ld) {  // the eight rows of `rows`: out[r * ld + c]
         constexpr int Q = decltype(q)::value;
-        if constexpr (Q == T_Q4_K || Q == T_Q6_K) {
+        if constexpr (Q == T_Q4_K || Q == T_Q5_K || Q == T_Q6_K) {
             qdot_directk<Q, R>(rows, nb, x, off, out, ld);
         } else {
             qdot_direct32<Q, R>(rows, nb, x, off, out, ld);
@@ -325,29 +285,9 @@ inline void qdot_direct_rows(int type, const uint8_t* w, int64_t row_bytes, int6
         case T_Q5_1: run8(std::integral_constant<int, T_Q5_1>{}); return;
         case T_Q8_0: run8(std::integral_constant<int, T_Q8_0>{}); return;
         case T_Q4_K: run8(std::integral_constant<int, T_Q4_K>{}); return;
+        case T_Q5_K: run8(std::integral_constant<int, T_Q5_K>{}); return;
         case T_Q6_K: run8(std::integral_constant<int, T_Q6_K>{}); return;
-        default:
-            for (; n < hi; ++n) {
-                if (n + 4 < hi) {
-                    const uint8_t* next = w + (n + 4) * row_bytes;
-                    for (int64_t p = 0; p < row_bytes; p += 64)
-                        _mm_prefetch(reinterpret_cast<const char*>(next + p), _MM_HINT_T0);
-                }
-                // the other formats in pieces of 4, 2 and 1 activation rows: three compiled walkers each
-                for (int t = 0; t < R;) {
-                    const int64_t at = n + t * ldy;
-                    if (R - t >= 4) {
-                        qdot_direct<4>(type, w + n * row_bytes, nb, x + t, offsets, off, y + at, ldy);
-                        t += 4;
-                    } else if (R - t >= 2) {
-                        qdot_direct<2>(type, w + n * row_bytes, nb, x + t, offsets, off, y + at, ldy);
-                        t += 2;
-                    } else {
-                        qdot_direct<1>(type, w + n * row_bytes, nb, x + t, offsets, off, y + at, ldy);
-                        t += 1;
-                    }
-                }
-            }
+        default: return;  // not a block format: kvs_matmul runs those elsewhere
     }
 }
 #endif  // KVS_SIMD

@@ -186,23 +186,32 @@ inline __m256i k_codes(const uint8_t* blk, int j) {
     }
 }
 
-// A Q4_K / Q5_K / Q6_K superblock's sub-scales per pair of 16 elements (Q4_K's and Q5_K's twice) and
-// Q4_K's and Q5_K's offsets
-// into off[8 sb * stride ..] a stride apart
-template <int Q>
-inline void k_scales(const uint8_t* blk, int64_t sb, int* sc, float* off, int stride) {
-    if constexpr (Q == T_Q4_K || Q == T_Q5_K) {
-        const float dmin = half_at(blk + 2);
-        for (int j = 0; j < 8; ++j) {
-            int m;
-            k4_scale_min(j, blk + 4, &sc[2 * j], &m);
-            sc[2 * j + 1] = sc[2 * j];
-            off[(sb * 8 + j) * stride] = -(dmin * float(m));
-        }
-    } else {
-        for (int i = 0; i < 16; ++i) sc[i] = reinterpret_cast<const int8_t*>(blk + 192)[i];
-    }
+// The eight 6-bit sub-scales and minimums of a Q4_K / Q5_K superblock (its 12 scale bytes at q), byte
+// j of sc and mn for sub-block j: k4_scale_min of every j at once (j < 4: the low 6 bits of bytes j
+// and 4 + j; j >= 4: byte 4 + j's nibbles, topped by the high 2 bits of bytes j - 4 and j)
+inline void k4_scales_mins(const uint8_t* q, uint64_t& sc, uint64_t& mn) {
+    const uint32_t a = load_u32(q), b = load_u32(q + 4), c = load_u32(q + 8);
+    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
+    sc = (a & low6) | uint64_t((c & low4) | (((a >> 6) & top2) << 4)) << 32;
+    mn = (b & low6) | uint64_t(((c >> 4) & low4) | (((b >> 6) & top2) << 4)) << 32;
 }
+
+// out[8 j + c] = byte j of v[c] for eight rows c: their bytes regrouped by sub-block
+inline void bytes_by_subblock(const uint64_t* v, uint8_t* out) {
+    const __m256i pairs = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
+                                           0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+    // 16-bit pair j of each half: two rows' byte j (t0: rows 0, 1 | 2, 3; t1: rows 4, 5 | 6, 7)
+    const __m256i t0 = _mm256_shuffle_epi8(load256(v), pairs), t1 = _mm256_shuffle_epi8(load256(v + 4), pairs);
+    const __m256i x = _mm256_permute2x128_si256(t0, t1, 0x20), y = _mm256_permute2x128_si256(t0, t1, 0x31);
+    // 32-bit word j of each half: rows 0..3's byte j (low half), rows 4..7's (high half); then interleaved
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permutevar8x32_epi32(_mm256_unpacklo_epi16(x, y), order));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32),
+                        _mm256_permutevar8x32_epi32(_mm256_unpackhi_epi16(x, y), order));
+}
+
+// The int32 lanes of eight bytes (eight rows' values of one sub-block)
+inline __m256i lanes_of(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
 
 // Q4_K, Q5_K and Q6_K: eight weight rows against R activation rows, each superblock's codes unpacked in
 // registers, then qdot_direct32's steps per sub-block of 32
@@ -215,12 +224,23 @@ inline void qdot_directk(const uint8_t* const* rows, int64_t nb, const XRow* x, 
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nb / 8; ++sb) {
         const uint8_t* blk[DIRECT_GROUP];
-        int sc[DIRECT_GROUP][16];
-        for (int c = 0; c < DIRECT_GROUP; ++c) {
-            blk[c] = rows[c] + sb * bytes;
-            k_scales<Q>(blk[c], sb, sc[c], offT + c, DIRECT_GROUP);
-        }
+        for (int c = 0; c < DIRECT_GROUP; ++c) blk[c] = rows[c] + sb * bytes;
         const __m256 dw = group_halves<Q>(rows, sb, Q == T_Q6_K ? 208 : 0);
+        int sc[DIRECT_GROUP][16];  // Q6_K: each row's int8 sub-scales, one per 16 elements
+        alignas(32) uint8_t subscale[64];  // Q4_K, Q5_K: sub-block j's eight rows at [8 j ..]
+        if constexpr (Q == T_Q6_K) {
+            for (int c = 0; c < DIRECT_GROUP; ++c)
+                for (int i = 0; i < 16; ++i) sc[c][i] = reinterpret_cast<const int8_t*>(blk[c] + 192)[i];
+        } else {  // the offsets -(dmin * m) of each sub-block, eight rows a vector (offT: [nb][8])
+            uint64_t sc8[DIRECT_GROUP], min8[DIRECT_GROUP];
+            for (int c = 0; c < DIRECT_GROUP; ++c) k4_scales_mins(blk[c] + 4, sc8[c], min8[c]);
+            alignas(32) uint8_t mins[64];
+            bytes_by_subblock(sc8, subscale);
+            bytes_by_subblock(min8, mins);
+            const __m256 neg_dmin = _mm256_xor_ps(group_halves<Q>(rows, sb, 2), _mm256_set1_ps(-0.0f));
+            for (int j = 0; j < 8; ++j)
+                _mm256_storeu_ps(offT + DIRECT_GROUP * (sb * 8 + j), _mm256_mul_ps(neg_dmin, _mm256_cvtepi32_ps(lanes_of(mins + 8 * j))));
+        }
         for (int j = 0; j < 8; ++j) {
             const int64_t b = sb * 8 + j;
             wvec w[GROUP_VECS], scales[GROUP_VECS];
@@ -228,9 +248,7 @@ inline void qdot_directk(const uint8_t* const* rows, int64_t nb, const XRow* x, 
                 w[v] = rows_of(v, [&](int c) { return k_codes<Q>(blk[c], j); });
                 if constexpr (Q == T_Q6_K) scales[v] = rows_of(v, [&](int c) { return pair_scales(sc[c][2 * j], sc[c][2 * j + 1]); });
             }
-            const __m256i scale = Q != T_Q6_K ? _mm256_setr_epi32(sc[0][2 * j], sc[1][2 * j], sc[2][2 * j], sc[3][2 * j],
-                                                                   sc[4][2 * j], sc[5][2 * j], sc[6][2 * j], sc[7][2 * j])
-                                              : _mm256_setzero_si256();
+            const __m256i scale = Q != T_Q6_K ? lanes_of(subscale + 8 * j) : _mm256_setzero_si256();
             for (int r = 0; r < R; ++r) {
                 const wvec xq = both_halves(load256(x[r].q + 32 * b)), mult = both_halves(load256(x[r].mult + 16 * b));
                 const wvec xb = Q == T_Q6_K ? q6_bias_pairs(xq) : xq;

@@ -10,9 +10,12 @@ namespace kvs {
 #if KVS_SIMD
 constexpr int DIRECT_GROUP = 8;  // weight rows decoded side by side, their totals one 256-bit vector
 
-// the 16 int16 sub-scales of a block's element pairs: elements 0..15 take sc0, 16..31 sc1
-inline __m256i pair_scales(int sc0, int sc1) {
-    return _mm256_set_m128i(_mm_set1_epi16(short(sc1)), _mm_set1_epi16(short(sc0)));
+// Q6_K's sub-scales for the element pairs of sub-block j (elements 0..15 take scale 2 j, 16..31
+// scale 2 j + 1) from all sixteen of a superblock as int16 (sc16)
+inline __m256i pair_scales(__m256i sc16, int j) {
+    const __m256i two = _mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(j));  // scales 2 j, 2 j + 1 in each word pair
+    return _mm256_shuffle_epi8(two, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                                     2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
 }
 
 // Lanes of one block for one weight row (w: its codes as codes_of(Q) stores them, w_abs: |w| for
@@ -226,11 +229,11 @@ inline void qdot_directk(const uint8_t* const* rows, int64_t nb, const XRow* x, 
         const uint8_t* blk[DIRECT_GROUP];
         for (int c = 0; c < DIRECT_GROUP; ++c) blk[c] = rows[c] + sb * bytes;
         const __m256 dw = group_halves<Q>(rows, sb, Q == T_Q6_K ? 208 : 0);
-        int sc[DIRECT_GROUP][16];  // Q6_K: each row's int8 sub-scales, one per 16 elements
+        __m256i sc16[DIRECT_GROUP];  // Q6_K: each row's sixteen int8 sub-scales (one per 16 elements) as int16
         alignas(32) uint8_t subscale[64];  // Q4_K, Q5_K: sub-block j's eight rows at [8 j ..]
         if constexpr (Q == T_Q6_K) {
             for (int c = 0; c < DIRECT_GROUP; ++c)
-                for (int i = 0; i < 16; ++i) sc[c][i] = reinterpret_cast<const int8_t*>(blk[c] + 192)[i];
+                sc16[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[c] + 192)));
         } else {  // the offsets -(dmin * m) of each sub-block, eight rows a vector (offT: [nb][8])
             uint64_t sc8[DIRECT_GROUP], min8[DIRECT_GROUP];
             for (int c = 0; c < DIRECT_GROUP; ++c) k4_scales_mins(blk[c] + 4, sc8[c], min8[c]);
@@ -246,7 +249,7 @@ inline void qdot_directk(const uint8_t* const* rows, int64_t nb, const XRow* x, 
             wvec w[GROUP_VECS], scales[GROUP_VECS];
             for (int v = 0; v < GROUP_VECS; ++v) {
                 w[v] = rows_of(v, [&](int c) { return k_codes<Q>(blk[c], j); });
-                if constexpr (Q == T_Q6_K) scales[v] = rows_of(v, [&](int c) { return pair_scales(sc[c][2 * j], sc[c][2 * j + 1]); });
+                if constexpr (Q == T_Q6_K) scales[v] = rows_of(v, [&](int c) { return pair_scales(sc16[c], j); });
             }
             const __m256i scale = Q != T_Q6_K ? lanes_of(subscale + 8 * j) : _mm256_setzero_si256();
             for (int r = 0; r < R; ++r) {

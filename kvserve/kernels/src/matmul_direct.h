@@ -166,39 +166,6 @@ inline void qdot_direct32(const uint8_t* const* rows, int64_t nb, const XRow* x,
     store_direct<Q, R>(acc, x, offT, nb, y, ldy);
 }
 
-// the codes of sub-block j of a Q4_K, Q5_K or Q6_K superblock as stored (Q4_K 0..15, Q5_K 0..31, Q6_K
-// 0..63: the value plus 32), walk_k4's and walk_q6k's unpacking
-template <int Q>
-inline __m256i k_codes(const uint8_t* blk, int j) {
-    const __m256i m15 = _mm256_set1_epi8(15);
-    if constexpr (Q == T_Q4_K || Q == T_Q5_K) {
-        const __m256i q = load256(blk + (Q == T_Q5_K ? 48 : 16) + 32 * (j / 2));
-        const __m256i c = j & 1 ? _mm256_and_si256(_mm256_srli_epi16(q, 4), m15) : _mm256_and_si256(q, m15);
-        if constexpr (Q == T_Q4_K) return c;
-        // Q5_K's fifth bit: bit j of each byte of qh, moved to bit 4 of the same byte
-        const __m256i qh = load256(blk + 16);
-        return _mm256_or_si256(c, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, j), 4), _mm256_set1_epi8(0x10)));
-    } else {  // walk_q6k's groups: half n = j / 4, group i = j % 4
-        const int n = j / 4, i = j % 4;
-        const __m256i ql = load256(blk + 64 * n + 32 * (i & 1));
-        const __m256i qh = load256(blk + 128 + 32 * n);
-        const __m256i lo = i < 2 ? _mm256_and_si256(ql, m15) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), m15);
-        const __m256i hi = i == 0 ? _mm256_slli_epi16(qh, 4) : i == 1 ? _mm256_slli_epi16(qh, 2)
-                           : i == 2 ? qh : _mm256_srli_epi16(qh, 2);
-        return _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
-    }
-}
-
-// The eight 6-bit sub-scales and minimums of a Q4_K / Q5_K superblock (its 12 scale bytes at q), byte
-// j of sc and mn for sub-block j: k4_scale_min of every j at once (j < 4: the low 6 bits of bytes j
-// and 4 + j; j >= 4: byte 4 + j's nibbles, topped by the high 2 bits of bytes j - 4 and j)
-inline void k4_scales_mins(const uint8_t* q, uint64_t& sc, uint64_t& mn) {
-    const uint32_t a = load_u32(q), b = load_u32(q + 4), c = load_u32(q + 8);
-    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
-    sc = (a & low6) | uint64_t((c & low4) | (((a >> 6) & top2) << 4)) << 32;
-    mn = (b & low6) | uint64_t(((c >> 4) & low4) | (((b >> 6) & top2) << 4)) << 32;
-}
-
 // out[8 j + c] = byte j of v[c] for eight rows c: their bytes regrouped by sub-block
 inline void bytes_by_subblock(const uint64_t* v, uint8_t* out) {
     const __m256i pairs = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,

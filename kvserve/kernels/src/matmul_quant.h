@@ -113,6 +113,29 @@ inline __m256i fifth_bits(uint32_t bits) {
 
 inline __m256i load256(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
+// the codes of sub-block j of a Q4_K, Q5_K or Q6_K superblock as stored (Q4_K 0..15, Q5_K 0..31, Q6_K
+// 0..63: the value plus 32), as the walkers and the decode rows unpack them
+template <int Q>
+inline __m256i k_codes(const uint8_t* blk, int j) {
+    const __m256i m15 = _mm256_set1_epi8(15);
+    if constexpr (Q == T_Q4_K || Q == T_Q5_K) {
+        const __m256i q = load256(blk + (Q == T_Q5_K ? 48 : 16) + 32 * (j / 2));
+        const __m256i c = j & 1 ? _mm256_and_si256(_mm256_srli_epi16(q, 4), m15) : _mm256_and_si256(q, m15);
+        if constexpr (Q == T_Q4_K) return c;
+        // Q5_K's fifth bit: bit j of each byte of qh, moved to bit 4 of the same byte
+        const __m256i qh = load256(blk + 16);
+        return _mm256_or_si256(c, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, j), 4), _mm256_set1_epi8(0x10)));
+    } else {  // walk_q6k's groups: half n = j / 4, group i = j % 4
+        const int n = j / 4, i = j % 4;
+        const __m256i ql = load256(blk + 64 * n + 32 * (i & 1));
+        const __m256i qh = load256(blk + 128 + 32 * n);
+        const __m256i lo = i < 2 ? _mm256_and_si256(ql, m15) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), m15);
+        const __m256i hi = i == 0 ? _mm256_slli_epi16(qh, 4) : i == 1 ? _mm256_slli_epi16(qh, 2)
+                           : i == 2 ? qh : _mm256_srli_epi16(qh, 2);
+        return _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
+    }
+}
+
 // a Q5_0 / Q5_1 block's 32 codes in element order as stored: the fifth bits over the nibbles (0..31;
 // Q5_0's value is the code minus 16)
 template <int Q>
@@ -159,22 +182,14 @@ inline void walk_blocks32(const uint8_t* row, int64_t K, Sink& sink) {
 template <class Sink>
 inline void walk_k4(bool five, const uint8_t* row, int64_t K, Sink& sink) {
     const int bytes = five ? 176 : 144;
-    const __m256i m15 = _mm256_set1_epi8(15);
     for (int64_t sb = 0; sb < K / 256; ++sb) {
         const uint8_t* blk = row + sb * bytes;
         const float d = half_at(blk), dmin = half_at(blk + 2);
-        const uint8_t* qs = blk + 16 + (five ? 32 : 0);
-        const __m256i qh = five ? load256(blk + 16) : _mm256_setzero_si256();
+        uint64_t scales, mins;
+        k4_scales_mins(blk + 4, scales, mins);
         for (int j = 0; j < 8; ++j) {
-            int sc, m;
-            k4_scale_min(j, blk + 4, &sc, &m);
-            const __m256i q = load256(qs + 32 * (j / 2));
-            __m256i c = j & 1 ? _mm256_and_si256(_mm256_srli_epi16(q, 4), m15) : _mm256_and_si256(q, m15);
-            if (five) {
-                const __m256i bit = _mm256_set1_epi8(char(1 << j));
-                const __m256i on = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
-                c = _mm256_or_si256(c, _mm256_and_si256(on, _mm256_set1_epi8(0x10)));
-            }
+            const __m256i c = five ? k_codes<T_Q5_K>(blk, j) : k_codes<T_Q4_K>(blk, j);
+            const int sc = int(scales >> (8 * j) & 0xff), m = int(mins >> (8 * j) & 0xff);
             sink(sb * 8 + j, Block32{c, d, sc, sc, -(dmin * float(m))});
         }
     }
@@ -183,25 +198,13 @@ inline void walk_k4(bool five, const uint8_t* row, int64_t K, Sink& sink) {
 // Q6_K: 16 sub-blocks of 16 with int8 scales, w = d * sc * (c - 32)
 template <class Sink>
 inline void walk_q6k(const uint8_t* row, int64_t K, Sink& sink) {
-    const __m256i m15 = _mm256_set1_epi8(15), m48 = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
     for (int64_t sb = 0; sb < K / 256; ++sb) {
         const uint8_t* blk = row + sb * 210;
         const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
         const float d = half_at(blk + 208);
-        for (int n = 0; n < 2; ++n) {
-            const __m256i ql0 = load256(blk + 64 * n), ql1 = load256(blk + 64 * n + 32);
-            const __m256i qh = load256(blk + 128 + 32 * n);
-            __m256i g[4];  // elements 128 n + 32 i + l, l = 0..31
-            g[0] = _mm256_or_si256(_mm256_and_si256(ql0, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m48));
-            g[1] = _mm256_or_si256(_mm256_and_si256(ql1, m15), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m48));
-            g[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m15), _mm256_and_si256(qh, m48));
-            g[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m15),
-                                   _mm256_and_si256(_mm256_srli_epi16(qh, 2), m48));
-            for (int i = 0; i < 4; ++i) {
-                sink(sb * 8 + 4 * n + i,
-                     Block32{_mm256_sub_epi8(g[i], bias), d, sc[8 * n + 2 * i], sc[8 * n + 2 * i + 1], 0.0f});
-            }
-        }
+        for (int j = 0; j < 8; ++j)
+            sink(sb * 8 + j, Block32{_mm256_sub_epi8(k_codes<T_Q6_K>(blk, j), _mm256_set1_epi8(32)), d, sc[2 * j],
+                                     sc[2 * j + 1], 0.0f});
     }
 }
 

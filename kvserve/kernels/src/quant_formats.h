@@ -73,15 +73,22 @@ inline float bf16_to_f32(uint16_t h) {
 
 inline float load_f16(const uint8_t* p) { return f16_to_f32(load_u16(p)); }
 
-// Q4_K / Q5_K: the 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes
+// Q4_K / Q5_K: the eight 6-bit sub-scales and minimums of a superblock from its 12 packed bytes at q,
+// byte j of sc and mn for sub-block j (j < 4: the low 6 bits of bytes j and 4 + j; j >= 4: byte
+// 4 + j's nibbles, topped by the high 2 bits of bytes j - 4 and j), all eight at once
+inline void k4_scales_mins(const uint8_t* q, uint64_t& sc, uint64_t& mn) {
+    const uint32_t a = load_u32(q), b = load_u32(q + 4), c = load_u32(q + 8);
+    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
+    sc = (a & low6) | uint64_t((c & low4) | (((a >> 6) & top2) << 4)) << 32;
+    mn = (b & low6) | uint64_t(((c >> 4) & low4) | (((b >> 6) & top2) << 4)) << 32;
+}
+
+// the scale and min of sub-block j (0..7)
 inline void k4_scale_min(int j, const uint8_t* q, int* sc, int* m) {
-    if (j < 4) {
-        *sc = q[j] & 63;
-        *m = q[j + 4] & 63;
-    } else {
-        *sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
-        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
+    uint64_t scales, mins;
+    k4_scales_mins(q, scales, mins);
+    *sc = int(scales >> (8 * j) & 0xff);
+    *m = int(mins >> (8 * j) & 0xff);
 }
 
 }  // namespace kvs

@@ -13,7 +13,8 @@ constexpr int DIRECT_GROUP = 8;  // weight rows decoded side by side, their tota
 // Q6_K's sub-scales for the element pairs of sub-block j (elements 0..15 take scale 2 j, 16..31
 // scale 2 j + 1) from all sixteen of a superblock as int16 (sc16)
 inline __m256i pair_scales(__m256i sc16, int j) {
-    const __m256i two = _mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(j));  // scales 2 j, 2 j + 1 in each word pair
+    // scales 2 j and 2 j + 1 in each pair of words, then each spread over its half
+    const __m256i two = _mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(j));
     return _mm256_shuffle_epi8(two, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
                                                      2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
 }
@@ -175,13 +176,16 @@ inline void bytes_by_subblock(const uint64_t* v, uint8_t* out) {
     const __m256i x = _mm256_permute2x128_si256(t0, t1, 0x20), y = _mm256_permute2x128_si256(t0, t1, 0x31);
     // 32-bit word j of each half: rows 0..3's byte j (low half), rows 4..7's (high half); then interleaved
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permutevar8x32_epi32(_mm256_unpacklo_epi16(x, y), order));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                        _mm256_permutevar8x32_epi32(_mm256_unpacklo_epi16(x, y), order));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32),
                         _mm256_permutevar8x32_epi32(_mm256_unpackhi_epi16(x, y), order));
 }
 
 // The int32 lanes of eight bytes (eight rows' values of one sub-block)
-inline __m256i lanes_of(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline __m256i lanes_of(const uint8_t* p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
 
 // Q4_K, Q5_K and Q6_K: eight weight rows against R activation rows, each superblock's codes unpacked in
 // registers, then qdot_direct32's steps per sub-block of 32
@@ -208,8 +212,10 @@ inline void qdot_directk(const uint8_t* const* rows, int64_t nb, const XRow* x, 
             bytes_by_subblock(sc8, subscale);
             bytes_by_subblock(min8, mins);
             const __m256 neg_dmin = _mm256_xor_ps(group_halves<Q>(rows, sb, 2), _mm256_set1_ps(-0.0f));
-            for (int j = 0; j < 8; ++j)
-                _mm256_storeu_ps(offT + DIRECT_GROUP * (sb * 8 + j), _mm256_mul_ps(neg_dmin, _mm256_cvtepi32_ps(lanes_of(mins + 8 * j))));
+            for (int j = 0; j < 8; ++j) {
+                const __m256 m = _mm256_cvtepi32_ps(lanes_of(mins + 8 * j));
+                _mm256_storeu_ps(offT + DIRECT_GROUP * (sb * 8 + j), _mm256_mul_ps(neg_dmin, m));
+            }
         }
         for (int j = 0; j < 8; ++j) {
             const int64_t b = sb * 8 + j;

@@ -124,7 +124,8 @@ inline __m256i k_codes(const uint8_t* blk, int j) {
         if constexpr (Q == T_Q4_K) return c;
         // Q5_K's fifth bit: bit j of each byte of qh, moved to bit 4 of the same byte
         const __m256i qh = load256(blk + 16);
-        return _mm256_or_si256(c, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, j), 4), _mm256_set1_epi8(0x10)));
+        const __m256i fifth = _mm256_slli_epi16(_mm256_srli_epi16(qh, j), 4);
+        return _mm256_or_si256(c, _mm256_and_si256(fifth, _mm256_set1_epi8(0x10)));
     } else {  // walk_q6k's groups: half n = j / 4, group i = j % 4
         const int n = j / 4, i = j % 4;
         const __m256i ql = load256(blk + 64 * n + 32 * (i & 1));

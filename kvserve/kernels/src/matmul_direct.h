@@ -19,6 +19,53 @@ inline __m256i pair_scales(__m256i sc16, int j) {
                                                      2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
 }
 
+// The group's weight rows as the products see them: one row a 256-bit vector, or on AVX-512 two (row
+// 2v in the low half, 2v + 1 in the high one: the products and the lanes' reduction at twice the
+// width); the totals and the float chain after them are the same on both, bit for bit.
+#if defined(KVS_ISA_AVX512)
+using wvec = __m512i;
+constexpr int ROWS_PER_VEC = 2;
+
+// f(c) (a 256-bit vector of weight row c) for the rows of vector v
+template <class F>
+inline wvec rows_of(int v, F f) { return _mm512_inserti64x4(_mm512_castsi256_si512(f(2 * v)), f(2 * v + 1), 1); }
+inline wvec both_halves(__m256i x) { return _mm512_broadcast_i64x4(x); }
+inline wvec abs8(wvec w) { return _mm512_abs_epi8(w); }
+inline wvec q6_bias_pairs(wvec x) { return _mm512_maddubs_epi16(_mm512_set1_epi8(32), x); }
+
+// block_lanes (below, the AVX2 build's) for two weight rows at once (AVX-512 has no vpsignb: x
+// negated where w < 0 instead)
+template <int Q>
+inline wvec block_lanes(wvec w, wvec w_abs, wvec x, wvec mult, wvec x_bias, wvec scales) {
+    if constexpr (Q == T_Q6_K) {
+        return _mm512_madd_epi16(_mm512_sub_epi16(_mm512_maddubs_epi16(w, x), x_bias), _mm512_mullo_epi16(scales, mult));
+    } else if constexpr (codes_of(Q) == Codes::Signed) {
+        const wvec signed_x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+        return _mm512_madd_epi16(_mm512_maddubs_epi16(w_abs, signed_x), mult);
+    } else {
+        return _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), mult);
+    }
+}
+
+// totals8 (below, the AVX2 build's) of four vectors of two rows each
+inline __m256i totals8(const wvec* p) {
+    // quarter k (128 bits) of s03: row k's lanes 0..3 plus its lanes 4..7; of s47: row 4 + k's
+    const wvec s03 = _mm512_add_epi32(_mm512_shuffle_i64x2(p[0], p[1], 0x88), _mm512_shuffle_i64x2(p[0], p[1], 0xDD));
+    const wvec s47 = _mm512_add_epi32(_mm512_shuffle_i64x2(p[2], p[3], 0x88), _mm512_shuffle_i64x2(p[2], p[3], 0xDD));
+    const wvec t = _mm512_add_epi32(_mm512_unpacklo_epi32(s03, s47), _mm512_unpackhi_epi32(s03, s47));
+    const wvec u = _mm512_add_epi32(t, _mm512_shuffle_epi32(t, _MM_PERM_BADC));  // quarter k: rows k, 4 + k
+    const wvec order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_castsi512_si256(_mm512_permutexvar_epi32(order, u));
+}
+#else
+using wvec = __m256i;
+constexpr int ROWS_PER_VEC = 1;
+
+template <class F>
+inline wvec rows_of(int v, F f) { return f(v); }
+inline wvec both_halves(__m256i x) { return x; }
+inline wvec abs8(wvec w) { return _mm256_abs_epi8(w); }
+
 // Lanes of one block for one weight row (w: its codes as codes_of(Q) stores them, w_abs: |w| for
 // Signed) and one activation row (x, its multipliers per pair of elements: mult), whose sum is the
 // block's total before block_totals' per-row terms. Q6_K's bias and two sub-scales are taken in here
@@ -44,52 +91,6 @@ inline __m256i totals8(const __m256i* p) {
     // a: rows 0..3's sums of lanes 0..3, then of lanes 4..7; e: rows 4..7's
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, e, 0x20), _mm256_permute2x128_si256(a, e, 0x31));
 }
-
-// The group's weight rows as the products see them: one row a 256-bit vector, or on AVX-512 two (row
-// 2v in the low half, 2v + 1 in the high one: the products and the lanes' reduction at twice the
-// width); the totals and the float chain after them are the same on both, bit for bit.
-#if defined(KVS_ISA_AVX512)
-using wvec = __m512i;
-constexpr int ROWS_PER_VEC = 2;
-
-// f(c) (a 256-bit vector of weight row c) for the rows of vector v
-template <class F>
-inline wvec rows_of(int v, F f) { return _mm512_inserti64x4(_mm512_castsi256_si512(f(2 * v)), f(2 * v + 1), 1); }
-inline wvec both_halves(__m256i x) { return _mm512_broadcast_i64x4(x); }
-inline wvec abs8(wvec w) { return _mm512_abs_epi8(w); }
-inline wvec q6_bias_pairs(wvec x) { return _mm512_maddubs_epi16(_mm512_set1_epi8(32), x); }
-
-// block_lanes for two weight rows at once (AVX-512 has no vpsignb: x negated where w < 0 instead)
-template <int Q>
-inline wvec block_lanes(wvec w, wvec w_abs, wvec x, wvec mult, wvec x_bias, wvec scales) {
-    if constexpr (Q == T_Q6_K) {
-        return _mm512_madd_epi16(_mm512_sub_epi16(_mm512_maddubs_epi16(w, x), x_bias), _mm512_mullo_epi16(scales, mult));
-    } else if constexpr (codes_of(Q) == Codes::Signed) {
-        const wvec signed_x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
-        return _mm512_madd_epi16(_mm512_maddubs_epi16(w_abs, signed_x), mult);
-    } else {
-        return _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), mult);
-    }
-}
-
-// totals8 of four vectors of two rows each
-inline __m256i totals8(const wvec* p) {
-    // quarter k (128 bits) of s03: row k's lanes 0..3 plus its lanes 4..7; of s47: row 4 + k's
-    const wvec s03 = _mm512_add_epi32(_mm512_shuffle_i64x2(p[0], p[1], 0x88), _mm512_shuffle_i64x2(p[0], p[1], 0xDD));
-    const wvec s47 = _mm512_add_epi32(_mm512_shuffle_i64x2(p[2], p[3], 0x88), _mm512_shuffle_i64x2(p[2], p[3], 0xDD));
-    const wvec t = _mm512_add_epi32(_mm512_unpacklo_epi32(s03, s47), _mm512_unpackhi_epi32(s03, s47));
-    const wvec u = _mm512_add_epi32(t, _mm512_shuffle_epi32(t, _MM_PERM_BADC));  // quarter k: rows k, 4 + k
-    const wvec order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
-    return _mm512_castsi512_si256(_mm512_permutexvar_epi32(order, u));
-}
-#else
-using wvec = __m256i;
-constexpr int ROWS_PER_VEC = 1;
-
-template <class F>
-inline wvec rows_of(int v, F f) { return f(v); }
-inline wvec both_halves(__m256i x) { return x; }
-inline wvec abs8(wvec w) { return _mm256_abs_epi8(w); }
 #endif
 constexpr int GROUP_VECS = DIRECT_GROUP / ROWS_PER_VEC;
 

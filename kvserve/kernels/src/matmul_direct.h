@@ -121,15 +121,34 @@ inline void store_direct(const __m256 (&acc)[R], const XRow* x, const float* off
 // qdot_group's to the bit: the same block totals, acc = fma(float(total), dw * dx, acc) in block
 // order, then offset_dot's.
 
-// the fp16 at byte `at` of block b of each of the eight rows, as floats in row order
+// the fp16 at byte `at` of block b of each of the eight rows, as floats in row order: 16-bit loads
+// interleaved by an unpack tree (three deep, not an eight-long chain of word inserts)
 template <int Q>
 inline __m256 group_halves(const uint8_t* const* rows, int64_t b, int at) {
     constexpr int bytes = geometry(Q).bytes;
-    __m128i h = _mm_setzero_si128();
-#define KVS_LANE(c) h = _mm_insert_epi16(h, load_u16(rows[c] + b * bytes + at), (c));
-    KVS_LANE(0) KVS_LANE(1) KVS_LANE(2) KVS_LANE(3) KVS_LANE(4) KVS_LANE(5) KVS_LANE(6) KVS_LANE(7)
-#undef KVS_LANE
-    return _mm256_cvtph_ps(h);
+    __m128i h[DIRECT_GROUP];
+    for (int c = 0; c < DIRECT_GROUP; ++c) {  // a 32-bit load where the block has the bytes (its high half unused)
+        const uint8_t* p = rows[c] + b * bytes + at;
+        h[c] = _mm_cvtsi32_si128(at + 4 <= bytes ? static_cast<int>(load_u32(p)) : load_u16(p));
+    }
+    for (int c = 0; c < DIRECT_GROUP; c += 2) h[c] = _mm_unpacklo_epi16(h[c], h[c + 1]);  // rows c, c + 1
+    for (int c = 0; c < DIRECT_GROUP; c += 4) h[c] = _mm_unpacklo_epi32(h[c], h[c + 2]);  // rows c .. c + 3
+    return _mm256_cvtph_ps(_mm_unpacklo_epi64(h[0], h[4]));
+}
+
+// group_halves at bytes 0 and 2 (a block's d and m) from one 32-bit load a row
+template <int Q>
+inline void group_half_pairs(const uint8_t* const* rows, int64_t b, __m256& d, __m256& m) {
+    constexpr int bytes = geometry(Q).bytes;
+    __m128i h[DIRECT_GROUP];
+    for (int c = 0; c < DIRECT_GROUP; ++c) h[c] = _mm_cvtsi32_si128(static_cast<int>(load_u32(rows[c] + b * bytes)));
+    for (int c = 0; c < DIRECT_GROUP; c += 2) h[c] = _mm_unpacklo_epi32(h[c], h[c + 1]);
+    for (int c = 0; c < DIRECT_GROUP; c += 4) h[c] = _mm_unpacklo_epi64(h[c], h[c + 2]);  // rows c .. c + 3
+    // each row's d, then each row's m
+    const __m128i split = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    const __m128i lo = _mm_shuffle_epi8(h[0], split), hi = _mm_shuffle_epi8(h[4], split);
+    d = _mm256_cvtph_ps(_mm_unpacklo_epi64(lo, hi));
+    m = _mm256_cvtph_ps(_mm_unpackhi_epi64(lo, hi));
 }
 
 // block b of one row of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: its codes as codes_of(Q) stores them
@@ -155,8 +174,14 @@ inline void qdot_direct32(const uint8_t* const* rows, int64_t nb, const XRow* x,
             w[v] = rows_of(v, [&](int c) { return block32_codes<Q>(rows[c], b); });
             w_abs[v] = codes_of(Q) == Codes::Signed ? abs8(w[v]) : w[v];
         }
-        const __m256 dw = group_halves<Q>(rows, b, 0);
-        if constexpr (has_offset(Q)) _mm256_storeu_ps(offT + DIRECT_GROUP * b, group_halves<Q>(rows, b, 2));
+        __m256 dw;
+        if constexpr (has_offset(Q)) {
+            __m256 m;
+            group_half_pairs<Q>(rows, b, dw, m);
+            _mm256_storeu_ps(offT + DIRECT_GROUP * b, m);
+        } else {
+            dw = group_halves<Q>(rows, b, 0);
+        }
         for (int r = 0; r < R; ++r) {
             const wvec xq = both_halves(load256(x[r].q + 32 * b)), mult = both_halves(load256(x[r].mult + 16 * b));
             wvec p[GROUP_VECS];

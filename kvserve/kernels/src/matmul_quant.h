@@ -142,7 +142,12 @@ inline __m256i k_codes(const uint8_t* blk, int j) {
 template <int Q>
 inline __m256i q5_codes(const uint8_t* blk) {
     constexpr int qh_at = Q == T_Q5_1 ? 4 : 2;
+#if defined(KVS_ISA_AVX512)  // bit i of qh is a mask bit: one masked add (a nibble plus 16 is its or)
+    const __m256i nibbles = nibbles32(blk + qh_at + 4);
+    return _mm256_mask_add_epi8(nibbles, load_u32(blk + qh_at), nibbles, _mm256_set1_epi8(0x10));
+#else
     return _mm256_or_si256(nibbles32(blk + qh_at + 4), fifth_bits(load_u32(blk + qh_at)));
+#endif
 }
 
 // One block of 32 weights as the walkers below hand it to a sink: w[i] = d * sc[i / 16] * c[i] + off,

@@ -11,18 +11,23 @@ import os
 # costs ~40 us each. W1 decode step at 1.5k context, 2 threads, Zen 5 (docs/performance.md): alone
 # 14.1 -> 5.5 ms; beside two busy processes 26.8 -> 13.2 ms; beside one 10.7 -> 12.7 ms; two engines
 # of 2 threads on 2 cores 10.2 -> 13.6 ms (there, give each `--threads 1`, or set GOMP_SPINCOUNT=0).
-OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "300"}
+#
+# torch's CPU allocator puts blocks of 2 MB and more on transparent huge pages (read at its first
+# allocation). A buffer's first touch is then one fault per 2 MB, not per 4 KB: the first 1.5k-token
+# prefill after start-up faulted 44k times (0.8 s of system time on this project's VMs) with 4 KB
+# pages, 5.6k with huge ones (docs/performance.md, "First touch").
+RUNTIME_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "300", "THP_MEM_ALLOC_ENABLE": "1"}
 # which of them kvserve set (not the user), inherited by child processes: benchmark peers run without
 # them (kvserve.tools.bench), with their own runtime's defaults
-_SET_HERE = "KVSERVE_OPENMP_DEFAULTS_SET"
+_SET_HERE = "KVSERVE_RUNTIME_DEFAULTS_SET"
 if _SET_HERE not in os.environ:
-    os.environ[_SET_HERE] = ",".join(k for k in OPENMP_DEFAULTS if k not in os.environ)
-for _key, _value in OPENMP_DEFAULTS.items():
+    os.environ[_SET_HERE] = ",".join(k for k in RUNTIME_DEFAULTS if k not in os.environ)
+for _key, _value in RUNTIME_DEFAULTS.items():
     os.environ.setdefault(_key, _value)
 
 
 def peer_environment() -> dict[str, str]:
-    """This process's environment less the OpenMP settings kvserve made (the user's own are kept)."""
+    """This process's environment less the runtime settings kvserve made (the user's own are kept)."""
     ours = set(os.environ.get(_SET_HERE, "").split(","))
     return {k: v for k, v in os.environ.items() if k not in ours and k != _SET_HERE}
 

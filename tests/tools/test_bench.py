@@ -254,19 +254,21 @@ def test_ngram_peer_is_kvserve_again_with_speculation_and_the_same_greedy_tokens
 
 
 @pytest.mark.parametrize("user_sets_policy", [False, True])
-def test_peers_run_without_the_openmp_settings_kvserve_made(user_sets_policy):
+def test_peers_run_without_the_runtime_settings_kvserve_made(user_sets_policy):
     # kvserve makes OpenMP threads sleep after a short spin; a benchmark peer (llama.cpp) gets its own
     # runtime's defaults, unless the user set the variable, which every engine then sees
     probe = ("import json, os, kvserve; print(json.dumps([os.environ.get('OMP_WAIT_POLICY'), "
              "os.environ.get('GOMP_SPINCOUNT'), kvserve.peer_environment().get('OMP_WAIT_POLICY'), "
-             "kvserve.peer_environment().get('GOMP_SPINCOUNT')]))")
+             "kvserve.peer_environment().get('GOMP_SPINCOUNT'), os.environ.get('THP_MEM_ALLOC_ENABLE'), "
+             "kvserve.peer_environment().get('THP_MEM_ALLOC_ENABLE')]))")
     env = {k: v for k, v in os.environ.items()
-           if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KVSERVE_OPENMP_DEFAULTS_SET")}
+           if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "THP_MEM_ALLOC_ENABLE", "KVSERVE_RUNTIME_DEFAULTS_SET")}
     if user_sets_policy:
         env["OMP_WAIT_POLICY"] = "ACTIVE"
     done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
-    ours, spin, peers, peer_spin = json.loads(done.stdout)
+    ours, spin, peers, peer_spin, huge, peer_huge = json.loads(done.stdout)
     assert spin == "300" and peer_spin is None
+    assert huge == "1" and peer_huge is None  # torch's huge pages: kvserve's process only
     if user_sets_policy:
         assert ours == peers == "ACTIVE"
     else:

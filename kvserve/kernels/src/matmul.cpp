@@ -134,7 +134,9 @@ void run_quant(int type, const uint8_t* w, int64_t N, int64_t K, const float* x,
                int64_t ldy, int nthreads) {
     const Geometry g = geometry(type);
     const int64_t row_bytes = K / g.block * g.bytes, nb = K / 32;
-    XBlocks xb(T, K);
+    thread_local XBlocks caller_blocks;  // the calling thread's; the workers below write into it
+    XBlocks& xb = caller_blocks;
+    xb.fit(T, K);
     std::vector<XRow> xrows(T);
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && T > 1)
     for (int64_t t = 0; t < T; ++t) {
@@ -242,8 +244,8 @@ KVS_EXPORT int kvs_quantize_activations(const float* x, int64_t T, int64_t K, in
     if (K % 32 != 0) return -2;
     XBlocks xb(T, K);
     for (int64_t t = 0; t < T; ++t) quantize_row(x + t * K, K, xb, t);
-    std::copy(xb.q.begin(), xb.q.end(), q);
-    std::copy(xb.d.begin(), xb.d.end(), d);
-    std::copy(xb.mult.begin(), xb.mult.end(), mult);
+    std::copy_n(xb.q.begin(), T * K, q);
+    std::copy_n(xb.d.begin(), T * K / 32, d);
+    std::copy_n(xb.mult.begin(), T * K / 2, mult);
     return 0;
 }

@@ -51,14 +51,24 @@ struct XRow {  // an activation row as the block formats see it: x[k] ~ q[k] * m
     const int16_t* mult;  // [16 per block] m of each pair of elements (a sub-block of 8 is four pairs)
 };
 
-// the arrays an XRow points into, for T rows of K
+// the arrays an XRow points into, for T rows of K; `fit` only grows them, so a thread's one
+// XBlocks is zeroed and first touched once, not on every call (a 1.5k-row prefill's down projection
+// needs 7.6 MB)
 struct XBlocks {
     std::vector<int8_t> q;
     std::vector<float> d, s;
     std::vector<int32_t> sum, half;
     std::vector<int16_t> mult;
-    XBlocks(int64_t T, int64_t K)
-        : q(T * K), d(T * K / 32), s(T * K / 32), sum(T * K / 32), half(T * K / 32), mult(T * K / 2) {}
+    XBlocks() = default;
+    XBlocks(int64_t T, int64_t K) { fit(T, K); }
+    void fit(int64_t T, int64_t K) {
+        const size_t n = static_cast<size_t>(T * K);
+        if (q.size() >= n) return;
+        q.resize(n);
+        for (auto* v : {&d, &s}) v->resize(n / 32);
+        for (auto* v : {&sum, &half}) v->resize(n / 32);
+        mult.resize(n / 2);
+    }
     XRow row(int64_t t, int64_t K) {
         const int64_t b = t * (K / 32);
         return XRow{&q[t * K], &d[b], &s[b], &sum[b], &half[b], &mult[16 * b]};

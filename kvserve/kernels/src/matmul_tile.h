@@ -92,7 +92,11 @@ inline void decode_row_q(int type, const uint8_t* row, int64_t K, const QGroup& 
 }
 
 #if KVS_SIMD
-inline int32_t load_i32(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return v; }
+inline int32_t load_i32(const void* p) { int32_t v; std::memcpy(&v, p, 4); return v; }
+
+// the multiplier of x's pair at p (XRow::mult) broadcast as int16: read as the two equal multipliers
+// of one 32-bit word (a pure load into the vector, where a 16-bit broadcast also takes a shuffle)
+inline __m256i mult_pairs(const int16_t* p) { return _mm256_set1_epi32(load_i32(p)); }
 
 // vtot: the tile's int32 totals, one lane per row of a group (TILE_GROUP lanes), and its few operations
 #if defined(KVS_ISA_AVX512)
@@ -134,7 +138,7 @@ inline vtot subblock_sums(const uint8_t* wb, const XRow& x, int64_t b, int lo, i
         const __m256i s16 = _mm256_add_epi16(
             _mm256_maddubs_epi16(load256(wb + 64 * i), _mm256_set1_epi32(load_i32(xb + 8 * i))),
             _mm256_maddubs_epi16(load256(wb + 64 * i + 32), _mm256_set1_epi32(load_i32(xb + 8 * i + 4))));
-        t = _mm256_add_epi32(t, _mm256_madd_epi16(s16, _mm256_set1_epi16(m[4 * i])));
+        t = _mm256_add_epi32(t, _mm256_madd_epi16(s16, mult_pairs(m + 4 * i)));
     }
     return t;
 #endif
@@ -157,7 +161,7 @@ inline vtot group_totals(const QGroup& g, int64_t b, const XRow& x) {
         for (int k = 0; k < 8; ++k) {
             const __m256i w = load256(wb + 32 * k), xv = _mm256_set1_epi32(load_i32(x.q + 32 * b + 4 * k));
             t = _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w)),
-                                                      _mm256_set1_epi16(x.mult[16 * b + 2 * k])));
+                                                      mult_pairs(x.mult + 16 * b + 2 * k)));
         }
         return t;
     }

@@ -151,19 +151,24 @@ inline void quantize_row(const float* x, int64_t K, XBlocks& xb, int64_t t) {
             __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xb + 8 * i), _mm256_set1_ps(scale));
             t = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             t = _mm256_min_ps(_mm256_max_ps(t, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
-            const __m128i v32 = _mm_packs_epi32(_mm256_castsi256_si128(_mm256_cvtps_epi32(t)),
-                                                _mm256_extracti128_si256(_mm256_cvtps_epi32(t), 1));
+            const __m256i v = _mm256_cvtps_epi32(t);
+            const __m128i v32 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
             _mm_storel_epi64(reinterpret_cast<__m128i*>(qb + 8 * i), _mm_packs_epi16(v32, v32));
+            __m128i p4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+            p4 = _mm_add_epi32(p4, _mm_unpackhi_epi64(p4, p4));
+            const int part = _mm_cvtsi128_si32(_mm_add_epi32(p4, _mm_shuffle_epi32(p4, 1)));  // the 8 codes' sum
 #else
-            for (int l = 0; l < 8; ++l)
+            int part = 0;
+            for (int l = 0; l < 8; ++l) {
                 qb[8 * i + l] = int8_t(std::min(127.0f, std::max(-127.0f, std::nearbyint(xb[8 * i + l] * scale))));
+                part += qb[8 * i + l];
+            }
 #endif
             const int m = 8 >> shift;
-            int part = 0;
-            for (int l = 0; l < 8; ++l) part += qb[8 * i + l];
             sum += m * part;
             if (i < 2) half += m * part;
-            for (int l = 0; l < 4; ++l) mult[16 * b + 4 * i + l] = int16_t(m);
+            const uint64_t m4 = uint64_t(uint16_t(m)) * 0x0001000100010001ull;  // m in each of four int16
+            std::memcpy(mult + 16 * b + 4 * i, &m4, 8);
         }
         d[b] = step * 0.125f;
         s[b] = d[b] * float(sum);

@@ -17,7 +17,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 
 BENCH = ["-m", "kvserve.cli", "bench", "--workload", "w1", "--limit", "1", "--max-tokens", "128",
          "--vs", "llama-cpp", "--json"]
@@ -31,10 +30,10 @@ def cpu_kind() -> str:
 
 def one_run(model: str) -> dict:
     args = BENCH + ([] if model == "bundled" else ["--model", model])
-    with tempfile.TemporaryFile("w+") as out:
-        subprocess.run([sys.executable, *args], stdout=out, check=True)
-        out.seek(0)
-        report = json.load(out)
+    done = subprocess.run([sys.executable, *args], capture_output=True, text=True)
+    if done.returncode:  # the bench's own message (the peers' start-up chatter is dropped otherwise)
+        sys.exit(f"{model}: kvserve bench failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    report = json.loads(done.stdout)
     ours, peer = report["engines"]["kvserve"], report["engines"]["llama-cpp"]
     load = report["machine"]
     return {"prefill": peer["ttft_p50_s"] / ours["ttft_p50_s"], "decode": peer["tpot_s"] / ours["tpot_s"],

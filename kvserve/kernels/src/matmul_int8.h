@@ -52,8 +52,9 @@ struct XRow {  // an activation row as the block formats see it: x[k] ~ q[k] * m
 };
 
 // the arrays an XRow points into, for T rows of K; `fit` only grows them, so a thread's one
-// XBlocks is zeroed and first touched once, not on every call (a 1.5k-row prefill's down projection
-// needs 7.6 MB)
+// XBlocks is zeroed once, not on every call (a 1.5k-row prefill's down projection needs 7.6 MB). In
+// the engine, model/host_heap.py already keeps freed pages mapped; outside it (a bare kvs_matmul
+// caller) each call's vectors were also faulted in afresh.
 struct XBlocks {
     std::vector<int8_t> q;
     std::vector<float> d, s;

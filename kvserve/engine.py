@@ -35,7 +35,7 @@ from kvserve.output import OutputProcessor
 from kvserve.request import (CacheLease, LeaseInfo, Request, RequestOutput, RequestStatus, SamplingParams,
                              TokenConstraint, ToolCallKV)
 from kvserve.scheduler import Scheduler
-from kvserve.spec.policy import SpecDecodeStats
+from kvserve.speculative.policy import SpecDecodeStats
 from kvserve.step import run_step
 from kvserve.structured import compiler_for
 from kvserve import tool_call_kv

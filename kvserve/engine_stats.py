@@ -10,7 +10,7 @@ from typing import Any
 
 from kvserve.cache.stats import CacheStats
 from kvserve.scheduler import SchedulerCounts
-from kvserve.spec.policy import SpecDecodeStats
+from kvserve.speculative.policy import SpecDecodeStats
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,8 +25,8 @@ from kvserve.cache.manager import KVCacheManager
 from kvserve.cache.sequence import Allocation, PrefixHit
 from kvserve.config import PreemptionMode, PrefixCachePolicy
 from kvserve.request import CacheOutcome, Request, RequestStatus
-from kvserve.spec.config import SpeculativeConfig
-from kvserve.spec.policy import Drafts, SpecPolicy
+from kvserve.speculative.config import SpeculativeConfig
+from kvserve.speculative.policy import Drafts, SpecPolicy
 
 ADMISSION_SCAN_LIMIT = 256  # waiting requests looked at per step for cache-aware ordering
 MAX_PREEMPTIONS = 3  # a request preempted more often than this stops new admissions until it ends
@@ -64,7 +64,7 @@ class Scheduler:
                  max_preemptions: int = MAX_PREEMPTIONS,
                  speculative_config: SpeculativeConfig | None = None) -> None:
         self.manager = manager
-        # speculative decoding: draft tokens for decoding requests (spec/policy.py), None when off
+        # speculative decoding: draft tokens for decoding requests (speculative/policy.py), None when off
         self.spec = SpecPolicy(speculative_config, manager.page_size, manager.num_pages,
                                max_num_batched_tokens) if speculative_config else None
         self.max_num_seqs = max_num_seqs
@@ -240,7 +240,7 @@ class Scheduler:
         return False
 
     def _drafts(self, request: Request, budget: int) -> Drafts | None:
-        """Drafts after the request's decode token (spec/policy.py), into pages free of cached
+        """Drafts after the request's decode token (speculative/policy.py), into pages free of cached
         content with a page of headroom kept for every running request."""
         spare = self.manager.num_spare_pages - len(self.running)
         return self.spec.drafts(request, budget, self.max_model_len, spare) if spare > 0 else None

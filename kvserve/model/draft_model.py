@@ -1,5 +1,5 @@
 """The draft model of speculative decoding (method draft_model): a smaller model with the target's
-tokenizer, run by a ModelRunner of its own over its own KV pages (which pages: spec/draft_kv.py). Each
+tokenizer, run by a ModelRunner of its own over its own KV pages (which pages: speculative/draft_kv.py). Each
 step it computes the rows it has not computed yet (catch-up), then proposes drafts greedily, one row per
 draft; the target verifies them in its own step (spec_verify.py). A greedy draft is a point mass, the
 proposal the rejection rule for sampled requests assumes, so sampled outputs keep the target's law."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvserve.spec.ngram import propose_ngram
+from kvserve.speculative.ngram import propose_ngram
 
 
 def test_the_latest_occurrence_of_the_longest_suffix_is_continued():

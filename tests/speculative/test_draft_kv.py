@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.request import Request, SamplingParams
-from kvserve.spec.config import SpeculativeConfig
-from kvserve.spec.draft_kv import DraftKV
-from kvserve.spec.policy import SpecPolicy
+from kvserve.speculative.config import SpeculativeConfig
+from kvserve.speculative.draft_kv import DraftKV
+from kvserve.speculative.policy import SpecPolicy
 
 
 def decoding(num_tokens: int, request_id: str = "r") -> Request:

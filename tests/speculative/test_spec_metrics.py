@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvserve.engine_stats import EngineStats
 from kvserve.metrics import EngineMetrics
 from kvserve.server.api import dashboard_payload
-from kvserve.spec.policy import SpecDecodeStats
+from kvserve.speculative.policy import SpecDecodeStats
 
 
 def test_spec_decode_counters_use_vllms_names():

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 from kvserve.batch import DraftSeq
 from kvserve.request import Request
-from kvserve.spec.config import SpeculativeConfig
-from kvserve.spec.draft_kv import DraftKV
-from kvserve.spec.ngram import propose_ngram
+from kvserve.speculative.config import SpeculativeConfig
+from kvserve.speculative.draft_kv import DraftKV
+from kvserve.speculative.ngram import propose_ngram
 
 COOLDOWN_STEPS = 8  # decode steps without drafts after k fell to 0 (doubles each time, up to MAX_COOLDOWN)
 MAX_COOLDOWN = 256

@@ -4,8 +4,8 @@ pages; k adapts to acceptance; counts are vLLM's."""
 from __future__ import annotations
 
 from kvserve.request import Request, SamplingParams
-from kvserve.spec.config import SpeculativeConfig
-from kvserve.spec.policy import COOLDOWN_STEPS, SpecPolicy
+from kvserve.speculative.config import SpeculativeConfig
+from kvserve.speculative.policy import COOLDOWN_STEPS, SpecPolicy
 
 LOOP = [1, 2, 3, 4] * 4
 

@@ -1,7 +1,7 @@
 """The layout rules of DESIGN.md §2, read from the source: imports point one way (no circle, type-only
-imports included), the model package sees only config, request and batch of the engine side, the cache
-layer and the scheduler never import torch, the server reaches the cache only through the engine, and
-no module grows past the ceiling."""
+imports included), the model package sees only config, request and batch of the engine side, the kernels
+see only themselves and errors, the cache layer and the scheduler never import torch, the server reaches
+the cache only through the engine, and no module grows past the ceiling."""
 
 from __future__ import annotations
 
@@ -73,6 +73,16 @@ def test_the_model_package_sees_only_config_request_batch_and_kernels():
     for name, deps in GRAPH.items():
         if name.startswith("kvserve.model"):
             outside = {d for d in deps if not d.startswith(("kvserve.model", "kvserve.kernels")) and d not in allowed}
+            assert not outside, f"{name} imports {sorted(outside)}"
+
+
+def test_the_kernels_import_nothing_of_kvserve_but_themselves_and_errors():
+    """The kernels are the ground floor (the native library and its torch wrappers): an import of the
+    model or the engine from here is an arrow back up (a benchmark that needs the model lives in tools/)."""
+    for name, path in MODULES.items():
+        if name == "kvserve.kernels" or _is_ancestor("kvserve.kernels", name):
+            outside = {m for m in imports_of(path) if m.split(".")[0] == "kvserve" and m != "kvserve.errors"
+                       and m != "kvserve.kernels" and not _is_ancestor("kvserve.kernels", m)}
             assert not outside, f"{name} imports {sorted(outside)}"
 
 

@@ -1,6 +1,6 @@
 """Micro-benchmark of paged attention, native kernel against the torch path, at SmolLM2-135M's shapes
 (9 heads, 3 KV heads, head_dim 64, 30 layers): one decode row at ~1.5k context and one 512-row
-prefill chunk. `python -m kvserve.kernels.bench_attention [--kv bf16] [--threads 1]`; not a test."""
+prefill chunk. `python -m kvserve.tools.bench_attention [--kv bf16] [--threads 1]`; not a test."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def bench(kv_dtype: str, context: int, num_rows: int, page_size: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvserve.kernels.bench_attention", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m kvserve.tools.bench_attention", description=__doc__)
     parser.add_argument("--kv", default="bf16", help="KV cache dtype (default bf16, the native mode's)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--context", type=int, default=1536)

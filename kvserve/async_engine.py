@@ -63,8 +63,7 @@ class AsyncEngine:
                  on_step: Callable[[EngineStats, list[RequestOutput]], None] | None = None) -> None:
         self.engine = engine
         self.on_step = on_step
-        self.latest: EngineStats | None = None  # the last stats read (typed)
-        self.latest_stats: dict[str, Any] = {}  # ... and by name (dashboard, admission)
+        self.latest_stats: EngineStats | None = None  # the last read (dashboard, admission); None before it
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._ids = itertools.count()
@@ -90,6 +89,11 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_requests_running(self) -> int:
+        """As of the last stats read (0 before it): what the server's admission counts against."""
+        return self.latest_stats.scheduler.num_requests_running if self.latest_stats is not None else 0
 
     # -- requests ------------------------------------------------------------------------------
     async def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
@@ -265,8 +269,7 @@ class AsyncEngine:
         except Exception:
             log.exception("engine.stats() failed")
             return
-        self.latest = stats
-        self.latest_stats = stats.as_dict()
+        self.latest_stats = stats
         if self.on_step is not None:
             try:
                 self.on_step(stats, outputs)

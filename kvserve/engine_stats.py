@@ -1,7 +1,8 @@
 """The engine's statistics as one typed value (EngineStats): the cache layer's CacheStats, the
-scheduler's counts and the engine's own gauges. metrics.py and the cache report read its fields; a
-renamed field fails their tests instead of exporting 0. `as_dict()` is the flat view LLM.stats() shows
-(README, DESIGN.md §4). Building one reads counters and changes nothing."""
+scheduler's counts and the engine's own gauges. The package reads its fields (metrics.py, the cache
+report, the server's admission); a renamed field fails their tests instead of exporting 0. `as_dict()`
+is the flat view, for outside only: LLM.stats() and /dashboard/stats show it (README, DESIGN.md §4).
+Building one reads counters and changes nothing."""
 
 from __future__ import annotations
 

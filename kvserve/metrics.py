@@ -116,12 +116,6 @@ def read(stats: EngineStats, path: str) -> float:
     return 0 if value is None else value
 
 
-def hit_rate(stats: dict[str, Any]) -> float:
-    """The prefix cache hit rate from the flat view (AsyncEngine.latest_stats; {} before the first)."""
-    queries = stats.get("prefix_cache_queries", 0)
-    return stats["prefix_cache_hits"] / queries if queries else 0.0
-
-
 class EngineMetrics:
     """The server's Prometheus collectors in a registry of their own."""
 

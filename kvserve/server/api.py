@@ -25,7 +25,8 @@ from starlette.exceptions import HTTPException
 
 from kvserve.async_engine import AsyncEngine
 from kvserve.engine import LLMEngine
-from kvserve.metrics import CONTENT_TYPE, EngineMetrics, hit_rate
+from kvserve.engine_stats import EngineStats
+from kvserve.metrics import CONTENT_TYPE, EngineMetrics
 from kvserve.server import anthropic, caches, render_routes
 from kvserve.server.auth import (DEFAULT_MAX_UNAUTHENTICATED, INVALID_KEY, NAMESPACE_SCOPE_KEY,
                                  ApiKeys, KeyGate, key_namespace)  # noqa: F401 (re-exported)
@@ -165,10 +166,12 @@ def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
     return app
 
 
-def dashboard_payload(stats: dict[str, Any], pages: str | None, model_name: str) -> dict[str, Any]:
-    payload = {key: stats.get(key, 0) for key in STATS_KEYS}
-    payload.update(model=model_name, time=time.time(), prefix_cache_hit_rate=hit_rate(stats),
-                   pages=pages)
+def dashboard_payload(stats: EngineStats | None, pages: str | None, model_name: str) -> dict[str, Any]:
+    """/dashboard/stats: STATS_KEYS of the flat view (zeros before the first read) and the hit rate."""
+    flat = stats.as_dict() if stats is not None else dict.fromkeys(STATS_KEYS, 0)
+    payload = {key: flat[key] for key in STATS_KEYS}
+    payload.update(model=model_name, time=time.time(),
+                   prefix_cache_hit_rate=stats.hit_rate if stats is not None else 0.0, pages=pages)
     return payload
 
 

@@ -63,8 +63,7 @@ class FrontDoor:
         if count > MAX_CHOICES:
             raise APIError(f"{count} choices (prompts x n) is over {MAX_CHOICES} choices per "
                            f"request; send fewer prompts or a smaller n", param="n")
-        running = int(self.engine.latest_stats.get("num_requests_running", 0))
-        self.admission.admit(namespace, count, running)
+        self.admission.admit(namespace, count, self.engine.num_requests_running)
         released = False
 
         def release() -> None:

@@ -60,7 +60,7 @@ def queued(async_engine):
 
 def wait_idle_stats(async_engine) -> None:
     deadline = time.monotonic() + 60
-    while async_engine.latest_stats.get("num_requests_running", 0):
+    while async_engine.num_requests_running:
         assert time.monotonic() < deadline
         time.sleep(0.05)
 

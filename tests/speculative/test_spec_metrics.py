@@ -21,6 +21,5 @@ def test_spec_decode_counters_use_vllms_names():
 
 
 def test_the_dashboard_gets_the_acceptance_counts():
-    flat = EngineStats(spec_decode=SpecDecodeStats(2, 8, 5, [2, 2, 1])).as_dict()
-    payload = dashboard_payload(flat, None, "m")
+    payload = dashboard_payload(EngineStats(spec_decode=SpecDecodeStats(2, 8, 5, [2, 2, 1])), None, "m")
     assert (payload["spec_decode_num_draft_tokens"], payload["spec_decode_num_accepted_tokens"]) == (8, 5)

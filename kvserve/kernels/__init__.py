@@ -12,10 +12,11 @@ import functools
 import hashlib
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvserve.errors import ConfigError
+from kvserve.kernels import api
 
 ISAS = ("scalar", "avx2", "avx512")
 LIB_DIR = Path(__file__).with_name("_lib")
@@ -79,10 +80,12 @@ def selected_isa() -> str:
 
 @dataclass(frozen=True)
 class KernelLibrary:
-    """The loaded shared object of one instruction set."""
+    """The loaded shared object of one instruction set, its entry points typed by `api.bind`."""
 
     isa: str
     lib: ctypes.CDLL
+    formats: dict[int, api.FormatInfo] = field(hash=False, compare=False)  # the library's format table
+    simd_width: int = 1  # float lanes of a vector (attention's head_dim must be a multiple)
 
 
 _warned: set[str] = set()
@@ -115,10 +118,14 @@ def _load(isa: str) -> KernelLibrary | None:
         _warn_once(f"native kernels in {LIB_DIR} were built from other sources (run `python -m "
                    "kvserve.kernels.build`); using the torch path")
         return None
-    lib.kvs_isa.restype = ctypes.c_char_p
+    try:
+        formats = api.bind(lib)
+    except ValueError as e:
+        _warn_once(f"native kernels in {LIB_DIR} disagree with kvserve/kernels/api.py ({e}); using the torch path")
+        return None
     if lib.kvs_isa().decode() != isa:
         raise RuntimeError(f"{path} was built for {lib.kvs_isa().decode()}, not {isa}")
-    return KernelLibrary(isa, lib)
+    return KernelLibrary(isa, lib, formats, lib.kvs_simd_width())
 
 
 def available() -> bool:

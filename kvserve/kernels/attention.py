@@ -8,19 +8,18 @@ model/attention.py); the caches and codec parameters are passed per layer."""
 from __future__ import annotations
 
 import ctypes
-import functools
 from dataclasses import dataclass
 
 import torch
 
 from kvserve.kernels import KernelLibrary
+from kvserve.kernels.api import Codec, KvsAttention, Schedule
 
-# codec name -> the kernel's codec id (src/attention.cpp enum Codec)
-CODEC_IDS = {"fp32": 0, "bf16": 1, "fp16": 2, "fp8_e4m3": 3, "fp8_e5m2": 3, "int8": 4, "int4": 5}
+# codec name (model/kv_quant.py) -> the kernel's codec
+CODECS = {"fp32": Codec.FP32, "bf16": Codec.BF16, "fp16": Codec.FP16, "fp8_e4m3": Codec.FP8, "fp8_e5m2": Codec.FP8,
+          "int8": Codec.INT8, "int4": Codec.INT4}
 # codecs whose write (a plain cast) the kernel does itself, with the torch cast's bits
 WRITES = frozenset({"fp32", "bf16"})
-# how the kernel spreads work over threads (src/attention.cpp enum Schedule); every one gives the same bits
-SCHEDULES = {"auto": 0, "tile": 1, "segment": 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,24 +39,11 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return t.data_ptr() if t is not None else None
 
 
-@functools.lru_cache(maxsize=None)
-def _entry(lib: KernelLibrary) -> tuple[ctypes._CFuncPtr, int]:
-    """The kernel's entry point and this build's vector width."""
-    fn = lib.lib.kvs_paged_attention
-    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, i64, i32, i32, i32, i32, i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
-                   ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ptr, ptr, i64, i64, ptr, i32, i32]
-    fn.restype = ctypes.c_int
-    lib.lib.kvs_simd_width.restype = ctypes.c_int
-    return fn, lib.lib.kvs_simd_width()
-
-
 def supports(lib: KernelLibrary, codec: str, head_dim: int, q: torch.Tensor) -> bool:
     """True when the kernel runs this codec and head_dim for these queries (float32 on the CPU)."""
-    if codec not in CODEC_IDS or q.dtype != torch.float32 or q.device.type != "cpu":
+    if codec not in CODECS or q.dtype != torch.float32 or q.device.type != "cpu":
         return False
-    width = _entry(lib)[1]
-    return head_dim % (2 * width if codec == "int4" else width) == 0
+    return head_dim % (2 * lib.simd_width if codec == "int4" else lib.simd_width) == 0
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -95,14 +81,19 @@ def paged_attention(
         assert codec in WRITES and k[0].dtype == (torch.float32 if codec == "fp32" else torch.bfloat16)
         k_new, v_new = _rows(new_kv[0].float()), _rows(new_kv[1].float())
         slots = new_kv[2].contiguous()
-    rc = _entry(lib)[0](
-        _ptr(q), q.stride(0), _ptr(out), num_rows, heads, kv_heads, head_dim, page_size, window or 0,
-        CODEC_IDS[codec], _ptr(k[0]), _ptr(v[0]), _ptr(k[1] if scaled else None), _ptr(v[1] if scaled else None),
-        _ptr(k_table), _ptr(v_table), _ptr(rows.positions), _ptr(rows.table_offsets), _ptr(rows.table_first),
-        _ptr(rows.tables), _ptr(own_k), _ptr(own_v), _ptr(rows.own_index if own is not None else None),
-        head_dim**-0.5, _ptr(k_new), _ptr(v_new), k_new.stride(0) if k_new is not None else 0,
-        v_new.stride(0) if v_new is not None else 0, _ptr(slots), SCHEDULES[schedule],
-        num_threads or torch.get_num_threads())
+    args = KvsAttention(
+        q=_ptr(q), out=_ptr(out), k_data=_ptr(k[0]), v_data=_ptr(v[0]), k_scales=_ptr(k[1] if scaled else None),
+        v_scales=_ptr(v[1] if scaled else None), k_table=_ptr(k_table), v_table=_ptr(v_table),
+        positions=_ptr(rows.positions), table_offsets=_ptr(rows.table_offsets), table_first=_ptr(rows.table_first),
+        tables=_ptr(rows.tables), k_own=_ptr(own_k), v_own=_ptr(own_v),
+        own_index=_ptr(rows.own_index if own is not None else None), k_new=_ptr(k_new), v_new=_ptr(v_new),
+        slot_mapping=_ptr(slots), q_row_stride=q.stride(0), num_rows=num_rows,
+        k_new_stride=k_new.stride(0) if k_new is not None else 0,
+        v_new_stride=v_new.stride(0) if v_new is not None else 0,
+        heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size, window=window or 0,
+        codec=CODECS[codec], schedule=Schedule[schedule.upper()], num_threads=num_threads or torch.get_num_threads(),
+        scale=head_dim**-0.5)
+    rc = lib.lib.kvs_paged_attention(ctypes.byref(args))
     if rc != 0:
         raise ValueError(f"native attention cannot run codec {codec} with head_dim {head_dim}")
     return out

@@ -6,56 +6,13 @@ once; a step fills in its rows, RoPE tables, attention rows and one scratch buff
 from __future__ import annotations
 
 import ctypes
-import functools
 from dataclasses import dataclass
 
 import torch
 
 from kvserve.kernels import KernelLibrary
-from kvserve.kernels.attention import CODEC_IDS, AttentionRows
-from kvserve.kernels.ops import ACTIVATIONS
-
-MAX_PARTS = 4  # kMaxParts in ops_layers.cpp: formats stacked in one linear layer
-_i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-
-
-class _Linear(ctypes.Structure):
-    _fields_ = [("num_parts", _i64), ("in_features", _i64), ("out_features", _i64), ("qtypes", _i64 * MAX_PARTS),
-                ("weights", _ptr * MAX_PARTS), ("rows", _i64 * MAX_PARTS), ("bias", _ptr)]
-
-
-class _Rows(ctypes.Structure):
-    _fields_ = [*((n, _ptr) for n in ("positions", "table_offsets", "table_first", "tables", "slot_mapping")),
-                ("window", _i64)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [("qkv", _Linear), ("o_proj", _Linear), ("gate_up", _Linear), ("down", _Linear),
-                *((n, _ptr) for n in ("input_norm", "post_attention_norm", "q_norm", "k_norm", "attn_out_norm",
-                                      "mlp_out_norm", "k_data", "v_data")),
-                ("rows_set", _i64), ("rope_set", _i64)]
-
-
-_SCRATCH = ("m", "normed", "qkv", "qk_normed", "qk", "attn", "gate_up", "act_out", "out", "cos", "sin")
-
-
-class _Step(ctypes.Structure):
-    _fields_ = [("rows", _i64), ("num_layers", _i64), *((n, _i64) for n in (
-        "hidden", "heads", "kv_heads", "head_dim", "inter", "page_size", "codec", "act", "num_threads")),
-        *((n, _f32) for n in ("eps", "q_scale", "attn_scale", "pad")),
-        ("row_sets", _Rows * 2), ("cos_table", _ptr * 2), ("sin_table", _ptr * 2),
-        *((n, _ptr) for n in ("final_norm", "h", *_SCRATCH))]
-
-
-@functools.lru_cache(maxsize=None)
-def _entry(lib: KernelLibrary):
-    fn = lib.lib.kvs_decoder_layers
-    fn.argtypes = [_ptr, _ptr]
-    fn.restype = ctypes.c_int
-    sizes = lib.lib.kvs_decoder_layers_struct_sizes
-    sizes.restype = _i64
-    assert sizes() == ctypes.sizeof(_Layer) * 1000 + ctypes.sizeof(_Step), "ops_layers.cpp's structs moved"
-    return fn
+from kvserve.kernels.api import MAX_PARTS, STEP_SCRATCH, Activation, KvsLayer, KvsLinear, KvsStep
+from kvserve.kernels.attention import CODECS, AttentionRows
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,13 +52,13 @@ class Shapes:
     activation: str
 
 
-def _linear(w: LinearWeights) -> _Linear:
+def _linear(w: LinearWeights) -> KvsLinear:
     assert 1 <= len(w.parts) <= MAX_PARTS
-    out = _Linear(num_parts=len(w.parts), in_features=w.in_features,
+    out = KvsLinear(num_parts=len(w.parts), in_features=w.in_features,
                   out_features=sum(int(b.shape[0]) for _, b in w.parts))
     for i, (qtype, blocks) in enumerate(w.parts):
         assert blocks.dtype == torch.uint8 and blocks.is_contiguous()
-        out.qtypes[i], out.weights[i], out.rows[i] = int(qtype), blocks.data_ptr(), int(blocks.shape[0])
+        out.formats[i], out.weights[i], out.rows[i] = int(qtype), blocks.data_ptr(), int(blocks.shape[0])
     if w.bias is not None:
         out.bias = _floats(w.bias)
     return out
@@ -122,10 +79,10 @@ class DecoderLayers:
                  rope: tuple[torch.Tensor, torch.Tensor], local_rope: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """rope, local_rope: (cos, signed sin) tables [positions, head_dim] float32 (model/llama.py's
         Rotary); the windowed layers use local_rope when given."""
-        self.fn = _entry(lib)
+        self.fn = lib.lib.kvs_decoder_layers
         self.shapes = shapes
         self._keep = (layers, final_norm, rope, local_rope)  # the pointers below point into these
-        self.layers = (_Layer * len(layers))()
+        self.layers = (KvsLayer * len(layers))()
         for dst, w in zip(self.layers, layers):
             dst.qkv, dst.o_proj, dst.gate_up, dst.down = (_linear(x) for x in (w.qkv, w.o_proj, w.gate_up, w.down))
             for name in ("input_norm", "post_attention_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm"):
@@ -134,8 +91,8 @@ class DecoderLayers:
             dst.rope_set = int(w.windowed and local_rope is not None)
         self.qkv_width = max(layer.qkv.out_features for layer in self.layers)
         s = shapes
-        self.step = _Step(num_layers=len(layers), hidden=s.hidden, heads=s.heads, kv_heads=s.kv_heads,
-                          head_dim=s.head_dim, inter=s.inter, act=ACTIVATIONS[s.activation], eps=s.eps,
+        self.step = KvsStep(num_layers=len(layers), hidden=s.hidden, heads=s.heads, kv_heads=s.kv_heads,
+                          head_dim=s.head_dim, inter=s.inter, activation=Activation[s.activation.upper()], eps=s.eps,
                           q_scale=s.q_scale, attn_scale=s.head_dim ** -0.5, final_norm=_floats(final_norm))
         for i, tables in enumerate((rope, local_rope)):
             if tables is not None:
@@ -144,7 +101,7 @@ class DecoderLayers:
         widths = {"m": s.hidden, "normed": s.hidden, "qkv": self.qkv_width, "qk_normed": qk, "qk": qk,
                   "attn": s.heads * s.head_dim, "gate_up": 2 * s.inter, "act_out": s.inter, "out": s.hidden,
                   "cos": 2 * s.head_dim, "sin": 2 * s.head_dim}
-        self.widths = [widths[n] for n in _SCRATCH]
+        self.widths = [widths[n] for n in STEP_SCRATCH]
         self.row_floats = sum(self.widths)
 
     def run(self, x: torch.Tensor, codec: str, kv: list[tuple[torch.Tensor, torch.Tensor]], page_size: int,
@@ -157,7 +114,7 @@ class DecoderLayers:
         assert x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == self.shapes.hidden
         scratch = torch.empty(t * self.row_floats, dtype=torch.float32)
         step = self.step
-        step.rows, step.page_size, step.codec, step.num_threads = t, page_size, CODEC_IDS[codec], num_threads
+        step.rows, step.page_size, step.codec, step.num_threads = t, page_size, CODECS[codec], num_threads
         step.h = x.data_ptr()
         for dst, (rows, slots, window) in zip(step.row_sets, row_sets):
             assert slots.dtype == torch.int64 and slots.is_contiguous()
@@ -165,14 +122,14 @@ class DecoderLayers:
             dst.table_first, dst.tables = rows.table_first.data_ptr(), rows.tables.data_ptr()
             dst.slot_mapping, dst.window = slots.data_ptr(), window or 0
         address, out_at = scratch.data_ptr(), 0
-        for name, width in zip(_SCRATCH, self.widths):
+        for name, width in zip(STEP_SCRATCH, self.widths):
             if name == "out":
                 out_at = (address - scratch.data_ptr()) // 4
             setattr(step, name, address)
             address += 4 * t * width
         for layer, (k, v) in zip(self.layers, kv):
             layer.k_data, layer.v_data = k.data_ptr(), v.data_ptr()
-        rc = self.fn(ctypes.byref(self.layers), ctypes.byref(step))
+        rc = self.fn(self.layers, ctypes.byref(step))
         if rc:
             raise RuntimeError(f"the fused decoder layers failed (kernel code {rc})")
         return scratch[out_at:out_at + t * self.shapes.hidden].view(t, self.shapes.hidden)

@@ -4,49 +4,24 @@ activation rounding the block formats use (`quantize_activations`, for tests).""
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from kvserve.kernels import KernelLibrary
-
-# ggml type id -> (elements, bytes) per block, for the types the kernels run
-GEOMETRY = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
-            12: (256, 144), 13: (256, 176), 14: (256, 210)}
-FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16: float32 activations, no int8 rounding
-
-_c_int, _c_i64, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-_SIGNATURES = {
-    "kvs_matmul": [_c_int, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_int],
-    "kvs_dequantize_rows": [_c_int, _ptr, _c_i64, _ptr, _c_i64, _ptr],
-    "kvs_quantize_activations": [_ptr, _c_i64, _c_i64, _ptr, _ptr, _ptr],
-    "kvs_matmul_supported": [_c_int],
-}
-_bound: set[int] = set()
+from kvserve.kernels.api import MatmulStatus
 
 
-def _fn(kl: KernelLibrary, name: str):
-    if id(kl.lib) not in _bound:
-        for fn, args in _SIGNATURES.items():
-            getattr(kl.lib, fn).argtypes = args
-            getattr(kl.lib, fn).restype = _c_int
-        _bound.add(id(kl.lib))
-    return getattr(kl.lib, name)
+def supported(kl: KernelLibrary, qtype: int) -> bool:
+    return int(qtype) in kl.formats
 
 
-def supported(qtype: int) -> bool:
-    return int(qtype) in GEOMETRY
-
-
-def row_bytes(qtype: int, k: int) -> int:
-    block, size = GEOMETRY[int(qtype)]
-    return k // block * size
+def row_bytes(kl: KernelLibrary, qtype: int, k: int) -> int:
+    return kl.formats[int(qtype)].row_bytes(k)
 
 
 def _check(rc: int, qtype: int, k: int) -> None:
-    if rc == -1:
+    if rc == MatmulStatus.NO_FORMAT:
         raise ValueError(f"ggml type {qtype} has no native kernel")
-    if rc == -2:
+    if rc == MatmulStatus.BAD_ROW_LENGTH:
         raise ValueError(f"row length {k} is not a multiple of ggml type {qtype}'s block")
 
 
@@ -56,13 +31,13 @@ def matmul(kl: KernelLibrary, qtype: int, weight: torch.Tensor, k: int, x: torch
     wider matrix (its row stride is kept), so parts of a fused layer fill one output."""
     n = weight.shape[0]
     assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1
-    assert weight.dtype == torch.uint8 and weight.is_contiguous() and weight.shape[1] == row_bytes(qtype, k)
+    assert weight.dtype == torch.uint8 and weight.is_contiguous() and weight.shape[1] == row_bytes(kl, qtype, k)
     t = x.shape[0]
     if out is None:
         out = torch.empty(t, n, dtype=torch.float32)
     assert out.shape == (t, n) and out.stride(1) == 1 and out.dtype == torch.float32
     threads = torch.get_num_threads() if num_threads is None else num_threads
-    rc = _fn(kl, "kvs_matmul")(int(qtype), weight.data_ptr(), n, k, x.data_ptr(), x.stride(0), t,
+    rc = kl.lib.kvs_matmul(int(qtype), weight.data_ptr(), n, k, x.data_ptr(), x.stride(0), t,
                                out.data_ptr(), out.stride(0), threads)
     _check(rc, qtype, k)
     return out
@@ -73,8 +48,8 @@ class PreparedMatmul:
     ctypes call and one output tensor (a step makes ~120 of them)."""
 
     def __init__(self, kl: KernelLibrary, qtype: int, weight: torch.Tensor, k: int) -> None:
-        assert weight.dtype == torch.uint8 and weight.is_contiguous() and weight.shape[1] == row_bytes(qtype, k)
-        self.fn = _fn(kl, "kvs_matmul")
+        assert weight.dtype == torch.uint8 and weight.is_contiguous() and weight.shape[1] == row_bytes(kl, qtype, k)
+        self.fn = kl.lib.kvs_matmul
         self.qtype, self.weight, self.n, self.k = int(qtype), weight, int(weight.shape[0]), k
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor, threads: int) -> None:
@@ -91,10 +66,9 @@ def dequantize_rows(kl: KernelLibrary, qtype: int, weight: torch.Tensor, k: int,
     assert weight.is_contiguous() and weight.dtype == torch.uint8
     assert bool(((rows >= 0) & (rows < weight.shape[0])).all()), "row index out of range"
     out = torch.empty(rows.numel(), k, dtype=torch.float32)
-    _check(_fn(kl, "kvs_dequantize_rows")(int(qtype), weight.data_ptr(), k, rows.data_ptr(), rows.numel(),
+    _check(kl.lib.kvs_dequantize_rows(int(qtype), weight.data_ptr(), k, rows.data_ptr(), rows.numel(),
                                           out.data_ptr()), qtype, k)
     return out
-
 
 
 def quantize_activations(kl: KernelLibrary, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -106,5 +80,5 @@ def quantize_activations(kl: KernelLibrary, x: torch.Tensor) -> tuple[torch.Tens
     q = torch.empty(t, k, dtype=torch.int8)
     d = torch.empty(t, k // 32, dtype=torch.float32)
     pairs = torch.empty(t, k // 2, dtype=torch.int16)
-    _check(_fn(kl, "kvs_quantize_activations")(x.data_ptr(), t, k, q.data_ptr(), d.data_ptr(), pairs.data_ptr()), 8, k)
+    _check(kl.lib.kvs_quantize_activations(x.data_ptr(), t, k, q.data_ptr(), d.data_ptr(), pairs.data_ptr()), 8, k)
     return q, d, pairs.repeat_interleave(2, dim=1)

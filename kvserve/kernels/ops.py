@@ -4,26 +4,10 @@ activations. Each row's result is the same bits whatever the number of rows or t
 
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import torch
 
 from kvserve.kernels import KernelLibrary
-
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
-_i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
-
-
-@functools.lru_cache(maxsize=None)
-def _entries(lib: KernelLibrary) -> tuple:
-    norm, rope, act = lib.lib.kvs_rms_norm, lib.lib.kvs_rope, lib.lib.kvs_gated_act
-    norm.argtypes = [_ptr, _i64, _i32, _i32, _i64, _ptr, _ptr, _ptr, _f32, _ptr, _i64, _i32]
-    rope.argtypes = [_ptr, _i64, _i32, _i32, _i64, _ptr, _ptr, _i32, _f32, _ptr, _i32]
-    act.argtypes = [_ptr, _i64, _i32, _i64, _i32, _ptr, _i32]
-    for fn in (norm, rope, act):
-        fn.restype = None
-    return norm, rope, act
+from kvserve.kernels.api import Activation
 
 
 def _rows_view(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
@@ -47,7 +31,7 @@ def rms_norm(lib: KernelLibrary, x: torch.Tensor, weight: torch.Tensor, eps: flo
         x, residual = x.contiguous(), residual.contiguous()
         total = torch.empty_like(x)
     x, outer, inner, stride = _rows_view(x)
-    _entries(lib)[0](x.data_ptr(), outer, inner, dim, stride, residual.data_ptr() if residual is not None else 0,
+    lib.lib.kvs_rms_norm(x.data_ptr(), outer, inner, dim, stride, residual.data_ptr() if residual is not None else 0,
                      total.data_ptr() if total is not None else 0, weight.data_ptr(), eps, out.data_ptr(),
                      inner * dim, torch.get_num_threads())
     return out if total is None else (total, out)
@@ -62,7 +46,7 @@ def rope(lib: KernelLibrary, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     x, _, _, stride = _rows_view(x)
     cos, sin = cos.reshape(tokens, head_dim).contiguous(), sin.reshape(tokens, head_dim).contiguous()
     out = torch.empty(tokens, heads, head_dim, dtype=torch.float32)
-    _entries(lib)[1](x.data_ptr(), tokens, heads, head_dim, stride, cos.data_ptr(), sin.data_ptr(), scaled_heads,
+    lib.lib.kvs_rope(x.data_ptr(), tokens, heads, head_dim, stride, cos.data_ptr(), sin.data_ptr(), scaled_heads,
                      scale, out.data_ptr(), torch.get_num_threads())
     return out
 
@@ -73,6 +57,6 @@ def gated_activation(lib: KernelLibrary, x: torch.Tensor, activation: str) -> to
         x = x.contiguous()
     tokens, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty(tokens, inter, dtype=torch.float32)
-    _entries(lib)[2](x.data_ptr(), tokens, inter, x.stride(0), ACTIVATIONS[activation], out.data_ptr(),
+    lib.lib.kvs_gated_act(x.data_ptr(), tokens, inter, x.stride(0), Activation[activation.upper()], out.data_ptr(),
                      torch.get_num_threads())
     return out

@@ -103,7 +103,8 @@ class NativeLinear(nn.Module):
     """y = x @ W^T over the file's own blocks, run by kvserve's native kernels in float32. The
     weight's parts stacked by rows (fused QKV, gate+up) each keep their own format and fill their
     columns of one output; also the token embedding when tied (`embed` decodes the looked-up rows).
-    The kernels decode the weights to float32 and never round the activations."""
+    Float formats (F32, F16, BF16) take float32 activations; block formats round each activation row once
+    to int8 blocks of 32 (src/matmul_int8.h) and multiply on integers, with float32 out."""
 
     def __init__(self, parts: list[tuple[int, torch.Tensor]], in_features: int, bias: torch.Tensor | None,
                  library: kernels.KernelLibrary) -> None:
@@ -182,17 +183,17 @@ def q4_blocks(t: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] 
     return out[0], out[1], out[2]
 
 
-def native_blocks(t: GGUFTensor | FloatTensor) -> tuple[int, torch.Tensor]:
+def native_blocks(t: GGUFTensor | FloatTensor, library: kernels.KernelLibrary) -> tuple[int, torch.Tensor]:
     """(ggml type, [rows, row bytes] uint8) of a matrix as the native kernels read it: the file's own
     blocks copied from the file (rows in HF order), or a float32 matrix's bytes as F32."""
     if isinstance(t, FloatTensor):
         return 0, t.value.float().contiguous().view(torch.uint8)
     qtype = int(t.qtype)
-    if not native_matmul.supported(qtype):
+    if not native_matmul.supported(library, qtype):
         raise ConfigError(f"--dtype native has no kernel for ggml type {t.qtype.name}; use --dtype int8")
     rows, cols = t.shape
     data = t.copy_data().view(np.uint8).reshape(rows, -1)
-    assert data.shape[1] == native_matmul.row_bytes(qtype, cols), (t.shape, data.shape)
+    assert data.shape[1] == native_matmul.row_bytes(library, qtype, cols), (t.shape, data.shape)
     blocks = torch.from_numpy(data)
     if t.rope_heads is not None:
         blocks = unpermute_rope_rows(blocks, t.rope_heads)
@@ -274,7 +275,7 @@ class WeightBuilder:
     def _native(self, parts: list[GGUFTensor], bias: torch.Tensor | None) -> NativeLinear:
         """Parts of one format next to each other share one block matrix (one kernel call)."""
         merged: list[tuple[int, list[torch.Tensor]]] = []
-        for qtype, blocks in map(native_blocks, parts):  # one tensor at a time out of the map
+        for qtype, blocks in (native_blocks(p, self.library) for p in parts):  # one tensor at a time
             if merged and merged[-1][0] == qtype:
                 merged[-1][1].append(blocks)
             else:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from kvserve.config import ConfigError
+from kvserve.kernels.api import FormatInfo
 
 
 def _layers(model: nn.Module) -> list[nn.Module]:
@@ -75,15 +76,14 @@ def bench(model_name: str | None, modes: list[str], prefill_rows: int, repeats: 
     return lines
 
 
-def _random_blocks(qtype: int, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
-    """[n, row bytes] uint8 of format `qtype`: random codes, every fp16 scale a small positive number."""
-    from kvserve.kernels import matmul as km
-
-    if qtype in km.FLOAT_TYPES:
+def _random_blocks(fmt: FormatInfo, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
+    """[n, row bytes] uint8 of format `fmt`: random codes, every fp16 scale a small positive number."""
+    qtype = int(fmt.format)
+    if fmt.is_float:
         w = rng.standard_normal((n, k)).astype(np.float32)
         w = w if qtype == 0 else w.astype(np.float16)  # BF16 times as F16: same bytes, same work
         return torch.from_numpy(w.view(np.uint8).reshape(n, -1))
-    block, size = km.GEOMETRY[qtype]
+    block, size = fmt.block, fmt.bytes
     raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
     scale_offsets = {14: (208,), 3: (0, 2), 7: (0, 2), 12: (0, 2), 13: (0, 2)}.get(qtype, (0,))
     for off in scale_offsets:
@@ -117,11 +117,12 @@ def bench_formats(model_name: str | None, formats: list[str], prefill_rows: int,
             qtype = int(GGMLQuantizationType[name.upper()])
         except KeyError:
             raise ConfigError(f"unknown GGUF format {name!r}") from None
-        if not km.supported(qtype):
+        if not km.supported(kl, qtype):
             raise ConfigError(f"the native kernels do not run {name}")
-        block = km.GEOMETRY[qtype][0]  # K-quants: each K rounded up to whole superblocks of 256
+        fmt = kl.formats[qtype]
+        block = fmt.block  # K-quants: each K rounded up to whole superblocks of 256
         sized = [(n, -(-k // block) * block) for n, k in shapes]
-        calls = [(km.PreparedMatmul(kl, qtype, _random_blocks(qtype, n, k, rng), k), n, k) for n, k in sized]
+        calls = [(km.PreparedMatmul(kl, qtype, _random_blocks(fmt, n, k, rng), k), n, k) for n, k in sized]
         threads = torch.get_num_threads()
         one = [(f, torch.randn(1, k), torch.empty(1, n)) for f, n, k in calls]
         many = [(f, torch.randn(prefill_rows, k), torch.empty(prefill_rows, n)) for f, n, k in calls]

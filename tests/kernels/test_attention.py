@@ -233,7 +233,7 @@ def test_the_kernel_writes_new_rows_as_the_torch_codec_does(isa, kv_dtype, monke
 
 def test_unsupported_shapes_fall_back_to_the_torch_path(isa):
     lib = kernels.library()
-    width = lib.lib.kvs_simd_width() if native.supports(lib, "fp32", 64, torch.zeros(1)) else 1
+    width = lib.simd_width if native.supports(lib, "fp32", 64, torch.zeros(1)) else 1
     assert native.supports(lib, "bf16", 64, torch.zeros(1))
     assert not native.supports(lib, "bf16", 64, torch.zeros(1, dtype=torch.bfloat16))
     assert native.supports(lib, "fp32", 12, torch.zeros(1)) == (12 % width == 0)

@@ -55,7 +55,7 @@ def test_an_object_is_rebuilt_only_when_its_source_a_header_it_includes_or_the_d
     (src / "c.h").write_text("#pragma once\n")
     (src / "one.cpp").write_text("#include \"a.h\"\n")
     (src / "two.cpp").write_text("#include \"c.h\"\n#include <vector>\n")
-    (src / "isa.cpp").write_text("")
+    (src / "kvs_api.cpp").write_text("")
     monkeypatch.setattr(build, "SRC_DIR", src)
     monkeypatch.setattr(build, "OBJ_DIR", tmp_path / "obj")
     digest = ["1" * 16]
@@ -69,7 +69,7 @@ def test_an_object_is_rebuilt_only_when_its_source_a_header_it_includes_or_the_d
     (src / "b.h").write_text("#pragma once\n// changed\n")  # reached from one.cpp through a.h
     after = objects()
     assert after["one.cpp"] != before["one.cpp"]
-    assert after["two.cpp"] == before["two.cpp"] and after["isa.cpp"] == before["isa.cpp"]
-    digest[0] = "2" * 16  # isa.cpp records the digest of every source
-    assert objects()["isa.cpp"] != after["isa.cpp"] and objects()["two.cpp"] == after["two.cpp"]
+    assert after["two.cpp"] == before["two.cpp"] and after["kvs_api.cpp"] == before["kvs_api.cpp"]
+    digest[0] = "2" * 16  # kvs_api.cpp records the digest of every source
+    assert objects()["kvs_api.cpp"] != after["kvs_api.cpp"] and objects()["two.cpp"] == after["two.cpp"]
     assert build.compile_job("g++", "avx2", src / "two.cpp") != build.compile_job("g++", "scalar", src / "two.cpp")

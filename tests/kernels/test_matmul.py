@@ -42,7 +42,7 @@ def random_weight(qtype: Q, n: int, k: int, seed: int = 0) -> np.ndarray:
         if qtype == Q.F16:
             return w.astype(np.float16).view(np.uint8)
         return np.ascontiguousarray(quants.quantize(w, qtype))
-    block, size = km.GEOMETRY[int(qtype)]
+    block, size = quants.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
     for off in SCALE_OFFSETS[qtype]:
         scales = rng.uniform(0.002, 0.05, size=(n, k // block)).astype(np.float16)

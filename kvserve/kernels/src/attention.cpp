@@ -38,34 +38,9 @@ constexpr int SEGMENT = 256;  // keys per partial softmax state, aligned to abso
 constexpr int TILE = 16;  // prefill rows of one table attended together (each key block decoded once)
 static_assert(SEGMENT % KG == 0 && SEGMENT % 16 == 0, "score groups and W-lane chunks never straddle segments");
 
-enum Codec : int { FP32 = 0, BF16 = 1, FP16 = 2, FP8 = 3, INT8 = 4, INT4 = 5 };
-enum Schedule : int { AUTO = 0, BY_TILE = 1, BY_SEGMENT = 2 };
-
-struct Args {
-    const float* q;
-    int64_t q_row_stride;  // floats between rows of q (heads * head_dim when contiguous)
-    float* out;  // [rows, heads, head_dim]
-    int64_t num_rows;
-    int heads, kv_heads, head_dim, page_size, window, codec;
-    const void* k_data;
-    const void* v_data;
-    const float* k_scales;  // [num_pages, kv_heads] (int codecs)
-    const float* v_scales;
-    const float* k_table;  // [256] fp8 byte -> value (per-tensor scale folded in)
-    const float* v_table;
-    const int64_t* positions;
-    const int64_t* table_offsets;
-    const int64_t* table_first;
-    const int64_t* tables;
-    const float* k_own;  // [n, page_size, kv_heads, head_dim] float32: a prefill query's own page
-    const float* v_own;
-    const int64_t* own_index;  // [rows] index into k_own, -1: the own page is read from the cache
-    float scale;
-};
-
-int64_t row_bytes(const Args& a) {
-    int elem = a.codec == FP32 ? 4 : a.codec == BF16 || a.codec == FP16 ? 2 : 1;
-    return a.codec == INT4 ? a.head_dim / 2 : static_cast<int64_t>(a.head_dim) * elem;
+int64_t row_bytes(const KvsAttention& a) {
+    int elem = a.codec == KVS_CODEC_FP32 ? 4 : a.codec == KVS_CODEC_BF16 || a.codec == KVS_CODEC_FP16 ? 2 : 1;
+    return a.codec == KVS_CODEC_INT4 ? a.head_dim / 2 : static_cast<int64_t>(a.head_dim) * elem;
 }
 
 constexpr int AHEAD = 16;  // keys between a row's prefetch and its use (memory latency / time per key)
@@ -96,17 +71,18 @@ inline void load_nibbles(const uint8_t* src, vf& lo, vf& hi) {
 // One stored row of head_dim values -> float32 dst (every codec's values are exact in float32).
 template <int C>
 inline void decode_row(const uint8_t* src, int hd, float scale, const float* table, float* dst) {
-    if constexpr (C == BF16) {
+    if constexpr (C == KVS_CODEC_BF16) {
         for (int d = 0; d < hd; d += W) vstore(dst + d, vload_bf16(reinterpret_cast<const uint16_t*>(src) + d));
-    } else if constexpr (C == FP16) {
+    } else if constexpr (C == KVS_CODEC_FP16) {
         for (int d = 0; d < hd; d += W) vstore(dst + d, vload_f16(reinterpret_cast<const uint16_t*>(src) + d));
-    } else if constexpr (C == FP8) {
+    } else if constexpr (C == KVS_CODEC_FP8) {
         for (int d = 0; d < hd; d += W) vstore(dst + d, vlookup(table, src + d));
-    } else if constexpr (C == INT8) {  // (code + 0.5) * s
+    } else if constexpr (C == KVS_CODEC_INT8) {  // (code + 0.5) * s
         const vf s = vset1(scale), half = vset1(0.5f);
         for (int d = 0; d < hd; d += W)
             vstore(dst + d, vmul(vadd(vload_i8(reinterpret_cast<const int8_t*>(src) + d), half), s));
-    } else if constexpr (C == INT4) {  // byte j: code j in the low nibble, code j + hd/2 in the high one, each + 8
+    } else if constexpr (C == KVS_CODEC_INT4) {
+        // byte j: code j in the low nibble, code j + hd/2 in the high one, each + 8
         const int half_dim = hd / 2;
         const vf s = vset1(scale), off = vset1(7.5f);
         for (int d = 0; d < half_dim; d += W) {
@@ -129,7 +105,7 @@ struct Tile {
     const int64_t* table;  // logical page i at table[i]
 };
 
-Tile make_tile(const Args& a, int64_t row0, int rows) {
+Tile make_tile(const KvsAttention& a, int64_t row0, int rows) {
     Tile t;
     t.row0 = row0;
     t.rows = rows;
@@ -278,14 +254,14 @@ void accumulate(const float* p, const void* const* vb, int64_t at, int j0, int j
 
 // Bytes from a key's row of head h to its row of head h + 1: in place in the cache (fp32, bf16),
 // in an own-page view or decoded into scratch (float32, every other codec).
-int64_t head_stride(const Args& a) { return a.codec == BF16 ? 2 * a.head_dim : 4 * a.head_dim; }
+int64_t head_stride(const KvsAttention& a) { return a.codec == KVS_CODEC_BF16 ? 2 * a.head_dim : 4 * a.head_dim; }
 
 // sc.kb[jj], sc.vb[jj] for the keys j0..j1 of the segment at s0 (jj = j - s0), each key's row of
 // head h0 (the unit's other heads follow at head_stride): rows of the cache (fp32 and bf16 in
 // place), of the own-page view, or decoded into scratch; z0..z1 (a superset, whole score groups)
 // around them point at zeros. Walks the block table page by page.
 template <int C>
-void load_keys(const Args& a, const Tile& t, Heads u, int64_t s0, int64_t j0, int64_t j1, int z0, int z1,
+void load_keys(const KvsAttention& a, const Tile& t, Heads u, int64_t s0, int64_t j0, int64_t j1, int z0, int z1,
                Scratch& sc) {
     const int hd = a.head_dim, ps = a.page_size, kvh = a.kv_heads;
     for (int jj = z0; jj < j0 - s0; ++jj) sc.kb[jj] = sc.vb[jj] = sc.zero.data();
@@ -306,7 +282,7 @@ void load_keys(const Args& a, const Tile& t, Heads u, int64_t s0, int64_t j0, in
             }
             const int jj = static_cast<int>(j - s0);
             const int64_t slot = (page * ps + off) * kvh + u.h0;
-            if constexpr (C == FP32 || C == BF16) {
+            if constexpr (C == KVS_CODEC_FP32 || C == KVS_CODEC_BF16) {
                 sc.kb[jj] = kd + slot * rb;
                 sc.vb[jj] = vd + slot * rb;
             } else {
@@ -360,7 +336,7 @@ inline void segment_softmax(float* sq, int c0, int c1, float& m, float& l) {
 }
 
 // The tile's queries of the unit's heads, scaled, into sc.q.
-void load_queries(const Args& a, const Tile& t, Heads u, Scratch& sc) {
+void load_queries(const KvsAttention& a, const Tile& t, Heads u, Scratch& sc) {
     const int hd = a.head_dim, group = a.heads / a.kv_heads;
     const vf sv = vset1(a.scale);
     for (int hh = 0; hh < u.nh; ++hh)
@@ -381,7 +357,7 @@ constexpr int PV_BLOCK = 16;  // keys per p . v step (every head's values of the
 // key by key over every head of the unit (rows read in place: prefetched AHEAD keys on). Rows that
 // see no key of the segment are left at (-inf, 0, 0).
 template <int C>
-void attend_segment(const Args& a, const Tile& t, Heads u, int64_t seg, Scratch& sc, float* part) {
+void attend_segment(const KvsAttention& a, const Tile& t, Heads u, int64_t seg, Scratch& sc, float* part) {
     const int hd = a.head_dim, group = a.heads / a.kv_heads, nq = t.rows * group;
     const int64_t s0 = seg * SEGMENT, s1 = s0 + SEGMENT - 1;
     const int64_t kmin = std::max(t.kmin, s0), kmax = std::min(t.kmax, s1);
@@ -391,12 +367,12 @@ void attend_segment(const Args& a, const Tile& t, Heads u, int64_t seg, Scratch&
         std::fill(m, m + nq, -INFINITY);
         std::fill(m + nq, m + per_head, 0.0f);
     }
-    constexpr bool B16 = C == BF16;  // rows read in place as bf16; every other codec's rows are float32
+    constexpr bool B16 = C == KVS_CODEC_BF16;  // rows read in place as bf16; every other codec's rows are float32
     const int g0 = static_cast<int>(kmin - s0) / KG * KG, g1 = static_cast<int>(kmax - s0) / KG * KG;
     const int z1 = g1 + KG - 1;
     load_keys<C>(a, t, u, s0, kmin, kmax, g0, z1, sc);
     // the unit's rows of a key are contiguous: one stretch (decoded rows were read by load_keys)
-    const int stretch = C == FP32 || C == BF16 ? static_cast<int>(u.nh * row_bytes(a)) : 0;
+    const int stretch = C == KVS_CODEC_FP32 || C == KVS_CODEC_BF16 ? static_cast<int>(u.nh * row_bytes(a)) : 0;
     for (int g = g0; g <= g1; g += KG) {
         if (stretch)  // keys AHEAD on, then the first values once the keys run out
             for (int x = g + AHEAD; x < g + AHEAD + KG; ++x)
@@ -433,14 +409,14 @@ void attend_segment(const Args& a, const Tile& t, Heads u, int64_t seg, Scratch&
     }
 }
 
-void attend_segment_any(const Args& a, const Tile& t, Heads u, int64_t seg, Scratch& sc, float* part) {
+void attend_segment_any(const KvsAttention& a, const Tile& t, Heads u, int64_t seg, Scratch& sc, float* part) {
     switch (a.codec) {
-        case FP32: attend_segment<FP32>(a, t, u, seg, sc, part); break;
-        case BF16: attend_segment<BF16>(a, t, u, seg, sc, part); break;
-        case FP16: attend_segment<FP16>(a, t, u, seg, sc, part); break;
-        case FP8: attend_segment<FP8>(a, t, u, seg, sc, part); break;
-        case INT8: attend_segment<INT8>(a, t, u, seg, sc, part); break;
-        default: attend_segment<INT4>(a, t, u, seg, sc, part); break;
+        case KVS_CODEC_FP32: attend_segment<KVS_CODEC_FP32>(a, t, u, seg, sc, part); break;
+        case KVS_CODEC_BF16: attend_segment<KVS_CODEC_BF16>(a, t, u, seg, sc, part); break;
+        case KVS_CODEC_FP16: attend_segment<KVS_CODEC_FP16>(a, t, u, seg, sc, part); break;
+        case KVS_CODEC_FP8: attend_segment<KVS_CODEC_FP8>(a, t, u, seg, sc, part); break;
+        case KVS_CODEC_INT8: attend_segment<KVS_CODEC_INT8>(a, t, u, seg, sc, part); break;
+        default: attend_segment<KVS_CODEC_INT4>(a, t, u, seg, sc, part); break;
     }
 }
 
@@ -473,7 +449,7 @@ void merge_segment(const Tile& t, int group, int hd, int64_t seg, const float* m
 }
 
 // Segment seg's partial `part` ([nh] x (m, l, o)) into the merged state of the unit's heads.
-void merge_unit(const Args& a, const Tile& t, Heads u, int64_t seg, const float* part, Scratch& sc) {
+void merge_unit(const KvsAttention& a, const Tile& t, Heads u, int64_t seg, const float* part, Scratch& sc) {
     const int hd = a.head_dim, group = a.heads / a.kv_heads, nq = t.rows * group;
     const int64_t per_head = static_cast<int64_t>(nq) * (hd + 2);
     for (int hh = 0; hh < u.nh; ++hh) {
@@ -484,7 +460,7 @@ void merge_unit(const Args& a, const Tile& t, Heads u, int64_t seg, const float*
 }
 
 // out = so / sl for the tile's rows and the unit's heads.
-void finish(const Args& a, const Tile& t, Heads u, const Scratch& sc) {
+void finish(const KvsAttention& a, const Tile& t, Heads u, const Scratch& sc) {
     const int hd = a.head_dim, group = a.heads / a.kv_heads, nq = t.rows * group;
     for (int hh = 0; hh < u.nh; ++hh)
         for (int i = 0; i < t.rows; ++i)
@@ -498,8 +474,9 @@ void finish(const Args& a, const Tile& t, Heads u, const Scratch& sc) {
 }
 
 // Many units: one thread takes the tile's heads, its segments in order, merging as it goes.
-void attend_tile(const Args& a, const Tile& t, Heads u, Scratch& sc) {
-    sc.prepare(u.nh, t.rows * (a.heads / a.kv_heads), a.head_dim, a.codec != FP32 && a.codec != BF16);
+void attend_tile(const KvsAttention& a, const Tile& t, Heads u, Scratch& sc) {
+    const bool decoded = a.codec != KVS_CODEC_FP32 && a.codec != KVS_CODEC_BF16;
+    sc.prepare(u.nh, t.rows * (a.heads / a.kv_heads), a.head_dim, decoded);
     load_queries(a, t, u, sc);
     for (int64_t seg = t.kmin / SEGMENT; seg <= t.kmax / SEGMENT; ++seg) {
         attend_segment_any(a, t, u, seg, sc, sc.part.data());
@@ -512,7 +489,7 @@ void attend_tile(const Args& a, const Tile& t, Heads u, Scratch& sc) {
 // path's cast: bf16 rounds to nearest even, every NaN becomes 0xffff as torch's CPU cast makes it).
 template <int C>
 void write_row(const float* src, void* data, int64_t at, int n) {
-    if constexpr (C == FP32) {
+    if constexpr (C == KVS_CODEC_FP32) {
         std::memcpy(static_cast<float*>(data) + at, src, sizeof(float) * n);
     } else {
         uint16_t* dst = static_cast<uint16_t*>(data) + at;
@@ -527,27 +504,14 @@ void write_row(const float* src, void* data, int64_t at, int n) {
 
 }  // namespace
 
-// Lanes of this build's float vector: head_dim must be a multiple (int4: of twice it).
-KVS_EXPORT int kvs_simd_width() { return W; }
-
-// k_new / v_new (fp32 and bf16 codecs, else null): this step's K/V rows [num_rows, kv_heads,
-// head_dim] (row strides k_new_stride / v_new_stride floats), written to slot_mapping[r] first.
-// schedule: 0 picks by the number of units, 1 / 2 force per tile / per segment (same bits).
-KVS_EXPORT int kvs_paged_attention(
-    const float* q, int64_t q_row_stride, float* out, int64_t num_rows, int heads, int kv_heads, int head_dim,
-    int page_size, int window, int codec, const void* k_data, const void* v_data, const float* k_scales,
-    const float* v_scales, const float* k_table, const float* v_table, const int64_t* positions,
-    const int64_t* table_offsets, const int64_t* table_first, const int64_t* tables, const float* k_own,
-    const float* v_own, const int64_t* own_index, float scale, const float* k_new, const float* v_new,
-    int64_t k_new_stride, int64_t v_new_stride, const int64_t* slot_mapping, int schedule, int num_threads) {
-    if (head_dim % W || (codec == INT4 && head_dim % (2 * W)) || heads % kv_heads || codec < 0 || codec > INT4 ||
-        (k_new && codec != FP32 && codec != BF16))
+KVS_EXPORT int kvs_paged_attention(const KvsAttention* args) {
+    const KvsAttention& a = *args;
+    const int64_t num_rows = a.num_rows;
+    const int heads = a.heads, kv_heads = a.kv_heads, head_dim = a.head_dim, codec = a.codec;
+    const int64_t *table_offsets = a.table_offsets, *table_first = a.table_first, *own_index = a.own_index;
+    if (head_dim % W || (codec == KVS_CODEC_INT4 && head_dim % (2 * W)) || kv_heads <= 0 || heads % kv_heads ||
+        codec < 0 || codec > KVS_CODEC_INT4 || (a.k_new && codec != KVS_CODEC_FP32 && codec != KVS_CODEC_BF16))
         return 1;
-    void* k_write = const_cast<void*>(k_data);
-    void* v_write = const_cast<void*>(v_data);
-    const Args a{q, q_row_stride, out, num_rows, heads, kv_heads, head_dim, page_size, window, codec,
-                 k_data, v_data, k_scales, v_scales, k_table, v_table, positions, table_offsets, table_first,
-                 tables, k_own, v_own, own_index, scale};
     // tiles: up to TILE consecutive rows with one block table that read every key from the cache
     std::vector<int64_t> tiles;  // first row of each tile, then num_rows
     for (int64_t r = 0; r < num_rows; ++r) {
@@ -558,8 +522,9 @@ KVS_EXPORT int kvs_paged_attention(
     }
     const int64_t num_tiles = static_cast<int64_t>(tiles.size());
     tiles.push_back(num_rows);
-    const int threads = num_threads > 0 ? num_threads : 1;
-    const bool by_segment = schedule == BY_SEGMENT || (schedule == AUTO && threads > 1 && num_tiles < 4 * threads);
+    const int threads = a.num_threads > 0 ? a.num_threads : 1;
+    const bool by_segment = a.schedule == KVS_SCHEDULE_SEGMENT ||
+                            (a.schedule == KVS_SCHEDULE_AUTO && threads > 1 && num_tiles < 4 * threads);
     // per segment: units (tile, segment), each with its partials at its offset in `partials`
     const int group = heads / kv_heads;
     const Heads all{0, kv_heads};
@@ -585,17 +550,17 @@ KVS_EXPORT int kvs_paged_attention(
     std::vector<std::atomic<int64_t>> pending(by_segment ? num_tiles : 0);
     for (int64_t t = 0; t < static_cast<int64_t>(pending.size()); ++t)
         pending[t].store(first_unit[t + 1] - first_unit[t], std::memory_order_relaxed);
-    if (k_new) {  // every new row is written before any row is read
+    if (a.k_new) {  // every new row is written before any row is read
         const int64_t n = static_cast<int64_t>(kv_heads) * head_dim;
 #pragma omp parallel for schedule(static) num_threads(threads) if (num_rows * n >= 65536)
         for (int64_t r = 0; r < num_rows; ++r) {
-            const int64_t at = slot_mapping[r] * n;
-            if (codec == FP32) {
-                write_row<FP32>(k_new + r * k_new_stride, k_write, at, static_cast<int>(n));
-                write_row<FP32>(v_new + r * v_new_stride, v_write, at, static_cast<int>(n));
+            const int64_t at = a.slot_mapping[r] * n;
+            if (codec == KVS_CODEC_FP32) {
+                write_row<KVS_CODEC_FP32>(a.k_new + r * a.k_new_stride, a.k_data, at, static_cast<int>(n));
+                write_row<KVS_CODEC_FP32>(a.v_new + r * a.v_new_stride, a.v_data, at, static_cast<int>(n));
             } else {
-                write_row<BF16>(k_new + r * k_new_stride, k_write, at, static_cast<int>(n));
-                write_row<BF16>(v_new + r * v_new_stride, v_write, at, static_cast<int>(n));
+                write_row<KVS_CODEC_BF16>(a.k_new + r * a.k_new_stride, a.k_data, at, static_cast<int>(n));
+                write_row<KVS_CODEC_BF16>(a.v_new + r * a.v_new_stride, a.v_data, at, static_cast<int>(n));
             }
         }
     }
@@ -611,7 +576,7 @@ KVS_EXPORT int kvs_paged_attention(
             for (int64_t p = 0; p < num_seg_units; ++p) {
                 const int64_t t = std::upper_bound(first_unit.begin(), first_unit.end(), p) - first_unit.begin() - 1;
                 const Tile tile = make_tile(a, tiles[t], static_cast<int>(tiles[t + 1] - tiles[t]));
-                sc.prepare(kv_heads, tile.rows * group, head_dim, codec != FP32 && codec != BF16);
+                sc.prepare(kv_heads, tile.rows * group, head_dim, codec != KVS_CODEC_FP32 && codec != KVS_CODEC_BF16);
                 load_queries(a, tile, all, sc);
                 attend_segment_any(a, tile, all, seg_of[p], sc, partials.data() + offset_of[p]);
                 // acq_rel: the last one sees every other segment's partial

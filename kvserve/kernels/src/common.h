@@ -1,9 +1,9 @@
-// Shared by every kernel source: exported C entry points, the instruction set this build targets.
+// Shared by every kernel source: the declared entry points and the instruction set this build targets.
 #pragma once
-#include <cstdint>
 #include <cstddef>
+#include <cstdint>
 
-#define KVS_EXPORT extern "C" __attribute__((visibility("default")))
+#include "kvs_api.h"
 
 #if defined(KVS_ISA_AVX512) || defined(KVS_ISA_AVX2)
 #include <immintrin.h>

@@ -10,7 +10,10 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <cstring>
+#include <utility>
 #include <vector>
 
 #include "matmul_direct.h"
@@ -25,11 +28,64 @@ constexpr int64_t L1_BYTES = 24 * 1024;  // decoded rows for a few activation ro
 constexpr int64_t L2_BYTES = 96 * 1024;  // decoded rows reread by every tile of a prefill chunk: in L2
 constexpr int64_t PANELS_PER_THREAD = 4;  // prefill: weight panels a thread takes at least (dynamically)
 
+// ---------------------------------------------------------------- the format table
+//
+// Every row of kFormatRows (quant_formats.h) with its kernels, built from the rows at compile time:
+//   to_float     one weight row -> float32 (matmul_quant.h decode_row: float formats' matmul, embeddings)
+//   to_group     one weight row -> a row of a prefill tile group (matmul_tile.h decode_row_q)
+//   tile[R-1]    R activation rows x one decoded group (matmul_tile.h qdot_group)
+//   decode_rows  R <= DIRECT_ROWS activation rows x weight rows lo..hi decoded in registers (matmul_direct.h
+//                qdot_direct_rows: qdot_direct32 for the 32-element formats, qdot_directk for the K formats)
+
+using ToFloatFn = void (*)(const uint8_t*, int64_t, float*);
+using ToGroupFn = void (*)(const uint8_t*, int64_t, const QGroup&, int);
+using GroupFn = void (*)(const XRow*, const QGroup&, int, int64_t, float*, int64_t);
+using DirectFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, int64_t, const XRow*, float*, float*, int64_t);
+
+struct FormatKernels {
+    const FormatRow* row;
+    ToFloatFn to_float;
+    ToGroupFn to_group;                 // block formats
+    GroupFn tile[TILE_ROWS];            // block formats
+    DirectFn decode_rows[DIRECT_ROWS];  // block formats, SIMD builds
+};
+
+template <int Q, size_t... R>
+constexpr FormatKernels kernels_row(std::index_sequence<R...>) {
+    static_assert(sizeof...(R) == DIRECT_ROWS && TILE_ROWS <= DIRECT_ROWS);
+    if constexpr (is_float_type(Q)) {
+        return {&format_row(Q), decode_row<Q>, nullptr, {}, {}};
+    } else {
+#if KVS_SIMD
+        return {&format_row(Q), decode_row<Q>, decode_row_q<Q>, {qdot_group<Q, 1>, qdot_group<Q, 2>, qdot_group<Q, 3>,
+                qdot_group<Q, 4>}, {qdot_direct_rows<Q, int(R) + 1>...}};
+#else
+        return {&format_row(Q), decode_row<Q>, decode_row_q<Q>, {qdot_group<Q, 1>, qdot_group<Q, 2>, qdot_group<Q, 3>,
+                qdot_group<Q, 4>}, {}};
+#endif
+    }
+}
+
+template <size_t... I>
+constexpr auto kernels_table(std::index_sequence<I...>) {
+    return std::array<FormatKernels, sizeof...(I)>{
+        kernels_row<kFormatRows[I].type>(std::make_index_sequence<DIRECT_ROWS>{})...};
+}
+
+constexpr auto kFormatKernels = kernels_table(std::make_index_sequence<kNumFormats>{});
+
+// the kernels of ggml type `type`, null where the library has none
+const FormatKernels* kernels_of(int type) {
+    for (const FormatKernels& f : kFormatKernels)
+        if (f.row->type == type) return &f;
+    return nullptr;
+}
+
 // Float formats: rows decoded to float32 (F32 read in place), float activations
-void run_float(int type, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t ldx, int64_t T, float* y,
-               int64_t ldy, int nthreads) {
-    const int64_t row_bytes = K / geometry(type).block * geometry(type).bytes;
-    const bool direct = type == T_F32;
+void run_float(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t ldx, int64_t T,
+               float* y, int64_t ldy, int nthreads) {
+    const int64_t row_bytes = K / f.row->block * f.row->bytes;
+    const bool direct = f.row->type == KVS_F32;
     const int64_t rows_per_block = std::max<int64_t>(8, (T <= TILE_ROWS ? L1_BYTES : L2_BYTES) / (4 * K));
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
@@ -46,7 +102,7 @@ void run_float(int type, const uint8_t* w, int64_t N, int64_t K, const float* x,
                 if (direct) {
                     wrows[j] = reinterpret_cast<const float*>(row);
                 } else {
-                    decode_row(type, row, K, &scratch[j * K]);
+                    f.to_float(row, K, &scratch[j * K]);
                     wrows[j] = &scratch[j * K];
                 }
             }
@@ -69,8 +125,9 @@ void run_float(int type, const uint8_t* w, int64_t N, int64_t K, const float* x,
 #if KVS_SIMD
 // Up to DIRECT_ROWS activation rows: every weight row decoded in registers and dotted as it streams in
 // (a decode step is bound by reading the weights once; a scratch copy would be a second pass)
-void run_quant_direct(int type, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t nb, const XRow* xrows,
-                      int64_t T, float* y, int64_t ldy, int nthreads) {
+void run_quant_direct(const FormatKernels& f, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t nb,
+                      const XRow* xrows, int64_t T, float* y, int64_t ldy, int nthreads) {
+    const DirectFn rows_fn = f.decode_rows[T - 1];
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
         const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
@@ -78,16 +135,7 @@ void run_quant_direct(int type, const uint8_t* w, int64_t row_bytes, int64_t N, 
         const int64_t lo = std::min(N, tid * per), hi = std::min(N, lo + per);
         thread_local std::vector<float> off;  // per-block offsets of the weight rows in flight
         if (int64_t(off.size()) < DIRECT_GROUP * nb) off.resize(DIRECT_GROUP * nb);
-        switch (T) {
-            case 1: qdot_direct_rows<1>(type, w, row_bytes, lo, hi, nb, xrows, off.data(), y, ldy); break;
-            case 2: qdot_direct_rows<2>(type, w, row_bytes, lo, hi, nb, xrows, off.data(), y, ldy); break;
-            case 3: qdot_direct_rows<3>(type, w, row_bytes, lo, hi, nb, xrows, off.data(), y, ldy); break;
-            case 4: qdot_direct_rows<4>(type, w, row_bytes, lo, hi, nb, xrows, off.data(), y, ldy); break;
-            case 5: qdot_direct_rows<5>(type, w, row_bytes, lo, hi, nb, xrows, off.data(), y, ldy); break;
-            case 6: qdot_direct_rows<6>(type, w, row_bytes, lo, hi, nb, xrows, off.data(), y, ldy); break;
-            case 7: qdot_direct_rows<7>(type, w, row_bytes, lo, hi, nb, xrows, off.data(), y, ldy); break;
-            default: qdot_direct_rows<8>(type, w, row_bytes, lo, hi, nb, xrows, off.data(), y, ldy); break;
-        }
+        rows_fn(w, row_bytes, lo, hi, nb, xrows, off.data(), y, ldy);
     }
 }
 #endif
@@ -110,30 +158,10 @@ inline void add_offsets(const float* offT, int64_t ldo, int64_t nw, int64_t nb, 
 }
 #endif
 
-// the tiles of format Q for up to TILE_ROWS activation rows against one group of decoded weight rows
-using GroupFn = void (*)(const XRow*, const QGroup&, int, int64_t, float*, int64_t);
-
-template <int Q>
-constexpr GroupFn group_fns[TILE_ROWS] = {qdot_group<Q, 1>, qdot_group<Q, 2>, qdot_group<Q, 3>, qdot_group<Q, 4>};
-
-inline const GroupFn* group_fns_of(int type) {
-    switch (type) {
-        case T_Q4_0: return group_fns<T_Q4_0>;
-        case T_Q4_1: return group_fns<T_Q4_1>;
-        case T_Q5_0: return group_fns<T_Q5_0>;
-        case T_Q5_1: return group_fns<T_Q5_1>;
-        case T_Q8_0: return group_fns<T_Q8_0>;
-        case T_Q4_K: return group_fns<T_Q4_K>;
-        case T_Q5_K: return group_fns<T_Q5_K>;
-        default: return group_fns<T_Q6_K>;
-    }
-}
-
 // Block formats: activations rounded to int8 blocks once, rows decoded to 8-bit codes
-void run_quant(int type, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t ldx, int64_t T, float* y,
-               int64_t ldy, int nthreads) {
-    const Geometry g = geometry(type);
-    const int64_t row_bytes = K / g.block * g.bytes, nb = K / 32;
+void run_quant(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t ldx, int64_t T,
+               float* y, int64_t ldy, int nthreads) {
+    const int64_t row_bytes = K / f.row->block * f.row->bytes, nb = K / 32;
     thread_local XBlocks caller_blocks;  // the calling thread's; the workers below write into it
     XBlocks& xb = caller_blocks;
     xb.fit(T, K);
@@ -143,10 +171,10 @@ void run_quant(int type, const uint8_t* w, int64_t N, int64_t K, const float* x,
         quantize_row(x + t * ldx, K, xb, t);
         xrows[t] = xb.row(t, K);
     }
-    const bool offsets = has_offset(type);
+    const bool offsets = f.row->has_offset;
 #if KVS_SIMD
     if (T <= DIRECT_ROWS) {
-        run_quant_direct(type, w, row_bytes, N, nb, xrows.data(), T, y, ldy, nthreads);
+        run_quant_direct(f, w, row_bytes, N, nb, xrows.data(), T, y, ldy, nthreads);
         return;
     }
 #endif
@@ -158,7 +186,6 @@ void run_quant(int type, const uint8_t* w, int64_t N, int64_t K, const float* x,
         (std::max<int64_t>(TILE_GROUP, std::min(TILE_GROUP * (T <= TILE_ROWS ? L1_BYTES : L2_BYTES) / gbytes, per_thread)) +
          TILE_GROUP - 1) / TILE_GROUP * TILE_GROUP;
     const int64_t num_panels = (N + rows_per_block - 1) / rows_per_block;
-    const GroupFn* group_fn = group_fns_of(type);
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
         thread_local std::vector<uint8_t> scratch;  // the panel's decoded groups
@@ -175,7 +202,7 @@ void run_quant(int type, const uint8_t* w, int64_t N, int64_t K, const float* x,
             // a last group short of rows repeats the panel's last row (its outputs are not kept)
             for (int64_t j = 0; j < groups * TILE_GROUP; ++j) {
                 const QGroup g = qgroup_at(&scratch[j / TILE_GROUP * gbytes], K);
-                decode_row_q(type, w + (n0 + std::min(j, nw - 1)) * row_bytes, K, g, int(j % TILE_GROUP));
+                f.to_group(w + (n0 + std::min(j, nw - 1)) * row_bytes, K, g, int(j % TILE_GROUP));
                 if (split_offsets)
                     for (int64_t b = 0; b < nb; ++b) offT[b * ldo + j] = j < nw ? g.off[(j % TILE_GROUP) * nb + b] : 0.0f;
             }
@@ -184,7 +211,7 @@ void run_quant(int type, const uint8_t* w, int64_t N, int64_t K, const float* x,
                 float* yt = y + t * ldy + n0;
                 const int64_t nr = std::min<int64_t>(TILE_ROWS, T - t);
                 for (int64_t gi = 0; gi < groups; ++gi)
-                    group_fn[nr - 1](xr, qgroup_at(&scratch[gi * gbytes], K), int(std::min<int64_t>(TILE_GROUP, nw - TILE_GROUP * gi)),
+                    f.tile[nr - 1](xr, qgroup_at(&scratch[gi * gbytes], K), int(std::min<int64_t>(TILE_GROUP, nw - TILE_GROUP * gi)),
                                      nb, yt + TILE_GROUP * gi, ldy);
 #if KVS_SIMD
                 if (split_offsets)
@@ -195,13 +222,13 @@ void run_quant(int type, const uint8_t* w, int64_t N, int64_t K, const float* x,
     }
 }
 
-void run(int type, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t ldx, int64_t T, float* y,
-         int64_t ldy, int nthreads) {
+void run(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t ldx, int64_t T,
+         float* y, int64_t ldy, int nthreads) {
     nthreads = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, (N + 7) / 8)));
-    if (is_float_type(type)) {
-        run_float(type, w, N, K, x, ldx, T, y, ldy, nthreads);
+    if (f.row->codes == Codes::Float) {
+        run_float(f, w, N, K, x, ldx, T, y, ldy, nthreads);
     } else {
-        run_quant(type, w, N, K, x, ldx, T, y, ldy, nthreads);
+        run_quant(f, w, N, K, x, ldx, T, y, ldy, nthreads);
     }
 }
 
@@ -210,42 +237,41 @@ void run(int type, const uint8_t* w, int64_t N, int64_t K, const float* x, int64
 
 using namespace kvs;
 
-// 1 if the kernels run weights of ggml type `type`
-KVS_EXPORT int kvs_matmul_supported(int type) { return geometry(type).block != 0; }
-
-// y[t * ldy + n] = sum_k x[t * ldx + k] * W[n, k]; W: N rows of K / block blocks (block formats see x
-// as int8 blocks of 32, `kvs_quantize_activations`). 0, or -1 for an unsupported type, -2 for K not a multiple of the
-// type's block.
-KVS_EXPORT int kvs_matmul(int type, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t ldx, int64_t T,
-                          float* y, int64_t ldy, int nthreads) {
-    const Geometry g = geometry(type);
-    if (g.block == 0) return -1;
-    if (K % g.block != 0) return -2;
-    if (T <= 0 || N <= 0) return 0;
-    run(type, w, N, K, x, ldx, T, y, ldy, std::max(1, nthreads));
-    return 0;
+KVS_EXPORT int kvs_formats(KvsFormatInfo* out, int capacity) {
+    for (int i = 0; i < kNumFormats && i < capacity; ++i) {
+        const FormatRow& row = kFormatRows[i];
+        out[i] = KvsFormatInfo{row.type, row.block, row.bytes, row.codes == Codes::Float, {}};
+        std::strncpy(out[i].name, row.name, sizeof(out[i].name) - 1);
+    }
+    return kNumFormats;
 }
 
-// out[i, :] = W[rows[i], :] as float32, decoded as the matmul decodes (token embedding lookups; tests
-// against gguf's reference)
-KVS_EXPORT int kvs_dequantize_rows(int type, const uint8_t* w, int64_t K, const int64_t* rows, int64_t n,
+KVS_EXPORT int kvs_matmul(int format, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t ldx, int64_t T,
+                          float* y, int64_t ldy, int num_threads) {
+    const FormatKernels* f = kernels_of(format);
+    if (f == nullptr) return KVS_MATMUL_NO_FORMAT;
+    if (K % f->row->block != 0) return KVS_MATMUL_BAD_ROW_LENGTH;
+    if (T <= 0 || N <= 0) return KVS_MATMUL_OK;
+    run(*f, w, N, K, x, ldx, T, y, ldy, std::max(1, num_threads));
+    return KVS_MATMUL_OK;
+}
+
+KVS_EXPORT int kvs_dequantize_rows(int format, const uint8_t* w, int64_t K, const int64_t* rows, int64_t n,
                                    float* out) {
-    const Geometry g = geometry(type);
-    if (g.block == 0) return -1;
-    if (K % g.block != 0) return -2;
-    const int64_t row_bytes = K / g.block * g.bytes;
-    for (int64_t i = 0; i < n; ++i) decode_row(type, w + rows[i] * row_bytes, K, out + i * K);
-    return 0;
+    const FormatKernels* f = kernels_of(format);
+    if (f == nullptr) return KVS_MATMUL_NO_FORMAT;
+    if (K % f->row->block != 0) return KVS_MATMUL_BAD_ROW_LENGTH;
+    const int64_t row_bytes = K / f->row->block * f->row->bytes;
+    for (int64_t i = 0; i < n; ++i) f->to_float(w + rows[i] * row_bytes, K, out + i * K);
+    return KVS_MATMUL_OK;
 }
 
-// x as the block formats see it: q [T, K] int8, d [T, K / 32], mult [T, K / 2] int16 (x ~ q * m * d,
-// m of each pair of elements; tests bound the error)
 KVS_EXPORT int kvs_quantize_activations(const float* x, int64_t T, int64_t K, int8_t* q, float* d, int16_t* mult) {
-    if (K % 32 != 0) return -2;
+    if (K % 32 != 0) return KVS_MATMUL_BAD_ROW_LENGTH;
     XBlocks xb(T, K);
     for (int64_t t = 0; t < T; ++t) quantize_row(x + t * K, K, xb, t);
     std::copy_n(xb.q.begin(), T * K, q);
     std::copy_n(xb.d.begin(), T * K / 32, d);
     std::copy_n(xb.mult.begin(), T * K / 2, mult);
-    return 0;
+    return KVS_MATMUL_OK;
 }

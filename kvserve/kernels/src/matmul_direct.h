@@ -1,8 +1,6 @@
 // The decode path of the block formats: up to a few activation rows (decode, a speculative verify)
 // against weight rows decoded in registers as they stream in, with the same chain as the tiles.
 #pragma once
-#include <type_traits>
-
 #include "matmul_int8.h"
 
 namespace kvs {
@@ -37,7 +35,7 @@ inline wvec q6_bias_pairs(wvec x) { return _mm512_maddubs_epi16(_mm512_set1_epi8
 // negated where w < 0 instead)
 template <int Q>
 inline wvec block_lanes(wvec w, wvec w_abs, wvec x, wvec mult, wvec x_bias, wvec scales) {
-    if constexpr (Q == T_Q6_K) {
+    if constexpr (Q == KVS_Q6_K) {
         return _mm512_madd_epi16(_mm512_sub_epi16(_mm512_maddubs_epi16(w, x), x_bias), _mm512_mullo_epi16(scales, mult));
     } else if constexpr (codes_of(Q) == Codes::Signed) {
         const wvec signed_x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
@@ -72,7 +70,7 @@ inline wvec abs8(wvec w) { return _mm256_abs_epi8(w); }
 // (x_bias: q6_bias_pairs(x); scales: pair_scales).
 template <int Q>
 inline __m256i block_lanes(__m256i w, __m256i w_abs, __m256i x, __m256i mult, __m256i x_bias, __m256i scales) {
-    if constexpr (Q == T_Q6_K) {
+    if constexpr (Q == KVS_Q6_K) {
         return _mm256_madd_epi16(_mm256_sub_epi16(_mm256_maddubs_epi16(w, x), x_bias), _mm256_mullo_epi16(scales, mult));
     } else if constexpr (codes_of(Q) == Codes::Signed) {
         return _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w)), mult);
@@ -100,8 +98,8 @@ constexpr int GROUP_VECS = DIRECT_GROUP / ROWS_PER_VEC;
 template <int Q>
 inline __m256i block_totals(const wvec* p, int32_t xsum, __m256i scale) {
     __m256i t = totals8(p);
-    if constexpr (codes_of(Q) == Codes::Biased && Q != T_Q6_K) t = _mm256_sub_epi32(t, _mm256_set1_epi32(code_bias(Q) * xsum));
-    if constexpr (Q == T_Q4_K || Q == T_Q5_K) t = _mm256_mullo_epi32(t, scale);
+    if constexpr (codes_of(Q) == Codes::Biased && Q != KVS_Q6_K) t = _mm256_sub_epi32(t, _mm256_set1_epi32(code_bias(Q) * xsum));
+    if constexpr (Q == KVS_Q4_K || Q == KVS_Q5_K) t = _mm256_mullo_epi32(t, scale);
     return t;
 }
 
@@ -155,8 +153,8 @@ inline void group_half_pairs(const uint8_t* const* rows, int64_t b, __m256& d, _
 template <int Q>
 inline __m256i block32_codes(const uint8_t* row, int64_t b) {
     const uint8_t* blk = row + b * geometry(Q).bytes;
-    if constexpr (Q == T_Q8_0) return load256(blk + 2);
-    if constexpr (Q == T_Q4_0 || Q == T_Q4_1) return nibbles32(blk + (Q == T_Q4_1 ? 4 : 2));
+    if constexpr (Q == KVS_Q8_0) return load256(blk + 2);
+    if constexpr (Q == KVS_Q4_0 || Q == KVS_Q4_1) return nibbles32(blk + (Q == KVS_Q4_1 ? 4 : 2));
     return q5_codes<Q>(blk);  // Q5_0, Q5_1
 }
 
@@ -218,17 +216,17 @@ inline __m256i lanes_of(const uint8_t* p) {
 template <int Q, int R>
 inline void qdot_directk(const uint8_t* const* rows, int64_t nb, const XRow* x, float* offT, float* y,
                          int64_t ldy) {
-    static_assert(Q == T_Q4_K || Q == T_Q5_K || Q == T_Q6_K, "K formats only");
+    static_assert(Q == KVS_Q4_K || Q == KVS_Q5_K || Q == KVS_Q6_K, "K formats only");
     constexpr int bytes = geometry(Q).bytes;
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nb / 8; ++sb) {
         const uint8_t* blk[DIRECT_GROUP];
         for (int c = 0; c < DIRECT_GROUP; ++c) blk[c] = rows[c] + sb * bytes;
-        const __m256 dw = group_halves<Q>(rows, sb, Q == T_Q6_K ? 208 : 0);
+        const __m256 dw = group_halves<Q>(rows, sb, Q == KVS_Q6_K ? 208 : 0);
         __m256i sc16[DIRECT_GROUP];  // Q6_K: each row's sixteen int8 sub-scales (one per 16 elements) as int16
         alignas(32) uint8_t subscale[64];  // Q4_K, Q5_K: sub-block j's eight rows at [8 j ..]
-        if constexpr (Q == T_Q6_K) {
+        if constexpr (Q == KVS_Q6_K) {
             for (int c = 0; c < DIRECT_GROUP; ++c)
                 sc16[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[c] + 192)));
         } else {  // the offsets -(dmin * m) of each sub-block, eight rows a vector (offT: [nb][8])
@@ -248,12 +246,12 @@ inline void qdot_directk(const uint8_t* const* rows, int64_t nb, const XRow* x, 
             wvec w[GROUP_VECS], scales[GROUP_VECS];
             for (int v = 0; v < GROUP_VECS; ++v) {
                 w[v] = rows_of(v, [&](int c) { return k_codes<Q>(blk[c], j); });
-                if constexpr (Q == T_Q6_K) scales[v] = rows_of(v, [&](int c) { return pair_scales(sc16[c], j); });
+                if constexpr (Q == KVS_Q6_K) scales[v] = rows_of(v, [&](int c) { return pair_scales(sc16[c], j); });
             }
-            const __m256i scale = Q != T_Q6_K ? lanes_of(subscale + 8 * j) : _mm256_setzero_si256();
+            const __m256i scale = Q != KVS_Q6_K ? lanes_of(subscale + 8 * j) : _mm256_setzero_si256();
             for (int r = 0; r < R; ++r) {
                 const wvec xq = both_halves(load256(x[r].q + 32 * b)), mult = both_halves(load256(x[r].mult + 16 * b));
-                const wvec xb = Q == T_Q6_K ? q6_bias_pairs(xq) : xq;
+                const wvec xb = Q == KVS_Q6_K ? q6_bias_pairs(xq) : xq;
                 wvec p[GROUP_VECS];
                 for (int v = 0; v < GROUP_VECS; ++v) p[v] = block_lanes<Q>(w[v], w[v], xq, mult, xb, scales[v]);
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_totals<Q>(p, x[r].sum[b], scale)),
@@ -264,50 +262,37 @@ inline void qdot_directk(const uint8_t* const* rows, int64_t nb, const XRow* x, 
     store_direct<Q, R>(acc, x, offT, nb, y, ldy);
 }
 
-// y[r * ldy + j] = x[r] . W[lo + j] for R activation rows and the weight rows lo .. hi; `off` holds
-// DIRECT_GROUP * K / 32 floats (a group's offsets transposed, [nb][8])
-template <int R>
-inline void qdot_direct_rows(int type, const uint8_t* w, int64_t row_bytes, int64_t lo, int64_t hi, int64_t nb,
-                             const XRow* x, float* off, float* y, int64_t ldy) {
+// The decode rows of block format Q: y[r * ldy + j] = x[r] . W[lo + j] for R activation rows and the weight
+// rows lo .. hi, eight weight rows at a time; `off` holds DIRECT_GROUP * K / 32 floats (a group's offsets
+// transposed, [nb][8])
+template <int Q, int R>
+inline void qdot_direct_rows(const uint8_t* w, int64_t row_bytes, int64_t lo, int64_t hi, int64_t nb, const XRow* x,
+                             float* off, float* y, int64_t ldy) {
     constexpr int C = DIRECT_GROUP;
     const uint8_t* rows[C];
-    int64_t n = lo;
-    auto dot = [&](auto q, float* out, int64_t ld) {  // the eight rows of `rows`: out[r * ld + c]
-        constexpr int Q = decltype(q)::value;
-        if constexpr (Q == T_Q4_K || Q == T_Q5_K || Q == T_Q6_K) {
+    auto dot = [&](float* out, int64_t ld) {  // the eight rows of `rows`: out[r * ld + c]
+        if constexpr (has_subscales(Q)) {
             qdot_directk<Q, R>(rows, nb, x, off, out, ld);
         } else {
             qdot_direct32<Q, R>(rows, nb, x, off, out, ld);
         }
     };
-    auto run8 = [&](auto q) {
-        for (; n + C <= hi; n += C) {
-            for (int c = 0; c < C; ++c) rows[c] = w + (n + c) * row_bytes;
-            // the weights stream from memory once: ask for the group after next while these compute
-            // (the next one: 1.1x slower on the bundled model's Q4_1 rows from DRAM)
-            const uint8_t* ahead = w + std::min(hi, n + 3 * C) * row_bytes;
-            for (const uint8_t* p = w + std::min(hi, n + 2 * C) * row_bytes; p < ahead; p += 64)
-                _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-            dot(q, y + n, ldy);
-        }
-        if (n < hi) {  // the last rows: a full group over repeats of the last row, only the real ones kept
-            float tail[R * C];
-            for (int c = 0; c < C; ++c) rows[c] = w + std::min(n + c, hi - 1) * row_bytes;
-            dot(q, tail, C);
-            for (int r = 0; r < R; ++r)
-                for (int64_t c = 0; c < hi - n; ++c) y[r * ldy + n + c] = tail[r * C + c];
-        }
-    };
-    switch (type) {
-        case T_Q4_0: run8(std::integral_constant<int, T_Q4_0>{}); return;
-        case T_Q4_1: run8(std::integral_constant<int, T_Q4_1>{}); return;
-        case T_Q5_0: run8(std::integral_constant<int, T_Q5_0>{}); return;
-        case T_Q5_1: run8(std::integral_constant<int, T_Q5_1>{}); return;
-        case T_Q8_0: run8(std::integral_constant<int, T_Q8_0>{}); return;
-        case T_Q4_K: run8(std::integral_constant<int, T_Q4_K>{}); return;
-        case T_Q5_K: run8(std::integral_constant<int, T_Q5_K>{}); return;
-        case T_Q6_K: run8(std::integral_constant<int, T_Q6_K>{}); return;
-        default: return;  // not a block format: kvs_matmul runs those elsewhere
+    int64_t n = lo;
+    for (; n + C <= hi; n += C) {
+        for (int c = 0; c < C; ++c) rows[c] = w + (n + c) * row_bytes;
+        // the weights stream from memory once: ask for the group after next while these compute
+        // (the next one: 1.1x slower on the bundled model's Q4_1 rows from DRAM)
+        const uint8_t* ahead = w + std::min(hi, n + 3 * C) * row_bytes;
+        for (const uint8_t* p = w + std::min(hi, n + 2 * C) * row_bytes; p < ahead; p += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+        dot(y + n, ldy);
+    }
+    if (n < hi) {  // the last rows: a full group over repeats of the last row, only the real ones kept
+        float tail[R * C];
+        for (int c = 0; c < C; ++c) rows[c] = w + std::min(n + c, hi - 1) * row_bytes;
+        dot(tail, C);
+        for (int r = 0; r < R; ++r)
+            for (int64_t c = 0; c < hi - n; ++c) y[r * ldy + n + c] = tail[r * C + c];
     }
 }
 #endif  // KVS_SIMD

@@ -23,25 +23,6 @@ namespace kvs {
 // own way (u8 x s8 products, a sign trick, a bias taken off, one vector lane per weight row) and gets
 // the same bits.
 
-// How a format's codes enter the u8 x s8 products (vpmaddubsw: unsigned bytes times signed bytes, pairs
-// summed to int16 with saturation, which the sums below never reach; VNNI's vpdpbusd: four to int32):
-enum class Codes {
-    Unsigned,  // codes 0..31 as they are (Q4_1, Q5_1, Q4_K, Q5_K: the format's minimum is its offset)
-    Biased,    // c + bias stored (Q4_0: 8, Q5_0: 16, Q6_K: 32: the file's own bits); bias * q taken off
-    Signed,    // Q8_0's int8 codes: |c| times q with c's sign (the AVX-512 tiles store c + 128, Biased)
-};
-
-constexpr Codes codes_of(int type) {
-    return type == T_Q8_0 ? Codes::Signed
-           : (type == T_Q4_0 || type == T_Q5_0 || type == T_Q6_K) ? Codes::Biased : Codes::Unsigned;
-}
-
-constexpr int code_bias(int type) { return type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : type == T_Q6_K ? 32 : 0; }
-
-constexpr bool has_subscales(int type) { return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K; }
-
-constexpr bool has_offset(int type) { return type == T_Q4_1 || type == T_Q5_1 || type == T_Q4_K || type == T_Q5_K; }
-
 struct XRow {  // an activation row as the block formats see it: x[k] ~ q[k] * m(k) * d[k / 32]
     const int8_t* q;
     const float* d;
@@ -76,46 +57,46 @@ struct XBlocks {
     }
 };
 
-// The scalar walk: block b's signed codes and Block32 fields, as the SIMD walkers give them
-inline void scalar_block(int type, const uint8_t* row, int64_t b, int8_t* c, float* d, int* sc0, int* sc1,
-                         float* off) {
+// The scalar walk: block b's signed codes and Block32 fields for block format Q, as the SIMD walkers give them
+template <int Q>
+inline void scalar_block(const uint8_t* row, int64_t b, int8_t* c, float* d, int* sc0, int* sc1, float* off) {
     *sc0 = *sc1 = 1;
     *off = 0.0f;
-    if (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K) {
-        const uint8_t* blk = row + b / 8 * geometry(type).bytes;
+    if constexpr (Q == KVS_Q6_K) {
+        const uint8_t* blk = row + b / 8 * geometry(Q).bytes;
         const int j = int(b % 8);
-        if (type == T_Q6_K) {
-            const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
-            *d = load_f16(blk + 208);
-            *sc0 = sc[2 * j];
-            *sc1 = sc[2 * j + 1];
-            for (int l = 0; l < 32; ++l) c[l] = int8_t(q6_code(blk, 32 * j + l) - code_bias(type));
-            return;
-        }
-        const bool five = type == T_Q5_K;
+        const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+        *d = load_f16(blk + 208);
+        *sc0 = sc[2 * j];
+        *sc1 = sc[2 * j + 1];
+        for (int l = 0; l < 32; ++l) c[l] = int8_t(q6_code(blk, 32 * j + l) - code_bias(Q));
+    } else if constexpr (Q == KVS_Q4_K || Q == KVS_Q5_K) {
+        const uint8_t* blk = row + b / 8 * geometry(Q).bytes;
+        const int j = int(b % 8);
+        constexpr bool five = Q == KVS_Q5_K;
         int sc, m;
         k4_scale_min(j, blk + 4, &sc, &m);
         *d = load_f16(blk);
         *sc0 = *sc1 = sc;
         *off = -(load_f16(blk + 2) * float(m));
         for (int l = 0; l < 32; ++l) c[l] = int8_t(k_code(blk + 16 + (five ? 32 : 0), five ? blk + 16 : nullptr, j, l));
-        return;
-    }
-    const uint8_t* blk = row + b * geometry(type).bytes;
-    *d = load_f16(blk);
-    if (type == T_Q8_0) {
+    } else if constexpr (Q == KVS_Q8_0) {
+        const uint8_t* blk = row + b * geometry(Q).bytes;
+        *d = load_f16(blk);
         for (int l = 0; l < 32; ++l) c[l] = reinterpret_cast<const int8_t*>(blk + 2)[l];
-        return;
+    } else {
+        const uint8_t* blk = row + b * geometry(Q).bytes;
+        *d = load_f16(blk);
+        constexpr bool has_min = Q == KVS_Q4_1 || Q == KVS_Q5_1, five = Q == KVS_Q5_0 || Q == KVS_Q5_1;
+        const uint8_t* qs = blk + 2 + (has_min ? 2 : 0) + (five ? 4 : 0);
+        const uint32_t qh = five ? load_u32(blk + 2 + (has_min ? 2 : 0)) : 0;
+        for (int l = 0; l < 32; ++l) {
+            int v = l < 16 ? qs[l] & 15 : qs[l - 16] >> 4;
+            if (five) v |= q5_high(qh, l);
+            c[l] = int8_t(v - code_bias(Q));
+        }
+        if (has_min) *off = load_f16(blk + 2);
     }
-    const bool has_min = type == T_Q4_1 || type == T_Q5_1, five = type == T_Q5_0 || type == T_Q5_1;
-    const uint8_t* qs = blk + 2 + (has_min ? 2 : 0) + (five ? 4 : 0);
-    const uint32_t qh = five ? load_u32(blk + 2 + (has_min ? 2 : 0)) : 0;
-    for (int l = 0; l < 32; ++l) {
-        int v = l < 16 ? qs[l] & 15 : qs[l - 16] >> 4;
-        if (five) v |= q5_high(qh, l);
-        c[l] = int8_t(v - code_bias(type));
-    }
-    if (has_min) *off = load_f16(blk + 2);
 }
 
 // x -> row t of xb (the same operations on every ISA)

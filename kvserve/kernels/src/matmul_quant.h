@@ -50,46 +50,42 @@ inline int k_code(const uint8_t* qs, const uint8_t* qh, int j, int l) {
     return v;
 }
 
-inline float float_weight(int type, const uint8_t* w, int64_t k) {
-    switch (type) {
-        case T_F32: { float f; std::memcpy(&f, w + 4 * k, 4); return f; }
-        case T_F16: return f16_to_f32(load_u16(w + 2 * k));
-        default: return bf16_to_f32(load_u16(w + 2 * k));
-    }
-}
-
-inline float dequant_one(int type, const uint8_t* row, int64_t k) {
-    const Geometry g = geometry(type);
+// Element k of one weight row of format Q: the reference every decoding path equals, bit for bit
+template <int Q>
+inline float dequant_one(const uint8_t* row, int64_t k) {
+    constexpr Geometry g = geometry(Q);
     const uint8_t* blk = row + k / g.block * g.bytes;
     const int e = int(k % g.block);
-    switch (type) {
-        case T_F32: case T_F16: case T_BF16: return float_weight(type, row, k);
-        case T_Q8_0: return load_f16(blk) * float(reinterpret_cast<const int8_t*>(blk + 2)[e]);
-        case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: {
-            const bool has_min = type == T_Q4_1 || type == T_Q5_1;
-            const bool five = type == T_Q5_0 || type == T_Q5_1;
-            const uint8_t* qs = blk + 2 + (has_min ? 2 : 0) + (five ? 4 : 0);
-            int c = e < 16 ? qs[e] & 15 : qs[e - 16] >> 4;
-            if (five) c |= q5_high(load_u32(blk + 2 + (has_min ? 2 : 0)), e);
-            const float d = load_f16(blk);
-            if (has_min) return d * float(c) + load_f16(blk + 2);
-            return d * float(c - (five ? 16 : 8));
-        }
-        case T_Q4_K: case T_Q5_K: {
-            const bool five = type == T_Q5_K;
-            int sc, m;
-            k4_scale_min(e / 32, blk + 4, &sc, &m);
-            const int c = k_code(blk + 16 + (five ? 32 : 0), five ? blk + 16 : nullptr, e / 32, e % 32);
-            return load_f16(blk) * float(sc) * float(c) - load_f16(blk + 2) * float(m);
-        }
-        case T_Q6_K: {
-            const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
-            return load_f16(blk + 208) * float(sc[e / 16]) * float(q6_code(blk, e) - 32);
-        }
-        default: return NAN;
+    if constexpr (Q == KVS_F32) {
+        float f;
+        std::memcpy(&f, row + 4 * k, 4);
+        return f;
+    } else if constexpr (Q == KVS_F16) {
+        return f16_to_f32(load_u16(row + 2 * k));
+    } else if constexpr (Q == KVS_BF16) {
+        return bf16_to_f32(load_u16(row + 2 * k));
+    } else if constexpr (Q == KVS_Q8_0) {
+        return load_f16(blk) * float(reinterpret_cast<const int8_t*>(blk + 2)[e]);
+    } else if constexpr (Q == KVS_Q4_0 || Q == KVS_Q4_1 || Q == KVS_Q5_0 || Q == KVS_Q5_1) {
+        constexpr bool has_min = Q == KVS_Q4_1 || Q == KVS_Q5_1, five = Q == KVS_Q5_0 || Q == KVS_Q5_1;
+        const uint8_t* qs = blk + 2 + (has_min ? 2 : 0) + (five ? 4 : 0);
+        int c = e < 16 ? qs[e] & 15 : qs[e - 16] >> 4;
+        if (five) c |= q5_high(load_u32(blk + 2 + (has_min ? 2 : 0)), e);
+        const float d = load_f16(blk);
+        if (has_min) return d * float(c) + load_f16(blk + 2);
+        return d * float(c - (five ? 16 : 8));
+    } else if constexpr (Q == KVS_Q4_K || Q == KVS_Q5_K) {
+        constexpr bool five = Q == KVS_Q5_K;
+        int sc, m;
+        k4_scale_min(e / 32, blk + 4, &sc, &m);
+        const int c = k_code(blk + 16 + (five ? 32 : 0), five ? blk + 16 : nullptr, e / 32, e % 32);
+        return load_f16(blk) * float(sc) * float(c) - load_f16(blk + 2) * float(m);
+    } else {
+        static_assert(Q == KVS_Q6_K, "a format without a reference decoding");
+        const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+        return load_f16(blk + 208) * float(sc[e / 16]) * float(q6_code(blk, e) - 32);
     }
 }
-
 
 #if KVS_SIMD
 // ---------------------------------------------------------------- AVX2 decoding (the AVX-512 build too)
@@ -118,10 +114,10 @@ inline __m256i load256(const void* p) { return _mm256_loadu_si256(reinterpret_ca
 template <int Q>
 inline __m256i k_codes(const uint8_t* blk, int j) {
     const __m256i m15 = _mm256_set1_epi8(15);
-    if constexpr (Q == T_Q4_K || Q == T_Q5_K) {
-        const __m256i q = load256(blk + (Q == T_Q5_K ? 48 : 16) + 32 * (j / 2));
+    if constexpr (Q == KVS_Q4_K || Q == KVS_Q5_K) {
+        const __m256i q = load256(blk + (Q == KVS_Q5_K ? 48 : 16) + 32 * (j / 2));
         const __m256i c = j & 1 ? _mm256_and_si256(_mm256_srli_epi16(q, 4), m15) : _mm256_and_si256(q, m15);
-        if constexpr (Q == T_Q4_K) return c;
+        if constexpr (Q == KVS_Q4_K) return c;
         // Q5_K's fifth bit: bit j of each byte of qh, moved to bit 4 of the same byte
         const __m256i qh = load256(blk + 16);
         const __m256i fifth = _mm256_slli_epi16(_mm256_srli_epi16(qh, j), 4);
@@ -141,7 +137,7 @@ inline __m256i k_codes(const uint8_t* blk, int j) {
 // Q5_0's value is the code minus 16)
 template <int Q>
 inline __m256i q5_codes(const uint8_t* blk) {
-    constexpr int qh_at = Q == T_Q5_1 ? 4 : 2;
+    constexpr int qh_at = Q == KVS_Q5_1 ? 4 : 2;
 #if defined(KVS_ISA_AVX512)  // bit i of qh is a mask bit: one masked add (a nibble plus 16 is its or)
     const __m256i nibbles = nibbles32(blk + qh_at + 4);
     return _mm256_mask_add_epi8(nibbles, load_u32(blk + qh_at), nibbles, _mm256_set1_epi8(0x10));
@@ -167,13 +163,13 @@ inline void walk_blocks32(const uint8_t* row, int64_t K, Sink& sink) {
         const uint8_t* blk = row + b * bytes;
         __m256i c;
         float off = 0.0f;
-        if constexpr (Q == T_Q8_0) {
+        if constexpr (Q == KVS_Q8_0) {
             c = load256(blk + 2);
-        } else if constexpr (Q == T_Q4_0) {
+        } else if constexpr (Q == KVS_Q4_0) {
             c = _mm256_sub_epi8(nibbles32(blk + 2), _mm256_set1_epi8(8));
-        } else if constexpr (Q == T_Q5_0) {
+        } else if constexpr (Q == KVS_Q5_0) {
             c = _mm256_sub_epi8(q5_codes<Q>(blk), _mm256_set1_epi8(16));
-        } else if constexpr (Q == T_Q4_1) {
+        } else if constexpr (Q == KVS_Q4_1) {
             c = nibbles32(blk + 4);
             off = half_at(blk + 2);
         } else {  // Q5_1
@@ -194,7 +190,7 @@ inline void walk_k4(bool five, const uint8_t* row, int64_t K, Sink& sink) {
         uint64_t scales, mins;
         k4_scales_mins(blk + 4, scales, mins);
         for (int j = 0; j < 8; ++j) {
-            const __m256i c = five ? k_codes<T_Q5_K>(blk, j) : k_codes<T_Q4_K>(blk, j);
+            const __m256i c = five ? k_codes<KVS_Q5_K>(blk, j) : k_codes<KVS_Q4_K>(blk, j);
             const int sc = int(scales >> (8 * j) & 0xff), m = int(mins >> (8 * j) & 0xff);
             sink(sb * 8 + j, Block32{c, d, sc, sc, -(dmin * float(m))});
         }
@@ -209,23 +205,20 @@ inline void walk_q6k(const uint8_t* row, int64_t K, Sink& sink) {
         const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
         const float d = half_at(blk + 208);
         for (int j = 0; j < 8; ++j)
-            sink(sb * 8 + j, Block32{_mm256_sub_epi8(k_codes<T_Q6_K>(blk, j), _mm256_set1_epi8(32)), d, sc[2 * j],
+            sink(sb * 8 + j, Block32{_mm256_sub_epi8(k_codes<KVS_Q6_K>(blk, j), _mm256_set1_epi8(32)), d, sc[2 * j],
                                      sc[2 * j + 1], 0.0f});
     }
 }
 
-template <class Sink>
-inline bool walk_blocks(int type, const uint8_t* row, int64_t K, Sink& sink) {
-    switch (type) {
-        case T_Q4_0: walk_blocks32<T_Q4_0>(row, K, sink); return true;
-        case T_Q4_1: walk_blocks32<T_Q4_1>(row, K, sink); return true;
-        case T_Q5_0: walk_blocks32<T_Q5_0>(row, K, sink); return true;
-        case T_Q5_1: walk_blocks32<T_Q5_1>(row, K, sink); return true;
-        case T_Q8_0: walk_blocks32<T_Q8_0>(row, K, sink); return true;
-        case T_Q4_K: walk_k4(false, row, K, sink); return true;
-        case T_Q5_K: walk_k4(true, row, K, sink); return true;
-        case T_Q6_K: walk_q6k(row, K, sink); return true;
-        default: return false;
+// every block of one row of block format Q, in order, to `sink`
+template <int Q, class Sink>
+inline void walk(const uint8_t* row, int64_t K, Sink& sink) {
+    if constexpr (Q == KVS_Q4_K || Q == KVS_Q5_K) {
+        walk_k4(Q == KVS_Q5_K, row, K, sink);
+    } else if constexpr (Q == KVS_Q6_K) {
+        walk_q6k(row, K, sink);
+    } else {
+        walk_blocks32<Q>(row, K, sink);
     }
 }
 
@@ -259,32 +252,31 @@ inline float hsum8(__m256 v) {  // one fixed order
 }
 #endif  // KVS_SIMD
 
-// One weight row (the file's bytes, K elements) -> out[0, K) float32; the same values on every ISA
-inline void decode_row(int type, const uint8_t* row, int64_t K, float* out) {
+// One weight row of format Q (the file's bytes, K elements) -> out[0, K) float32; the same values on
+// every ISA (dequant_one's)
+template <int Q>
+inline void decode_row(const uint8_t* row, int64_t K, float* out) {
     int64_t k = 0;
-    switch (type) {
-        case T_F32: std::memcpy(out, row, 4 * K); return;
-#if KVS_SIMD
-        case T_F16:
-            for (; k + 8 <= K; k += 8)
-                _mm256_storeu_ps(out + k, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * k))));
-            break;
-        case T_BF16:
-            for (; k + 8 <= K; k += 8) {
-                const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * k)));
-                _mm256_storeu_ps(out + k, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
-            }
-            break;
-        default: {
-            FloatSink sink{out};
-            if (walk_blocks(type, row, K, sink)) return;
-            break;
-        }
-#else
-        default: break;
-#endif
+    if constexpr (Q == KVS_F32) {
+        std::memcpy(out, row, 4 * K);
+        return;
     }
-    for (; k < K; ++k) out[k] = dequant_one(type, row, k);
+#if KVS_SIMD
+    if constexpr (Q == KVS_F16) {
+        for (; k + 8 <= K; k += 8)
+            _mm256_storeu_ps(out + k, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * k))));
+    } else if constexpr (Q == KVS_BF16) {
+        for (; k + 8 <= K; k += 8) {
+            const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * k)));
+            _mm256_storeu_ps(out + k, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+        }
+    } else if constexpr (!is_float_type(Q)) {
+        FloatSink sink{out};
+        walk<Q>(row, K, sink);
+        return;
+    }
+#endif
+    for (; k < K; ++k) out[k] = dequant_one<Q>(row, k);
 }
 
 // ---------------------------------------------------------------- the dot-product tile

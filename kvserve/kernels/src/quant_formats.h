@@ -4,13 +4,56 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kvs_api.h"
+
 namespace kvs {
 
-// ggml type ids (gguf.GGMLQuantizationType)
-enum QType : int {
-    T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
-    T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
+// How a block format's codes enter the u8 x s8 products (vpmaddubsw: unsigned bytes times signed bytes, pairs
+// summed to int16 with saturation, which the sums never reach; VNNI's vpdpbusd: four to int32)
+enum class Codes {
+    Float,     // not a block format: float32 weights and activations
+    Unsigned,  // codes 0..31 as they are (the format's minimum is its offset)
+    Biased,    // c + bias stored (the file's own bits); bias * q taken off
+    Signed,    // int8 codes: |c| times q with c's sign (the AVX-512 tiles store c + 128, Biased)
 };
+
+// One row per weight format: everything about the format the kernels branch on. Adding a format is a
+// row here plus its decoding (matmul_quant.h's walkers and dequant_one); matmul.cpp's table gives every
+// row its kernels, and kvs_formats hands the rows to Python.
+struct FormatRow {
+    int type;            // KvsFormat (the ggml type id)
+    const char* name;
+    int block;           // elements per block
+    int bytes;           // bytes per block
+    Codes codes;
+    int code_bias;       // Biased: the bias stored codes carry
+    bool has_subscales;  // integer sub-scales inside a superblock (the K formats)
+    bool has_offset;     // w = d * sc * c + off: a per-block offset with its own dot (Q4_1, Q5_1, Q4_K, Q5_K)
+};
+
+constexpr FormatRow kFormatRows[] = {
+    // type      name    block bytes codes            bias subscales offset
+    {KVS_F32,  "F32",  1,   4,   Codes::Float,    0,  false, false},
+    {KVS_F16,  "F16",  1,   2,   Codes::Float,    0,  false, false},
+    {KVS_BF16, "BF16", 1,   2,   Codes::Float,    0,  false, false},
+    {KVS_Q4_0, "Q4_0", 32,  18,  Codes::Biased,   8,  false, false},
+    {KVS_Q4_1, "Q4_1", 32,  20,  Codes::Unsigned, 0,  false, true},
+    {KVS_Q5_0, "Q5_0", 32,  22,  Codes::Biased,   16, false, false},
+    {KVS_Q5_1, "Q5_1", 32,  24,  Codes::Unsigned, 0,  false, true},
+    {KVS_Q8_0, "Q8_0", 32,  34,  Codes::Signed,   0,  false, false},
+    {KVS_Q4_K, "Q4_K", 256, 144, Codes::Unsigned, 0,  true,  true},
+    {KVS_Q5_K, "Q5_K", 256, 176, Codes::Unsigned, 0,  true,  true},
+    {KVS_Q6_K, "Q6_K", 256, 210, Codes::Biased,   32, true,  false},
+};
+constexpr int kNumFormats = int(sizeof(kFormatRows) / sizeof(kFormatRows[0]));
+constexpr FormatRow kNoFormat = {-1, "", 0, 0, Codes::Float, 0, false, false};
+
+// the row of ggml type `type`, kNoFormat for a type the kernels do not run
+constexpr const FormatRow& format_row(int type) {
+    for (const FormatRow& row : kFormatRows)
+        if (row.type == type) return row;
+    return kNoFormat;
+}
 
 struct Geometry {
     int block;  // elements per block
@@ -18,24 +61,12 @@ struct Geometry {
 };
 
 // {0, 0} for a type the kernels do not run
-constexpr Geometry geometry(int type) {
-    switch (type) {
-        case T_F32: return {1, 4};
-        case T_F16: return {1, 2};
-        case T_BF16: return {1, 2};
-        case T_Q4_0: return {32, 18};
-        case T_Q4_1: return {32, 20};
-        case T_Q5_0: return {32, 22};
-        case T_Q5_1: return {32, 24};
-        case T_Q8_0: return {32, 34};
-        case T_Q4_K: return {256, 144};
-        case T_Q5_K: return {256, 176};
-        case T_Q6_K: return {256, 210};
-        default: return {0, 0};
-    }
-}
-
-inline bool is_float_type(int type) { return type == T_F32 || type == T_F16 || type == T_BF16; }
+constexpr Geometry geometry(int type) { return {format_row(type).block, format_row(type).bytes}; }
+constexpr bool is_float_type(int type) { return format_row(type).codes == Codes::Float; }
+constexpr Codes codes_of(int type) { return format_row(type).codes; }
+constexpr int code_bias(int type) { return format_row(type).code_bias; }
+constexpr bool has_subscales(int type) { return format_row(type).has_subscales; }
+constexpr bool has_offset(int type) { return format_row(type).has_offset; }
 
 inline uint16_t load_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
 inline uint32_t load_u32(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }

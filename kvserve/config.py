@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvserve.errors import ConfigError  # noqa: F401  (re-exported: most modules import it from here)
-from kvserve.speculative.config import SpeculativeConfig, parse_speculative_config
+from kvserve.speculative_config import SpeculativeConfig, parse_speculative_config
 
 # public-domain text shipped with the package: `kvserve eval-kv` and the fp8 calibration pass read it
 CORPUS_PATH = Path(__file__).resolve().parent / "data" / "corpus.txt"

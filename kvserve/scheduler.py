@@ -25,7 +25,7 @@ from kvserve.cache.manager import KVCacheManager
 from kvserve.cache.sequence import Allocation, PrefixHit
 from kvserve.config import PreemptionMode, PrefixCachePolicy
 from kvserve.request import CacheOutcome, Request, RequestStatus
-from kvserve.speculative.config import SpeculativeConfig
+from kvserve.speculative_config import SpeculativeConfig
 from kvserve.speculative.policy import Drafts, SpecPolicy
 
 ADMISSION_SCAN_LIMIT = 256  # waiting requests looked at per step for cache-aware ordering

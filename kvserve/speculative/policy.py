@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from kvserve.batch import DraftSeq
 from kvserve.request import Request
-from kvserve.speculative.config import SpeculativeConfig
+from kvserve.speculative_config import SpeculativeConfig
 from kvserve.speculative.draft_kv import DraftKV
 from kvserve.speculative.ngram import propose_ngram
 

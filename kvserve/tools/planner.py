@@ -18,7 +18,7 @@ from kvserve.config import (KV_DTYPES, ConfigError, EngineConfig, ModelConfig, c
                             format_bytes, format_number, kv_bytes_for_tokens, kv_bytes_per_page, parse_bytes,
                             pool_tokens_for, split_kv_budget, uses_hybrid_kv, window_pages_held,
                             window_slots_needed)
-from kvserve.speculative.config import parse_speculative_config
+from kvserve.speculative_config import parse_speculative_config
 
 GIB = 1024**3
 CONTEXT_STEPS = (2048, 8192, 32768, 131072)

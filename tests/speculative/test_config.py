@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve.config import ConfigError, EngineConfig
-from kvserve.speculative.config import SpeculativeConfig, parse_speculative_config
+from kvserve.speculative_config import SpeculativeConfig, parse_speculative_config
 
 
 def test_vllm_json_is_read():

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.request import Request, SamplingParams
-from kvserve.speculative.config import SpeculativeConfig
+from kvserve.speculative_config import SpeculativeConfig
 from kvserve.speculative.draft_kv import DraftKV
 from kvserve.speculative.policy import SpecPolicy
 

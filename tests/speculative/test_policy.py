@@ -4,7 +4,7 @@ pages; k adapts to acceptance; counts are vLLM's."""
 from __future__ import annotations
 
 from kvserve.request import Request, SamplingParams
-from kvserve.speculative.config import SpeculativeConfig
+from kvserve.speculative_config import SpeculativeConfig
 from kvserve.speculative.policy import COOLDOWN_STEPS, SpecPolicy
 
 LOOP = [1, 2, 3, 4] * 4

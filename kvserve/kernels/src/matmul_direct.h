@@ -122,7 +122,7 @@ inline void store_direct(const __m256 (&acc)[R], const XRow* x, const float* off
 // the fp16 at byte `at` of block b of each of the eight rows, as floats in row order: 16-bit loads
 // interleaved by an unpack tree (three deep, not an eight-long chain of word inserts)
 template <int Q>
-inline __m256 group_halves(const uint8_t* const* rows, int64_t b, int at) {
+KVS_ALWAYS_INLINE __m256 group_halves(const uint8_t* const* rows, int64_t b, int at) {
     constexpr int bytes = geometry(Q).bytes;
     __m128i h[DIRECT_GROUP];
     for (int c = 0; c < DIRECT_GROUP; ++c) {  // a 32-bit load where the block has the bytes (its high half unused)
@@ -136,7 +136,7 @@ inline __m256 group_halves(const uint8_t* const* rows, int64_t b, int at) {
 
 // group_halves at bytes 0 and 2 (a block's d and m) from one 32-bit load a row
 template <int Q>
-inline void group_half_pairs(const uint8_t* const* rows, int64_t b, __m256& d, __m256& m) {
+KVS_ALWAYS_INLINE void group_half_pairs(const uint8_t* const* rows, int64_t b, __m256& d, __m256& m) {
     constexpr int bytes = geometry(Q).bytes;
     __m128i h[DIRECT_GROUP];
     for (int c = 0; c < DIRECT_GROUP; ++c) h[c] = _mm_cvtsi32_si128(static_cast<int>(load_u32(rows[c] + b * bytes)));

@@ -99,8 +99,22 @@ inline int32_t load_i32(const void* p) { int32_t v; std::memcpy(&v, p, 4); retur
 // of one 32-bit word (a pure load into the vector, where a 16-bit broadcast also takes a shuffle)
 inline __m256i mult_pairs(const int16_t* p) { return _mm256_set1_epi32(load_i32(p)); }
 
-// the tile's int32 totals: one lane per row of a group (TILE_GROUP lanes)
-using vtot = simd::vi;
+// vtot: the tile's int32 totals, one lane per row of a group (TILE_GROUP lanes), and its few operations
+#if defined(KVS_ISA_AVX512)
+using vtot = __m512i;
+inline vtot tot_load(const void* p) { return _mm512_loadu_si512(p); }
+inline vtot tot_set1(int32_t v) { return _mm512_set1_epi32(v); }
+inline vtot tot_sub(vtot a, vtot b) { return _mm512_sub_epi32(a, b); }
+inline vtot tot_mul(vtot a, vtot b) { return _mm512_mullo_epi32(a, b); }
+inline vtot tot_add(vtot a, vtot b) { return _mm512_add_epi32(a, b); }
+#else
+using vtot = __m256i;
+inline vtot tot_load(const void* p) { return load256(p); }
+inline vtot tot_set1(int32_t v) { return _mm256_set1_epi32(v); }
+inline vtot tot_sub(vtot a, vtot b) { return _mm256_sub_epi32(a, b); }
+inline vtot tot_mul(vtot a, vtot b) { return _mm256_mullo_epi32(a, b); }
+inline vtot tot_add(vtot a, vtot b) { return _mm256_add_epi32(a, b); }
+#endif
 
 // sum over sub-blocks lo .. hi - 1 (8 elements, two k-groups each) of the group's u8 codes times x's
 // bytes times the sub-block's multiplier, per row (int32 lanes). AVX2: the two k-groups' vpmaddubsw
@@ -116,9 +130,9 @@ inline vtot subblock_sums(const uint8_t* wb, const XRow& x, int64_t b, int lo, i
         __m512i u = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(wb + 128 * i),
                                         _mm512_set1_epi32(load_i32(xb + 8 * i)));
         u = _mm512_dpbusd_epi32(u, _mm512_loadu_si512(wb + 128 * i + 64), _mm512_set1_epi32(load_i32(xb + 8 * i + 4)));
-        t = _mm512_add_epi32(t, _mm512_sll_epi32(u, _mm_cvtsi32_si128(__builtin_ctz(unsigned(m[4 * i])))));
+        t = _mm512_add_epi32(t, _mm512_sll_epi32(u, _mm_cvtsi32_si128(__builtin_ctz(unsigned(m[4 * i]))))); 
     }
-    return {t};
+    return t;
 #else
     __m256i t = _mm256_setzero_si256();
     for (int i = lo; i < hi; ++i) {
@@ -127,37 +141,35 @@ inline vtot subblock_sums(const uint8_t* wb, const XRow& x, int64_t b, int lo, i
             _mm256_maddubs_epi16(load256(wb + 64 * i + 32), _mm256_set1_epi32(load_i32(xb + 8 * i + 4))));
         t = _mm256_add_epi32(t, _mm256_madd_epi16(s16, mult_pairs(m + 4 * i)));
     }
-    return {t};
+    return t;
 #endif
 }
 
 // the block totals of a group's rows against block b of one activation row
 template <int Q>
 inline vtot group_totals(const QGroup& g, int64_t b, const XRow& x) {
-    using namespace simd;
     const uint8_t* wb = g.q + 8 * 4 * TILE_GROUP * b;
     const int32_t sum = x.sum[b], half = x.half[b];
     if constexpr (Q == KVS_Q6_K) {  // two sub-scales a block: each half's sum less its bias, scaled
-        const vtot h0 = vsub_i32(subblock_sums<Q>(wb, x, b, 0, 2), vset1_i32(32 * half));
-        const vtot h1 = vsub_i32(subblock_sums<Q>(wb, x, b, 2, 4), vset1_i32(32 * (sum - half)));
-        return vadd_i32(vmul_i32(vload_i32(g.scale + TILE_GROUP * b), h0),
-                        vmul_i32(vload_i32(g.scale2 + TILE_GROUP * b), h1));
+        const vtot h0 = tot_sub(subblock_sums<Q>(wb, x, b, 0, 2), tot_set1(32 * half));
+        const vtot h1 = tot_sub(subblock_sums<Q>(wb, x, b, 2, 4), tot_set1(32 * (sum - half)));
+        return tot_add(tot_mul(tot_load(g.scale + TILE_GROUP * b), h0), tot_mul(tot_load(g.scale2 + TILE_GROUP * b), h1));
     }
     vtot t;
 #if !defined(KVS_ISA_AVX512)
     if constexpr (Q == KVS_Q8_0) {  // signed codes: |c| times x with c's sign, widened every k-group
-        t = {_mm256_setzero_si256()};
+        t = _mm256_setzero_si256();
         for (int k = 0; k < 8; ++k) {
             const __m256i w = load256(wb + 32 * k), xv = _mm256_set1_epi32(load_i32(x.q + 32 * b + 4 * k));
-            const __m256i products = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w));
-            t.v = _mm256_add_epi32(t.v, _mm256_madd_epi16(products, mult_pairs(x.mult + 16 * b + 2 * k)));
+            t = _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w)),
+                                                      mult_pairs(x.mult + 16 * b + 2 * k)));
         }
         return t;
     }
 #endif
     t = subblock_sums<Q>(wb, x, b, 0, 4);
-    if constexpr (tile_bias(Q) != 0) t = vsub_i32(t, vset1_i32(tile_bias(Q) * sum));
-    if constexpr (Q == KVS_Q4_K || Q == KVS_Q5_K) t = vmul_i32(t, vload_i32(g.scale + TILE_GROUP * b));
+    if constexpr (tile_bias(Q) != 0) t = tot_sub(t, tot_set1(tile_bias(Q) * sum));
+    if constexpr (Q == KVS_Q4_K || Q == KVS_Q5_K) t = tot_mul(t, tot_load(g.scale + TILE_GROUP * b));
     return t;
 }
 #endif  // KVS_SIMD
@@ -175,18 +187,20 @@ constexpr bool unroll_rows() {
 }
 
 // y[r * ldy + c] = x[r] . (row c of the group) for R activation rows and the group's first nw rows,
-// without the offsets (add_offsets; offset_dot in the scalar build)
+// without the offsets (add_offsets; offset_dot in the scalar build). The AVX-512 and AVX2 bodies are twins
+// on purpose: written once over simd::vf (ops_simd.h) the tile ran 1.20-1.34x slower on AVX2 for seven of
+// nine formats and 1.02-1.07x on AVX-512 (docs/experiments/matmul_lib_bench.cpp, 1024 x 2048, 512 rows, one
+// thread, Zen 4, same bits): GCC unrolls and spills the rows' loop differently around the wrappers.
 template <int Q, int R>
 inline void qdot_group(const XRow* x, const QGroup& g, int nw, int64_t nb, float* y, int64_t ldy) {
-#if KVS_SIMD
-    using namespace simd;
-    static_assert(W == TILE_GROUP, "a float lane per row of the group");
-    vf acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = vzero();
+#if defined(KVS_ISA_AVX512)
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-        const vf dw = vload(g.d + TILE_GROUP * b);
+        const __m512 dw = _mm512_loadu_ps(g.d + TILE_GROUP * b);
         auto row = [&](int r) {
-            acc[r] = vfma(vto_float(group_totals<Q>(g, b, x[r])), vmul(dw, vset1(x[r].d[b])), acc[r]);
+            const __m512i t = group_totals<Q>(g, b, x[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dw, _mm512_set1_ps(x[r].d[b])), acc[r]);
         };
         if constexpr (unroll_rows<Q>()) {
 #pragma GCC unroll 4
@@ -197,7 +211,28 @@ inline void qdot_group(const XRow* x, const QGroup& g, int nw, int64_t nb, float
     }
     for (int r = 0; r < R; ++r) {
         alignas(64) float v[TILE_GROUP];
-        vstore(v, acc[r]);
+        _mm512_store_ps(v, acc[r]);
+        for (int c = 0; c < nw; ++c) y[r * ldy + c] = v[c];
+    }
+#elif KVS_SIMD
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const __m256 dw = _mm256_loadu_ps(g.d + TILE_GROUP * b);
+        auto row = [&](int r) {
+            const __m256i t = group_totals<Q>(g, b, x[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(dw, _mm256_broadcast_ss(x[r].d + b)), acc[r]);
+        };
+        if constexpr (unroll_rows<Q>()) {
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) row(r);
+        } else {
+            for (int r = 0; r < R; ++r) row(r);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        alignas(32) float v[TILE_GROUP];
+        _mm256_store_ps(v, acc[r]);
         for (int c = 0; c < nw; ++c) y[r * ldy + c] = v[c];
     }
 #else

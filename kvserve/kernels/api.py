@@ -62,6 +62,15 @@ class MatmulStatus(IntEnum):
     BAD_ROW_LENGTH = -2
 
 
+class Prefetch(IntEnum):
+    """KvsPrefetch: the cache level a software prefetch fills."""
+
+    NONE = 0
+    L1 = 1
+    L2 = 2
+    L3 = 3
+
+
 MAX_PARTS = 4  # KVS_MAX_PARTS
 
 # the header's enum names for each mirrored value
@@ -72,12 +81,18 @@ ENUM_VALUES: dict[str, int] = {
     **{f"KVS_ACT_{m.name}": m.value for m in Activation},
     **{f"KVS_MATMUL_{m.name}": m.value for m in MatmulStatus},
     "KVS_MAX_PARTS": MAX_PARTS,
+    **{f"KVS_PREFETCH_{m.name}": m.value for m in Prefetch},
 }
 
 
 class KvsFormatInfo(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int32), ("block", ctypes.c_int32), ("bytes", ctypes.c_int32),
                 ("is_float", ctypes.c_int32), ("name", ctypes.c_char * 8)]
+
+
+class KvsTuning(ctypes.Structure):
+    _fields_ = [("weight_prefetch", ctypes.c_int32), ("weight_prefetch_ahead", ctypes.c_int32),
+                ("kv_prefetch", ctypes.c_int32), ("weight_prefetch_spread", ctypes.c_int32)]
 
 
 class KvsAttention(ctypes.Structure):
@@ -118,7 +133,7 @@ class KvsStep(ctypes.Structure):
         *((n, _ptr) for n in ("final_norm", "h", *STEP_SCRATCH))]
 
 
-STRUCTS = (KvsFormatInfo, KvsAttention, KvsLinear, KvsRows, KvsLayer, KvsStep)
+STRUCTS = (KvsFormatInfo, KvsTuning, KvsAttention, KvsLinear, KvsRows, KvsLayer, KvsStep)
 
 # entry point -> (result type, argument types), in the header's order
 ENTRY_POINTS: dict[str, tuple[type | None, list[type]]] = {
@@ -128,6 +143,8 @@ ENTRY_POINTS: dict[str, tuple[type | None, list[type]]] = {
     "kvs_max_threads": (_i32, []),
     "kvs_simd_width": (_i32, []),
     "kvs_formats": (_i32, [ctypes.POINTER(KvsFormatInfo), _i32]),
+    "kvs_set_tuning": (None, [ctypes.POINTER(KvsTuning)]),
+    "kvs_get_tuning": (None, [ctypes.POINTER(KvsTuning)]),
     "kvs_matmul": (_i32, [_i32, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i32]),
     "kvs_dequantize_rows": (_i32, [_i32, _ptr, _i64, _ptr, _i64, _ptr]),
     "kvs_quantize_activations": (_i32, [_ptr, _i64, _i64, _ptr, _ptr, _ptr]),

@@ -31,7 +31,10 @@ class GGUFTensor:
         the memory map would leave the file's pages resident beside the copy (twice the bytes)."""
         if self.source is None:
             return np.array(self.data, copy=True)
-        out = np.empty_like(self.data)
+        # in torch's allocator, which puts blocks of 2 MB and more on transparent huge pages (kvserve/__init__):
+        # a decode step streams every weight once, and on 4 KB pages the TLB misses cost the native decode rows
+        # 1.3x (Q4_1 from DRAM, one thread, Zen 4: 6.5 -> 8.3 GB/s)
+        out = torch.empty(self.data.nbytes, dtype=torch.uint8).numpy().view(self.data.dtype).reshape(self.data.shape)
         path, offset = self.source
         with open(path, "rb", buffering=0) as f:
             f.seek(offset)

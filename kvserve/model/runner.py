@@ -32,6 +32,7 @@ from kvserve.config import CORPUS_PATH, KV_DTYPES, KVDtype, resolve_model_dtype
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.gguf_loader import LoadedModel
 from kvserve.model.host_heap import retain_freed_memory
+from kvserve.model.kernel_tuning import tune_kernels
 from kvserve.model.kv_quant import PagedKV, codec_for, fp8_scale_for
 from kvserve.model.llama import LlamaModel
 from kvserve.batch import DraftSeq, PageOps, SampledToken, ScheduledSeq, SchedulerOutput, StepResult
@@ -83,6 +84,9 @@ class ModelRunner:
         self.kv_dtype = kv_dtype
         self.device = torch.device(device)
         self.model = build_model(loaded, dtype, str(self.device))
+        # the native kernels' prefetch choices for this host (speed only, never bits)
+        self.kernel_tuning = tune_kernels(self.model, cfg, torch.get_num_threads()) if self.device.type == "cpu" \
+            else None
         # zeros, not empty: padded reads of the null page 0 must be finite (masked, but 0 * NaN = NaN)
         self.codec = codec_for(kv_dtype, self.model.dtype, fp8_scale=fp8_scale)
         windowed = [cfg.layer_window(i) is not None for i in range(cfg.num_layers)] if num_window_slots \

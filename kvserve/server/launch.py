@@ -133,6 +133,8 @@ def serve(args: argparse.Namespace) -> int:
         kwargs["threads"] = serving_threads()
     engine = LLMEngine(EngineConfig(model=args.model, role=args.role, **kwargs))
     log.info("%s", engine_memory_promise(engine, args).line())
+    if engine.runner.kernel_tuning is not None:
+        log.info("native kernels: %s", engine.runner.kernel_tuning.label())
     if args.threads is None and kwargs["threads"] is not None:
         log.info("engine threads: %d (every usable core but one, left to the HTTP front door; --threads "
                  "to change)", kwargs["threads"])

@@ -48,8 +48,9 @@ constexpr int AHEAD = 16;  // keys between a row's prefetch and its use (memory 
 // `bytes` from a key's row on, ahead of their use: a head's rows are kv_heads rows apart, a stride
 // the hardware prefetchers follow poorly, so a pass over head 0 may fetch every head's rows of a key
 // (they are contiguous) for the passes over the others.
-inline void prefetch_row(const void* row, int bytes) {
-    for (int b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(row) + b);
+inline void prefetch_row(const void* row, int bytes, int where) {
+    const uint8_t* p = static_cast<const uint8_t*>(row);
+    kvs::prefetch_span(p, p + bytes, where);
 }
 
 // The W low and W high nibbles of bytes src[0..W) as floats.
@@ -373,10 +374,11 @@ void attend_segment(const KvsAttention& a, const Tile& t, Heads u, int64_t seg, 
     load_keys<C>(a, t, u, s0, kmin, kmax, g0, z1, sc);
     // the unit's rows of a key are contiguous: one stretch (decoded rows were read by load_keys)
     const int stretch = C == KVS_CODEC_FP32 || C == KVS_CODEC_BF16 ? static_cast<int>(u.nh * row_bytes(a)) : 0;
+    const int where = kvs::current_tuning().kv_prefetch;
     for (int g = g0; g <= g1; g += KG) {
         if (stretch)  // keys AHEAD on, then the first values once the keys run out
             for (int x = g + AHEAD; x < g + AHEAD + KG; ++x)
-                prefetch_row(x <= z1 ? sc.kb[x] : sc.vb[std::min(g0 + x - z1 - 1, z1)], stretch);
+                prefetch_row(x <= z1 ? sc.kb[x] : sc.vb[std::min(g0 + x - z1 - 1, z1)], stretch, where);
         for (int hh = 0; hh < u.nh; ++hh)
             group_scores<B16>(sc.q.data() + static_cast<size_t>(hh) * nq * hd, nq, sc.kb + g, hh * hs, hd,
                               sc.s.data() + static_cast<size_t>(hh) * nq * SEGMENT + g);
@@ -396,7 +398,7 @@ void attend_segment(const KvsAttention& a, const Tile& t, Heads u, int64_t seg, 
     for (int b = b_first; b <= kmax - s0; b += PV_BLOCK) {
         if (stretch)
             for (int x = b + AHEAD; x < std::min<int64_t>(b + AHEAD + PV_BLOCK, kmax - s0 + 1); ++x)
-                prefetch_row(sc.vb[x], stretch);
+                prefetch_row(sc.vb[x], stretch, where);
         for (int i = 0; i < t.rows; ++i) {
             const int64_t r0 = std::max({t.lo[i], s0 + b}), r1 = std::min({t.hi[i], s0 + b + PV_BLOCK - 1, s1});
             if (r0 > r1) continue;  // this row sees no key of the block

@@ -3,6 +3,8 @@
 // declaration, each struct's size, each enum value) that kvserve/kernels/api.py checks its mirror against.
 #include <omp.h>
 
+#include <algorithm>
+#include <atomic>
 #include <string>
 #include <type_traits>
 
@@ -44,7 +46,29 @@ std::string build_manifest() {
     return m;
 }
 
+// the installed tuning, packed in one word so a call reads all of it at once (the levels 2 bits each, the
+// spread flag 1, the bytes ahead 24)
+constexpr uint32_t kDefaultTuning = KVS_PREFETCH_L1 | KVS_PREFETCH_L1 << 2;
+std::atomic<uint32_t> installed_tuning{kDefaultTuning};
+
 }  // namespace
+
+KvsTuning kvs::current_tuning() {
+    const uint32_t word = installed_tuning.load(std::memory_order_relaxed);
+    return KvsTuning{int32_t(word & 3), int32_t(word >> 8), int32_t((word >> 2) & 3), int32_t((word >> 4) & 1)};
+}
+
+KVS_EXPORT void kvs_set_tuning(const KvsTuning* t) {
+    uint32_t word = kDefaultTuning;
+    if (t != nullptr) {
+        const uint32_t ahead = uint32_t(std::min<int32_t>(std::max<int32_t>(t->weight_prefetch_ahead, 0), 1 << 23));
+        word = uint32_t(t->weight_prefetch & 3) | uint32_t(t->kv_prefetch & 3) << 2 |
+               uint32_t(t->weight_prefetch_spread != 0) << 4 | ahead << 8;
+    }
+    installed_tuning.store(word, std::memory_order_relaxed);
+}
+
+KVS_EXPORT void kvs_get_tuning(KvsTuning* out) { *out = kvs::current_tuning(); }
 
 KVS_EXPORT const char* kvs_isa() { return KVS_ISA_NAME; }
 

@@ -40,6 +40,9 @@ enum KvsMatmulStatus : int { KVS_MATMUL_OK = 0, KVS_MATMUL_NO_FORMAT = -1, KVS_M
 
 enum : int { KVS_MAX_PARTS = 4 };  // formats stacked by rows in one KvsLinear
 
+// Which cache level a software prefetch fills (_MM_HINT_T0 / T1 / T2), or none
+enum KvsPrefetch : int { KVS_PREFETCH_NONE = 0, KVS_PREFETCH_L1 = 1, KVS_PREFETCH_L2 = 2, KVS_PREFETCH_L3 = 3 };
+
 // ---------------------------------------------------------------- argument structs
 
 // One row of the format table: what Python needs to lay out a weight for the kernels
@@ -49,6 +52,16 @@ struct KvsFormatInfo {
     int32_t bytes;       // bytes per block
     int32_t is_float;    // 1: float32 activations (F32, F16, BF16); 0: activations rounded to int8 blocks
     char name[8];        // "Q4_K"
+};
+
+// The kernels' run-time tuning (kvs_set_tuning): choices that change speed and never bits, picked per host
+// by kernels/tuning.py. The built-in defaults (kvs_set_tuning(null)): {L1, 0, L1, 0}.
+struct KvsTuning {
+    int32_t weight_prefetch;        // KvsPrefetch: where the decode rows ask for the weights ahead of use
+    int32_t weight_prefetch_ahead;  // bytes between the group being computed and the one prefetched
+                                    //   (0: two groups of eight rows, whatever their size)
+    int32_t kv_prefetch;            // KvsPrefetch: where attention asks for the KV rows ahead of use
+    int32_t weight_prefetch_spread; // 1: a group's prefetch spread over its blocks; 0: in one burst
 };
 
 // Paged attention's arguments (kvs_paged_attention):
@@ -154,6 +167,8 @@ const char* kvs_api_manifest(void);   // one line per entry point, struct and en
 int kvs_max_threads(void);            // OpenMP's
 int kvs_simd_width(void);             // float lanes of a vector: attention's head_dim must be a multiple
 int kvs_formats(KvsFormatInfo* out, int capacity);  // the format table's rows (up to capacity); its length
+void kvs_set_tuning(const KvsTuning* tuning);       // for every later call, from any thread (null: defaults)
+void kvs_get_tuning(KvsTuning* out);
 
 // Matmul over a format's own blocks (matmul.cpp): y[t * ldy + n] = sum_k x[t * ldx + k] * W[n, k], W: N
 // rows of K / block blocks. KvsMatmulStatus.
@@ -189,14 +204,15 @@ int kvs_decoder_layers(const KvsLayer* layers, const KvsStep* step);
 // The entry points kvs_api_manifest reports, each once (its signature is derived from the declaration)
 #define KVS_ENTRY_POINTS(X)                                                                                  \
     X(kvs_isa) X(kvs_source_digest) X(kvs_api_manifest) X(kvs_max_threads) X(kvs_simd_width) X(kvs_formats) \
+    X(kvs_set_tuning) X(kvs_get_tuning)                                                                  \
     X(kvs_matmul) X(kvs_dequantize_rows) X(kvs_quantize_activations) X(kvs_rms_norm) X(kvs_rope)           \
     X(kvs_gated_act) X(kvs_paged_attention) X(kvs_decoder_layers)
 
-#define KVS_STRUCTS(X) X(KvsFormatInfo) X(KvsAttention) X(KvsLinear) X(KvsRows) X(KvsLayer) X(KvsStep)
+#define KVS_STRUCTS(X) X(KvsFormatInfo) X(KvsTuning) X(KvsAttention) X(KvsLinear) X(KvsRows) X(KvsLayer) X(KvsStep)
 
 #define KVS_ENUM_VALUES(X)                                                                                    \
     X(KVS_F32) X(KVS_F16) X(KVS_Q4_0) X(KVS_Q4_1) X(KVS_Q5_0) X(KVS_Q5_1) X(KVS_Q8_0) X(KVS_Q4_K) X(KVS_Q5_K) \
     X(KVS_Q6_K) X(KVS_BF16) X(KVS_CODEC_FP32) X(KVS_CODEC_BF16) X(KVS_CODEC_FP16) X(KVS_CODEC_FP8)            \
     X(KVS_CODEC_INT8) X(KVS_CODEC_INT4) X(KVS_SCHEDULE_AUTO) X(KVS_SCHEDULE_TILE) X(KVS_SCHEDULE_SEGMENT)     \
     X(KVS_ACT_SILU) X(KVS_ACT_GELU_TANH) X(KVS_MATMUL_OK) X(KVS_MATMUL_NO_FORMAT) X(KVS_MATMUL_BAD_ROW_LENGTH) \
-    X(KVS_MAX_PARTS)
+    X(KVS_MAX_PARTS) X(KVS_PREFETCH_NONE) X(KVS_PREFETCH_L1) X(KVS_PREFETCH_L2) X(KVS_PREFETCH_L3)

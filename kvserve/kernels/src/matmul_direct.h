@@ -149,10 +149,29 @@ KVS_ALWAYS_INLINE void group_half_pairs(const uint8_t* const* rows, int64_t b, _
     m = _mm256_cvtph_ps(_mm_unpackhi_epi64(lo, hi));
 }
 
+// The weight bytes a group asks for ahead of its own, spread over its steps (blocks, or superblocks):
+// step i asks for the lines that start in [from + i * per_step, from + (i + 1) * per_step), so the lines
+// of the whole span are asked for once each, a few a step (where: KvsPrefetch; NONE asks for nothing)
+struct SpreadPrefetch {
+    const uint8_t* from;
+    int64_t per_step;
+    const uint8_t* end;
+    int where;
+    void step(int64_t i) const {
+        if (where == KVS_PREFETCH_NONE) return;
+        const auto line = [this](int64_t at) {
+            const uintptr_t p = reinterpret_cast<uintptr_t>(from) + uintptr_t(at);
+            return std::min(reinterpret_cast<const uint8_t*>((p + 63) & ~uintptr_t(63)), end);
+        };
+        prefetch_span(line(i * per_step), line((i + 1) * per_step), where);
+    }
+};
+
 // block b of one row of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: its codes as codes_of(Q) stores them
 template <int Q>
 inline __m256i block32_codes(const uint8_t* row, int64_t b) {
-    const uint8_t* blk = row + b * geometry(Q).bytes;
+    constexpr int bytes = geometry(Q).bytes;
+    const uint8_t* blk = row + b * bytes;
     if constexpr (Q == KVS_Q8_0) return load256(blk + 2);
     if constexpr (Q == KVS_Q4_0 || Q == KVS_Q4_1) return nibbles32(blk + (Q == KVS_Q4_1 ? 4 : 2));
     return q5_codes<Q>(blk);  // Q5_0, Q5_1
@@ -162,15 +181,20 @@ inline __m256i block32_codes(const uint8_t* row, int64_t b) {
 // rows' codes, then for each activation row their totals as one vector (totals8) and one fma
 template <int Q, int R>
 inline void qdot_direct32(const uint8_t* const* rows, int64_t nb, const XRow* x, float* offT, float* y,
-                          int64_t ldy) {
+                          int64_t ldy, const SpreadPrefetch& prefetch) {
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     const wvec zero = both_halves(_mm256_setzero_si256());
     for (int64_t b = 0; b < nb; ++b) {
+        prefetch.step(b);
         wvec w[GROUP_VECS], w_abs[GROUP_VECS];
         for (int v = 0; v < GROUP_VECS; ++v) {
             w[v] = rows_of(v, [&](int c) { return block32_codes<Q>(rows[c], b); });
-            w_abs[v] = codes_of(Q) == Codes::Signed ? abs8(w[v]) : w[v];
+            if constexpr (codes_of(Q) == Codes::Signed) {
+                w_abs[v] = abs8(w[v]);
+            } else {
+                w_abs[v] = w[v];
+            }
         }
         __m256 dw;
         if constexpr (has_offset(Q)) {
@@ -215,12 +239,13 @@ inline __m256i lanes_of(const uint8_t* p) {
 // registers, then qdot_direct32's steps per sub-block of 32
 template <int Q, int R>
 inline void qdot_directk(const uint8_t* const* rows, int64_t nb, const XRow* x, float* offT, float* y,
-                         int64_t ldy) {
+                         int64_t ldy, const SpreadPrefetch& prefetch) {
     static_assert(Q == KVS_Q4_K || Q == KVS_Q5_K || Q == KVS_Q6_K, "K formats only");
     constexpr int bytes = geometry(Q).bytes;
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nb / 8; ++sb) {
+        prefetch.step(sb);
         const uint8_t* blk[DIRECT_GROUP];
         for (int c = 0; c < DIRECT_GROUP; ++c) blk[c] = rows[c] + sb * bytes;
         const __m256 dw = group_halves<Q>(rows, sb, Q == KVS_Q6_K ? 208 : 0);
@@ -270,23 +295,35 @@ inline void qdot_direct_rows(const uint8_t* w, int64_t row_bytes, int64_t lo, in
                              float* off, float* y, int64_t ldy) {
     constexpr int C = DIRECT_GROUP;
     const uint8_t* rows[C];
+    // the weights stream from memory once: ask for the bytes `ahead` of the group being computed into
+    // the cache level the host's tuning names, in one burst a group or spread over its blocks (built in:
+    // the group after next into L1, a burst; Zen 4 wants them spread)
+    const KvsTuning tuning = current_tuning();
+    const int64_t group_bytes = C * row_bytes;
+    const int64_t ahead = tuning.weight_prefetch_ahead > 0 ? tuning.weight_prefetch_ahead : 2 * group_bytes;
+    const uint8_t* const end = w + hi * row_bytes;
+    constexpr int64_t blocks_per_step = has_subscales(Q) ? 8 : 1;  // the K formats step a superblock at a time
+    const int64_t steps = nb / blocks_per_step;
+    SpreadPrefetch spread{nullptr, (group_bytes + steps - 1) / steps, end,
+                          tuning.weight_prefetch_spread ? tuning.weight_prefetch : KVS_PREFETCH_NONE};
     auto dot = [&](float* out, int64_t ld) {  // the eight rows of `rows`: out[r * ld + c]
         if constexpr (has_subscales(Q)) {
-            qdot_directk<Q, R>(rows, nb, x, off, out, ld);
+            qdot_directk<Q, R>(rows, nb, x, off, out, ld, spread);
         } else {
-            qdot_direct32<Q, R>(rows, nb, x, off, out, ld);
+            qdot_direct32<Q, R>(rows, nb, x, off, out, ld, spread);
         }
     };
     int64_t n = lo;
     for (; n + C <= hi; n += C) {
         for (int c = 0; c < C; ++c) rows[c] = w + (n + c) * row_bytes;
-        // the weights stream from memory once: ask for the group after next while these compute
-        // (the next one: 1.1x slower on the bundled model's Q4_1 rows from DRAM)
-        const uint8_t* ahead = w + std::min(hi, n + 3 * C) * row_bytes;
-        for (const uint8_t* p = w + std::min(hi, n + 2 * C) * row_bytes; p < ahead; p += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+        const uint8_t* from = w + n * row_bytes + ahead;
+        if (tuning.weight_prefetch_spread)
+            spread.from = from;
+        else
+            prefetch_span(std::min(from, end), std::min(from + group_bytes, end), tuning.weight_prefetch);
         dot(y + n, ldy);
     }
+    spread.where = KVS_PREFETCH_NONE;  // the tail's rows were asked for with the last group
     if (n < hi) {  // the last rows: a full group over repeats of the last row, only the real ones kept
         float tail[R * C];
         for (int c = 0; c < C; ++c) rows[c] = w + std::min(n + c, hi - 1) * row_bytes;

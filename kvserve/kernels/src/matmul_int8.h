@@ -60,18 +60,19 @@ struct XBlocks {
 // The scalar walk: block b's signed codes and Block32 fields for block format Q, as the SIMD walkers give them
 template <int Q>
 inline void scalar_block(const uint8_t* row, int64_t b, int8_t* c, float* d, int* sc0, int* sc1, float* off) {
+    constexpr int bytes = geometry(Q).bytes, bias = code_bias(Q);
     *sc0 = *sc1 = 1;
     *off = 0.0f;
     if constexpr (Q == KVS_Q6_K) {
-        const uint8_t* blk = row + b / 8 * geometry(Q).bytes;
+        const uint8_t* blk = row + b / 8 * bytes;
         const int j = int(b % 8);
         const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
         *d = load_f16(blk + 208);
         *sc0 = sc[2 * j];
         *sc1 = sc[2 * j + 1];
-        for (int l = 0; l < 32; ++l) c[l] = int8_t(q6_code(blk, 32 * j + l) - code_bias(Q));
+        for (int l = 0; l < 32; ++l) c[l] = int8_t(q6_code(blk, 32 * j + l) - bias);
     } else if constexpr (Q == KVS_Q4_K || Q == KVS_Q5_K) {
-        const uint8_t* blk = row + b / 8 * geometry(Q).bytes;
+        const uint8_t* blk = row + b / 8 * bytes;
         const int j = int(b % 8);
         constexpr bool five = Q == KVS_Q5_K;
         int sc, m;
@@ -81,11 +82,11 @@ inline void scalar_block(const uint8_t* row, int64_t b, int8_t* c, float* d, int
         *off = -(load_f16(blk + 2) * float(m));
         for (int l = 0; l < 32; ++l) c[l] = int8_t(k_code(blk + 16 + (five ? 32 : 0), five ? blk + 16 : nullptr, j, l));
     } else if constexpr (Q == KVS_Q8_0) {
-        const uint8_t* blk = row + b * geometry(Q).bytes;
+        const uint8_t* blk = row + b * bytes;
         *d = load_f16(blk);
         for (int l = 0; l < 32; ++l) c[l] = reinterpret_cast<const int8_t*>(blk + 2)[l];
     } else {
-        const uint8_t* blk = row + b * geometry(Q).bytes;
+        const uint8_t* blk = row + b * bytes;
         *d = load_f16(blk);
         constexpr bool has_min = Q == KVS_Q4_1 || Q == KVS_Q5_1, five = Q == KVS_Q5_0 || Q == KVS_Q5_1;
         const uint8_t* qs = blk + 2 + (has_min ? 2 : 0) + (five ? 4 : 0);
@@ -93,7 +94,7 @@ inline void scalar_block(const uint8_t* row, int64_t b, int8_t* c, float* d, int
         for (int l = 0; l < 32; ++l) {
             int v = l < 16 ? qs[l] & 15 : qs[l - 16] >> 4;
             if (five) v |= q5_high(qh, l);
-            c[l] = int8_t(v - code_bias(Q));
+            c[l] = int8_t(v - bias);
         }
         if (has_min) *off = load_f16(blk + 2);
     }

@@ -47,13 +47,11 @@ inline QGroup qgroup_at(uint8_t* p, int64_t K) {
     return QGroup{p, scale, scale + n, d, d + n};
 }
 
-// block b of row c: its 32 codes (signed values) stored into the group, and its scales
-inline void store_block(const QGroup& g, int type, int64_t nb, int64_t b, int c, const int8_t* code, float d, int sc0,
-                        int sc1, float off) {
-    for (int k = 0; k < 8; ++k) {
-        uint8_t* to = g.q + ((8 * b + k) * TILE_GROUP + c) * 4;
-        for (int i = 0; i < 4; ++i) to[i] = uint8_t(code[4 * k + i] + tile_bias(type));
-    }
+// block b of row c: its 32 stored bytes (code + tile_bias, in element order) into the group, a 32-bit word
+// per k-group, and its scales
+inline void store_block(const QGroup& g, int64_t nb, int64_t b, int c, const uint8_t* bytes, float d, int sc0, int sc1,
+                        float off) {
+    for (int k = 0; k < 8; ++k) std::memcpy(g.q + ((8 * b + k) * TILE_GROUP + c) * 4, bytes + 4 * k, 4);
     g.scale[b * TILE_GROUP + c] = sc0;
     g.scale2[b * TILE_GROUP + c] = sc1;
     g.d[b * TILE_GROUP + c] = d;
@@ -67,9 +65,10 @@ struct GroupSink {  // one weight row into row c of a group
     int64_t nb;
     int c;
     void operator()(int64_t b, const Block32& k) const {
-        alignas(32) int8_t code[32];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(code), k.c);
-        store_block(g, Q, nb, b, c, code, k.d, k.sc0, k.sc1, k.off);
+        alignas(32) uint8_t bytes[32];  // the codes and their bias in one vector add (wrapping, as uint8_t does)
+        const __m256i biased = _mm256_add_epi8(k.c, _mm256_set1_epi8(char(tile_bias(Q))));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), biased);
+        store_block(g, nb, b, c, bytes, k.d, k.sc0, k.sc1, k.off);
     }
 };
 #endif
@@ -87,7 +86,9 @@ inline void decode_row_q(const uint8_t* row, int64_t K, const QGroup& g, int c) 
         float d, off;
         int sc0, sc1;
         scalar_block<Q>(row, b, code, &d, &sc0, &sc1, &off);
-        store_block(g, Q, nb, b, c, code, d, sc0, sc1, off);
+        uint8_t bytes[32];
+        for (int i = 0; i < 32; ++i) bytes[i] = uint8_t(code[i] + tile_bias(Q));
+        store_block(g, nb, b, c, bytes, d, sc0, sc1, off);
     }
 #endif
 }
@@ -236,6 +237,8 @@ inline void qdot_group(const XRow* x, const QGroup& g, int nw, int64_t nb, float
         for (int c = 0; c < nw; ++c) y[r * ldy + c] = v[c];
     }
 #else
+    constexpr bool kSigned = codes_of(Q) == Codes::Signed;
+    constexpr int kBias = tile_bias(Q);
     for (int r = 0; r < R; ++r) {
         for (int c = 0; c < nw; ++c) {
             float v = 0.0f;
@@ -244,7 +247,7 @@ inline void qdot_group(const XRow* x, const QGroup& g, int nw, int64_t nb, float
                 int32_t total = 0;
                 for (int l = 0; l < 32; ++l) {
                     const uint8_t u = g.q[((8 * b + l / 4) * TILE_GROUP + c) * 4 + l % 4];
-                    const int code = codes_of(Q) == Codes::Signed ? int(int8_t(u)) : int(u) - tile_bias(Q);
+                    const int code = kSigned ? int(int8_t(u)) : int(u) - kBias;
                     const int sc = !has_subscales(Q) ? 1 : (l < 16 ? g.scale[at] : g.scale2[at]);
                     total += code * sc * x[r].q[32 * b + l] * x[r].mult[16 * b + l / 2];
                 }

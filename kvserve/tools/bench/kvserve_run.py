@@ -11,6 +11,15 @@ from kvserve.config import EngineConfig
 from kvserve.tools.bench.spec import WARMUP_IDS, Reporter, RunSpec, wait_until
 
 
+def kernels_of(engine) -> dict | None:
+    """The native kernels' instruction set and the tuning this host chose (None: the torch path)."""
+    from kvserve import kernels
+
+    tuning = engine.runner.kernel_tuning
+    library = kernels.library()
+    return None if tuning is None or library is None else {"isa": library.isa, **tuning.as_dict()}
+
+
 def run_kvserve(spec: RunSpec, report: Reporter) -> dict:
     from kvserve.engine import LLMEngine
     from kvserve.request import SamplingParams
@@ -41,7 +50,7 @@ def run_kvserve(spec: RunSpec, report: Reporter) -> dict:
         after = engine.stats()
         queries = after.cache.prefix_cache_queries - before.cache.prefix_cache_queries
         hits = after.cache.prefix_cache_hits - before.cache.prefix_cache_hits
-        return {**raw, "load_s": load_s, "grammar": None, "kv_bytes": after.kv_cache_bytes,
+        return {**raw, "load_s": load_s, "grammar": None, "kernels": kernels_of(engine), "kv_bytes": after.kv_cache_bytes,
                 "kv_bytes_used_peak": raw.pop("peak_pages") * engine.runner.page_bytes,
                 "kv_capacity_tokens": engine.cache_config.num_pages * engine.cache_config.page_size,
                 "prefix_hit_rate": hits / queries if queries else 0.0}
@@ -66,7 +75,8 @@ def run_kvserve(spec: RunSpec, report: Reporter) -> dict:
     queries = after.cache.prefix_cache_queries - before.cache.prefix_cache_queries
     requests = [{"output_token_ids": list(o.outputs[0].token_ids), "ttft_s": o.metrics.ttft_s,
                  "e2e_s": o.metrics.e2e_s, "cached_tokens": o.num_cached_tokens} for o in (done[i] for i in ids)]
-    return {"wall_s": wall, "load_s": load_s, "grammar": grammar, "requests": requests, "kv_bytes": after.kv_cache_bytes,
+    return {"wall_s": wall, "load_s": load_s, "grammar": grammar, "kernels": kernels_of(engine), "requests": requests,
+            "kv_bytes": after.kv_cache_bytes,
             "kv_bytes_used_peak": peak_pages * engine.runner.page_bytes,
             "kv_capacity_tokens": engine.cache_config.num_pages * engine.cache_config.page_size,
             "prefix_hit_rate": (after.cache.prefix_cache_hits - before.cache.prefix_cache_hits) / queries if queries else 0.0}

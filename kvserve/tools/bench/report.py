@@ -63,6 +63,9 @@ def render(report: dict, console) -> None:
                       f"{_fmt(off['follow_up_ttft_p95_s'], '{:.2f} s')} off")
     for problem in agent_problems(report):
         console.print(f"[bold red]{problem}[/]")
+    kernels = report["engines"].get("kvserve", {}).get("kernels")
+    if kernels:
+        console.print(f"kvserve's native kernels: {kernels['isa']}, {kernels['label']}")
     if "grammar" in report:
         g = report["grammar"]
         console.print(f"grammar engine {g['engine']}: vocabulary preprocessing {g['startup_s'] * 1e3:.0f} ms at "

@@ -1,0 +1,181 @@
+"""The kernels' per-host tuning: where and how far ahead the decode rows prefetch the weights, and where
+attention prefetches the KV rows (src/kvs_api.h KvsTuning). No choice changes a bit of any result, only
+speed, and the right one differs by CPU (Zen 5 wants L1, Zen 4 L2), so it is measured on the host: a
+calibration of a few hundred ms on the model's own weights, cached per CPU model in ~/.cache/kvserve.
+
+`KVSERVE_KERNELS_TUNE`: unset or `auto` calibrates (or reads the cache), `off` keeps the built-in defaults,
+`WEIGHTS/KV` forces one choice: WEIGHTS a level, then `+BYTES` ahead in one burst a group or `~BYTES` spread
+over its blocks, e.g. `l2~8192/l3` (levels: none, l1, l2, l3)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvserve.errors import ConfigError
+from kvserve.kernels import KernelLibrary, cpu_flags
+from kvserve.kernels.api import KvsTuning, Prefetch
+
+CACHE_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Tuning:
+    weight_prefetch: Prefetch
+    weight_ahead: int  # bytes ahead of the group being computed; 0: two groups of eight rows
+    kv_prefetch: Prefetch
+    weight_spread: bool = False  # the group's prefetch spread over its blocks (else one burst)
+    source: str = "built-in"  # built-in, calibrated, cached or forced
+
+    @property
+    def weights(self) -> str:
+        """The weights' part as KVSERVE_KERNELS_TUNE spells it: `l2~8192`."""
+        return f"{self.weight_prefetch.name.lower()}{'~' if self.weight_spread else '+'}{self.weight_ahead}"
+
+    def label(self) -> str:
+        ahead = f"{self.weight_ahead // 1024} KiB ahead" if self.weight_ahead else "two groups ahead"
+        how = f"{'spread' if self.weight_spread else 'burst'}, {ahead}" if self.weight_prefetch else ""
+        return (f"weights prefetch {self.weight_prefetch.name}{f' ({how})' if how else ''}, "
+                f"KV prefetch {self.kv_prefetch.name} [{self.source}]")
+
+    def as_dict(self) -> dict:
+        return {"weights": self.weights, "kv": self.kv_prefetch.name.lower(), "source": self.source,
+                "label": self.label()}
+
+
+BUILT_IN = Tuning(Prefetch.L1, 0, Prefetch.L1)
+# what the calibration tries for the weights (KVSERVE_KERNELS_TUNE's spelling) and for the KV rows
+WEIGHT_CANDIDATES = ["l1+0", "l1~4096", "l1~8192", "l2~4096", "l2~8192", "l2~16384", "l2~32768", "l3~16384",
+                     "none+0"]
+KV_CANDIDATES = [Prefetch.L1, Prefetch.L2, Prefetch.L3, Prefetch.NONE]
+
+
+def install(kl: KernelLibrary, tuning: Tuning) -> None:
+    kl.lib.kvs_set_tuning(ctypes.byref(KvsTuning(int(tuning.weight_prefetch), tuning.weight_ahead,
+                                                 int(tuning.kv_prefetch), int(tuning.weight_spread))))
+
+
+def installed(kl: KernelLibrary) -> KvsTuning:
+    out = KvsTuning()
+    kl.lib.kvs_get_tuning(ctypes.byref(out))
+    return out
+
+
+def parse_weights(spec: str) -> tuple[Prefetch, int, bool]:
+    """`l2~8192` -> (level, bytes ahead, spread)."""
+    spread = "~" in spec
+    level, _, ahead = spec.replace("~", "+").partition("+")
+    return Prefetch[level.upper()], int(ahead or 0), spread
+
+
+def parse(spec: str, source: str = "forced") -> Tuning:
+    """`WEIGHTS/KV`, e.g. `l2~8192/l3`."""
+    try:
+        weights, kv = spec.lower().split("/")
+        level, ahead, spread = parse_weights(weights)
+        return Tuning(level, ahead, Prefetch[kv.upper()], spread, source)
+    except (ValueError, KeyError):
+        raise ConfigError(f"KVSERVE_KERNELS_TUNE must be auto, off or WEIGHTS/KV: a level (none, l1, l2, l3), "
+                          f"+BYTES (a burst) or ~BYTES (spread) ahead, then the KV's level, e.g. l2~8192/l3; "
+                          f"got {spec!r}") from None
+
+
+def host_key(kl: KernelLibrary, threads: int) -> str:
+    """The CPU model, instruction set and thread count a cached choice was measured with."""
+    family = model = name = "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key, value = key.strip(), value.strip()
+                if key == "cpu family":
+                    family = value
+                elif key == "model":
+                    model = value
+                elif key == "model name":
+                    name = value
+                if key == "flags":
+                    break
+    except OSError:
+        pass
+    return f"{name} family {family} model {model} {kl.isa} {threads} threads {len(cpu_flags())} flags"
+
+
+def cache_path() -> Path:
+    return Path(os.environ.get("KVSERVE_CACHE", Path.home() / ".cache" / "kvserve")) / "kernel-tuning.json"
+
+
+def _read_cache() -> dict:
+    try:
+        data = json.loads(cache_path().read_text())
+        return data if data.get("version") == CACHE_VERSION else {"version": CACHE_VERSION}
+    except (OSError, ValueError):
+        return {"version": CACHE_VERSION}
+
+
+def _write_cache(key: str, shape_key: str, tuning: Tuning, timings: dict) -> None:
+    data = _read_cache()
+    data.setdefault("hosts", {}).setdefault(key, {})[shape_key] = {**tuning.as_dict(), "timings_ms": timings}
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: calibrate again next time
+
+
+def _cached(key: str, shape_key: str) -> Tuning | None:
+    row = _read_cache().get("hosts", {}).get(key, {}).get(shape_key)
+    try:
+        return parse(f"{row['weights']}/{row['kv']}", "cached") if row else None
+    except (KeyError, TypeError, ConfigError):
+        return None
+
+
+def _best(timings: dict[str, float]) -> str:
+    return min(timings, key=timings.get)
+
+
+def choose(kl: KernelLibrary, decode_pass, attention_pass, shape_key: str, threads: int) -> Tuning:
+    """The tuning for this process: forced, built-in, cached, or measured now. `decode_pass()` runs the
+    model's decode-step matmuls once (one activation row), `attention_pass()` a decode row's attention
+    over a long context; both only to be timed."""
+    spec = os.environ.get("KVSERVE_KERNELS_TUNE", "auto").strip().lower()
+    if spec in ("off", "0", "no", "false"):
+        return BUILT_IN
+    if spec not in ("", "auto", "on"):
+        return parse(spec)
+    key = host_key(kl, threads)
+    cached = _cached(key, shape_key)
+    if cached is not None:
+        return cached
+    weights = _time_each({spec: Tuning(*parse_weights(spec)[:2], BUILT_IN.kv_prefetch, parse_weights(spec)[2])
+                          for spec in WEIGHT_CANDIDATES}, kl, decode_pass)
+    level, ahead, spread = parse_weights(_best(weights))
+    kv = _time_each({p.name: Tuning(level, ahead, p, spread) for p in KV_CANDIDATES}, kl, attention_pass)
+    timings = {**{f"weights {k}": round(v * 1e3, 3) for k, v in weights.items()},
+               **{f"kv {k}": round(v * 1e3, 3) for k, v in kv.items()}}
+    tuning = Tuning(level, ahead, Prefetch[_best(kv)], spread, "calibrated")
+    _write_cache(key, shape_key, tuning, timings)
+    return tuning
+
+
+def _time_each(candidates: dict[str, Tuning], kl: KernelLibrary, run, rounds: int = 3) -> dict[str, float]:
+    """Each candidate's median time of `run`, the candidates alternated round by round after one warm-up
+    (the host takes time away unannounced: alternation spreads it, the median resists it)."""
+    run()
+    samples: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(rounds):
+        for name, tuning in candidates.items():
+            install(kl, tuning)
+            start = time.perf_counter()
+            run()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in samples.items()}

@@ -1,0 +1,77 @@
+"""The native kernels' tuning for this model on this host (kernels/tuning.py decides; this module hands it
+the model's own work to time): one decode step's matmuls over the model's weights, and one decode row's
+attention over a long bf16 context, each larger than the caches so they stream from memory as in serving."""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve import kernels
+from kvserve.config import ModelConfig
+from kvserve.kernels import attention as native_attention, matmul as native_matmul, tuning
+from kvserve.model.linear import NativeLinear
+
+STREAM_BYTES = 48 << 20  # more than a last-level cache (32 MB on Zen 4 and Zen 5 CCDs): weights come from DRAM
+KV_CONTEXT = 2048  # tokens of the attention pass, page_size 16
+
+
+def tune_kernels(model: torch.nn.Module, config: ModelConfig, threads: int) -> tuning.Tuning | None:
+    """Chooses and installs the kernels' tuning; None where the model does not run on them."""
+    linears = [m for m in model.modules() if isinstance(m, NativeLinear)]
+    lib = linears[0].library if linears else None
+    if lib is None:
+        return None
+    chosen = tuning.choose(lib, _decode_pass(lib, linears, threads), _attention_pass(lib, config, threads),
+                           _shape_key(config, linears), threads)
+    tuning.install(lib, chosen)
+    return chosen
+
+
+def _shape_key(config: ModelConfig, linears: list[NativeLinear]) -> str:
+    formats = sorted({q for m in linears for q in m.qtypes})
+    return (f"{config.num_layers} layers, hidden {config.hidden_size}, inter {config.intermediate_size}, "
+            f"formats {formats}")
+
+
+def _decode_pass(lib: kernels.KernelLibrary, linears: list[NativeLinear], threads: int):
+    """One activation row through the model's matmuls in order, up to STREAM_BYTES of weights."""
+    calls, total = [], 0
+    for m in linears:
+        for i, qtype in enumerate(m.qtypes):
+            blocks = m.blocks(i)
+            calls.append((native_matmul.PreparedMatmul(lib, qtype, blocks, m.in_features),
+                          torch.randn(1, m.in_features), torch.empty(1, blocks.shape[0])))
+            total += blocks.numel()
+        if total >= STREAM_BYTES:
+            break
+
+    def run() -> None:
+        for call, x, y in calls:
+            call(x, y, threads)
+    return run
+
+
+def _attention_pass(lib: kernels.KernelLibrary, config: ModelConfig, threads: int):
+    """One decode row at position KV_CONTEXT - 1 attending bf16 pages, layer after layer (each its own
+    pages) until STREAM_BYTES / 2 of KV is read."""
+    page_size, kv_heads, head_dim = 16, config.num_kv_heads, config.head_dim
+    q = torch.randn(1, config.num_heads, head_dim)
+    if not native_attention.supports(lib, "bf16", head_dim, q):
+        return lambda: None
+    pages = KV_CONTEXT // page_size
+    layer_bytes = 2 * KV_CONTEXT * kv_heads * head_dim * 2
+    layers = max(1, (STREAM_BYTES // 2) // layer_bytes)
+    shape = (layers * pages, page_size, kv_heads, head_dim)
+    # written, not zeros: untouched zero pages all map one physical page and would never leave the cache
+    k, v = torch.full(shape, 0.5, dtype=torch.bfloat16), torch.full(shape, -0.25, dtype=torch.bfloat16)
+    no_scales = torch.empty(1, 0)
+    one = torch.zeros(1, dtype=torch.int64)
+    rows = [native_attention.AttentionRows(torch.tensor([KV_CONTEXT - 1]), one, one,
+                                           torch.arange(layer * pages, (layer + 1) * pages), None)
+            for layer in range(layers)]
+
+    def run() -> None:
+        for r in rows:
+            native_attention.paged_attention(lib, q, "bf16", (k, no_scales), (v, no_scales), page_size, r, None,
+                                             num_threads=threads)
+    return run

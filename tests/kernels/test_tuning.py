@@ -1,0 +1,133 @@
+"""The kernels' per-host tuning (kernels/tuning.py): every choice the calibration can make gives the same
+bits in the matmul's decode rows and tiles and in attention; the choice is forced, skipped, cached and
+reported as documented."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from kvserve import kernels
+from kvserve.config import ConfigError
+from kvserve.kernels import attention as native_attention, matmul as km, tuning
+from kvserve.kernels.api import Prefetch
+
+EVERY_CHOICE = [f"{w}/{kv}" for w in tuning.WEIGHT_CANDIDATES for kv in ("l1", "l2", "l3", "none")]
+
+
+@pytest.fixture
+def lib():
+    kl = kernels.library()
+    if kl is None:
+        pytest.skip("native kernels not built")
+    yield kl
+    tuning.install(kl, tuning.BUILT_IN)
+
+
+def _blocks(qtype: Q, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
+    fmt = kernels.library().formats[int(qtype)]
+    block, size = fmt.block, fmt.bytes
+    raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
+    for off in {Q.Q6_K: (208,), Q.Q4_1: (0, 2), Q.Q4_K: (0, 2)}.get(qtype, (0,)):
+        raw[..., off:off + 2] = rng.uniform(0.002, 0.05, size=(n, k // block)).astype(np.float16).view(np.uint8) \
+            .reshape(n, k // block, 2)
+    return torch.from_numpy(raw.reshape(n, -1))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_every_tuning_choice_gives_the_matmul_the_same_bits(lib, qtype):
+    rng = np.random.default_rng(int(qtype))
+    k, n = 512, 203  # a tail group past the last full one
+    w = _blocks(qtype, n, k, rng)
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(1))
+    outputs = {}
+    for choice in ["l1+0/l1", *EVERY_CHOICE[::4], "l2~64/l1", "l3~1048576/l1"]:
+        tuning.install(lib, tuning.parse(choice))
+        outputs[choice] = [km.matmul(lib, qtype, w, k, x[:t], num_threads=threads).numpy().tobytes()
+                           for t in (1, 3, 8, 16) for threads in (1, 2)]
+    first = next(iter(outputs.values()))
+    assert all(v == first for v in outputs.values())
+
+
+def test_every_kv_prefetch_choice_gives_attention_the_same_bits(lib):
+    heads, kv_heads, head_dim, page_size, pages = 6, 2, 64, 16, 40
+    gen = torch.Generator().manual_seed(3)
+    k = torch.randn(pages, page_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    v = torch.randn(pages, page_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    q = torch.randn(3, heads, head_dim, generator=gen)
+    none = torch.empty(1, 0)
+    rows = native_attention.AttentionRows(torch.tensor([600, 601, 639]), torch.zeros(3, dtype=torch.int64),
+                                          torch.zeros(3, dtype=torch.int64), torch.randperm(pages, generator=gen),
+                                          None)
+    outputs = set()
+    for level in ("l1", "l2", "l3", "none"):
+        tuning.install(lib, tuning.parse(f"l1+0/{level}"))
+        for threads in (1, 2):
+            outputs.add(native_attention.paged_attention(lib, q, "bf16", (k, none), (v, none), page_size, rows, None,
+                                                         num_threads=threads).numpy().tobytes())
+    assert len(outputs) == 1
+
+
+def test_a_choice_is_parsed_installed_and_labelled(lib):
+    chosen = tuning.parse("l2~8192/l3")
+    assert (chosen.weight_prefetch, chosen.weight_ahead, chosen.weight_spread, chosen.kv_prefetch) == \
+        (Prefetch.L2, 8192, True, Prefetch.L3)
+    tuning.install(lib, chosen)
+    installed = tuning.installed(lib)
+    assert (installed.weight_prefetch, installed.weight_prefetch_ahead, installed.kv_prefetch,
+            installed.weight_prefetch_spread) == (2, 8192, 3, 1)
+    assert chosen.label() == "weights prefetch L2 (spread, 8 KiB ahead), KV prefetch L3 [forced]"
+    assert tuning.BUILT_IN.as_dict()["weights"] == "l1+0"
+    with pytest.raises(ConfigError, match="KVSERVE_KERNELS_TUNE must be"):
+        tuning.parse("l4+0/l1")
+
+
+def test_off_keeps_the_built_in_choice_and_a_forced_one_is_taken_as_given(lib, monkeypatch):
+    def never():
+        raise AssertionError("no calibration expected")
+
+    monkeypatch.setenv("KVSERVE_KERNELS_TUNE", "off")
+    assert tuning.choose(lib, never, never, "shape", 2) == tuning.BUILT_IN
+    monkeypatch.setenv("KVSERVE_KERNELS_TUNE", "l3~16384/none")
+    assert tuning.choose(lib, never, never, "shape", 2) == tuning.parse("l3~16384/none")
+
+
+def test_a_calibration_is_measured_once_per_host_and_shape_then_read_from_the_cache(lib, monkeypatch, tmp_path):
+    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("KVSERVE_KERNELS_TUNE", "auto")
+    runs = {"decode": 0, "attention": 0}
+
+    def count(name):
+        def run():
+            runs[name] += 1
+        return run
+
+    first = tuning.choose(lib, count("decode"), count("attention"), "shape A", 2)
+    assert first.source == "calibrated" and runs["decode"] == 1 + 3 * len(tuning.WEIGHT_CANDIDATES)
+    assert runs["attention"] == 1 + 3 * len(tuning.KV_CANDIDATES)
+    again = tuning.choose(lib, count("decode"), count("attention"), "shape A", 2)
+    assert again.source == "cached" and tuning.parse(f"{again.weights}/{again.kv_prefetch.name}") == \
+        tuning.parse(f"{first.weights}/{first.kv_prefetch.name}")
+    assert runs["decode"] == 1 + 3 * len(tuning.WEIGHT_CANDIDATES)  # nothing measured the second time
+    cached = json.loads((tmp_path / "kernel-tuning.json").read_text())
+    (host,) = cached["hosts"]
+    assert lib.isa in host and "timings_ms" in cached["hosts"][host]["shape A"]
+
+
+def test_the_engine_installs_its_choice_and_greedy_tokens_do_not_depend_on_it(lib, monkeypatch):
+    from tests.conftest import make_llm
+    from kvserve import SamplingParams
+
+    tokens = set()
+    for choice in ("l1+0/l1", "none+0/none", "l2~16384/l3"):
+        monkeypatch.setenv("KVSERVE_KERNELS_TUNE", choice)
+        llm = make_llm(dtype="native")
+        assert llm.engine.runner.kernel_tuning == tuning.parse(choice)
+        assert tuning.installed(lib).weight_prefetch == int(tuning.parse(choice).weight_prefetch)
+        out = llm.generate("The capital of France is", SamplingParams(max_tokens=12, temperature=0.0))
+        tokens.add(tuple(out[0].outputs[0].token_ids))
+    assert len(tokens) == 1

@@ -143,10 +143,11 @@ def _best(timings: dict[str, float]) -> str:
     return min(timings, key=timings.get)
 
 
-def choose(kl: KernelLibrary, decode_pass, attention_pass, shape_key: str, threads: int) -> Tuning:
-    """The tuning for this process: forced, built-in, cached, or measured now. `decode_pass()` runs the
-    model's decode-step matmuls once (one activation row), `attention_pass()` a decode row's attention
-    over a long context; both only to be timed."""
+def choose(kl: KernelLibrary, make_decode_pass, make_attention_pass, shape_key: str, threads: int) -> Tuning:
+    """The tuning for this process: forced, built-in, cached, or measured now. `make_decode_pass()` gives a
+    function that runs the model's decode-step matmuls once (one activation row), `make_attention_pass()`
+    one that runs a decode row's attention over a long context; both only to be timed, and made only when
+    a calibration runs."""
     spec = os.environ.get("KVSERVE_KERNELS_TUNE", "auto").strip().lower()
     if spec in ("off", "0", "no", "false"):
         return BUILT_IN
@@ -157,9 +158,9 @@ def choose(kl: KernelLibrary, decode_pass, attention_pass, shape_key: str, threa
     if cached is not None:
         return cached
     weights = _time_each({spec: Tuning(*parse_weights(spec)[:2], BUILT_IN.kv_prefetch, parse_weights(spec)[2])
-                          for spec in WEIGHT_CANDIDATES}, kl, decode_pass)
+                          for spec in WEIGHT_CANDIDATES}, kl, make_decode_pass())
     level, ahead, spread = parse_weights(_best(weights))
-    kv = _time_each({p.name: Tuning(level, ahead, p, spread) for p in KV_CANDIDATES}, kl, attention_pass)
+    kv = _time_each({p.name: Tuning(level, ahead, p, spread) for p in KV_CANDIDATES}, kl, make_attention_pass())
     timings = {**{f"weights {k}": round(v * 1e3, 3) for k, v in weights.items()},
                **{f"kv {k}": round(v * 1e3, 3) for k, v in kv.items()}}
     tuning = Tuning(level, ahead, Prefetch[_best(kv)], spread, "calibrated")

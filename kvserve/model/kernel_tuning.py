@@ -21,8 +21,9 @@ def tune_kernels(model: torch.nn.Module, config: ModelConfig, threads: int) -> t
     lib = linears[0].library if linears else None
     if lib is None:
         return None
-    chosen = tuning.choose(lib, _decode_pass(lib, linears, threads), _attention_pass(lib, config, threads),
-                           _shape_key(config, linears), threads)
+    # the passes are built only if a calibration runs (a cached or forced choice costs nothing)
+    chosen = tuning.choose(lib, lambda: _decode_pass(lib, linears, threads),
+                           lambda: _attention_pass(lib, config, threads), _shape_key(config, linears), threads)
     tuning.install(lib, chosen)
     return chosen
 

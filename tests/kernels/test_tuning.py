@@ -106,10 +106,10 @@ def test_a_calibration_is_measured_once_per_host_and_shape_then_read_from_the_ca
             runs[name] += 1
         return run
 
-    first = tuning.choose(lib, count("decode"), count("attention"), "shape A", 2)
+    first = tuning.choose(lib, lambda: count("decode"), lambda: count("attention"), "shape A", 2)
     assert first.source == "calibrated" and runs["decode"] == 1 + 3 * len(tuning.WEIGHT_CANDIDATES)
     assert runs["attention"] == 1 + 3 * len(tuning.KV_CANDIDATES)
-    again = tuning.choose(lib, count("decode"), count("attention"), "shape A", 2)
+    again = tuning.choose(lib, lambda: count("decode"), lambda: count("attention"), "shape A", 2)
     assert again.source == "cached" and tuning.parse(f"{again.weights}/{again.kv_prefetch.name}") == \
         tuning.parse(f"{first.weights}/{first.kv_prefetch.name}")
     assert runs["decode"] == 1 + 3 * len(tuning.WEIGHT_CANDIDATES)  # nothing measured the second time

@@ -143,6 +143,12 @@ def run_bench(args: argparse.Namespace, progress_console=None) -> dict:
     else:
         _run_in_process(report, args, workload, model_path, kwargs, modes, progress_console)
     report["machine"]["load_avg_after"] = list(os.getloadavg())
+    w = report["workload"]
+    if w["num_requests"] == 1 or (http and (args.concurrency or 1) == 1):  # single stream: decode against the wall
+        from kvserve.tools.bench.memory_wall import memory_wall
+
+        context = (w["prompt_tokens"] + w["max_tokens"] // 2) // w["num_requests"]
+        report["memory_wall"] = memory_wall(model_path, kwargs, context, args.threads, report["engines"])
     if "agent" in report:
         from kvserve.tools.bench.report import agent_summary
 
@@ -169,6 +175,8 @@ def _run_in_process(report: dict, args, workload, model_path: str, kwargs: dict,
             raw = run_engine(spec, bar(name, sum(workload.max_tokens)))
             if raw.get("grammar"):
                 report["grammar"] = raw["grammar"]
+            if raw.get("kernels"):  # kvserve's instruction set and the tuning this host chose
+                report["kernels"] = raw["kernels"]
             if "agent" in raw:
                 report.setdefault("agent", {})[name] = raw["agent"]
             raw["prompt_tokens"] = raw.get("prompt_tokens_sent", report["workload"]["prompt_tokens"])

@@ -63,7 +63,14 @@ def render(report: dict, console) -> None:
                       f"{_fmt(off['follow_up_ttft_p95_s'], '{:.2f} s')} off")
     for problem in agent_problems(report):
         console.print(f"[bold red]{problem}[/]")
-    kernels = report["engines"].get("kvserve", {}).get("kernels")
+    if "memory_wall" in report:
+        wall = report["memory_wall"]
+        rates = ", ".join(f"{name} {e['achieved_gbs']:.1f} GB/s ({e['fraction_of_host']:.0%})"
+                          for name, e in wall["engines"].items())
+        console.print(f"memory wall: a decode token reads {wall['bytes_per_token'] / 1e6:.1f} MB (weights "
+                      f"{wall['weights'] / 1e6:.1f} MB, KV at {wall['context']:,} tokens {wall['kv'] / 1e6:.1f} MB); "
+                      f"this host reads {wall['host_read_gbs']:.1f} GB/s; achieved: {rates}")
+    kernels = report.get("kernels")
     if kernels:
         console.print(f"kvserve's native kernels: {kernels['isa']}, {kernels['label']}")
     if "grammar" in report:

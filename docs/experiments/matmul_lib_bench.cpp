@@ -1,7 +1,8 @@
 // Times kvs_matmul of one built kernel library on random blocks of one GGUF format (docs/performance.md,
 // "Round 3, the decode rows"): build: g++ -O2 -std=c++17 matmul_lib_bench.cpp -o mmbench -ldl; run:
 // ./mmbench LIB TYPE N K T REPS [THREADS], e.g. ./mmbench kvserve/kernels/_lib/libkvserve_avx2.so 3
-// 3456 576 1 2000 (TYPE: the ggml type number, 1 F16, 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K).
+// 3456 576 1 2000 (TYPE: the ggml type number, 1 F16, 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K,
+// 13 Q5_K, 14 Q6_K).
 // Prints the best call's time and a checksum of the output: two libraries built from different sources
 // that keep the chain print the same checksum. Random codes, fp16 scales set to small normal values;
 // timing only. N large enough (e.g. 103680 x 576) reads the weights from DRAM, not the caches.

@@ -73,3 +73,19 @@ def test_an_object_is_rebuilt_only_when_its_source_a_header_it_includes_or_the_d
     digest[0] = "2" * 16  # kvs_api.cpp records the digest of every source
     assert objects()["kvs_api.cpp"] != after["kvs_api.cpp"] and objects()["two.cpp"] == after["two.cpp"]
     assert build.compile_job("g++", "avx2", src / "two.cpp") != build.compile_job("g++", "scalar", src / "two.cpp")
+
+
+def test_the_simd_libraries_keep_their_prefetches():
+    # the tuning's prefetch loops once compiled to nothing (GCC deletes a loop of __builtin_prefetch alone),
+    # and every tuning choice then timed the same: the built code must hold each level's instruction
+    import shutil
+    import subprocess
+
+    if shutil.which("objdump") is None:
+        pytest.skip("no objdump")
+    for isa in set(kernels.host_isas()) - {"scalar"}:
+        if not kernels.library_path(isa).is_file():
+            pytest.skip("native kernels not built")
+        code = subprocess.run(["objdump", "-d", str(kernels.library_path(isa))], capture_output=True, text=True,
+                              check=True).stdout
+        assert all(f"prefetcht{level}" in code for level in (0, 1, 2)), isa

@@ -14,27 +14,7 @@
 #include <random>
 #include <vector>
 
-using MatmulFn = int (*)(int, const uint8_t*, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t, int);
-
-struct Format {
-    int bytes, elems;  // a block's bytes and elements
-    int half_at[2];    // bytes of its fp16 scales (-1: none)
-};
-
-static Format format_of(int type) {
-    switch (type) {
-        case 1: return {2, 1, {0, -1}};
-        case 2: return {18, 32, {0, -1}};
-        case 3: return {20, 32, {0, 2}};
-        case 6: return {22, 32, {0, -1}};
-        case 7: return {24, 32, {0, 2}};
-        case 8: return {34, 32, {0, -1}};
-        case 12: return {144, 256, {0, 2}};
-        case 13: return {176, 256, {0, 2}};
-        case 14: return {210, 256, {208, -1}};
-        default: std::fprintf(stderr, "type %d: not one of 1 2 3 6 7 8 12 13 14\n", type); std::exit(2);
-    }
-}
+#include "random_blocks.h"
 
 int main(int argc, char** argv) {
     if (argc < 8) {
@@ -52,20 +32,9 @@ int main(int argc, char** argv) {
     }
     const int type = std::atoi(argv[3]), iters = std::atoi(argv[7]);
     const int64_t N = std::atol(argv[4]), K = std::atol(argv[5]), T = std::atol(argv[6]);
-    const Format f = format_of(type);
-    const int64_t blocks = N * (K / f.elems);
-    std::vector<uint8_t> w(blocks * f.bytes);
-    std::mt19937 gen(1);
-    for (auto& byte : w) byte = uint8_t(gen());
-    for (int64_t i = 0; i < blocks; ++i)
-        for (int at : f.half_at)
-            if (at >= 0) {
-                const uint16_t half = uint16_t(0x2000 + (gen() & 0x3ff));
-                std::memcpy(&w[i * f.bytes + at], &half, 2);
-            }
-    std::vector<float> x(T * K), y(T * N);
-    std::normal_distribution<float> normal;
-    for (auto& v : x) v = normal(gen);
+    std::vector<uint8_t> w;
+    std::vector<float> x, y(T * N);
+    random_problem(type, N, K, T, w, x);
     std::vector<double> us[2];
     for (int it = 0; it < iters; ++it)
         for (int k = 0; k < 2; ++k) {

@@ -44,15 +44,24 @@ def source_digest() -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
+def cpu_info() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo ("model name", "cpu family", "model", "flags", ...);
+    empty where there is none."""
+    info: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                if not line.strip():
+                    break  # the end of the first processor
+                key, _, value = line.partition(":")
+                info[key.strip()] = value.strip()
     except OSError:
         pass
-    return frozenset()
+    return info
+
+
+def cpu_flags() -> frozenset[str]:
+    return frozenset(cpu_info().get("flags", "").split())
 
 
 def host_isas() -> list[str]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvserve.errors import ConfigError
-from kvserve.kernels import KernelLibrary, cpu_flags
+from kvserve.kernels import KernelLibrary, cpu_flags, cpu_info
 from kvserve.kernels.api import KvsTuning, Prefetch
 
 CACHE_VERSION = 2  # 2: prefetches really issued (GCC had deleted them all in 1)
@@ -87,23 +87,9 @@ def parse(spec: str, source: str = "forced") -> Tuning:
 
 def host_key(kl: KernelLibrary, threads: int) -> str:
     """The CPU model, instruction set and thread count a cached choice was measured with."""
-    family = model = name = "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key, value = key.strip(), value.strip()
-                if key == "cpu family":
-                    family = value
-                elif key == "model":
-                    model = value
-                elif key == "model name":
-                    name = value
-                if key == "flags":
-                    break
-    except OSError:
-        pass
-    return f"{name} family {family} model {model} {kl.isa} {threads} threads {len(cpu_flags())} flags"
+    cpu = cpu_info()
+    return (f"{cpu.get('model name', '?')} family {cpu.get('cpu family', '?')} model {cpu.get('model', '?')} "
+            f"{kl.isa} {threads} threads {len(cpu_flags())} flags")
 
 
 def cache_path() -> Path:
@@ -157,8 +143,8 @@ def choose(kl: KernelLibrary, make_decode_pass, make_attention_pass, shape_key: 
     cached = _cached(key, shape_key)
     if cached is not None:
         return cached
-    weights = _time_each({spec: Tuning(*parse_weights(spec)[:2], BUILT_IN.kv_prefetch, parse_weights(spec)[2])
-                          for spec in WEIGHT_CANDIDATES}, kl, make_decode_pass())
+    built_in_kv = BUILT_IN.kv_prefetch.name
+    weights = _time_each({w: parse(f"{w}/{built_in_kv}") for w in WEIGHT_CANDIDATES}, kl, make_decode_pass())
     level, ahead, spread = parse_weights(_best(weights))
     kv = _time_each({p.name: Tuning(level, ahead, p, spread) for p in KV_CANDIDATES}, kl, make_attention_pass())
     timings = {**{f"weights {k}": round(v * 1e3, 3) for k, v in weights.items()},

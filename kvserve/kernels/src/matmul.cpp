@@ -56,13 +56,12 @@ constexpr FormatKernels kernels_row(std::index_sequence<R...>) {
     if constexpr (is_float_type(Q)) {
         return {&format_row(Q), decode_row<Q>, nullptr, {}, {}};
     } else {
+        FormatKernels row{&format_row(Q), decode_row<Q>, decode_row_q<Q>,
+                          {qdot_group<Q, 1>, qdot_group<Q, 2>, qdot_group<Q, 3>, qdot_group<Q, 4>}, {}};
 #if KVS_SIMD
-        return {&format_row(Q), decode_row<Q>, decode_row_q<Q>, {qdot_group<Q, 1>, qdot_group<Q, 2>, qdot_group<Q, 3>,
-                qdot_group<Q, 4>}, {qdot_direct_rows<Q, int(R) + 1>...}};
-#else
-        return {&format_row(Q), decode_row<Q>, decode_row_q<Q>, {qdot_group<Q, 1>, qdot_group<Q, 2>, qdot_group<Q, 3>,
-                qdot_group<Q, 4>}, {}};
+        ((row.decode_rows[R] = qdot_direct_rows<Q, int(R) + 1>), ...);
 #endif
+        return row;
     }
 }
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from pathlib import Path
 
 from kvserve.config import ConfigError, EngineConfig
 from kvserve.tools.bench.figures import agreement, ratios, summarize
@@ -112,9 +111,9 @@ def _check(args: argparse.Namespace) -> tuple[list[str], bool]:
 
 
 def _machine(threads: int | None) -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), None) if Path("/proc/cpuinfo").exists() else None
-    return {"cpu": cpu, "num_cpus": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
+    from kvserve.kernels import cpu_info
+
+    return {"cpu": cpu_info().get("model name"), "num_cpus": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
             "threads": threads, "load_avg_before": list(os.getloadavg())}
 
 

@@ -206,6 +206,9 @@ class CacheConfig:
         return not self.kv_dtype.scale_bytes_per_page_head
 
 
+DEFAULT_KV_CACHE_MEMORY = "1GiB"  # the page pool on the CPU when --kv-cache-memory is not given
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """User-facing engine knobs, validated on construction."""
@@ -214,7 +217,10 @@ class EngineConfig:
     page_size: int = 16
     prefix_cache: str = "radix"
     kv_cache_dtype: str = "auto"
-    kv_cache_memory: str | int = "1GiB"
+    kv_cache_memory: str | int | None = None  # the page pool's bytes; None: DEFAULT_KV_CACHE_MEMORY on the
+    # CPU, --gpu-memory-utilization's share on CUDA
+    gpu_memory_utilization: float = 0.9  # CUDA: the fraction of the card this process may use (vLLM's)
+    enforce_eager: bool = False  # CUDA: no decode graphs (vLLM's --enforce-eager)
     max_num_seqs: int = 64
     max_model_len: int | None = None
     max_num_batched_tokens: int = 2048
@@ -261,7 +267,10 @@ class EngineConfig:
             )
         object.__setattr__(self, "dtype", resolve_model_dtype(self.dtype, self.device))
         resolve_kv_dtype(self.kv_cache_dtype, self.dtype)
-        parse_bytes(self.kv_cache_memory)
+        if self.kv_cache_memory is not None:
+            parse_bytes(self.kv_cache_memory)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         parse_bytes(self.swap_space)
         parse_bytes(self.kv_disk_bytes)
         if self.kv_disk_path and self.prefix_cache == PrefixCachePolicy.OFF.value:
@@ -321,16 +330,18 @@ def format_number(num: float) -> str:
 
 
 def capacity_error_message(max_model_len: int, pool_tokens: int, kv_cache_memory_bytes: int,
-                           bytes_per_token: float, draft_bytes_per_token: float = 0) -> str:
+                           bytes_per_token: float, draft_bytes_per_token: float = 0,
+                           budget: str | None = None, flag: str = "--kv-cache-memory") -> str:
     """The engine's one-line start-up error when one sequence of max_model_len tokens cannot fit
-    (with a draft model, bytes_per_token counts its KV too)."""
+    (with a draft model, bytes_per_token counts its KV too). `budget`: where the pool's bytes came
+    from, when not `flag` itself (a GPU's utilization share); `flag`: the one to raise."""
+    budget = budget or f"{flag} {format_bytes(kv_cache_memory_bytes)}"
     draft = (f" ({format_number(bytes_per_token - draft_bytes_per_token)} target + "
              f"{format_number(draft_bytes_per_token)} draft model)") if draft_bytes_per_token else ""
-    return (f"max_model_len {max_model_len:,} tokens does not fit in the KV cache: --kv-cache-memory "
-            f"{format_bytes(kv_cache_memory_bytes)} holds {pool_tokens:,} tokens at {format_number(bytes_per_token)} "
-            f"bytes per token{draft}, and {max_model_len:,} tokens need about "
-            f"{format_bytes(max_model_len * bytes_per_token)}; raise --kv-cache-memory or lower "
-            f"--max-model-len to {pool_tokens:,} or less")
+    return (f"max_model_len {max_model_len:,} tokens does not fit in the KV cache: {budget} holds "
+            f"{pool_tokens:,} tokens at {format_number(bytes_per_token)} bytes per token{draft}, and "
+            f"{max_model_len:,} tokens need about {format_bytes(max_model_len * bytes_per_token)}; raise "
+            f"{flag} or lower --max-model-len to {pool_tokens:,} or less")
 
 
 def uses_hybrid_kv(config: EngineConfig, model: ModelConfig) -> bool:
@@ -366,12 +377,14 @@ def split_kv_budget(memory: int, model: ModelConfig, page_size: int, kv_dtype: K
     return num_pages, num_slots, layer_page * num_full
 
 
-def plan_cache(config: EngineConfig, model: ModelConfig,
-               draft: ModelConfig | None = None) -> tuple[CacheConfig, int]:
+def plan_cache(config: EngineConfig, model: ModelConfig, draft: ModelConfig | None = None,
+               gpu_budget: tuple[int, str] | None = None) -> tuple[CacheConfig, int]:
     """Page count from the memory budget, and the start-up capacity check (split_kv_budget with the
-    hybrid allocator, and the draft model's pages with one). Returns (cache config, max_model_len)."""
+    hybrid allocator, and the draft model's pages with one). `gpu_budget`: (bytes, how they were
+    found) when --gpu-memory-utilization sizes the pool (model/gpu_memory.py). Returns (cache
+    config, max_model_len)."""
     kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, config.dtype)
-    memory = parse_bytes(config.kv_cache_memory)
+    memory = gpu_budget[0] if gpu_budget else parse_bytes(config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY)
     hybrid = uses_hybrid_kv(config, model)
     wanted = window_slots_needed(config, model.sliding_window) if hybrid else 0
     draft_bytes = kv_bytes_per_page(draft.num_layers, draft.num_kv_heads, draft.head_dim, config.page_size,
@@ -386,7 +399,8 @@ def plan_cache(config: EngineConfig, model: ModelConfig,
     if max_model_len > pool_tokens:
         raise ConfigError(capacity_error_message(max_model_len, pool_tokens, memory,
                                                  (page_bytes + draft_bytes) / config.page_size,
-                                                 draft_bytes / config.page_size))
+                                                 draft_bytes / config.page_size,
+                                                 *((gpu_budget[1], "--gpu-memory-utilization") if gpu_budget else ())))
     if hybrid:
         one_seq = window_slots_needed(dataclasses.replace(config, max_num_seqs=1), model.sliding_window)
         if num_slots - 1 < min(one_seq, -(-max_model_len // config.page_size)):

@@ -16,6 +16,8 @@ import time
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from kvserve.cache.disk_tier import DiskTier, TierAuthSealer
 from kvserve.cache.events import KVEventBuffer
 from kvserve.cache.leases import Retention
@@ -26,11 +28,13 @@ from kvserve.cache.tier_auth import default_auth
 from kvserve.cache_report import CacheReporter
 from kvserve.cache.tiers import HostTier
 from kvserve.engine_stats import EngineStats
-from kvserve.config import MODEL_DTYPE_TO_KV, EngineConfig, PrefixCachePolicy, parse_bytes, plan_cache
+from kvserve.config import (MODEL_DTYPE_TO_KV, EngineConfig, PrefixCachePolicy, parse_bytes, plan_cache,
+                            resolve_kv_dtype)
 from kvserve.kv_events import attach_tiers, publisher_for
 from kvserve.model.draft_model import DraftModel, load_draft_model
 from kvserve.model.gguf_loader import load_gguf, resolve_model_path
-from kvserve.model.runner import ModelRunner, calibrate_fp8_scale
+from kvserve.model.gpu_memory import GpuMemoryBudget, measure_budget
+from kvserve.model.runner import ModelRunner, build_model, calibrate_fp8_scale, profile_step
 from kvserve.output import OutputProcessor
 from kvserve.request import (CacheLease, LeaseInfo, Request, RequestOutput, RequestStatus, SamplingParams,
                              TokenConstraint, ToolCallKV)
@@ -52,8 +56,10 @@ class LLMEngine:
         self.draft = load_draft_model(spec.model, self.loaded, config.max_model_len or
                                       self.loaded.config.max_position_embeddings) \
             if spec is not None and spec.method == "draft_model" else None
-        self.cache_config, self.max_model_len = plan_cache(config, self.loaded.config,
-                                                           self.draft.config if self.draft else None)
+        self.gpu_budget = self._gpu_budget()  # None on the CPU or with --kv-cache-memory
+        self.cache_config, self.max_model_len = plan_cache(
+            config, self.loaded.config, self.draft.config if self.draft else None,
+            (self.gpu_budget.kv_cache_bytes, self.gpu_budget.describe()) if self.gpu_budget else None)
         kv_dtype = self.cache_config.kv_dtype
         self.fp8_scale = 1.0
         if config.calculate_kv_scales and kv_dtype.name.startswith("fp8"):
@@ -63,7 +69,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.loaded, self.cache_config.num_pages, config.page_size, kv_dtype,
                                   device=config.device, dtype=config.dtype, fp8_scale=self.fp8_scale,
                                   num_window_slots=self.cache_config.num_window_slots, threads=config.threads,
-                                  drafter=drafter)
+                                  drafter=drafter, decode_graphs_batch=0 if config.enforce_eager else config.max_num_seqs,
+                                  max_model_len=self.max_model_len)
         self.host_tier = HostTier(parse_bytes(config.swap_space), self.runner.page_bytes)
         self.redis_tier = self._redis_tier() if config.redis_url else None
         self.disk_tier = self._disk_tier() if config.kv_disk_path else None
@@ -83,6 +90,20 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.reporter = CacheReporter(config.page_size, self.runner.page_bytes / config.page_size, kv_dtype.name)
         self._ids = itertools.count()
+
+    def _gpu_budget(self) -> GpuMemoryBudget | None:
+        """On CUDA without --kv-cache-memory: the weights go to the card first, then one step of
+        max_num_batched_tokens rows is profiled, and the pool gets the rest of the utilization share."""
+        config = self.config
+        device = torch.device(config.device)
+        if device.type != "cuda" or config.kv_cache_memory is not None:
+            return None
+        build_model(self.loaded, config.dtype, str(device))  # cached: the runner gets the same model
+        num_tokens = min(config.max_num_batched_tokens,
+                         config.max_model_len or self.loaded.config.max_position_embeddings)
+        kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, config.dtype)
+        return measure_budget(config.gpu_memory_utilization, device, lambda: profile_step(
+            self.loaded, config.dtype, str(device), kv_dtype, config.page_size, num_tokens, config.max_num_seqs))
 
     def _page_layout(self) -> str:
         """What makes two instances' pages interchangeable: KV dtype and the weight mode that

@@ -21,7 +21,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--page-size", type=int, default=ENGINE_DEFAULTS.page_size)
     group.add_argument("--prefix-cache", default=ENGINE_DEFAULTS.prefix_cache, choices=["radix", "hash", "off"])
     group.add_argument("--kv-cache-dtype", default=ENGINE_DEFAULTS.kv_cache_dtype)
-    group.add_argument("--kv-cache-memory", default=ENGINE_DEFAULTS.kv_cache_memory)
+    group.add_argument("--kv-cache-memory", default=None,
+                       help="the KV page pool's bytes, e.g. 4GiB (default: 1GiB on the CPU; on CUDA the "
+                            "share --gpu-memory-utilization leaves)")
+    group.add_argument("--gpu-memory-utilization", type=float, default=ENGINE_DEFAULTS.gpu_memory_utilization,
+                       help="CUDA: the fraction of the card's memory this process may use (vLLM's flag); "
+                            "the KV pool gets what the weights and a profiled step leave of it")
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
     group.add_argument("--max-num-seqs", type=int, default=ENGINE_DEFAULTS.max_num_seqs)
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--max-num-batched-tokens", type=int, default=ENGINE_DEFAULTS.max_num_batched_tokens)

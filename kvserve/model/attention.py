@@ -30,6 +30,8 @@ import torch.nn.functional as F
 
 from kvserve import kernels
 from kvserve.kernels import attention as native
+from kvserve.model.flat_batch import FlatBatch
+from kvserve.model.gpu_attention import GpuAttentionMetadata, attend_in_place
 from kvserve.model.kv_quant import Fp8Codec, PagedKV, write_kv_pair
 
 
@@ -88,22 +90,10 @@ class AttentionMetadata:
     ) -> AttentionMetadata:
         """Sequence i computes query_lens[i] tokens from position start_positions[i], over the pages
         block_tables[i] (which must cover start_positions[i] + query_lens[i] positions)."""
-        # The integer bookkeeping runs in numpy (a numpy op costs about a microsecond, a torch op on
-        # a few elements several): each field becomes a tensor once, at the end.
-        num_pages = [-(-(s + n) // page_size) for s, n in zip(start_positions, query_lens)]
-        width = max(num_pages)
-        assert all(len(bt) >= p for bt, p in zip(block_tables, num_pages)), "block table too short"
-        padded = np.zeros((len(query_lens), width), dtype=np.int64)  # [S, width]
-        for row, bt, p in zip(padded, block_tables, num_pages):
-            row[:p] = bt[:p]
+        flat = FlatBatch.build(start_positions, query_lens, block_tables, page_size)
+        padded, num_pages, first_row = flat.block_tables, flat.num_pages, flat.first_row
         lens = np.array(query_lens, dtype=np.int64)  # [S]
         starts = np.array(start_positions, dtype=np.int64)  # [S]
-
-        # flat token index -> its sequence, its position, its slot (no per-sequence loop)
-        seq_of_token = np.repeat(np.arange(len(query_lens)), lens)
-        first_row = np.cumsum(lens) - lens  # [S]
-        positions = starts[seq_of_token] + np.arange(int(lens.sum())) - first_row[seq_of_token]  # [T]
-        slot_mapping = padded[seq_of_token, positions // page_size] * page_size + positions % page_size
 
         decode = [i for i, n in enumerate(query_lens) if n == 1]
         decode_idx = np.array(decode, dtype=np.int64)
@@ -132,7 +122,7 @@ class AttentionMetadata:
             if start > 0:  # query j sees context positions 0..start+j
                 mask = tensor(np.arange(start + n)[None, :] <= (start + np.arange(n))[:, None])
             prefills.append(PrefillChunk(int(first_row[i]), n, start, tensor(padded[i, : num_pages[i]]), mask))
-        return cls(page_size, tensor(positions), tensor(slot_mapping), tensor(first_row[decode_idx]),
+        return cls(page_size, tensor(flat.positions), tensor(flat.slot_mapping), tensor(first_row[decode_idx]),
                    tensor(decode_shared_pages), tensor(decode_block_tables), tensor(decode_mask), prefills,
                    decode_context=start_positions[decode[0]] + 1 if single else None)
 
@@ -209,11 +199,13 @@ _FROM_ENV = object()  # paged_attention's `lib` default: kernels.library()
 
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: PagedKV, v_cache: PagedKV,
-    meta: AttentionMetadata, lib: kernels.KernelLibrary | None | object = _FROM_ENV,
+    meta: AttentionMetadata | GpuAttentionMetadata, lib: kernels.KernelLibrary | None | object = _FROM_ENV,
 ) -> torch.Tensor:
     """Write this step's k, v [T, kv_heads, head_dim] into their slots, then attend:
     q [T, heads, head_dim] -> [T, heads, head_dim]. `lib`: the native kernels (None: the torch
     path), when the caller already knows them (the model, once per step)."""
+    if isinstance(meta, GpuAttentionMetadata):  # the Triton kernel (the CUDA path)
+        return attend_in_place(q, k, v, k_cache, v_cache, meta)
     if lib is _FROM_ENV:
         lib = kernels.library()
     if lib is not None and native.supports(lib, k_cache.codec.name, q.shape[-1], q):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve import kernels
+from kvserve import gpu, kernels
 from kvserve.config import ConfigError
 from kvserve.kernels import matmul as native_matmul
 from kvserve.model.loaded import FloatTensor, GGUFTensor, unpermute_rope_rows
@@ -37,7 +37,15 @@ class Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.is_cuda and gpu.invariant_matmul():  # same bits for a row in any batch
+            return gpu_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def gpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    from kvserve.gpu.matmul import linear  # triton: imported on the CUDA path only
+
+    return linear(x, weight, bias)
 
 
 class Int4Linear(nn.Module):

@@ -16,6 +16,7 @@ from kvserve import kernels
 from kvserve.config import ModelConfig
 from kvserve.kernels import attention as native_attention, layers as native_layers, ops as native_ops
 from kvserve.model.attention import AttentionMetadata, paged_attention
+from kvserve.model.gpu_attention import GpuAttentionMetadata
 from kvserve.model.gguf_loader import GGUFTensor
 from kvserve.model.kv_quant import PagedKV
 from kvserve.model.linear import NativeLinear, WeightBuilder
@@ -192,15 +193,16 @@ class LlamaModel(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-        window_meta: AttentionMetadata | None = None,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata | GpuAttentionMetadata,
+        window_meta: AttentionMetadata | GpuAttentionMetadata | None = None,
     ) -> torch.Tensor:
         """input_ids [T], positions [T] -> final hidden states [T, hidden]. Sliding-window layers
         use `window_meta` (their own pool's block tables, hybrid allocator) or else `meta`."""
         x = self.embed(input_ids)  # [T, hidden]
         if self.config.embedding_scale != 1.0:  # HF multiplies by the scale cast to the model dtype
             x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
-        lib = kernels.library() if x.dtype == torch.float32 and x.device.type == "cpu" else None
+        lib = kernels.library() if (x.dtype == torch.float32 and x.device.type == "cpu"
+                                    and not isinstance(meta, GpuAttentionMetadata)) else None
         fused = self._fused_layers(lib, kv_caches, x) if lib is not None else None
         windowed = {w: (window_meta or meta).with_window(w) for w in set(self.windows) if w is not None}
         if fused is not None:  # x is the embedding's own fresh tensor: the call may overwrite it

@@ -33,7 +33,11 @@ from kvserve.model.attention import AttentionMetadata
 from kvserve.model.gguf_loader import LoadedModel
 from kvserve.model.host_heap import retain_freed_memory
 from kvserve.model.kernel_tuning import tune_kernels
-from kvserve.model.kv_quant import PagedKV, codec_for, fp8_scale_for
+from kvserve.model import gpu_attention
+from kvserve.model.cuda_graphs import DecodeBuffers, DecodeGraphs, buckets_up_to
+from kvserve.model.flat_batch import FlatBatch
+from kvserve.model.gpu_attention import GpuAttentionMetadata
+from kvserve.model.kv_quant import KVCodec, PagedKV, codec_for, fp8_scale_for
 from kvserve.model.llama import LlamaModel
 from kvserve.batch import DraftSeq, PageOps, SampledToken, ScheduledSeq, SchedulerOutput, StepResult
 from kvserve.model.sampler import sample
@@ -70,8 +74,13 @@ class ModelRunner:
     def __init__(
         self, loaded: LoadedModel, num_pages: int, page_size: int, kv_dtype: KVDtype,
         device: str = "cpu", dtype: str = "float32", fp8_scale: float = 1.0, num_window_slots: int = 0,
-        threads: int | None = None, drafter: Drafter | None = None,
+        threads: int | None = None, drafter: Drafter | None = None, attention: str = "auto",
+        decode_graphs_batch: int = 0, max_model_len: int = 0,
     ) -> None:
+        """`attention`: auto (the Triton kernel on CUDA where the codec allows, else the CPU's
+        native kernels or the torch reference), triton (also on the CPU, interpreted: tests), torch.
+        `decode_graphs_batch` > 0 on the Triton CUDA path: decode steps of up to that many rows (of
+        contexts up to max_model_len) replay CUDA graphs captured here (model/cuda_graphs.py)."""
         self.drafter = drafter  # speculative method draft_model: proposes drafts before each step
         dtype = resolve_model_dtype(dtype, device)  # ConfigError for an unknown name
         configure_threads(threads)
@@ -89,6 +98,7 @@ class ModelRunner:
             else None
         # zeros, not empty: padded reads of the null page 0 must be finite (masked, but 0 * NaN = NaN)
         self.codec = codec_for(kv_dtype, self.model.dtype, fp8_scale=fp8_scale)
+        self.triton_attention = choose_triton_attention(attention, self.device, self.codec)
         windowed = [cfg.layer_window(i) is not None for i in range(cfg.num_layers)] if num_window_slots \
             else [False] * cfg.num_layers
         self.kv, self.kv_scales = self.codec.make_cache(
@@ -104,6 +114,12 @@ class ModelRunner:
             i = windowed[:layer].count(in_window)
             self.kv_caches.append(tuple(PagedKV(self.codec, kv[i, j], scales[i, j]) for j in (0, 1)))
         self._kv_bytes, self._window_kv_bytes = self._as_bytes(self.kv), self._as_bytes(self.window_kv)
+        self.decode_graphs = None
+        if decode_graphs_batch and self.triton_attention and self.device.type == "cuda":
+            buffers = DecodeBuffers.allocate(decode_graphs_batch, -(-max_model_len // page_size), page_size,
+                                             self.device, self.hybrid)
+            self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, buffers,
+                                              buckets_up_to(decode_graphs_batch))
 
     @staticmethod
     def _as_bytes(kv: torch.Tensor) -> torch.Tensor:
@@ -148,19 +164,11 @@ class ModelRunner:
         query_lens = [len(s.token_ids) for s in seqs]
         assert min(query_lens) > 0, "a scheduled sequence has no tokens"
         starts = [s.start_pos for s in seqs]
-        meta = AttentionMetadata.build(starts, query_lens, [s.block_table for s in seqs], self.page_size,
-                                       self.device)
-        window_meta = None
-        if self.hybrid:
-            window_meta = AttentionMetadata.build(starts, query_lens, [s.window_block_table for s in seqs],
-                                                  self.page_size, self.device)
-        input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64,
-                                 device=self.device)  # [T]
         rows = [i for i, s in enumerate(seqs) if s.need_sample]
         result: list[SampledToken | None] = [None] * len(seqs)
         accepted: list[list[SampledToken]] = []
         with torch.inference_mode():
-            hidden = self.model(input_ids, meta.positions, self.kv_caches, meta, window_meta)  # [T, hidden]
+            hidden = self._forward(seqs, starts, query_lens)  # [T, hidden]
             if not rows:
                 return result, accepted
             # a sampled sequence's last row, and before it one row per draft token it carries
@@ -182,6 +190,28 @@ class ModelRunner:
                     if counts[r] > 1:
                         *accepted[i], result[i] = verify(logits[offsets[r]:offsets[r + 1]], seqs[i])
         return result, accepted
+
+    def _forward(self, seqs: list[ScheduledSeq], starts: list[int], query_lens: list[int]) -> torch.Tensor:
+        """The decoder over the step's rows -> final hidden states [T, hidden]: a captured graph's
+        replay for a decode-only step that fits one, else eager."""
+        graphs = self.decode_graphs
+        if graphs is not None and len(seqs) == sum(query_lens) and graphs.bucket_for(len(seqs)) is not None:
+            flat = FlatBatch.build(starts, query_lens, [s.block_table for s in seqs], self.page_size)
+            window_flat = FlatBatch.build(starts, query_lens, [s.window_block_table for s in seqs],
+                                          self.page_size) if self.hybrid else None
+            return graphs.run([s.token_ids[0] for s in seqs], flat, window_flat)
+        meta = self._metadata(starts, query_lens, [s.block_table for s in seqs])
+        window_meta = None
+        if self.hybrid:
+            window_meta = self._metadata(starts, query_lens, [s.window_block_table for s in seqs])
+        input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64,
+                                 device=self.device)  # [T]
+        return self.model(input_ids, meta.positions, self.kv_caches, meta, window_meta)
+
+    def _metadata(self, starts: list[int], query_lens: list[int], block_tables: list[list[int]],
+                  ) -> AttentionMetadata | GpuAttentionMetadata:
+        kind = GpuAttentionMetadata if self.triton_attention else AttentionMetadata
+        return kind.build(starts, query_lens, block_tables, self.page_size, self.device)
 
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
         """Copy page src -> dst in every layer, K and V (copy-on-write of a shared partial page)."""
@@ -232,17 +262,17 @@ class ModelRunner:
         return cls(loaded, -(-num_tokens // page_size) + 1, page_size, KV_DTYPES[kv_dtype],
                    fp8_scale=fp8_scale)
 
-    def forward_sequence(self, token_ids: list[int], start: int = 0) -> torch.Tensor:
+    def forward_sequence(self, token_ids: list[int], start: int = 0, chunk: int = SEQUENCE_CHUNK) -> torch.Tensor:
         """Compute token_ids at positions start.. of one sequence whose pages are 1, 2, ... (no
         scheduler: eval-kv and calibration) -> final hidden states [len(token_ids), hidden]."""
         ps = self.page_size
         block_table = list(range(1, -(-(start + len(token_ids)) // ps) + 1))
         hidden = []
         with torch.inference_mode():
-            for i in range(0, len(token_ids), SEQUENCE_CHUNK):
-                chunk = token_ids[i:i + SEQUENCE_CHUNK]
-                meta = AttentionMetadata.build([start + i], [len(chunk)], [block_table], ps, self.device)
-                ids = torch.tensor(chunk, dtype=torch.int64, device=self.device)
+            for i in range(0, len(token_ids), chunk):
+                ids = token_ids[i:i + chunk]
+                meta = self._metadata([start + i], [len(ids)], [block_table])
+                ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
                 hidden.append(self.model(ids, meta.positions, self.kv_caches, meta))
         return torch.cat(hidden)
 
@@ -264,6 +294,26 @@ class ModelRunner:
         """The KV tensors' bytes, a draft model's included."""
         draft = self.drafter.kv_cache_bytes() if self.drafter is not None else 0
         return self.kv.nbytes + self.kv_scales.nbytes + self.window_kv.nbytes + self.window_kv_scales.nbytes + draft
+
+
+def profile_step(loaded: LoadedModel, dtype: str, device: str, kv_dtype: KVDtype, page_size: int,
+                 num_tokens: int, num_sampled: int) -> int:
+    """One step of num_tokens prompt rows, and logits for num_sampled of them, through a scratch
+    pool of exactly those tokens (the GPU's activation peak, model/gpu_memory.py). Returns the
+    scratch pool's bytes."""
+    runner = ModelRunner(loaded, -(-num_tokens // page_size) + 1, page_size, kv_dtype, device=device, dtype=dtype)
+    hidden = runner.forward_sequence([0] * num_tokens, chunk=num_tokens)
+    runner.model.compute_logits(hidden[-num_sampled:])
+    return runner.kv_cache_bytes()
+
+
+def choose_triton_attention(attention: str, device: torch.device, codec: KVCodec) -> bool:
+    """The one place that picks the attention path: True for the Triton kernel (CUDA, or asked for)."""
+    if attention not in ("auto", "triton", "torch"):
+        raise ValueError(f"attention must be auto, triton or torch, got {attention!r}")
+    if attention == "triton" and not gpu_attention.supports(codec):
+        raise ValueError(f"the Triton attention kernel does not read {codec.name} pages (or triton is missing)")
+    return attention == "triton" or (attention == "auto" and device.type == "cuda" and gpu_attention.supports(codec))
 
 
 def calibrate_fp8_scale(loaded: LoadedModel, kv_dtype: str, page_size: int = 16,

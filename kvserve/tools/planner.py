@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvserve.config import (KV_DTYPES, ConfigError, EngineConfig, ModelConfig, capacity_error_message,
+from kvserve.config import (DEFAULT_KV_CACHE_MEMORY, KV_DTYPES, ConfigError, EngineConfig, ModelConfig, capacity_error_message,
                             format_bytes, format_number, kv_bytes_for_tokens, kv_bytes_per_page, parse_bytes,
                             pool_tokens_for, split_kv_budget, uses_hybrid_kv, window_pages_held,
                             window_slots_needed)
@@ -198,7 +198,7 @@ def run_plan(args: argparse.Namespace) -> dict:
     elif memory is not None:
         kv_budget, kv_source = memory["kv_budget_bytes"], "--memory"
     else:
-        kv_budget, kv_source = parse_bytes(EngineConfig().kv_cache_memory), "engine default --kv-cache-memory"
+        kv_budget, kv_source = parse_bytes(DEFAULT_KV_CACHE_MEMORY), "engine default --kv-cache-memory"
 
     contexts = sorted({c for c in CONTEXT_STEPS if c <= model_max} | {model_max, context})
     concurrencies = sorted(set(CONCURRENCY_STEPS) | {args.concurrency})

@@ -209,6 +209,8 @@ class LLMEngine:
         vocab = self.loaded.config.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.logit_bias or {}):
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
         needed = len(token_ids) + params.max_tokens
         if needed > self.max_model_len:
             raise ValueError(

@@ -29,6 +29,11 @@ class SamplingParams:
     logprobs: int | None = None
     cache_salt: str | None = None
     structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice, grammar
+    # vLLM's (and OpenAI's) definitions: each logit minus frequency_penalty x the token's count in the
+    # output so far, minus presence_penalty if it occurs there; logit_bias adds to the token's logit
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -48,6 +53,25 @@ class SamplingParams:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be between -2 and 2, got {getattr(self, name)}")
+        for token_id, bias in (self.logit_bias or {}).items():
+            if not isinstance(token_id, int) or token_id < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be between -100 and 100; token {token_id} "
+                                 f"has {bias}")
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether the sampler needs the tokens generated so far."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler changes this row's logits before choosing (penalties, logit_bias)."""
+        return self.penalizes or bool(self.logit_bias)
 
     @property
     def is_greedy(self) -> bool:

@@ -260,6 +260,8 @@ class Scheduler:
             draft_token_ids=list(known),
             grammar=request.grammar if start + num_new == request.num_tokens else None,
             draft=drafts.work if drafts else None,
+            output_token_ids=(request.output_token_ids if request.sampling_params.penalizes
+                              and start + num_new == request.num_tokens else None),
         )
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:

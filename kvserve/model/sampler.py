@@ -1,7 +1,8 @@
 """Next-token choice for a batch of logits rows: greedy, temperature, top-k, top-p, per-request seeds
 and logprobs. Seeded sampling is stateless: the draw depends only on (seed, num_output_tokens), so
-recomputing a preempted request gives the same tokens. Rows with a grammar (structured outputs) are
-masked first (grammar_mask.py), so every choice below, logprobs included, sees only allowed tokens.
+recomputing a preempted request gives the same tokens. Rows with logit_bias or penalties are adjusted
+first (logit_adjust.py), then rows with a grammar (structured outputs) are masked (grammar_mask.py), so
+every choice below, logprobs included, sees the adjusted logits and only allowed tokens.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from kvserve.batch import SampledToken, ScheduledSeq
 from kvserve.request import SamplingParams
 from kvserve.model.grammar_mask import apply_grammar_masks, grammar_rows
+from kvserve.model.logit_adjust import adjusted_rows, apply_logit_adjustments
 
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads consecutive token counts over the seed space
 
@@ -56,6 +58,9 @@ def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torc
 def sample(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> list[SampledToken]:
     """logits [N, V] float32, one row per sequence in `seqs` -> one SampledToken per row."""
     n, device = logits.shape[0], logits.device
+    adjusted = adjusted_rows(seqs)
+    if adjusted:
+        apply_logit_adjustments(logits, seqs, adjusted)  # in place, those rows only
     constrained = grammar_rows(seqs)
     if constrained:
         apply_grammar_masks(logits, seqs, constrained)  # in place, those rows only

@@ -25,6 +25,7 @@ from starlette.responses import StreamingResponse
 from kvserve.async_engine import AsyncEngine
 from kvserve.server import render
 from kvserve.server.breakpoints import ChatRenderer
+from kvserve.server.fim import fim_prompt, fim_tokens
 from kvserve.server.limits import Admission
 from kvserve.server.protocol import APIError
 from kvserve.server.tool_holds import ToolHolds
@@ -50,6 +51,7 @@ class FrontDoor:
         self.admission = admission or Admission()
         self.renderer = ChatRenderer(llm.chat_prompt, self.encode_with_ends)
         self.tool_format = tool_format(self.loaded.chat_template)  # how this model writes tool calls
+        self.fim = fim_tokens(llm.tokenizer.get_vocab(with_added_tokens=True))  # None: no `suffix`
         self.tool_holds = ToolHolds(engine, llm.config.tool_call_kv_ttl * llm.config.lease_ttl_scale)
         self.draining = False  # shutting down: no new requests
         self.abort_note: str | None = None  # why in-flight requests were aborted (shutdown)
@@ -143,8 +145,12 @@ class FrontDoor:
         return await self.off_loop(lambda: self.chat_ids(conversation, param, tools))
 
     async def render_completion_request(self, body: CompletionRequest) -> list[list[int]]:
-        """The prompt ids /v1/completions gives the engine for `body` (one list per prompt)."""
-        return await self.tokenize(body.prompts())
+        """The prompt ids /v1/completions gives the engine for `body` (one list per prompt); with a
+        `suffix`, each prompt as fill-in-the-middle."""
+        prompts = body.prompts()
+        if body.suffix:  # (an empty suffix is none, as OpenAI takes it)
+            prompts = [fim_prompt(self.fim, p, body.suffix) for p in prompts]
+        return await self.tokenize(prompts)
 
     async def render_chat_request(self, body: ChatCompletionRequest) -> list[int]:
         """The prompt ids /v1/chat/completions gives the engine for `body`."""

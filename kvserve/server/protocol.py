@@ -3,7 +3,8 @@
 Unknown fields are ignored (as vLLM does); known fields of the wrong type or out of range are a 400
 with OpenAI's error JSON. Fields kvserve adds: `cache_salt` (cache isolation), `top_k`, `ignore_eos`,
 `kv_retention` (lease the prompt's KV), `kv_explain` (a `kv_cache` explanation beside `usage`).
-Output constraints (`response_format`, `structured_outputs`, `guided_*`): structured_fields.py.
+Output constraints (`response_format`, `structured_outputs`, `guided_*`): structured_fields.py;
+llama.cpp's fields (`n_predict`, `grammar`, `json_schema`, `cache_prompt`): llamacpp_fields.py.
 """
 
 from __future__ import annotations
@@ -15,14 +16,16 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, 
 
 from kvserve.request import SamplingParams
 from kvserve.server import tool_protocol as tp
-from kvserve.server.structured_fields import StructuredFields
-from kvserve.structured import GrammarError
+from kvserve.server.llamacpp_fields import LlamaCppFields
+from kvserve.server.structured_fields import StructuredFields, one_constraint
+from kvserve.structured import GrammarError, StructuredOutputsParams
 
 MAX_N = 16  # choices per request
 MAX_PROMPTS = 64  # prompts in one batched /v1/completions request
 MAX_STOP = 16
 MAX_LOGPROBS = 20
 MAX_TOKEN_ID = 2**31
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 
 
 def _utf8(text: str) -> str:
@@ -40,6 +43,7 @@ TokenId = Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]
 Temperature = Annotated[float, Field(ge=0.0, le=100.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
 MaxTokens = Annotated[StrictInt, Field(ge=1, le=2**31)]
 
 
@@ -74,7 +78,7 @@ class KVRetention(BaseModel):
     ttl: Literal["5m", "1h"] = "5m"
 
 
-class _Sampling(StructuredFields):
+class _Sampling(StructuredFields, LlamaCppFields):
     """Fields both endpoints share."""
 
     model_config = ConfigDict(extra="ignore")
@@ -93,7 +97,7 @@ class _Sampling(StructuredFields):
     cache_salt: Annotated[Text, Field(max_length=1024)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     kv_retention: KVRetention | None = None
     kv_explain: StrictBool = False  # add `kv_cache`: why the prompt hit or missed the prefix cache
 
@@ -112,12 +116,17 @@ class _Sampling(StructuredFields):
             raise ValueError(f"stop must be a string or a list of strings, got {_json_type(value)}")
         return value
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.isascii() or not key.isdigit() or int(key) > MAX_TOKEN_ID:
+                raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key!r}")
+        return value
+
     @model_validator(mode="after")
-    def _unsupported(self) -> _Sampling:
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported; send 0")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+    def _consistent(self) -> _Sampling:
+        self.predict_limit(getattr(self, "max_completion_tokens", None) or self.max_tokens)
         if self.cache_salt == "":
             raise ValueError("cache_salt must not be empty; leave it out to share the cache")
         return self
@@ -136,6 +145,9 @@ class _Sampling(StructuredFields):
         except ValueError as err:
             raise APIError(str(err)) from None
 
+    def output_constraint(self) -> StructuredOutputsParams | None:
+        return one_constraint(self._constraints() + self.llamacpp_constraints())
+
     def _sampling_params(self, max_tokens: int, logprobs: int | None,
                          stop: list[str] | None) -> SamplingParams:
         return SamplingParams(
@@ -147,8 +159,11 @@ class _Sampling(StructuredFields):
             stop=stop,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
-            cache_salt=self.cache_salt,
+            cache_salt=self.prompt_salt(self.cache_salt),
             structured_outputs=self.output_constraint(),
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
         )
 
 
@@ -196,10 +211,9 @@ class CompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _completion_only(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.suffix:
-            raise ValueError("suffix is not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported (prompt logprobs are not computed); "
+                             "send one of them")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (other than best_of == n)")
         return self
@@ -292,7 +306,7 @@ class ChatCompletionRequest(_Sampling):
 
     @property
     def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+        return self.predict_limit(self.max_completion_tokens or self.max_tokens)
 
 
 def _arguments(arguments: str, where: str) -> Any:

@@ -89,6 +89,7 @@ class Generation:
     namespace: str = ""
     tool_kv: ToolCallKV | None = None  # the tool-call holds it asked for and ended
     tool_hold: dict[str, Any] | None = None  # what became of its own hold (kv_explain)
+    echo: list[str] | None = None  # /v1/completions with echo: each prompt's text, sent before the output
 
     def kv_cache(self) -> dict[str, Any] | list[dict[str, Any]] | None:
         """kv_explain: the prefix-cache explanation of each prompt (one prompt: the object itself)."""
@@ -135,18 +136,26 @@ class OpenAIServing:
         release = self.door.admit(namespace, len(body.prompts()) * body.n)
         try:
             prompts = await self.door.render_completion_request(body)
-            params = body.sampling_params(body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS,
-                                          body.logprobs)
+            max_tokens = body.predict_limit(body.max_tokens)
+            if max_tokens is None:  # n_predict -1 runs to the context's end, else OpenAI's default
+                max_tokens = (self.max_model_len - max(map(len, prompts)) if body.n_predict == -1
+                              else COMPLETION_DEFAULT_MAX_TOKENS)
+            params = body.sampling_params(max(max_tokens, 1), body.logprobs)
             gen = await self._submit("cmpl", prompts, params, body.n, namespace, release,
                                      retention=body.kv_retention, kv_explain=body.kv_explain)
         except BaseException:
             release()
             raise
+        if body.echo:
+            gen.echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in body.prompts()]
         if body.stream:
             return SSEResult(self._sse(gen, body, chat=False), lambda: self.close(gen))
         await self._finish(gen, raw)
         choices = [render.completion_choice(c.index, c.output.outputs[0], self.tokenizer,
                                             body.logprobs) for c in gen.choices]
+        for choice, c in zip(choices, gen.choices):
+            if gen.echo is not None:
+                choice["text"] = gen.echo[c.prompt_index] + choice["text"]
         return gen.respond(render.completion_response(gen.request_id, gen.created, gen.model, choices,
                                                       gen.usage()))
 
@@ -234,7 +243,10 @@ class OpenAIServing:
         except GrammarError as err:  # compiles, but not for this tokenizer (e.g. can match nothing)
             raise APIError(str(err), param=err.field) from None
         except ValueError as err:
-            raise APIError(str(err), param="prompt" if "prompt" in str(err) else None) from None
+            message = str(err)
+            param = ("logit_bias" if message.startswith("logit_bias")
+                     else "prompt" if "prompt" in message else None)
+            raise APIError(message, param=param) from None
         except EngineDeadError as err:
             raise APIError(str(err), 503, "server_error") from None
         for index, stream in enumerate(streams):
@@ -293,9 +305,10 @@ class OpenAIServing:
         every_usage = bool(body.stream_options and body.stream_options.continuous_usage_stats)
         outputs = self._outputs(gen)
         try:
-            if chat:
+            if chat or gen.echo is not None:  # the role, or the echoed prompt, first
                 for c in gen.choices:
-                    yield _sse(chunk(gen, c.index, {"role": "assistant", "content": ""}))
+                    yield _sse(chunk(gen, c.index, {"role": "assistant", "content": ""} if chat
+                                     else gen.echo[c.prompt_index]))
             num_finished = 0
             async for c in outputs:
                 completion = c.output.outputs[0]

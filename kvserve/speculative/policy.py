@@ -82,8 +82,9 @@ class SpecPolicy:
         `budget` and `spare_pages` pages free of cached content; None: no drafts."""
         params = request.sampling_params
         if (request.num_computed_tokens != request.num_tokens - 1 or request.num_output_tokens < 1
-                or request.fork_children or params.stop or request.grammar is not None):
-            return None  # (a grammar's drafts would be verified against unmasked predictions)
+                or request.fork_children or params.stop or request.grammar is not None
+                or params.adjusts_logits):
+            return None  # (drafts would be verified against unmasked, unpenalized predictions)
         state = self._state.setdefault(request.request_id, _Adaptive(self.config.num_speculative_tokens))
         if state.cooldown > 0:
             state.cooldown -= 1

@@ -38,9 +38,11 @@ common = {
     "user": text,
     "cache_salt": text,
     "ignore_eos": st.booleans(),
-    "presence_penalty": st.just(0),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-3, 3),
+    "logit_bias": st.dictionaries(st.integers(0, 60000).map(str), st.floats(-150, 150), max_size=3),
 }
-completion_fields = {**common, "logprobs": st.integers(0, 5), "echo": st.just(False)}
+completion_fields = {**common, "logprobs": st.integers(0, 5), "echo": st.booleans()}
 chat_fields = {**common, "logprobs": st.booleans(), "top_logprobs": st.integers(0, 5),
                "max_completion_tokens": st.integers(1, 4)}
 message = st.fixed_dictionaries(

@@ -1,0 +1,58 @@
+"""logit_bias and the presence/frequency penalties, applied in place to the rows of a step's logits
+that ask for them, batched as the grammar mask is: one scatter for every row's bias, one count of
+every row's output tokens. vLLM's definitions (which are OpenAI's): the bias is added first, then
+`logit - frequency_penalty * count - presence_penalty * (count > 0)` over the tokens generated so far.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvserve.batch import ScheduledSeq
+
+
+def adjusted_rows(seqs: Sequence[ScheduledSeq]) -> list[int]:
+    return [i for i, s in enumerate(seqs) if s.sampling_params.adjusts_logits]
+
+
+def apply_logit_adjustments(logits: torch.Tensor, seqs: Sequence[ScheduledSeq], rows: list[int]) -> None:
+    """logits [N, V] float32, changed in place in `rows` (indices into seqs)."""
+    _add_bias(logits, seqs, rows)
+    _penalize(logits, seqs, [i for i in rows if seqs[i].sampling_params.penalizes])
+
+
+def _add_bias(logits: torch.Tensor, seqs: Sequence[ScheduledSeq], rows: list[int]) -> None:
+    row_ids, token_ids, biases = [], [], []
+    for i in rows:
+        for token_id, bias in (seqs[i].sampling_params.logit_bias or {}).items():
+            row_ids.append(i)
+            token_ids.append(token_id)
+            biases.append(bias)
+    if not row_ids:
+        return
+    device = logits.device
+    index = (torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device))
+    logits.index_put_(index, torch.tensor(biases, device=device, dtype=logits.dtype), accumulate=True)
+
+
+def _penalize(logits: torch.Tensor, seqs: Sequence[ScheduledSeq], rows: list[int]) -> None:
+    if not rows:
+        return
+    device, vocab = logits.device, logits.shape[-1]
+    outputs = [seqs[i].output_token_ids or [] for i in rows]
+    width = max((len(o) for o in outputs), default=0)
+    if width == 0:
+        return
+    # pad with an extra column `vocab`, dropped after counting
+    padded = torch.tensor([o + [vocab] * (width - len(o)) for o in outputs], device=device)  # [P, W]
+    counts = torch.zeros(len(rows), vocab + 1, device=device, dtype=logits.dtype)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=logits.dtype))
+    counts = counts[:, :vocab]  # [P, V]
+    params = [seqs[i].sampling_params for i in rows]
+    frequency = torch.tensor([p.frequency_penalty for p in params], device=device, dtype=logits.dtype)
+    presence = torch.tensor([p.presence_penalty for p in params], device=device, dtype=logits.dtype)
+    index = torch.tensor(rows, device=device)
+    penalty = frequency[:, None] * counts + presence[:, None] * (counts > 0).to(logits.dtype)
+    logits.index_copy_(0, index, logits.index_select(0, index) - penalty)

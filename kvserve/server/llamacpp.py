@@ -1,0 +1,97 @@
+"""llama-server's native `POST /completion`: its body (llama.cpp's defaults and field names, `n_predict`,
+`grammar`, `json_schema`, `cache_prompt`, `logit_bias` as `[[token, bias | false], ...]`) served by the
+/v1/completions machinery, answered in its shape (`content`, `stop`, `tokens_predicted`,
+`tokens_evaluated`, `tokens_cached`, `stop_type`, `timings`), streamed as `data: {...}` lines.
+llama.cpp sampler fields kvserve does not implement are a 400 unless sent at their neutral value."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import Field, StrictInt, field_validator, model_validator
+
+from kvserve.server.front import sse_response
+from kvserve.server.protocol import CompletionRequest, Temperature, TopP
+from kvserve.server.serving import OpenAIServing, SSEResult
+
+# llama.cpp sampler fields without a kvserve counterpart, and the value that means "off"
+NEUTRAL = {"min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0, "mirostat": 0, "tfs_z": 1.0,
+           "dynatemp_range": 0.0, "dry_multiplier": 0.0, "xtc_probability": 0.0, "n_probs": 0,
+           "penalize_nl": False, "n_keep": 0, "top_n_sigma": -1.0}
+
+
+class LlamaCppCompletion(CompletionRequest):
+    """/completion's body: OpenAI's completion fields plus llama.cpp's, with llama.cpp's defaults."""
+
+    temperature: Temperature | None = 0.8
+    top_p: TopP | None = 0.95
+    top_k: Annotated[StrictInt, Field(ge=-1, le=2**31)] | None = 40
+    n_predict: Annotated[StrictInt, Field(ge=-1, le=2**31)] | None = -1
+
+    @model_validator(mode="before")
+    @classmethod
+    def _llamacpp_shape(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for name, neutral in NEUTRAL.items():
+            if name in data and data[name] != neutral:
+                raise ValueError(f"{name} is not supported by kvserve; leave it out or send {json.dumps(neutral)}")
+        return data
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _pairs(cls, value: Any) -> Any:
+        """llama.cpp's `[[token, bias], ...]`, where a bias of false bans the token."""
+        if not isinstance(value, list):
+            return value
+        out = {}
+        for i, pair in enumerate(value):
+            if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], int)):
+                raise ValueError(f"item {i} must be a [token_id, bias] pair")
+            out[str(pair[0])] = -100.0 if pair[1] is False else pair[1]
+        return out
+
+
+def register(app: FastAPI, serving: OpenAIServing, namespace: Callable[..., Awaitable[str]]) -> None:
+    @app.post("/completion")
+    async def completion(body: LlamaCppCompletion, raw: Request, ns: str = Depends(namespace)):
+        start = time.monotonic()
+        result = await serving.completions(body, raw, ns)
+        if isinstance(result, SSEResult):
+            return sse_response(SSEResult(_stream(result.body, body, start), result.close))
+        choice, usage = result["choices"][0], result["usage"]
+        return JSONResponse(_final(choice["text"], choice["finish_reason"], usage, result["model"],
+                                   body, start))
+
+
+def _final(content: str, finish_reason: str | None, usage: dict[str, Any], model: str,
+           body: LlamaCppCompletion, start: float) -> dict[str, Any]:
+    stop_type = {"length": "limit", "stop": "word" if body.stop else "eos"}.get(finish_reason or "", "none")
+    elapsed_ms = (time.monotonic() - start) * 1000
+    return {"content": content, "stop": True, "model": model, "stop_type": stop_type,
+            "tokens_predicted": usage["completion_tokens"], "tokens_evaluated": usage["prompt_tokens"],
+            "tokens_cached": usage["prompt_tokens_details"]["cached_tokens"], "truncated": False,
+            "timings": {"prompt_n": usage["prompt_tokens"], "predicted_n": usage["completion_tokens"],
+                        "total_ms": elapsed_ms}}
+
+
+async def _stream(chunks: AsyncIterator[str], body: LlamaCppCompletion, start: float) -> AsyncIterator[str]:
+    """OpenAI's completion chunks as llama.cpp's: `{"content", "stop": false}`, then the final one."""
+    async for line in chunks:
+        if not line.startswith("data: {"):
+            continue  # [DONE]: llama.cpp ends with its final object instead
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            yield line
+            continue
+        choice = chunk["choices"][0]
+        if choice["text"]:
+            yield f"data: {json.dumps({'content': choice['text'], 'stop': False})}\n\n"
+        if chunk.get("usage"):
+            final = _final("", choice["finish_reason"], chunk["usage"], chunk["model"], body, start)
+            yield f"data: {json.dumps(final)}\n\n"

@@ -1,0 +1,76 @@
+"""llama-server's native /completion: llama.cpp's body and answer shapes, its grammar constraining the
+output, n_predict, cache_prompt and tokens_cached, streaming as llama.cpp streams, and its sampler
+fields kvserve lacks refused with a 400 that names them (never silently ignored)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+PROMPT = "The capital of France is"
+
+
+def post(server, body: dict) -> httpx.Response:
+    return httpx.post(server.url + "/completion", json=body, timeout=120)
+
+
+def test_completion_answers_in_llamacpps_shape(server, client, model_name):
+    r = post(server, {"prompt": PROMPT, "n_predict": 6, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["stop"] is True and body["tokens_predicted"] <= 6
+    assert body["stop_type"] in ("eos", "limit") and body["tokens_evaluated"] > 0
+    same = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=6, temperature=0)
+    assert body["content"] == same.choices[0].text  # the same greedy answer as /v1/completions
+    again = post(server, {"prompt": PROMPT, "n_predict": 6, "temperature": 0, "cache_prompt": False})
+    assert again.json()["tokens_cached"] == 0 and again.json()["content"] == body["content"]
+
+
+def test_grammar_constrains_the_output(server):
+    for seed in range(4):
+        r = post(server, {"prompt": "Is water wet? Answer:", "grammar": 'root ::= ("yes" | "no") "."',
+                          "seed": seed, "temperature": 1.0, "n_predict": 8})
+        assert r.json()["content"] in ("yes.", "no."), r.text
+
+
+def test_streaming_sends_content_pieces_then_the_final_object(server):
+    whole = post(server, {"prompt": PROMPT, "n_predict": 6, "temperature": 0}).json()
+    with httpx.stream("POST", server.url + "/completion", timeout=120,
+                      json={"prompt": PROMPT, "n_predict": 6, "temperature": 0, "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert all(e["stop"] is False for e in events[:-1]) and events[-1]["stop"] is True
+    assert "".join(e["content"] for e in events) == whole["content"]
+    assert events[-1]["tokens_predicted"] == whole["tokens_predicted"]
+
+
+def test_logit_bias_pairs_ban_a_token(server):
+    first = post(server, {"prompt": PROMPT, "n_predict": 1, "temperature": 0}).json()["content"]
+    [token] = httpx.post(server.url + "/tokenize", json={"prompt": first, "add_special_tokens": False}
+                         ).json()["tokens"]
+    banned = post(server, {"prompt": PROMPT, "n_predict": 1, "temperature": 0,
+                           "logit_bias": [[token, False]]}).json()["content"]
+    assert banned != first
+
+
+@pytest.mark.parametrize("body, named", [
+    ({"prompt": PROMPT, "min_p": 0.1}, "min_p"),
+    ({"prompt": PROMPT, "repeat_penalty": 1.1}, "repeat_penalty"),
+    ({"prompt": PROMPT, "mirostat": 2}, "mirostat"),
+    ({"prompt": PROMPT, "n_probs": 3}, "n_probs"),
+    ({"prompt": PROMPT, "n_predict": "ten"}, "n_predict"),
+    ({"prompt": PROMPT, "grammar": "root ::= missing"}, "grammar"),
+    ({"prompt": PROMPT, "logit_bias": [[1]]}, "logit_bias"),
+    ({"prompt": PROMPT, "cache_prompt": 3}, "cache_prompt"),
+    ({"n_predict": 3}, "prompt"),
+])
+def test_bad_or_unsupported_fields_are_a_400_naming_them(server, body, named):
+    r = post(server, body)
+    assert r.status_code == 400, r.text
+    assert named in r.json()["error"]["message"] or r.json()["error"]["param"] == named
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted(server):
+    r = post(server, {"prompt": PROMPT, "n_predict": 2, "min_p": 0.0, "repeat_penalty": 1.0, "mirostat": 0})
+    assert r.status_code == 200, r.text

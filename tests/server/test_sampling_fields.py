@@ -1,0 +1,87 @@
+"""The sampling fields clients send by default, through the real openai client: logit_bias and the
+penalties change the greedy output as the engine's reference-checked sampler does (the reference is in
+tests/test_logit_adjust_engine.py), echo returns the prompt, suffix is a clear 400 on a model without
+FIM tokens, and llama.cpp's grammar / json_schema / n_predict / cache_prompt are honoured."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from kvserve import SamplingParams
+from tests.conftest import make_llm
+from tests.server.conftest import SMALL_ENGINE
+
+PROMPT = "List the days of the week: Monday, Tuesday, Monday, Tuesday, Monday,"
+
+
+def test_logit_bias_bans_the_top_token_and_the_runner_up_follows(client, model_name):
+    plain = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=1, temperature=0,
+                                      logprobs=2)
+    first, runner_up = list(plain.choices[0].logprobs.top_logprobs[0])
+    [top_id] = httpx.post(str(client.base_url).replace("/v1/", "/tokenize"),
+                          json={"prompt": first, "add_special_tokens": False}).json()["tokens"]
+    banned = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=1, temperature=0,
+                                       logit_bias={str(top_id): -100})
+    assert plain.choices[0].text == first
+    assert banned.choices[0].text == runner_up
+
+
+def test_penalties_over_http_equal_the_engines(client, model_name):
+    kwargs = dict(model=model_name, prompt=PROMPT, max_tokens=10, temperature=0,
+                  extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kwargs).choices[0].text
+    penalized = client.completions.create(frequency_penalty=1.2, presence_penalty=0.6, **kwargs)
+    llm = make_llm(**{k: v for k, v in SMALL_ENGINE.items() if k != "dtype"})
+    want = llm.generate(PROMPT, SamplingParams(max_tokens=10, ignore_eos=True, frequency_penalty=1.2,
+                                               presence_penalty=0.6))[0].outputs[0].text
+    assert penalized.choices[0].text == want != plain
+
+
+def test_echo_returns_the_prompt_before_the_output(client, model_name):
+    plain = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0)
+    echoed = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0,
+                                       echo=True)
+    assert echoed.choices[0].text == PROMPT + plain.choices[0].text
+    streamed = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0,
+                                         echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == echoed.choices[0].text
+
+
+def test_suffix_needs_a_fim_model(client, model_name):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model_name, prompt="def f(", suffix="    return x",
+                                  max_tokens=4)
+    assert err.value.body["param"] == "suffix" and "fill-in-the-middle" in err.value.body["message"]
+
+
+def test_llamacpp_grammar_and_json_schema_constrain(client, model_name):
+    grammar = 'root ::= "yes" | "no"'
+    for seed in range(3):
+        out = client.completions.create(model=model_name, prompt="Is the sky blue? Answer:", seed=seed,
+                                        temperature=1.0, max_tokens=8, extra_body={"grammar": grammar})
+        assert out.choices[0].text in ("yes", "no")
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    out = client.chat.completions.create(model=model_name, temperature=1.0, seed=1, max_tokens=40,
+                                         messages=[{"role": "user", "content": "Pick a number."}],
+                                         extra_body={"json_schema": schema})
+    assert isinstance(json.loads(out.choices[0].message.content)["n"], int)
+
+
+def test_n_predict_limits_and_cache_prompt_false_reuses_nothing(client, model_name):
+    prompt = "A long shared prefix for the cache test. " * 8
+    out = client.completions.create(model=model_name, prompt=prompt, temperature=0,
+                                    extra_body={"n_predict": 3, "ignore_eos": True})
+    assert out.usage.completion_tokens == 3
+    again = client.completions.create(model=model_name, prompt=prompt, temperature=0,
+                                      extra_body={"n_predict": 3, "ignore_eos": True})
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    fresh = client.completions.create(model=model_name, prompt=prompt, temperature=0,
+                                      extra_body={"n_predict": 3, "ignore_eos": True,
+                                                  "cache_prompt": False})
+    assert fresh.usage.prompt_tokens_details.cached_tokens == 0
+    assert fresh.choices[0].text == again.choices[0].text == out.choices[0].text

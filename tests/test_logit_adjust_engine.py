@@ -1,0 +1,49 @@
+"""Penalties and logit_bias through the engine: the greedy output equals a reference the test builds
+token by token from the same model's unadjusted logprobs (vLLM's formula applied here, in the test),
+and differs from the plain greedy output, so a field the sampler ignored would fail."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from kvserve import SamplingParams
+from tests.conftest import make_llm
+
+PROMPT = "List the days of the week: Monday, Tuesday, Monday, Tuesday, Monday,"
+NUM_TOKENS = 10
+TOP = 20  # alternatives read per step: more than the tokens a penalty can push down in NUM_TOKENS
+
+
+def reference_greedy(llm, prompt_ids: list[int], adjust) -> list[int]:
+    """Greedy decoding by hand: each step reads the top-20 logprobs of the plain model at the prompt
+    plus what the reference chose so far, applies `adjust(token, chosen)` and takes the argmax."""
+    chosen: list[int] = []
+    for _ in range(NUM_TOKENS):
+        out = llm.generate({"prompt_token_ids": prompt_ids + chosen},
+                           SamplingParams(max_tokens=1, logprobs=TOP, ignore_eos=True))[0]
+        top = out.outputs[0].logprobs[0]
+        chosen.append(max(top, key=lambda t: top[t] + adjust(t, chosen)))
+    return chosen
+
+
+def test_penalties_and_logit_bias_match_a_reference_from_the_same_logits():
+    llm = make_llm()
+    prompt_ids = llm.get_tokenizer().encode(PROMPT).ids
+    plain = llm.generate(PROMPT, SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True))[0]
+    plain_ids = plain.outputs[0].token_ids
+
+    penalized = SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, frequency_penalty=1.2,
+                               presence_penalty=0.6)
+    got = llm.generate(PROMPT, penalized)[0].outputs[0].token_ids
+
+    def penalty(token: int, chosen: list[int]) -> float:
+        count = Counter(chosen)[token]
+        return -(1.2 * count + 0.6 * (count > 0))
+    assert got == reference_greedy(llm, prompt_ids, penalty)
+    assert got != plain_ids
+
+    banned = {plain_ids[0]: -100.0, plain_ids[1]: -100.0}
+    biased = llm.generate(PROMPT, SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True,
+                                                 logit_bias=banned))[0].outputs[0].token_ids
+    assert biased == reference_greedy(llm, prompt_ids, lambda t, _: banned.get(t, 0.0))
+    assert not set(biased) & set(banned)

@@ -174,7 +174,7 @@ def parse_request(payload: Any) -> MessagesRequest:
     try:
         body = MessagesRequest.model_validate(payload)
     except ValidationError as err:
-        raise APIError(_first_error(err.errors())) from None
+        raise APIError(first_error(err.errors())) from None
     if body.thinking and body.thinking.get("type") not in (None, "disabled"):
         raise APIError("extended thinking is not supported by this server; leave `thinking` out")
     return body
@@ -269,7 +269,7 @@ def _texts(blocks: list[Block | str], turn_index: int, breakpoints: list[Breakpo
     return texts
 
 
-def _first_error(errors: list[dict[str, Any]]) -> str:
+def first_error(errors: list[dict[str, Any]]) -> str:
     # a union (`str | list[Block]`) reports one error per member: the deepest names the real problem
     first = max(errors, key=lambda e: len(e.get("loc", ()))) if errors else {"msg": "invalid request"}
     if first.get("type") == "missing":

@@ -27,7 +27,7 @@ from kvserve.async_engine import AsyncEngine
 from kvserve.engine import LLMEngine
 from kvserve.engine_stats import EngineStats
 from kvserve.metrics import CONTENT_TYPE, EngineMetrics
-from kvserve.server import anthropic, caches, llamacpp, render_routes
+from kvserve.server import anthropic, caches, llamacpp, ollama, render_routes
 from kvserve.server.auth import (DEFAULT_MAX_UNAUTHENTICATED, INVALID_KEY, NAMESPACE_SCOPE_KEY,
                                  ApiKeys, KeyGate, key_namespace)  # noqa: F401 (re-exported)
 from kvserve.server.front import FrontDoor, sse_response
@@ -35,6 +35,7 @@ from kvserve.server.kv_routes import kv_routes
 from kvserve.server.limits import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_READ_TIMEOUT_S, Admission,
                                    BodyLimit)
 from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from kvserve.server.ollama_info import kvserve_version, model_info
 from kvserve.server.serving import OpenAIServing, SSEResult
 
 log = logging.getLogger("kvserve.server")
@@ -142,6 +143,8 @@ def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
     caches.register(app, door, names, namespace)
     render_routes.register(app, door, names, namespace)
     llamacpp.register(app, serving, namespace)
+    ollama.register(app, serving, model_info(llm_engine, names, door.tools_supported, kvserve_version()),
+                    namespace)
 
     @app.get("/health")
     async def health():

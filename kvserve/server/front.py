@@ -156,9 +156,13 @@ class FrontDoor:
         """The prompt ids /v1/chat/completions gives the engine for `body`."""
         return await self.render_chat(body.conversation(), tools=body.toolset().template_tools)
 
+    @property
+    def tools_supported(self) -> bool:
+        return "tools" in (self.loaded.chat_template or "")
+
     def check_tools(self, toolset: ToolSet) -> None:
         """Tools need a template that renders them (one that never reads `tools` would drop them)."""
-        if toolset.tools and "tools" not in (self.loaded.chat_template or ""):
+        if toolset.tools and not self.tools_supported:
             raise APIError("tools: this model's chat template has no place for tool definitions (it "
                            "never reads `tools`); serve a model whose template supports tools",
                            param="tools")

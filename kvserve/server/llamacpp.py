@@ -16,13 +16,10 @@ from fastapi.responses import JSONResponse
 from pydantic import Field, StrictInt, field_validator, model_validator
 
 from kvserve.server.front import sse_response
+from kvserve.server.llamacpp_fields import UNSUPPORTED_SAMPLERS
 from kvserve.server.protocol import CompletionRequest, Temperature, TopP
-from kvserve.server.serving import OpenAIServing, SSEResult
+from kvserve.server.serving import OpenAIServing, SSEResult, sse_payloads
 
-# llama.cpp sampler fields without a kvserve counterpart, and the value that means "off"
-NEUTRAL = {"min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0, "mirostat": 0, "tfs_z": 1.0,
-           "dynatemp_range": 0.0, "dry_multiplier": 0.0, "xtc_probability": 0.0, "n_probs": 0,
-           "penalize_nl": False, "n_keep": 0, "top_n_sigma": -1.0}
 
 
 class LlamaCppCompletion(CompletionRequest):
@@ -38,7 +35,7 @@ class LlamaCppCompletion(CompletionRequest):
     def _llamacpp_shape(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        for name, neutral in NEUTRAL.items():
+        for name, neutral in {**UNSUPPORTED_SAMPLERS, "n_probs": 0, "n_keep": 0}.items():
             if name in data and data[name] != neutral:
                 raise ValueError(f"{name} is not supported by kvserve; leave it out or send {json.dumps(neutral)}")
         return data
@@ -82,12 +79,9 @@ def _final(content: str, finish_reason: str | None, usage: dict[str, Any], model
 
 async def _stream(chunks: AsyncIterator[str], body: LlamaCppCompletion, start: float) -> AsyncIterator[str]:
     """OpenAI's completion chunks as llama.cpp's: `{"content", "stop": false}`, then the final one."""
-    async for line in chunks:
-        if not line.startswith("data: {"):
-            continue  # [DONE]: llama.cpp ends with its final object instead
-        chunk = json.loads(line[6:])
+    async for chunk in sse_payloads(chunks):  # ([DONE] left out: llama.cpp ends with its final object)
         if "error" in chunk:
-            yield line
+            yield f"data: {json.dumps(chunk)}\n\n"
             continue
         choice = chunk["choices"][0]
         if choice["text"]:

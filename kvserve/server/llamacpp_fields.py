@@ -14,6 +14,12 @@ from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr
 from kvserve.structured import StructuredOutputsParams
 
 
+# llama.cpp's (and Ollama's) sampler fields without a kvserve counterpart, and the value meaning "off"
+UNSUPPORTED_SAMPLERS = {"min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0, "mirostat": 0, "tfs_z": 1.0,
+                        "dynatemp_range": 0.0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
+                        "penalize_nl": False, "penalize_newline": False, "top_n_sigma": -1.0}
+
+
 class LlamaCppFields(BaseModel):
     n_predict: Annotated[StrictInt, Field(ge=-1, le=2**31)] | None = None  # -1: until the context ends
     grammar: StrictStr | None = None

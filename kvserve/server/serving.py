@@ -131,16 +131,18 @@ class OpenAIServing:
         self.max_model_len = door.max_model_len
 
     # -- entry points --------------------------------------------------------------------------
-    async def completions(self, body: CompletionRequest, raw: Request, namespace: str):
+    async def completions(self, body: CompletionRequest, raw: Request, namespace: str,
+                          num_ctx: int | None = None):
+        """`num_ctx`: the request's own context cap (Ollama's option), checked against its prompt."""
         self._check_model(body.model)
         release = self.door.admit(namespace, len(body.prompts()) * body.n)
         try:
             prompts = await self.door.render_completion_request(body)
             max_tokens = body.predict_limit(body.max_tokens)
-            if max_tokens is None:  # n_predict -1 runs to the context's end, else OpenAI's default
-                max_tokens = (self.max_model_len - max(map(len, prompts)) if body.n_predict == -1
-                              else COMPLETION_DEFAULT_MAX_TOKENS)
-            params = body.sampling_params(max(max_tokens, 1), body.logprobs)
+            if max_tokens is None and body.n_predict != -1 and num_ctx is None:
+                max_tokens = COMPLETION_DEFAULT_MAX_TOKENS  # (n_predict -1: to the context's end)
+            max_tokens = self._room(max(map(len, prompts)), max_tokens, num_ctx, "prompt")
+            params = body.sampling_params(max_tokens, body.logprobs)
             gen = await self._submit("cmpl", prompts, params, body.n, namespace, release,
                                      retention=body.kv_retention, kv_explain=body.kv_explain)
         except BaseException:
@@ -159,7 +161,8 @@ class OpenAIServing:
         return gen.respond(render.completion_response(gen.request_id, gen.created, gen.model, choices,
                                                       gen.usage()))
 
-    async def chat(self, body: ChatCompletionRequest, raw: Request, namespace: str):
+    async def chat(self, body: ChatCompletionRequest, raw: Request, namespace: str,
+                   num_ctx: int | None = None):
         self._check_model(body.model)
         toolset = body.toolset()
         self.door.check_tools(toolset)
@@ -169,10 +172,7 @@ class OpenAIServing:
         release = self.door.admit(namespace, body.n)
         try:
             prompt = await self.door.render_chat_request(body)
-            max_tokens = body.requested_max_tokens
-            if max_tokens is None:
-                self.door.check_fits(len(prompt))
-                max_tokens = self.max_model_len - len(prompt)
+            max_tokens = self._room(len(prompt), body.requested_max_tokens, num_ctx, "messages")
             params = with_tool_grammar(body.sampling_params(max_tokens, body.num_logprobs), toolset, fmt)
             gen = await self._submit("chatcmpl", [prompt], params, body.n, namespace, release,
                                      retention=body.kv_retention, kv_explain=body.kv_explain,
@@ -201,6 +201,17 @@ class OpenAIServing:
             release()
 
     # -- shared steps --------------------------------------------------------------------------
+    def _room(self, prompt_len: int, max_tokens: int | None, num_ctx: int | None, param: str) -> int:
+        """max_tokens, or the rest of the context (max_model_len, or a smaller num_ctx) after the prompt."""
+        if num_ctx is not None and prompt_len + (max_tokens or 1) > num_ctx:
+            asked = f" plus num_predict {max_tokens}" if max_tokens else ""
+            raise APIError(f"the prompt is {prompt_len} tokens{asked}: over num_ctx {num_ctx}; raise "
+                           "options.num_ctx or shorten the prompt", param="options.num_ctx")
+        if max_tokens is not None:
+            return max_tokens
+        self.door.check_fits(prompt_len, param)
+        return min(self.max_model_len, num_ctx or self.max_model_len) - prompt_len
+
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
             raise APIError(f"The model `{model}` does not exist; this server serves "
@@ -348,6 +359,14 @@ class OpenAIServing:
         finally:
             await outputs.aclose()
         yield "data: [DONE]\n\n"
+
+
+async def sse_payloads(body: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]]:
+    """The JSON payloads of an SSE body (error events included, [DONE] left out): for the routes that
+    answer in another API's streaming shape (llama.cpp's /completion, Ollama's NDJSON)."""
+    async for line in body:
+        if line.startswith("data: {"):
+            yield json.loads(line[6:])
 
 
 def _sse(payload: dict[str, Any]) -> str:

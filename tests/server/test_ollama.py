@@ -1,0 +1,127 @@
+"""Ollama's API through the real `ollama` client against a real server: chat (streamed and not),
+generate, list, ps, show, version, `format` with a JSON schema (20 of 20 valid at temperature 1), a tool
+call, options honoured (num_predict, seed, num_ctx) and bad input answered with Ollama's 4xx error."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import ollama
+import pytest
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture
+def oclient(server):
+    return ollama.Client(host=server.url, timeout=300)
+
+
+def test_chat_streamed_equals_not_streamed_and_reports_counts(oclient, model_name):
+    options = {"temperature": 0, "num_predict": 12}
+    whole = oclient.chat(model=model_name, messages=QUESTION, options=options)
+    assert whole.done and whole.message.role == "assistant" and whole.message.content
+    assert whole.eval_count <= 12 and whole.prompt_eval_count > 5
+    assert whole.total_duration >= whole.eval_duration > 0
+    parts = list(oclient.chat(model=model_name, messages=QUESTION, options=options, stream=True))
+    assert all(not p.done for p in parts[:-1]) and parts[-1].done
+    assert "".join(p.message.content for p in parts) == whole.message.content
+    assert parts[-1].eval_count == whole.eval_count and parts[-1].done_reason == whole.done_reason
+
+
+def test_chat_equals_openai_chat_at_temperature_0(oclient, client, model_name):
+    ours = oclient.chat(model=f"{model_name}:latest", messages=QUESTION,
+                        options={"temperature": 0, "num_predict": 10}).message.content
+    theirs = client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0,
+                                            max_tokens=10).choices[0].message.content
+    assert ours == theirs
+
+
+def test_generate_templated_raw_and_seeded(oclient, model_name):
+    out = oclient.generate(model=model_name, prompt="Name a colour.", options={"temperature": 0, "num_predict": 8})
+    assert out.done and out.response
+    raw = oclient.generate(model=model_name, prompt="1, 2, 3, 4,", raw=True,
+                           options={"temperature": 0, "num_predict": 4})
+    assert raw.response.strip().startswith("5")
+    seeded = [oclient.generate(model=model_name, prompt="Tell me a word.", options={
+        "temperature": 1.0, "seed": 11, "num_predict": 6}).response for _ in range(2)]
+    assert seeded[0] == seeded[1]
+    streamed = "".join(p.response for p in oclient.generate(model=model_name, prompt="Name a colour.",
+                                                               options={"temperature": 0, "num_predict": 8},
+                                                               stream=True))
+    assert streamed == out.response
+    loaded = oclient.generate(model=model_name, prompt="")  # Ollama's "load the model" call
+    assert loaded.done and loaded.done_reason == "load"
+
+
+def test_format_schema_validates_20_of_20_at_temperature_1(oclient, model_name):
+    valid = 0
+    for seed in range(20):
+        out = oclient.chat(model=model_name, format=SCHEMA, options={"temperature": 1.0, "seed": seed,
+                                                                      "num_predict": 60},
+                           messages=[{"role": "user", "content": "Invent a person: name and age."}])
+        person = json.loads(out.message.content)
+        valid += (set(person) == {"name", "age"} and isinstance(person["age"], int)
+                  and 0 <= person["age"] <= 120 and len(person["name"]) <= 12)
+    assert valid == 20
+    out = oclient.generate(model=model_name, prompt="Give a JSON object.", format="json",
+                           options={"temperature": 1.0, "seed": 3, "num_predict": 60})
+    assert isinstance(json.loads(out.response), dict)
+
+
+def test_list_show_ps_version(oclient, model_name, server):
+    listed = oclient.list().models
+    assert [m.model for m in listed] == [f"{model_name}:latest"]
+    assert listed[0].size > 50_000_000 and listed[0].details.format == "gguf"
+    shown = oclient.show(model_name)
+    assert "<|im_start|>" in shown.template and shown.details.family == "llama"
+    assert shown.modelinfo["llama.context_length"] == 2048
+    oclient.chat(model=model_name, messages=QUESTION, options={"num_ctx": 512, "num_predict": 2},
+                 keep_alive="10m")
+    running = oclient.ps().models
+    assert running[0].model == f"{model_name}:latest" and running[0].size > listed[0].size
+    kv = httpx.get(server.url + "/api/ps").json()["models"][0]["kv_cache"]
+    assert kv["bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 KV heads, head_dim 64, fp32
+    assert kv["num_ctx"] == 512 and kv["reserved_at_load_for_num_ctx"] == 46080 * 512
+    assert kv["bytes_in_use"] == 0  # nothing running now: a paged pool holds no idle reserve
+    assert httpx.get(server.url + "/api/version").json()["version"]
+
+
+def test_num_ctx_caps_the_request(oclient, model_name):
+    with pytest.raises(ollama.ResponseError) as err:
+        oclient.chat(model=model_name, messages=QUESTION, options={"num_ctx": 8})
+    assert err.value.status_code == 400 and "num_ctx 8" in err.value.error and "tokens" in err.value.error
+    with pytest.raises(ollama.ResponseError) as err:
+        oclient.chat(model=model_name, messages=QUESTION, options={"num_ctx": 40, "num_predict": 30})
+    assert "num_predict 30" in err.value.error and "num_ctx 40" in err.value.error
+    out = oclient.chat(model=model_name, messages=QUESTION, options={"num_ctx": 48, "temperature": 0})
+    assert out.prompt_eval_count + out.eval_count <= 48
+
+
+@pytest.mark.parametrize("body, named, status", [
+    ({"model": "MODEL", "messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role", 400),
+    ({"model": "MODEL", "messages": QUESTION, "options": {"temperature": -1}}, "options.temperature", 400),
+    ({"model": "MODEL", "messages": QUESTION, "options": {"repeat_penalty": 1.3}}, "options.repeat_penalty", 400),
+    ({"model": "MODEL", "messages": QUESTION, "options": {"num_ctx": 10**9}}, "options.num_ctx", 400),
+    ({"model": "MODEL", "messages": QUESTION, "format": "yaml"}, "format", 400),
+    ({"model": "MODEL", "messages": QUESTION, "keep_alive": "soon"}, "keep_alive", 400),
+    ({"model": "MODEL", "messages": QUESTION, "think": True}, "think", 400),
+    ({"model": "MODEL", "messages": [{"role": "tool", "content": "42"}]}, "messages.0", 400),
+    ({"model": "no-such-model", "messages": QUESTION}, "model", 404),
+    ({"messages": QUESTION}, "model", 400),
+    ({"model": "MODEL", "prompt": "hi", "context": [1, 2]}, "context", 400),
+    ({"model": "MODEL", "prompt": "hi", "suffix": "x"}, "suffix", 400),
+    ({"model": "MODEL", "prompt": 5}, "prompt", 400),
+])
+def test_bad_input_is_an_ollama_4xx_naming_the_field(server, model_name, body, named, status):
+    path = "/api/chat" if "messages" in body else "/api/generate"
+    if body.get("model") == "MODEL":
+        body = {**body, "model": model_name}
+    r = httpx.post(server.url + path, json=body, timeout=60)
+    assert r.status_code == status, r.text
+    assert named in r.json()["error"], r.text
+    assert httpx.post(server.url + path, content=b"{not json", timeout=60).status_code == 400

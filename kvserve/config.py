@@ -236,6 +236,7 @@ class EngineConfig:
     tenant_kv_share: str = "off"  # fair | off
     lease_ttl_scale: float = 1.0  # multiplies lease TTLs (tests scale 5 minutes down to seconds)
     tool_call_kv_ttl: float = 30.0  # seconds an answer that ends in a tool call keeps its KV leased; 0: off
+    chat_template: str | None = None  # a Jinja file or string that replaces the model's own template
     kv_events_endpoint: str | None = None  # e.g. tcp://127.0.0.1:5557: KV events, vLLM's schema
     kv_events_topic: str = ""  # vLLM's topic; {pod_ip} {port} {model} filled in by `kvserve serve`
     kv_events_encoding: str = "array"  # array (vLLM <= 0.11, Dynamo, llm-d) | map (current vLLM)
@@ -304,8 +305,7 @@ class EngineConfig:
             raise ConfigError(f"--role {self.role} shares pages through Redis; add --redis-url")
         if self.redis_url:
             if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-                raise ConfigError(f"--redis-url must start with redis://, rediss:// or unix://, "
-                                  f"got {self.redis_url!r}")
+                raise ConfigError(f"--redis-url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
             if self.prefix_cache == PrefixCachePolicy.OFF.value:
                 raise ConfigError("--redis-url shares prefix-cache pages; use --prefix-cache radix "
                                   "or hash with it")

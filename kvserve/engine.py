@@ -35,6 +35,7 @@ from kvserve.model.draft_model import DraftModel, load_draft_model
 from kvserve.model.gguf_loader import load_gguf, resolve_model_path
 from kvserve.model.gpu_memory import GpuMemoryBudget, measure_budget
 from kvserve.model.runner import ModelRunner, build_model, calibrate_fp8_scale, profile_step
+from kvserve.model.tokenizer import read_chat_template
 from kvserve.output import OutputProcessor
 from kvserve.request import (CacheLease, LeaseInfo, Request, RequestOutput, RequestStatus, SamplingParams,
                              TokenConstraint, ToolCallKV)
@@ -51,6 +52,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.loaded = load_gguf(resolve_model_path(config.model))
+        # --chat-template replaces the model's own (the loaded model is shared in the process: not there)
+        self.chat_template = (read_chat_template(config.chat_template) if config.chat_template is not None
+                              else self.loaded.chat_template)
         self.tokenizer = self.loaded.tokenizer
         spec = config.speculative_config
         self.draft = load_draft_model(spec.model, self.loaded, config.max_model_len or
@@ -151,7 +155,7 @@ class LLMEngine:
     def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         """The conversation as the model's chat template renders it (BOS written as text), with
         the tool definitions where the template puts them."""
-        return self.loaded.render_chat(messages, tools=tools)
+        return self.loaded.render_chat(messages, tools=tools, template=self.chat_template)
 
     def grammar_compiler(self):
         """The structured-outputs compiler of this model's tokenizer (built on first use, ~0.5 s for

@@ -92,6 +92,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="an answer that ends in a tool call keeps its conversation's KV pages leased "
                             "this long, or until the request with the tool's result arrives (0: off); "
                             "counted against --max-leased-fraction")
+    group.add_argument("--chat-template", default=None, metavar="FILE|STRING",
+                       help="a Jinja chat template (a file, or the template itself) that replaces the "
+                            "model's own; tools go where it reads `tools`, else into the system turn in "
+                            "the generic tool format")
     group.add_argument("--tenant-kv-share", default=ENGINE_DEFAULTS.tenant_kv_share, choices=["fair", "off"],
                        help="fair: under memory pressure, evict cached pages of tenants (API keys) over "
                             "an equal share first")

@@ -11,6 +11,7 @@ import torch
 from tokenizers import Tokenizer
 
 from kvserve.config import ConfigError, ModelConfig
+from kvserve.model.generic_tools import template_reads_tools, with_generic_tools
 from kvserve.model.tokenizer import Encoded, apply_chat_template, encode_prompt
 
 
@@ -119,10 +120,13 @@ class LoadedModel:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> str:
+                    tools: list[dict[str, Any]] | None = None, template: str | None = None) -> str:
         """The chat as the model's template renders it; `tools` (transformers' shape) go into the
-        template's `tools` variable, as apply_chat_template passes them."""
-        if self.chat_template is None:
+        template's `tools` variable, as apply_chat_template passes them, or, for a template that never
+        reads it, into the system turn in the generic tool format (generic_tools.py). `template`
+        replaces the model's own (--chat-template)."""
+        template = template or self.chat_template
+        if template is None:
             raise ConfigError(f"the model {self.path!r} has no chat template; send a plain prompt")
         vocab_size = self.tokenizer.get_vocab_size()
         special = {
@@ -130,9 +134,11 @@ class LoadedModel:
             for name, i in (("bos_token", self.bos_token_id), ("eos_token", self.eos_token_id))
             if i is not None and i < vocab_size
         }
-        if tools:
+        if tools and template_reads_tools(template):
             special["tools"] = tools
-        return apply_chat_template(self.chat_template, messages, add_generation_prompt, **special)
+        elif tools:
+            messages = with_generic_tools(messages, tools)
+        return apply_chat_template(template, messages, add_generation_prompt, **special)
 
 
 def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:

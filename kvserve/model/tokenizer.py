@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -156,6 +157,25 @@ def _compile(template: str):
     env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
     env.globals["raise_exception"] = _raise
     return env.from_string(template)
+
+
+def read_chat_template(value: str) -> str:
+    """`--chat-template FILE|STRING` (vLLM's flag): a file's text, or the value itself when it is a
+    Jinja template; ConfigError for neither, or for a template that does not compile."""
+    import jinja2
+
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            template = f.read()
+    elif "{{" in value or "{%" in value:
+        template = value
+    else:
+        raise ConfigError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    try:
+        _compile(template)
+    except jinja2.TemplateError as err:
+        raise ConfigError(f"--chat-template does not compile: {err}") from None
+    return template
 
 
 def apply_chat_template(

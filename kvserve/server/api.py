@@ -143,7 +143,7 @@ def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
     caches.register(app, door, names, namespace)
     render_routes.register(app, door, names, namespace)
     llamacpp.register(app, serving, namespace)
-    ollama.register(app, serving, model_info(llm_engine, names, door.tools_supported, kvserve_version()),
+    ollama.register(app, serving, model_info(llm_engine, names, kvserve_version()),
                     namespace)
 
     @app.get("/health")

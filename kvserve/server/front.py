@@ -34,7 +34,6 @@ from kvserve.server.tool_parser import tool_format
 if TYPE_CHECKING:
     from kvserve.model.tokenizer import Encoded
     from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
-    from kvserve.server.tool_protocol import ToolSet
 
 MAX_CHOICES = 128  # engine requests one API request may start (prompts x n)
 TOKENIZER_THREADS = 2
@@ -50,7 +49,7 @@ class FrontDoor:
         self.max_prompt_chars = self.max_model_len * max_token_bytes(llm.tokenizer)
         self.admission = admission or Admission()
         self.renderer = ChatRenderer(llm.chat_prompt, self.encode_with_ends)
-        self.tool_format = tool_format(self.loaded.chat_template)  # how this model writes tool calls
+        self.tool_format = tool_format(llm.chat_template)  # how this model writes tool calls
         self.fim = fim_tokens(llm.tokenizer.get_vocab(with_added_tokens=True))  # None: no `suffix`
         self.tool_holds = ToolHolds(engine, llm.config.tool_call_kv_ttl * llm.config.lease_ttl_scale)
         self.draining = False  # shutting down: no new requests
@@ -155,17 +154,6 @@ class FrontDoor:
     async def render_chat_request(self, body: ChatCompletionRequest) -> list[int]:
         """The prompt ids /v1/chat/completions gives the engine for `body`."""
         return await self.render_chat(body.conversation(), tools=body.toolset().template_tools)
-
-    @property
-    def tools_supported(self) -> bool:
-        return "tools" in (self.loaded.chat_template or "")
-
-    def check_tools(self, toolset: ToolSet) -> None:
-        """Tools need a template that renders them (one that never reads `tools` would drop them)."""
-        if toolset.tools and not self.tools_supported:
-            raise APIError("tools: this model's chat template has no place for tool definitions (it "
-                           "never reads `tools`); serve a model whose template supports tools",
-                           param="tools")
 
     def check_fits(self, num_tokens: int, param: str = "messages") -> None:
         if num_tokens >= self.max_model_len:

@@ -31,7 +31,6 @@ class ModelInfo:
     context_length: int
     kv_bytes_per_token: float  # what one token's K and V take in the pool's dtype, all layers
     template: str
-    tools: bool  # the server answers `tools` for this model
     version: str
     modified_at: str
 
@@ -56,7 +55,7 @@ class ModelInfo:
                 f"{self.family}.context_length": self.context_length}
         return {"modelfile": f"FROM {self.names[0]}\n", "parameters": "", "template": self.template,
                 "details": self.details(), "model_info": info, "modified_at": self.modified_at,
-                "capabilities": ["completion", *(["tools"] if self.tools else [])]}
+                "capabilities": ["completion", "tools"]}  # (the generic tool format serves any template)
 
     def expiry(self, keep_alive_s: float | None) -> datetime:
         seconds = DEFAULT_KEEP_ALIVE_S if keep_alive_s is None else keep_alive_s
@@ -78,7 +77,7 @@ class ModelInfo:
                              "kv_cache_dtype": stats.kv_cache_dtype if stats else ""}}
 
 
-def model_info(engine: LLMEngine, names: list[str], tools: bool, version: str) -> ModelInfo:
+def model_info(engine: LLMEngine, names: list[str], version: str) -> ModelInfo:
     loaded, cache, cfg = engine.loaded, engine.cache_config, engine.loaded.config
     page_bytes = kv_bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cache.page_size, cache.kv_dtype)
     path = resolve_model_path(engine.config.model)
@@ -91,8 +90,8 @@ def model_info(engine: LLMEngine, names: list[str], tools: bool, version: str) -
                      quantization=quant.most_common(1)[0][0] if quant else "F32",
                      size=os.path.getsize(path) if is_file else 0, digest=loaded.fingerprint,
                      context_length=engine.max_model_len, kv_bytes_per_token=page_bytes / cache.page_size,
-                     template=loaded.chat_template or "",
-                     tools=tools, version=version, modified_at=modified.isoformat().replace("+00:00", "Z"))
+                     template=engine.chat_template or "",
+                     version=version, modified_at=modified.isoformat().replace("+00:00", "Z"))
 
 
 def kvserve_version() -> str:

@@ -165,7 +165,6 @@ class OpenAIServing:
                    num_ctx: int | None = None):
         self._check_model(body.model)
         toolset = body.toolset()
-        self.door.check_tools(toolset)
         fmt = self.door.tool_format if toolset.parses_calls else None
         answered = [m.tool_call_id for m in body.messages if m.role == "tool" and m.tool_call_id]
         tool_kv = self.door.tool_holds.request_kv(namespace, answered, fmt is not None and body.n == 1)

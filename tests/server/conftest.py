@@ -8,6 +8,7 @@ import gc
 import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -131,3 +132,17 @@ def poll_health_while(url: str, workers: list[threading.Thread]) -> list[float]:
         return health
     finally:
         gc.unfreeze()
+
+
+def wait_until_serving(proc, url: str, log_path, timeout_s: float = 180) -> None:
+    """A `kvserve serve` subprocess answers /health with 200 (its log shown if it died first)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, Path(log_path).read_text()
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "kvserve serve did not come up"
+        time.sleep(0.5)

@@ -7,13 +7,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 from openai import OpenAI
 
 from tests.redis_server import free_port
+from tests.server.conftest import wait_until_serving
 
 
 @pytest.mark.slow
@@ -27,16 +27,7 @@ def test_kvserve_serve_answers_and_stops(tmp_path):
          "--log-level", "warning"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "kvserve serve did not come up"
-            time.sleep(0.5)
+        wait_until_serving(proc, url, tmp_path / "serve.log")
         client = OpenAI(base_url=url + "/v1", api_key="sk-test", max_retries=0, timeout=120)
         assert [m.id for m in client.models.list().data] == ["smol"]
         out = client.completions.create(model="smol", prompt="Hello", max_tokens=3, temperature=0)

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from tests.redis_server import free_port
+from tests.server.conftest import wait_until_serving
 
 KEY = "sk-from-a-file-7f3a"
 
@@ -52,16 +53,7 @@ def test_keys_from_a_file_and_sigterm_with_streams_in_flight(tmp_path):
          "--shutdown-timeout", "3", "--log-level", "info"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, log_path.read_text()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "kvserve serve did not come up"
-            time.sleep(0.5)
+        wait_until_serving(proc, url, log_path, 240)
 
         cmdline = open(f"/proc/{proc.pid}/cmdline", "rb").read()
         assert KEY.encode() not in cmdline and b"sk-second" not in cmdline

@@ -31,7 +31,8 @@ from kvserve.server.tool_grammar import with_tool_grammar
 from kvserve.server.tool_parser import ToolFormat
 from kvserve.structured import GrammarError
 from kvserve.server.front import FrontDoor, sse_response
-from kvserve.server.serving import SSEResult, TextDelta, unless_disconnected
+from kvserve.server.serving import SSEResult, unless_disconnected
+from kvserve.server.text_delta import TextDelta
 
 LABELS = ("5m", "1h")
 

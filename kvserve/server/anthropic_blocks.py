@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from kvserve.server.tool_parser import ToolFormat, ToolStream, parse_output
 
 if TYPE_CHECKING:
-    from kvserve.server.serving import TextDelta
+    from kvserve.server.text_delta import TextDelta
 
 
 def tool_use_id() -> str:

@@ -27,7 +27,7 @@ from kvserve.async_engine import AsyncEngine
 from kvserve.engine import LLMEngine
 from kvserve.engine_stats import EngineStats
 from kvserve.metrics import CONTENT_TYPE, EngineMetrics
-from kvserve.server import anthropic, caches, llamacpp, ollama, render_routes
+from kvserve.server import anthropic, caches, llamacpp, ollama, render_routes, responses
 from kvserve.server.auth import (DEFAULT_MAX_UNAUTHENTICATED, INVALID_KEY, NAMESPACE_SCOPE_KEY,
                                  ApiKeys, KeyGate, key_namespace)  # noqa: F401 (re-exported)
 from kvserve.server.front import FrontDoor, sse_response
@@ -143,6 +143,7 @@ def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
     caches.register(app, door, names, namespace)
     render_routes.register(app, door, names, namespace)
     llamacpp.register(app, serving, namespace)
+    responses.register(app, serving, namespace)
     ollama.register(app, serving, model_info(llm_engine, names, kvserve_version()),
                     namespace)
 

@@ -50,6 +50,8 @@ class FrontDoor:
         self.admission = admission or Admission()
         self.renderer = ChatRenderer(llm.chat_prompt, self.encode_with_ends)
         self.tool_format = tool_format(llm.chat_template)  # how this model writes tool calls
+        # prompt_cache_retention "24h": a tier that keeps pages past eviction and restarts
+        self.keeps_24h = bool(llm.config.kv_disk_path or llm.config.redis_url)
         self.fim = fim_tokens(llm.tokenizer.get_vocab(with_added_tokens=True))  # None: no `suffix`
         self.tool_holds = ToolHolds(engine, llm.config.tool_call_kv_ttl * llm.config.lease_ttl_scale)
         self.draining = False  # shutting down: no new requests
@@ -154,6 +156,16 @@ class FrontDoor:
     async def render_chat_request(self, body: ChatCompletionRequest) -> list[int]:
         """The prompt ids /v1/chat/completions gives the engine for `body`."""
         return await self.render_chat(body.conversation(), tools=body.toolset().template_tools)
+
+    def retention(self, asked: str | None) -> dict[str, Any]:
+        """The response's `prompt_cache_retention` for what a request asked (nothing when it asked
+        nothing); 24h without a disk or Redis tier is capped to in_memory, never refused."""
+        if asked is None:
+            return {}
+        if asked == "24h" and not self.keeps_24h:
+            return {"prompt_cache_retention": "in_memory",
+                    "prompt_cache_retention_note": "capped: this server has no disk or Redis KV tier"}
+        return {"prompt_cache_retention": asked}
 
     def check_fits(self, num_tokens: int, param: str = "messages") -> None:
         if num_tokens >= self.max_model_len:

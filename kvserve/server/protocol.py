@@ -3,6 +3,9 @@
 Unknown fields are ignored (as vLLM does); known fields of the wrong type or out of range are a 400
 with OpenAI's error JSON. Fields kvserve adds: `cache_salt` (cache isolation), `top_k`, `ignore_eos`,
 `kv_retention` (lease the prompt's KV), `kv_explain` (a `kv_cache` explanation beside `usage`).
+OpenAI's `prompt_cache_key` (a routing hint: `kvserve router` keeps a key on one backend; never an
+isolation boundary) and `prompt_cache_retention` (`24h` is kept where a disk or Redis tier holds pages
+across evictions and restarts; without one the answer says it was capped to `in_memory`).
 Output constraints (`response_format`, `structured_outputs`, `guided_*`): structured_fields.py;
 llama.cpp's fields (`n_predict`, `grammar`, `json_schema`, `cache_prompt`): llamacpp_fields.py.
 """
@@ -100,6 +103,8 @@ class _Sampling(StructuredFields, LlamaCppFields):
     logit_bias: Annotated[dict[str, Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     kv_retention: KVRetention | None = None
     kv_explain: StrictBool = False  # add `kv_cache`: why the prompt hit or missed the prefix cache
+    prompt_cache_key: Annotated[Text, Field(max_length=1024)] | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod

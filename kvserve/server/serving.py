@@ -1,10 +1,7 @@
 """The OpenAI endpoints' work: a request becomes one engine request per (prompt, choice); their
 outputs become one JSON response, or SSE chunks as they arrive.
 
-Text is streamed as the difference between the engine's cumulative text and what was sent, holding
-back a trailing U+FFFD (a multi-byte character split across tokens decodes to it until its last
-byte arrives) and, when stop strings are set, the last len(stop) - 1 characters (they may turn out
-to be the start of a stop string, which the engine cuts from the final text).
+Text is streamed as the difference between the engine's cumulative text and what was sent (text_delta.py).
 
 Admission, drain, the size bounds and tokenization are the front door's (front.py): each API
 request holds its engine requests there from before tokenization until `close()`. Requests the
@@ -31,32 +28,12 @@ from kvserve.server.breakpoints import retained_requests
 from kvserve.server.front import MAX_CHOICES, FrontDoor
 from kvserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                      error_body)
+from kvserve.server.text_delta import TextDelta
 from kvserve.server.tool_grammar import with_tool_grammar
 from kvserve.server.tool_parser import ToolStream
 from kvserve.structured import GrammarError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
-
-
-class TextDelta:
-    """What of the cumulative text can be sent now."""
-
-    def __init__(self, stop: list[str] | None) -> None:
-        self.sent = ""
-        self.hold = max((len(s) for s in stop or []), default=1) - 1
-
-    def update(self, text: str, finished: bool) -> str:
-        if not text.startswith(self.sent):
-            return ""  # cannot happen with byte-level BPE; never resend what was sent
-        end = len(text)
-        if not finished:
-            end = max(end - self.hold, 0)
-            while end > len(self.sent) and text[end - 1] == "\ufffd":
-                end -= 1
-        if end <= len(self.sent):
-            return ""
-        delta, self.sent = text[len(self.sent):end], text[:end]
-        return delta
 
 
 @dataclass(slots=True)
@@ -88,8 +65,14 @@ class Generation:
     kv_explain: bool = False
     namespace: str = ""
     tool_kv: ToolCallKV | None = None  # the tool-call holds it asked for and ended
+    hold_key: str | None = None  # a stored response's id: its hold is kept under it, call or not
     tool_hold: dict[str, Any] | None = None  # what became of its own hold (kv_explain)
     echo: list[str] | None = None  # /v1/completions with echo: each prompt's text, sent before the output
+    retention: dict[str, Any] = field(default_factory=dict)  # the prompt_cache_retention it got
+
+    @property
+    def held_under(self) -> list[str]:
+        return [self.hold_key] if self.hold_key else []
 
     def kv_cache(self) -> dict[str, Any] | list[dict[str, Any]] | None:
         """kv_explain: the prefix-cache explanation of each prompt (one prompt: the object itself)."""
@@ -98,6 +81,7 @@ class Generation:
         return found[0] if len(found) == 1 else found
 
     def respond(self, body: dict[str, Any]) -> dict[str, Any]:
+        body.update(self.retention)
         if self.kv_explain:
             body["kv_cache"] = explained = self.kv_cache()
             if isinstance(explained, dict) and self.tool_kv is not None:
@@ -145,6 +129,7 @@ class OpenAIServing:
             params = body.sampling_params(max_tokens, body.logprobs)
             gen = await self._submit("cmpl", prompts, params, body.n, namespace, release,
                                      retention=body.kv_retention, kv_explain=body.kv_explain)
+            gen.retention = self.door.retention(body.prompt_cache_retention)
         except BaseException:
             release()
             raise
@@ -162,12 +147,15 @@ class OpenAIServing:
                                                       gen.usage()))
 
     async def chat(self, body: ChatCompletionRequest, raw: Request, namespace: str,
-                   num_ctx: int | None = None):
+                   num_ctx: int | None = None, hold_key: str | None = None, continues: str | None = None):
+        """`hold_key`: keep the conversation's KV held under this key when it finishes (a stored
+        response); `continues`: the key of the hold this request continues (ended once it is admitted)."""
         self._check_model(body.model)
         toolset = body.toolset()
         fmt = self.door.tool_format if toolset.parses_calls else None
         answered = [m.tool_call_id for m in body.messages if m.role == "tool" and m.tool_call_id]
-        tool_kv = self.door.tool_holds.request_kv(namespace, answered, fmt is not None and body.n == 1)
+        tool_kv = self.door.tool_holds.request_kv(namespace, answered + ([continues] if continues else []),
+                                                  (fmt is not None or hold_key is not None) and body.n == 1)
         release = self.door.admit(namespace, body.n)
         try:
             prompt = await self.door.render_chat_request(body)
@@ -176,6 +164,8 @@ class OpenAIServing:
             gen = await self._submit("chatcmpl", [prompt], params, body.n, namespace, release,
                                      retention=body.kv_retention, kv_explain=body.kv_explain,
                                      tool_kv=tool_kv)
+            gen.retention = self.door.retention(body.prompt_cache_retention)
+            gen.hold_key = hold_key
         except BaseException:
             release()
             raise
@@ -188,7 +178,7 @@ class OpenAIServing:
         choices = [render.chat_choice(c.index, c.output.outputs[0], self.tokenizer,
                                       body.num_logprobs, fmt, toolset.choice.parallel) for c in gen.choices]
         if tool_kv is not None and tool_kv.hold:
-            calls = [call["id"] for call in choices[0]["message"].get("tool_calls", [])]
+            calls = [call["id"] for call in choices[0]["message"].get("tool_calls", [])] or gen.held_under
             gen.tool_hold = await self.door.tool_holds.settle(namespace, gen.choices[0].output, calls)
         return gen.respond(render.chat_response(gen.request_id, gen.created, gen.model, choices, gen.usage()))
 
@@ -337,7 +327,7 @@ class OpenAIServing:
                 reason = completion.finish_reason if c.output.finished else None
                 if c.output.finished and c.index == 0 and gen.tool_kv is not None and gen.tool_kv.hold:
                     gen.tool_hold = await self.door.tool_holds.settle(gen.namespace, c.output,
-                                                                      list(c.call_ids.values()))
+                                                                      list(c.call_ids.values()) or gen.held_under)
                 if reason == "stop" and c.call_ids:
                     reason = "tool_calls"
                 num_finished += c.output.finished

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import signal
 import socket
 import threading
 import time
@@ -132,6 +133,16 @@ def poll_health_while(url: str, workers: list[threading.Thread]) -> list[float]:
         return health
     finally:
         gc.unfreeze()
+
+
+def stop_serving(proc, timeout_s: float = 60) -> None:
+    """SIGINT, as a user stops `kvserve serve`; killed if it does not exit in time."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def wait_until_serving(proc, url: str, log_path, timeout_s: float = 180) -> None:

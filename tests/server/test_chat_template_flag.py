@@ -6,7 +6,6 @@ refused at start-up."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 
@@ -19,7 +18,7 @@ from kvserve.model.generic_tools import GENERIC_TOOLS_PREAMBLE
 from kvserve.model.gguf_loader import bundled_model_path, load_gguf
 from tests.conftest import make_llm
 from tests.redis_server import free_port
-from tests.server.conftest import wait_until_serving
+from tests.server.conftest import stop_serving, wait_until_serving
 from tests.server.test_tools import WEATHER
 from tests.server.tool_templates import QWEN25_TEMPLATE
 
@@ -64,10 +63,5 @@ def test_kvserve_serve_with_chat_template_renders_it_and_calls_in_its_format(tmp
                                              temperature=0, max_tokens=60)
         assert out.choices[0].message.tool_calls[0].function.name == "get_weather"
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            log.close()
+        stop_serving(proc)
+        log.close()

@@ -3,7 +3,7 @@ tokens is never sent half-decoded (no U+FFFD), and text that may start a stop st
 
 from __future__ import annotations
 
-from kvserve.server.serving import TextDelta
+from kvserve.server.text_delta import TextDelta
 
 
 def stream(deltas: TextDelta, texts: list[str], final: str) -> list[str]:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvserve.server.anthropic_blocks import BlockEvents
-from kvserve.server.serving import TextDelta
+from kvserve.server.text_delta import TextDelta
 from kvserve.server.tool_parser import ToolFormat, ToolStream, parse_output, tool_format
 
 QWEN = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}\n</tool_call>'

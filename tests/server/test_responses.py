@@ -1,0 +1,136 @@
+"""OpenAI's Responses API through the real openai SDK against a real server: text, streaming events,
+a function-call round trip, `text.format`, a follow-up by `previous_response_id` whose cached tokens
+cover the previous turn's pages, GET and DELETE, `store: false`, tenants kept apart, and bad input
+answered with a 4xx naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+from tests.server.conftest import ServerThread
+
+PAGE = 16  # the test engine's page size
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city today.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                          "required": ["city"], "additionalProperties": False}}
+STORY = ("Here is a short story about a lighthouse keeper named Ada who lives on a rocky island, keeps "
+         "a logbook of every ship, and feeds the gulls each morning before the fog lifts. ")
+
+
+def test_text_and_a_follow_up_that_hits_the_previous_turn(client, model_name):
+    first = client.responses.create(model=model_name, input=STORY + "Who is the keeper?",
+                                    max_output_tokens=12, temperature=0)
+    assert first.status in ("completed", "incomplete") and first.output_text
+    assert first.output[0].type == "message" and first.usage.input_tokens > 40
+    follow = client.responses.create(model=model_name, input="What does she feed?", temperature=0,
+                                     previous_response_id=first.id, max_output_tokens=8)
+    previous_turn = first.usage.input_tokens + first.usage.output_tokens
+    # every full page of the previous turn (prompt and answer) is served from the cache
+    assert follow.usage.input_tokens_details.cached_tokens >= previous_turn // PAGE * PAGE
+    assert follow.usage.input_tokens > previous_turn
+    assert follow.previous_response_id == first.id
+    got = client.responses.retrieve(follow.id)
+    assert got.id == follow.id and got.output_text == follow.output_text
+    client.responses.delete(follow.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(follow.id)
+
+
+def test_follow_up_equals_the_same_conversation_sent_whole(client, model_name):
+    first = client.responses.create(model=model_name, input="Name a fruit.", max_output_tokens=10, temperature=0)
+    follow = client.responses.create(model=model_name, input="Name another.", previous_response_id=first.id,
+                                     max_output_tokens=10, temperature=0)
+    whole = client.responses.create(model=model_name, max_output_tokens=10, temperature=0, store=False, input=[
+        {"role": "user", "content": "Name a fruit."},
+        {"role": "assistant", "content": [{"type": "output_text", "text": first.output_text}]},
+        {"role": "user", "content": "Name another."}])
+    assert follow.output_text == whole.output_text
+    with pytest.raises(openai.NotFoundError):  # store: false keeps nothing
+        client.responses.create(model=model_name, input="More.", previous_response_id=whole.id)
+
+
+def test_streaming_events_add_up_to_the_response(client, model_name):
+    events = list(client.responses.create(model=model_name, input="Say hello.", max_output_tokens=10,
+                                          temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert text and final.output_text == text
+    assert client.responses.retrieve(final.id).output_text == text
+
+
+def test_function_call_round_trip(client, model_name):
+    call = client.responses.create(model=model_name, input="What is the weather in Paris?", tools=[WEATHER],
+                                   tool_choice="required", temperature=0, max_output_tokens=40)
+    [fc] = [item for item in call.output if item.type == "function_call"]
+    assert fc.name == "get_weather" and isinstance(json.loads(fc.arguments)["city"], str)
+    streamed = list(client.responses.create(model=model_name, input="What is the weather in Paris?",
+                                            tools=[WEATHER], tool_choice="required", temperature=0,
+                                            max_output_tokens=40, stream=True))
+    args = "".join(e.delta for e in streamed if e.type == "response.function_call_arguments.delta")
+    assert args == fc.arguments
+    answer = client.responses.create(model=model_name, previous_response_id=call.id, tools=[WEATHER],
+                                     tool_choice="none", temperature=0, max_output_tokens=20,
+                                     input=[{"type": "function_call_output", "call_id": fc.call_id,
+                                             "output": "Sunny, 24 C"}])
+    assert answer.output_text and answer.usage.input_tokens_details.cached_tokens >= PAGE
+
+
+def test_text_format_json_schema(client, model_name):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    out = client.responses.create(model=model_name, input="Pick a number.", temperature=1.0,
+                                  max_output_tokens=30, text={"format": {"type": "json_schema", "name": "n",
+                                                                         "schema": schema, "strict": True}})
+    assert isinstance(json.loads(out.output_text)["n"], int)
+
+
+def test_a_tenant_never_reads_or_continues_anothers_response(async_engine, model_name):
+    from kvserve.server.api import build_app
+
+    with ServerThread(build_app(async_engine, api_keys=["sk-a", "sk-b"])) as server:
+        a = OpenAI(base_url=server.url + "/v1", api_key="sk-a", max_retries=0, timeout=120)
+        b = OpenAI(base_url=server.url + "/v1", api_key="sk-b", max_retries=0, timeout=120)
+        mine = a.responses.create(model=model_name, input="A secret: 42.", max_output_tokens=4, temperature=0)
+        with pytest.raises(openai.NotFoundError):
+            b.responses.retrieve(mine.id)
+        with pytest.raises(openai.NotFoundError) as err:
+            b.responses.create(model=model_name, input="What was it?", previous_response_id=mine.id)
+        assert err.value.body["param"] == "previous_response_id"
+        with pytest.raises(openai.NotFoundError):
+            b.responses.delete(mine.id)
+        assert a.responses.retrieve(mine.id).id == mine.id
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, "input"),
+    ({"input": 5}, "input"),
+    ({"input": []}, "input"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, "input.0.role"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content.0"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id"),
+    ({"input": [{"type": "web_search_call"}]}, "input.0.type"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "hi", "temperature": -1}, "temperature"),
+    ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "text.format.schema"),
+    ({"input": "hi", "tool_choice": {"type": "function", "name": "nope"}, "tools": [WEATHER]}, "tool_choice"),
+    ({"input": "hi", "prompt_cache_retention": "forever"}, "prompt_cache_retention"),
+    ({"input": "hi", "truncation": "auto"}, "truncation"),
+    ({"input": "hi", "previous_response_id": "resp_missing"}, "previous_response_id"),
+    ({"input": "hi", "model": "other"}, "model"),
+])
+def test_bad_input_is_a_4xx_naming_the_field(server, body, param):
+    r = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
+    assert 400 <= r.status_code < 500, r.text
+    error = r.json()["error"]
+    assert error["param"] == param or error["message"].startswith(param), r.text

@@ -115,7 +115,8 @@ def register(app: FastAPI, serving: OpenAIServing, info: ModelInfo,
 
     async def ps(raw: Request):
         await namespace(raw)
-        stats = serving.engine.latest_stats
+        engine = serving.engine  # read now, between steps: the last step's snapshot may predate a finish
+        stats = await engine.call(engine.engine.stats) if engine.is_running else engine.latest_stats
         return {"models": [info.running(stats, asked["expires_at"], asked["num_ctx"])]}
 
     async def show(raw: Request):

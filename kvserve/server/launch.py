@@ -133,6 +133,9 @@ def serve(args: argparse.Namespace) -> int:
         kwargs["threads"] = serving_threads()
     engine = LLMEngine(EngineConfig(model=args.model, role=args.role, **kwargs))
     log.info("%s", engine_memory_promise(engine, args).line())
+    if engine.gpu_budget is not None:
+        log.info("%s: %d tokens of KV", engine.gpu_budget.describe(),
+                 (engine.cache_config.num_pages - 1) * engine.cache_config.page_size)
     if engine.runner.kernel_tuning is not None:
         log.info("native kernels: %s", engine.runner.kernel_tuning.label())
     if args.threads is None and kwargs["threads"] is not None:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, SamplingParams, gpu
 from kvserve.config import ConfigError
 from kvserve.model.runner import build_model
 from tests.cuda.prompts import NEW_TOKENS, check_prompts
@@ -90,10 +90,12 @@ def check_invariance(model: str, prompts: list[list[int]]) -> dict:
     longest = max(map(len, prompts)) + NEW_TOKENS
     del llm
     free_engines()
-    pool = int(2.5 * (longest // 16 + 2)) * page_bytes
-    small = LLM(model=model, device=DEVICE, kv_cache_memory=pool, max_num_seqs=16, max_model_len=longest + 16,
+    # room for every request's prompt (and the null page) but not for their answers: decode preempts
+    requests = prompts * 2
+    pool = (sum(-(-(len(p) + 1) // 16) for p in requests) + 1) * page_bytes
+    small = LLM(model=model, device=DEVICE, kv_cache_memory=pool, max_num_seqs=16, max_model_len=longest,
                 prefix_cache="off")
-    preempted = greedy(small, prompts * 2)[: len(prompts)]
+    preempted = greedy(small, requests)[: len(prompts)]
     num_preemptions = small.engine.scheduler.stats.num_preemptions
     del small
     free_engines()
@@ -155,8 +157,9 @@ def check_sizing(model: str) -> dict:
     return result
 
 
-def bench_kvserve(model: str, w1: list[list[int]], concurrencies: list[int]) -> dict:
-    llm = LLM(model=model, device=DEVICE, max_num_seqs=max(concurrencies), max_num_batched_tokens=8192)
+def bench_kvserve(model: str, w1: list[list[int]], concurrencies: list[int], enforce_eager: bool = False) -> dict:
+    llm = LLM(model=model, device=DEVICE, max_num_seqs=max(concurrencies), max_num_batched_tokens=8192,
+              enforce_eager=enforce_eager)
     engine = llm.engine
     greedy(llm, [w1[0][:32]], 4)  # warm-up
     out = {}
@@ -237,6 +240,8 @@ def main() -> None:
     parser.add_argument("--only", default="float32,invariance,fp8,sizing,bench")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--limit", type=int, default=None, help="check only the first N prompts (dry runs)")
+    parser.add_argument("--enforce-eager", action="store_true", help="kvserve's bench without decode graphs")
+    parser.add_argument("--no-peer", action="store_true", help="kvserve's bench only")
     args = parser.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -249,6 +254,8 @@ def main() -> None:
     import triton
 
     report["triton"] = triton.__version__
+    report["matmul"] = "invariant" if gpu.invariant_matmul() else "cublas"
+    report["enforce_eager"] = args.enforce_eager
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     steps = {"float32": lambda: check_float32(args.model, reference),
              "invariance": lambda: check_invariance(args.model, prompts),
@@ -262,8 +269,9 @@ def main() -> None:
                 from kvserve.tools.bench.workload import load_workload
 
                 w1 = load_workload("w1", model=args.model).token_ids
-                report["bench_kvserve"] = bench_kvserve(args.model, w1, concurrencies)
-                report["bench_transformers"] = bench_transformers(args.model, w1, concurrencies)
+                report["bench_kvserve"] = bench_kvserve(args.model, w1, concurrencies, args.enforce_eager)
+                if not args.no_peer:
+                    report["bench_transformers"] = bench_transformers(args.model, w1, concurrencies)
             else:
                 report[name] = steps[name]()
         except Exception:  # one failed part must not lose the others' figures

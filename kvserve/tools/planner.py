@@ -126,6 +126,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="fp16", help="one or a comma list of " + ", ".join(KV_DTYPES))
     parser.add_argument("--memory", default=None, help="accelerator memory for weights + KV, e.g. 24GiB")
     parser.add_argument("--kv-cache-memory", default=None, help="KV budget as the engine flag (overrides --memory)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=1 - OVERHEAD_FRACTION,
+                        help="the share of --memory the process may use, as the engine's flag on CUDA (default "
+                             "0.9; the engine measures what the CUDA context and a step take at start-up)")
     parser.add_argument("--weights-dtype", default=None, choices=sorted(WEIGHT_BYTES_PER_PARAM),
                         help="weights at this dtype (default fp16; a .gguf counts its file size)")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
@@ -189,8 +192,11 @@ def run_plan(args: argparse.Namespace) -> dict:
     memory = None
     if args.memory is not None:
         budget = parse_bytes(args.memory)
-        overhead = int(budget * OVERHEAD_FRACTION)
-        memory = {"budget_bytes": budget, "weights_bytes": weights_bytes, "overhead_fraction": OVERHEAD_FRACTION,
+        utilization = getattr(args, "gpu_memory_utilization", 1 - OVERHEAD_FRACTION)
+        if not 0.0 < utilization <= 1.0:
+            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
+        overhead = int(budget * (1 - utilization))
+        memory = {"budget_bytes": budget, "weights_bytes": weights_bytes, "overhead_fraction": 1 - utilization,
                   "overhead_bytes": overhead, "kv_budget_bytes": max(0, budget - overhead - weights_bytes),
                   "weights_fit": weights_bytes + overhead <= budget}
     if args.kv_cache_memory is not None:

@@ -64,3 +64,11 @@ def test_gpu_memory_utilization_sizes_the_pool_and_refuses_a_context_that_cannot
     util = (budget.in_use_bytes + budget.activation_peak_bytes + 0.5 * max_len * bytes_per_token) / budget.total_bytes
     with pytest.raises(ConfigError, match="--gpu-memory-utilization"):
         LLMEngine(EngineConfig(model=tiny, device="cuda", gpu_memory_utilization=util, max_num_seqs=4))
+
+
+def test_decode_graphs_give_the_eager_steps_bits(tiny):
+    graphs = make_llm(model=tiny, device="cuda", dtype="auto", kv_cache_memory="64MiB", max_num_seqs=4)
+    eager = make_llm(model=tiny, device="cuda", dtype="auto", kv_cache_memory="64MiB", max_num_seqs=4,
+                     enforce_eager=True)
+    assert graphs.engine.runner.decode_graphs is not None and eager.engine.runner.decode_graphs is None
+    assert run(graphs, PROMPTS) == run(eager, PROMPTS)

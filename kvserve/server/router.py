@@ -10,7 +10,8 @@ sends each request where its prompt's pages already are.
 
 Each backend describes its event stream at `GET /v1/kv_events_endpoint` (docs/scale-out.md), so the
 router needs no flag per backend; keyed backends need the router's own key for it and for /tokenize
-(`--backend-api-key-file`; clients' keys are forwarded as they came). A router that follows no
+(`--backend-api-key-file`; clients' keys are forwarded as they came). With `--api-key-file` the
+router checks clients' keys itself first (auth.KeyGate): a wrong key costs no backend any work. A router that follows no
 backend's events says so at start-up: it would route by load alone.
 
 A backend that refuses a connection, fails a health check or answers garbage is marked down and its
@@ -66,6 +67,10 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the router's own key at backends started with API keys, for their "
                              "KV events description and /tokenize: a line `KEY` (every backend) "
                              "or `URL KEY` (one); clients' keys are forwarded as they came")
+    parser.add_argument("--api-key-file", default=None, metavar="FILE",
+                        help="clients' keys (one per line, as `kvserve serve --api-key-file`: give the "
+                             "backends' keys): a request without one of them gets a 401 at the router, "
+                             "before any backend is asked anything")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
@@ -96,10 +101,14 @@ def main_router(args: argparse.Namespace) -> int:
                  "max_request_bytes"):
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive")
+    from kvserve.server.launch import read_key_file
+
     keys = load_backend_keys(args.backend_api_key_file) if args.backend_api_key_file else None
+    client_keys = read_key_file(args.api_key_file, "--api-key-file") if args.api_key_file else None
     timeouts = ReadTimeouts(args.first_byte_timeout, args.chunk_timeout, args.timeout)
     app = build_router_app(args.backend, policy=args.policy, prefill_urls=args.prefill,
                            timeouts=timeouts, poll_interval_s=args.poll_interval,
-                           backend_keys=keys, max_request_bytes=args.max_request_bytes)
+                           backend_keys=keys, max_request_bytes=args.max_request_bytes,
+                           api_keys=client_keys)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

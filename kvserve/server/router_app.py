@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from kvserve.server.auth import ApiKeys, KeyGate
 from kvserve.server.forwarding import add_forward_routes, forwarded_headers, prefill, read_forwarded
 from kvserve.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from kvserve.server.protocol import error_body
@@ -34,7 +35,10 @@ def build_router_app(backend_urls: list[str], *, policy: str = "kv",
                      prefill_urls: list[str] | None = None,
                      timeouts: ReadTimeouts = ReadTimeouts(), poll_interval_s: float = 0.5,
                      weights: Weights = Weights(), backend_keys: dict[str, str] | None = None,
-                     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+                     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                     api_keys: list[str] | None = None) -> FastAPI:
+    """`api_keys`: the clients' keys, checked before anything else (None: forwarded unchecked, the
+    backends decide)."""
     router = Router(backend_urls, policy, weights, poll_interval_s, backend_keys, timeouts)
     prefills = [base_url(u) for u in prefill_urls or []]
     prefill_turn = [0]
@@ -47,6 +51,9 @@ def build_router_app(backend_urls: list[str], *, policy: str = "kv",
             await asyncio.gather(*(router.poll(b) for b in router.backends))
             if (warning := router.blind_warning()) is not None:
                 log.warning("%s", warning)
+            if backend_keys and not api_keys:
+                log.warning("the backends take API keys and the router has no --api-key-file: a client's "
+                            "wrong key is found only by a backend, after the router has worked for it")
             poller = asyncio.create_task(router.poll_forever())
             try:
                 yield
@@ -57,6 +64,8 @@ def build_router_app(backend_urls: list[str], *, policy: str = "kv",
     app = FastAPI(title="kvserve router", lifespan=lifespan)
     app.state.router = router
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    if api_keys:  # outermost: a wrong key is refused before the body is read or a backend asked
+        app.add_middleware(KeyGate, keys=ApiKeys(api_keys))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, err: Exception):

@@ -78,6 +78,7 @@ def build_router_app(backend_urls: list[str], *, policy: str = "kv",
         content, body, headers = request.content, request.body, request.headers
         stream = isinstance(body, dict) and body.get("stream") is True
         hashes = await router.prompt_hashes(path, body, headers)
+        cache_key = router.affinity.key_of(headers, body)
         if prefills:
             url = prefills[prefill_turn[0] % len(prefills)] + path
             prefill_turn[0] += 1
@@ -88,7 +89,7 @@ def build_router_app(backend_urls: list[str], *, policy: str = "kv",
         tried: set[str] = set()
         why = None  # the last backend's failure that send() did not see (a malformed answer)
         while True:
-            sent = await router.send(path, content, headers, hashes, tried, stream)
+            sent = await router.send(path, content, headers, hashes, tried, stream, cache_key)
             if isinstance(sent, str):
                 why = sent if why is None or sent != "no backend" else why
                 return JSONResponse(error_body(f"no backend could answer ({why})", "server_error"),
@@ -122,7 +123,7 @@ def build_router_app(backend_urls: list[str], *, policy: str = "kv",
 
         async def reopen(tried: set[str]) -> Attempt | None:
             while not isinstance(sent := await router.send(path, content, headers, hashes, tried,
-                                                           True), str):
+                                                           True, cache_key), str):
                 ticket, response, _, predicted = sent
                 kind = response.headers.get("content-type", "")
                 if response.status_code == 200 and kind.startswith("text/event-stream"):

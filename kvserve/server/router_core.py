@@ -9,6 +9,7 @@ from typing import Any
 from kvserve.cache.hashing import page_hashes
 from kvserve.kv_events import KVEventSubscriber, external_hash
 from kvserve.server.proxy import base_url
+from kvserve.server.router_affinity import CacheKey, CacheKeyAffinity
 from kvserve.server.router_index import (BackendState, Ticket, Weights, bearer, events_address,
                                          parse_load, rank, request_namespace, tokenize_request)
 from kvserve.server.router_metrics import RouterMetrics
@@ -54,15 +55,26 @@ class Router:
             raise ValueError(f"--backend-api-key-file names a URL that is no --backend: "
                              f"{sorted(unknown)[0]}")
         self.metrics = RouterMetrics()
+        self.affinity = CacheKeyAffinity()
         self.subscribers: dict[str, KVEventSubscriber] = {}
         self.alarms = {b.url: Alarm() for b in self.backends}
         self._turn = 0
         self.client = None  # httpx.AsyncClient, set by the app's lifespan
 
     # -- choosing ---------------------------------------------------------------------------------
-    def candidates(self, hashes: dict[str, list]) -> list[tuple[BackendState, int, str]]:
+    def candidates(self, hashes: dict[str, list], cache_key: CacheKey | None = None
+                   ) -> list[tuple[BackendState, int, str]]:
         """Backends to try in order, each with its predicted cached pages and the decision's
-        reason. Down backends come last: a stale health check must not fail a request."""
+        reason. Down backends come last: a stale health check must not fail a request. A
+        prompt_cache_key's backend, while healthy, comes first."""
+        choices = self._ranked(hashes)
+        pinned = self.affinity.backend_of(cache_key)
+        for i, (b, matched, _) in enumerate(choices):
+            if b.url == pinned and b.healthy:
+                return [(b, matched, "prompt_cache_key"), *choices[:i], *choices[i + 1:]]
+        return choices
+
+    def _ranked(self, hashes: dict[str, list]) -> list[tuple[BackendState, int, str]]:
         start = self._turn
         self._turn += 1
         healthy = [b for b in self.backends if b.healthy] or self.backends
@@ -128,7 +140,7 @@ class Router:
 
     async def send(self, path: str, content: bytes, headers: dict[str, str],
                    hashes: dict[str, list], tried: set[str],
-                   stream: bool = False) -> tuple[Ticket, Any, str, int] | str:
+                   stream: bool = False, cache_key: CacheKey | None = None) -> tuple[Ticket, Any, str, int] | str:
         """The request sent to the best backend not in `tried` (added to it) that takes it: its
         ticket, the response (status and headers read, body streamed), the decision's reason and
         the predicted cached tokens; or why no backend took it. A backend that cannot be reached
@@ -138,7 +150,7 @@ class Router:
         import httpx
 
         last_error = "no backend"
-        for b, matched, reason in self.candidates(hashes):
+        for b, matched, reason in self.candidates(hashes, cache_key):
             if b.url in tried:
                 continue
             if tried:
@@ -154,6 +166,7 @@ class Router:
                 if response.status_code in RETRY_STATUSES:
                     await response.aclose()
                     raise httpx.ConnectError(f"answered {response.status_code}")
+                self.affinity.place(cache_key, b.url)
                 return ticket, response, reason, matched * (b.page_size or 0)
             except BaseException as err:
                 ticket.release()

@@ -18,7 +18,7 @@ class RouterMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter(PREFIX + "requests", "Requests routed, by backend and reason "
-                                "(prefix, least_loaded, round_robin).", ["backend", "reason"],
+                                "(prefix, least_loaded, round_robin, prompt_cache_key).", ["backend", "reason"],
                                 registry=r)
         self.predicted_tokens = Counter(PREFIX + "predicted_cached_tokens",
                                  "Prompt tokens the router expected the chosen backend to hold.",

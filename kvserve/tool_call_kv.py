@@ -21,7 +21,8 @@ def after_step(manager: KVCacheManager, request: Request) -> None:
         for lease_id in tool.answers:
             manager.leases.use_hold(lease_id, request.tenant)
         request.tool_call = tool = replace(tool, answers=())
-    if (request.status is RequestStatus.FINISHED_STOPPED and request.hold_ttl_s > 0
+    # (a length-cut answer is no tool call, but a stored response it ends is continued all the same)
+    if (request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH) and request.hold_ttl_s > 0
             and request.cache.held_lease_id is None and request.cache.hold_refused is None):
         hit = manager.lookup(request.token_ids, request.namespace)
         num_pages = hit.num_tokens // manager.page_size  # full pages only

@@ -214,7 +214,7 @@ class MessagesService:
                 max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
                 stop=[s for s in body.stop_sequences or [] if s] or None,
-                structured_outputs=body.output_constraint())
+                structured_outputs=body.output_constraint(), cache_salt=body.cache_salt)
         except GrammarError as err:
             raise APIError(str(err), param=err.field) from None
         except ValueError as err:

@@ -120,6 +120,7 @@ class MessagesRequest(AnthropicStructuredFields):
     cache_control: CacheControl | None = None
     diagnostics: DiagnosticsParam | None = None
     kv_explain: StrictBool = False  # kvserve's own: a `kv_cache` explanation beside `usage`
+    cache_salt: Annotated[Text, Field(min_length=1, max_length=1024)] | None = None  # as on /v1/*: isolation
     tools: Annotated[list[Tool], Field(max_length=tp.MAX_TOOLS)] | None = None
     tool_choice: ToolChoiceParam | None = None
     thinking: dict[str, Any] | None = None

@@ -201,6 +201,8 @@ def register(app: FastAPI, serving: OpenAIServing, namespace: Callable[[Request]
 
     @app.delete("/v1/responses/{response_id}")
     async def delete(response_id: str, raw: Request):
-        if not store.delete(await namespace(raw), response_id):
+        tenant = await namespace(raw)
+        if not store.delete(tenant, response_id):
             raise not_found(response_id)
+        await serving.door.tool_holds.release(tenant, response_id)  # its KV need not wait for the TTL
         return {"id": response_id, "object": "response.deleted", "deleted": True}

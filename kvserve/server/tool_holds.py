@@ -37,6 +37,14 @@ class ToolHolds:
             return None
         return ToolCallKV(hold=self.enabled and hold, answers=tuple(answers))
 
+    async def release(self, tenant: str, key: str) -> bool:
+        """End the hold kept under `key` now (a deleted stored response); False when there is none."""
+        found = self._by_call.pop((tenant, key), None)
+        if found is None or found[1] <= time.monotonic():
+            return False
+        await self.engine.call(lambda: self.engine.engine.release_lease(tenant, found[0]))
+        return True
+
     async def settle(self, tenant: str, output: RequestOutput, call_ids: list[str]) -> dict[str, Any] | None:
         """After the answer finished: keep its hold under its tool call ids, or release it (no
         call). Returns what kv_explain shows about it."""

@@ -425,3 +425,15 @@ def test_kv_retention_with_a_bad_ttl_is_400(client, model_name):
         client.chat.completions.create(model=model_name, max_tokens=2,
                                        extra_body={"kv_retention": {"ttl": "2h"}},
                                        messages=[{"role": "user", "content": "Hi"}])
+
+
+def test_cache_salt_isolates_the_prefix_as_on_the_openai_routes(claude, model_name):
+    system = "You are a careful archivist of maps and letters. " * 30
+    ask = dict(model=model_name, max_tokens=1, system=system, messages=[{"role": "user", "content": "Hi"}])
+    first = claude.messages.create(**ask, extra_body={"cache_salt": "tenant-one"})
+    same = claude.messages.create(**ask, extra_body={"cache_salt": "tenant-one"})
+    other = claude.messages.create(**ask, extra_body={"cache_salt": "tenant-two"})
+    assert first.usage.input_tokens > 300 and same.usage.cache_read_input_tokens > 300
+    assert other.usage.cache_read_input_tokens == 0
+    with pytest.raises(anthropic.BadRequestError):
+        claude.messages.create(**ask, extra_body={"cache_salt": ""})

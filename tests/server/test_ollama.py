@@ -129,3 +129,22 @@ def test_bad_input_is_an_ollama_4xx_naming_the_field(server, model_name, body, n
     assert r.status_code == status, r.text
     assert named in r.json()["error"], r.text
     assert httpx.post(server.url + path, content=b"{not json", timeout=60).status_code == 400
+
+
+def test_keys_and_tenants_apply_to_ollamas_routes(async_engine, model_name):
+    from kvserve.server.api import build_app
+    from tests.server.conftest import ServerThread
+
+    with ServerThread(build_app(async_engine, api_keys=["sk-a", "sk-b"])) as keyed:
+        assert httpx.post(keyed.url + "/api/chat", json={"model": model_name, "messages": QUESTION}).status_code == 401
+        assert httpx.get(keyed.url + "/api/tags").status_code == 401
+        prefix = [{"role": "system", "content": "You keep a lighthouse logbook of ships. " * 12}, *QUESTION]
+        ask = dict(model=model_name, messages=prefix, options={"temperature": 0, "num_predict": 1})
+        a = ollama.Client(host=keyed.url, headers={"Authorization": "Bearer sk-a"})
+        b = ollama.Client(host=keyed.url, headers={"Authorization": "Bearer sk-b"})
+        first = a.chat(**ask)
+        assert first.prompt_eval_count > 100
+        again = httpx.post(keyed.url + "/v1/chat/completions", headers={"Authorization": "Bearer sk-b"},
+                           json={"model": model_name, "messages": prefix, "max_tokens": 1}).json()
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # sk-a's pages are not sk-b's
+        assert b.chat(**ask).message.content == first.message.content

@@ -12,7 +12,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from tests.server.conftest import ServerThread
+from tests.server.conftest import ServerThread, on_engine
 
 PAGE = 16  # the test engine's page size
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city today.",
@@ -22,7 +22,7 @@ STORY = ("Here is a short story about a lighthouse keeper named Ada who lives on
          "a logbook of every ship, and feeds the gulls each morning before the fog lifts. ")
 
 
-def test_text_and_a_follow_up_that_hits_the_previous_turn(client, model_name):
+def test_text_and_a_follow_up_that_hits_the_previous_turn(client, model_name, async_engine):
     first = client.responses.create(model=model_name, input=STORY + "Who is the keeper?",
                                     max_output_tokens=12, temperature=0)
     assert first.status in ("completed", "incomplete") and first.output_text
@@ -36,7 +36,12 @@ def test_text_and_a_follow_up_that_hits_the_previous_turn(client, model_name):
     assert follow.previous_response_id == first.id
     got = client.responses.retrieve(follow.id)
     assert got.id == follow.id and got.output_text == follow.output_text
+    leased = lambda: on_engine(async_engine, lambda: async_engine.engine.manager.leases.num_leased_pages)  # noqa: E731
+    held = leased()
+    assert held > 0  # the stored responses' conversations are held
     client.responses.delete(follow.id)
+    client.responses.delete(first.id)
+    assert leased() < held  # deleting lets their pages go before the hold's TTL
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(follow.id)
 

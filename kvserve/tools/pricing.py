@@ -20,6 +20,7 @@ from kvserve.config import ConfigError
 TTL_SECONDS = {"5m": 300, "1h": 3600}
 DEFAULT_WRITE_MULTIPLIER = {"5m": 1.25, "1h": 2.0}
 DEFAULT_READ_MULTIPLIER = 0.1
+DEFAULT_OPENAI_READ_MULTIPLIER = 0.1  # OpenAI's cached-input rate for the gpt-5 family (gpt-4.1: 0.25, gpt-4o: 0.5)
 DEFAULT_PRICE = 3.0  # $ per million base input tokens
 DEFAULT_MIN_CACHEABLE = 1024
 _SECONDS = {"": 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "hr": 3600}
@@ -92,6 +93,9 @@ def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cache write price multiplier (default 1.25 for 5m, 2.0 for 1h)")
     parser.add_argument("--read-multiplier", type=float, default=DEFAULT_READ_MULTIPLIER,
                         help="cache read price multiplier (default 0.1)")
+    parser.add_argument("--openai-read-multiplier", type=float, default=DEFAULT_OPENAI_READ_MULTIPLIER,
+                        help="OpenAI's cached-input price multiplier for OpenAI-shaped usage (default 0.1, "
+                             "the gpt-5 family's; gpt-4.1 0.25, gpt-4o 0.5)")
     parser.add_argument("--min-cacheable", type=int, default=DEFAULT_MIN_CACHEABLE,
                         help="shortest prefix the provider caches (default 1024; some models 512 or 2048)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -117,9 +121,10 @@ def _arrivals(args: argparse.Namespace) -> tuple[list[float] | None, dict | None
 
 
 def usage_tokens(usage: dict) -> dict[str, int]:
-    """One usage object as input (1x), cache writes by TTL and cache reads, in prompt tokens.
-    Anthropic's input_tokens excludes cached ones; OpenAI's prompt_tokens includes its cached_tokens
-    (reads; OpenAI has no write premium, so it reports no writes)."""
+    """One usage object as input (1x), cache writes by TTL and cache reads (Anthropic's `read`,
+    OpenAI's `read_openai`), in prompt tokens. Anthropic's input_tokens excludes cached ones; OpenAI's
+    prompt_tokens (Chat Completions) and input_tokens with input_tokens_details (Responses) include
+    their cached_tokens (OpenAI has no write premium, so it reports no writes)."""
     def count(value) -> int:
         if value is None:
             return 0
@@ -127,13 +132,16 @@ def usage_tokens(usage: dict) -> dict[str, int]:
             raise ValueError(f"token counts must be integers >= 0, got {value!r}")
         return value
 
-    if "prompt_tokens" in usage:
-        read = count((usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
-        prompt = count(usage["prompt_tokens"])
+    responses = "input_tokens_details" in usage or "output_tokens_details" in usage
+    if "prompt_tokens" in usage or responses:
+        prompt_key, output_key = ("input_tokens", "output_tokens") if responses else ("prompt_tokens",
+                                                                                       "completion_tokens")
+        read = count((usage.get(f"{prompt_key}_details") or {}).get("cached_tokens"))
+        prompt = count(usage.get(prompt_key))
         if read > prompt:
-            raise ValueError(f"cached_tokens {read} is over prompt_tokens {prompt}")
-        return {"input": prompt - read, "write_5m": 0, "write_1h": 0, "read": read,
-                "output": count(usage.get("completion_tokens"))}
+            raise ValueError(f"cached_tokens {read} is over {prompt_key} {prompt}")
+        return {"input": prompt - read, "write_5m": 0, "write_1h": 0, "read": 0, "read_openai": read,
+                "output": count(usage.get(output_key))}
     if "input_tokens" not in usage:
         raise ValueError("a usage object has input_tokens (Anthropic) or prompt_tokens (OpenAI)")
     written = count(usage.get("cache_creation_input_tokens"))
@@ -142,22 +150,28 @@ def usage_tokens(usage: dict) -> dict[str, int]:
     if hour > written:
         raise ValueError(f"ephemeral_1h_input_tokens {hour} is over cache_creation_input_tokens {written}")
     return {"input": count(usage["input_tokens"]), "write_5m": written - hour, "write_1h": hour,
-            "read": count(usage.get("cache_read_input_tokens")), "output": count(usage.get("output_tokens"))}
+            "read": count(usage.get("cache_read_input_tokens")), "read_openai": 0,
+            "output": count(usage.get("output_tokens"))}
 
 
 def bill_usage(usages: list[dict], price: float = DEFAULT_PRICE, write_multiplier: float | None = None,
-               read_multiplier: float = DEFAULT_READ_MULTIPLIER) -> dict:
-    """What a provider bills for these requests' prompts with caching (writes at 1.25x/2x, reads at
-    0.1x) and without (every prompt token at 1x), in billed token equivalents and dollars."""
-    totals = dict.fromkeys(("input", "write_5m", "write_1h", "read", "output"), 0)
+               read_multiplier: float = DEFAULT_READ_MULTIPLIER,
+               openai_read_multiplier: float = DEFAULT_OPENAI_READ_MULTIPLIER) -> dict:
+    """What the providers bill for these requests' prompts with caching (Anthropic: writes at 1.25x/2x,
+    reads at 0.1x; OpenAI: no write premium, cached tokens at its discount) and without (every prompt
+    token at 1x), in billed token equivalents and dollars."""
+    totals = dict.fromkeys(("input", "write_5m", "write_1h", "read", "read_openai", "output"), 0)
     for usage in usages:
         for key, value in usage_tokens(usage).items():
             totals[key] += value
+    openai_reads = totals.pop("read_openai")
     write = {ttl: Fraction(str(write_multiplier if write_multiplier is not None else mult))
              for ttl, mult in DEFAULT_WRITE_MULTIPLIER.items()}
-    plain = Fraction(totals["input"] + totals["write_5m"] + totals["write_1h"] + totals["read"])
+    plain = Fraction(totals["input"] + totals["write_5m"] + totals["write_1h"] + totals["read"] + openai_reads)
     cached = (totals["input"] + write["5m"] * totals["write_5m"] + write["1h"] * totals["write_1h"]
-              + Fraction(str(read_multiplier)) * totals["read"])
+              + Fraction(str(read_multiplier)) * totals["read"]
+              + Fraction(str(openai_read_multiplier)) * openai_reads)
+    totals["read"] += openai_reads
     per_token = Fraction(str(price)) / 1_000_000
     return {"num_requests": len(usages), "prompt_tokens": int(plain),
             **{f"{key}_tokens": value for key, value in totals.items()},
@@ -165,7 +179,7 @@ def bill_usage(usages: list[dict], price: float = DEFAULT_PRICE, write_multiplie
             "cost_uncached": float(plain * per_token), "cost_cached": float(cached * per_token),
             "savings": float((plain - cached) * per_token),
             "savings_fraction": float((plain - cached) / plain) if plain else 0.0,
-            "price_per_mtok": price}
+            "openai_read_tokens": openai_reads, "price_per_mtok": price}
 
 
 def load_usages(path: str) -> list[dict]:
@@ -198,7 +212,7 @@ def run_cost(args: argparse.Namespace) -> dict:
             raise ConfigError("--from-usage takes the traffic from the file; leave out --prefix-tokens, "
                               "--calls and --trace")
         return {"from_usage": bill_usage(load_usages(args.from_usage), args.price, args.write_multiplier,
-                                         args.read_multiplier)}
+                                         args.read_multiplier, args.openai_read_multiplier)}
     if args.prefix_tokens is None:
         raise ConfigError("give --prefix-tokens N (a prefix and a call pattern) or --from-usage FILE")
     tokens = args.prefix_tokens

@@ -233,6 +233,17 @@ def test_openai_usage_bills_cached_tokens_as_reads_and_the_rest_at_1x(tmp_path):
     assert bill["billed_uncached"] == 2400
 
 
+def test_responses_usage_includes_its_cached_tokens_and_openai_reads_have_their_own_rate(tmp_path):
+    responses = {"input_tokens": 1200, "input_tokens_details": {"cached_tokens": 1024}, "output_tokens": 9,
+                 "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 1209}
+    bill = cost("--from-usage", usage_file(tmp_path, {"id": "resp_1", "usage": responses}, ANTHROPIC_READ),
+                "--openai-read-multiplier", "0.5")["from_usage"]
+    assert bill["openai_read_tokens"] == 1024 and bill["read_tokens"] == 2024
+    assert bill["input_tokens"] == 176 + 20 and bill["output_tokens"] == 14
+    assert bill["billed_uncached"] == 1200 + 1020
+    assert bill["billed_cached"] == pytest.approx(176 + 0.5 * 1024 + 20 + 0.1 * 1000)
+
+
 def test_multipliers_and_price_flags_apply_to_usage(tmp_path):
     bill = cost("--from-usage", usage_file(tmp_path, ANTHROPIC_WRITE), "--write-multiplier", "1",
                 "--price", "1")["from_usage"]

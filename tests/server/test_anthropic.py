@@ -164,7 +164,8 @@ def test_a_final_assistant_turn_is_continued(claude, model_name, async_engine):
     ({"messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image"),
     ({"temperature": 1.5}, "temperature"),
-    ({"tools": [{"name": "t", "input_schema": {}}]}, "tools"),
+    ({"tools": [{"name": "t"}]}, "tools.0.input_schema"),
+    ({"tools": [{"name": "t", "input_schema": {}}], "tool_choice": {"type": "tool", "name": "u"}}, "tool_choice"),
     ({"system": [{"type": "text", "text": "a", "cache_control": {"type": "ephemeral", "ttl": "2h"}}]},
      "ttl"),
     ({"messages": [{"role": "user", "content": [

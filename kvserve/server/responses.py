@@ -20,6 +20,7 @@ from kvserve.server.anthropic import read_json
 from kvserve.server.front import ClosingStream, SSE_HEADERS
 from kvserve.server.ollama_protocol import validated
 from kvserve.server.protocol import APIError
+from kvserve.server.responses_diagnostics import compare, prompt_record
 from kvserve.server.responses_protocol import ResponsesRequest
 from kvserve.server.responses_store import ResponseStore
 from kvserve.server.serving import OpenAIServing, sse_payloads
@@ -169,13 +170,20 @@ def register(app: FastAPI, serving: OpenAIServing, namespace: Callable[[Request]
         response_id = f"resp_{secrets.token_hex(16)}"
         result = await serving.chat(chat, raw, tenant, hold_key=response_id if body.store else None,
                                     continues=body.previous_response_id)
-        builder = ResponseBuilder(response_id, body, serving.model_names[0], {})
+        record = prompt_record(body.prompt_cache_key, chat.tools and [t.model_dump() for t in chat.tools],
+                               body.text.model_dump() if body.text else None, result.prompt or [])
+        extra = {}
+        options = body.prompt_cache_options
+        if options is not None and options.comparison_response_id is not None:
+            compared = store.get(tenant, options.comparison_response_id)
+            extra["prompt_cache_diagnostics"] = compare(compared.prompt if compared else None, record)
+        builder = ResponseBuilder(response_id, body, serving.model_names[0], extra)
         events = builder.events(sse_payloads(result.body))
 
         def keep() -> None:
             if body.store and builder.response["status"] in ("completed", "incomplete"):
                 store.put(tenant, builder.snapshot(),
-                          [*earlier, *body.new_messages(), builder.assistant_message()])
+                          [*earlier, *body.new_messages(), builder.assistant_message()], record)
 
         if body.stream:
             async def lines() -> AsyncIterator[str]:

@@ -46,6 +46,14 @@ class NamedFunction(BaseModel):
     name: Text
 
 
+class PromptCacheOptions(BaseModel):
+    """Only the comparison is taken: kvserve always caches implicitly, and a breakpoint TTL it would
+    not keep is refused rather than ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+    comparison_response_id: Annotated[Text, Field(min_length=1, max_length=128)] | None = None
+
+
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: Text | None = None
@@ -64,6 +72,7 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, StrictStr] | None = None
     prompt_cache_key: Annotated[Text, Field(max_length=1024)] | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
     truncation: Literal["disabled"] | None = None
     user: Text | None = None
 

@@ -20,6 +20,7 @@ TTL_S = 24 * 3600.0
 class StoredResponse:
     response: dict[str, Any]
     messages: list[dict[str, Any]]  # the conversation up to and including this response's output
+    prompt: Any  # what its prompt was (responses_diagnostics.PromptRecord), for cache diagnostics
     num_bytes: int
     expires: float
 
@@ -30,12 +31,12 @@ class ResponseStore:
         self.max_responses, self.max_bytes, self.ttl_s = max_responses, max_bytes, ttl_s
         self._tenants: dict[str, OrderedDict[str, StoredResponse]] = {}
 
-    def put(self, tenant: str, response: dict[str, Any], messages: list[dict[str, Any]]) -> None:
-        size = len(json.dumps(response)) + len(json.dumps(messages))
+    def put(self, tenant: str, response: dict[str, Any], messages: list[dict[str, Any]], prompt: Any = None) -> None:
+        size = len(json.dumps(response)) + len(json.dumps(messages)) + 8 * len(getattr(prompt, "token_ids", ()))
         if size > self.max_bytes:
             return  # too large to keep at all: a follow-up by its id gets a 404
         stored = self._tenants.setdefault(tenant, OrderedDict())
-        stored[response["id"]] = StoredResponse(response, messages, size, time.monotonic() + self.ttl_s)
+        stored[response["id"]] = StoredResponse(response, messages, prompt, size, time.monotonic() + self.ttl_s)
         total = sum(s.num_bytes for s in stored.values())
         while len(stored) > self.max_responses or total > self.max_bytes:
             _, dropped = stored.popitem(last=False)

@@ -104,6 +104,7 @@ class SSEResult:
 
     body: AsyncIterator[str]
     close: Callable[[], None]
+    prompt: list[int] | None = None  # the chat's prompt ids (cache diagnostics compare them)
 
 
 class OpenAIServing:
@@ -173,7 +174,7 @@ class OpenAIServing:
             for c in gen.choices:
                 c.tools = ToolStream(fmt, toolset.choice.parallel)
         if body.stream:
-            return SSEResult(self._sse(gen, body, chat=True), lambda: self.close(gen))
+            return SSEResult(self._sse(gen, body, chat=True), lambda: self.close(gen), prompt)
         await self._finish(gen, raw)
         choices = [render.chat_choice(c.index, c.output.outputs[0], self.tokenizer,
                                       body.num_logprobs, fmt, toolset.choice.parallel) for c in gen.choices]

@@ -139,3 +139,30 @@ def test_bad_input_is_a_4xx_naming_the_field(server, body, param):
     assert 400 <= r.status_code < 500, r.text
     error = r.json()["error"]
     assert error["param"] == param or error["message"].startswith(param), r.text
+
+
+def test_prompt_cache_diagnostics_compare_with_an_earlier_response(client, model_name):
+    base = client.responses.create(model=model_name, input=STORY + "Who is she?", max_output_tokens=2,
+                                   temperature=0, prompt_cache_key="story")
+    compare = {"comparison_response_id": base.id}
+    same = client.responses.create(model=model_name, input=STORY + "Who is she?", max_output_tokens=2,
+                                   prompt_cache_key="story", prompt_cache_options=compare)
+    follow = client.responses.create(model=model_name, input="And then?", previous_response_id=base.id,
+                                     max_output_tokens=2, prompt_cache_key="story", prompt_cache_options=compare)
+    assert same.prompt_cache_diagnostics.type == follow.prompt_cache_diagnostics.type == "cache_hit"
+    changed = client.responses.create(model=model_name, input="A different story. " + STORY, max_output_tokens=2,
+                                      prompt_cache_key="story", prompt_cache_options=compare)
+    miss = changed.prompt_cache_diagnostics
+    assert miss.type == "cache_miss" and miss.reason == "input_changed"
+    assert miss.cache_missed_tokens == base.usage.input_tokens - miss.comparison_reusable_tokens > 0
+    rekeyed = client.responses.create(model=model_name, input=STORY, max_output_tokens=2,
+                                      prompt_cache_key="other", prompt_cache_options=compare)
+    assert rekeyed.prompt_cache_diagnostics.reason == "prompt_cache_key_changed"
+    tooled = client.responses.create(model=model_name, input=STORY, max_output_tokens=2, tools=[WEATHER],
+                                     prompt_cache_key="story", prompt_cache_options=compare)
+    assert tooled.prompt_cache_diagnostics.reason == "tools_changed"
+    gone = client.responses.create(model=model_name, input=STORY, max_output_tokens=2,
+                                   prompt_cache_options={"comparison_response_id": "resp_nope"})
+    assert gone.prompt_cache_diagnostics.type == "comparison_response_not_found"
+    with pytest.raises(openai.BadRequestError):  # a TTL it would not keep is refused, not ignored
+        client.responses.create(model=model_name, input="x", prompt_cache_options={"ttl": "12h"})

@@ -54,7 +54,7 @@ def serve(tmp_path, port: int, disk: str, name: str) -> subprocess.Popen:
 def test_24h_on_a_disk_tier_survives_a_restart(tmp_path):
     disk, port = str(tmp_path / "kv"), free_port()
     messages = [{"role": "system", "content": PREFIX}, {"role": "user", "content": "What stopped?"}]
-    outputs = []
+    outputs, responses = [], []
     for run in range(2):
         proc = serve(tmp_path, port, disk, f"serve{run}.log")
         try:
@@ -63,9 +63,16 @@ def test_24h_on_a_disk_tier_survives_a_restart(tmp_path):
             outputs.append(client.chat.completions.create(
                 model=model, messages=messages, max_tokens=12, temperature=0,
                 extra_body={"prompt_cache_retention": "24h"}))
+            responses.append(client.responses.create(model=model, input=messages[1:], instructions=PREFIX,
+                                                      max_output_tokens=12, temperature=0,
+                                                      prompt_cache_retention="24h"))
         finally:
             stop_serving(proc)
     cold, warm = outputs
+    # the Responses API's own turn after the restart: its prompt is the chat's, so it hits the disk too
+    assert responses[1].usage.input_tokens_details.cached_tokens >= responses[1].usage.input_tokens // 16 * 16 - 16
+    assert responses[1].output_text == responses[0].output_text == cold.choices[0].message.content
+    assert responses[1].prompt_cache_retention == "24h"
     assert cold.model_extra["prompt_cache_retention"] == "24h"
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
     assert warm.usage.prompt_tokens_details.cached_tokens >= cold.usage.prompt_tokens // 16 * 16 - 16

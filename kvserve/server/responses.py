@@ -23,6 +23,7 @@ from kvserve.server.protocol import APIError
 from kvserve.server.responses_diagnostics import compare, prompt_record
 from kvserve.server.responses_protocol import ResponsesRequest
 from kvserve.server.responses_store import ResponseStore
+from kvserve.server.router_responses import RESPONSE_ID_HEADER
 from kvserve.server.serving import OpenAIServing, sse_payloads
 
 
@@ -190,7 +191,8 @@ def register(app: FastAPI, serving: OpenAIServing, namespace: Callable[[Request]
                 async for kind, payload in events:
                     yield f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
                 keep()
-            return ClosingStream(lines(), result.close, media_type="text/event-stream", headers=SSE_HEADERS)
+            return ClosingStream(lines(), result.close, media_type="text/event-stream",
+                                 headers={**SSE_HEADERS, RESPONSE_ID_HEADER: response_id})
         try:
             async for kind, payload in events:
                 if kind == "error":
@@ -198,7 +200,7 @@ def register(app: FastAPI, serving: OpenAIServing, namespace: Callable[[Request]
         finally:
             result.close()
         keep()
-        return JSONResponse(builder.snapshot())
+        return JSONResponse(builder.snapshot(), headers={RESPONSE_ID_HEADER: response_id})
 
     @app.get("/v1/responses/{response_id}")
     async def get(response_id: str, raw: Request):

@@ -21,6 +21,7 @@ from kvserve.server.forwarding import add_forward_routes, forwarded_headers, pre
 from kvserve.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from kvserve.server.protocol import error_body
 from kvserve.server.proxy import base_url
+from kvserve.server import router_responses
 from kvserve.server.router_core import Router, failure_kind
 from kvserve.server.router_checks import MAX_ANSWER_BYTES, answer_problem
 from kvserve.server.router_index import Weights
@@ -141,6 +142,7 @@ def build_router_app(backend_urls: list[str], *, policy: str = "kv",
                                  background=BackgroundTask(relay.finish))
 
     add_forward_routes(app, forward, ("/v1/completions", "/v1/chat/completions", "/v1/messages"))
+    router_responses.register(app, router)
 
     @app.get("/v1/models")
     async def models(raw: Request):

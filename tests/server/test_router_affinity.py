@@ -4,6 +4,8 @@ front of two real servers, with the openai client."""
 
 from __future__ import annotations
 
+import openai
+import pytest
 from openai import OpenAI
 
 from kvserve.server.router_affinity import CacheKeyAffinity
@@ -52,3 +54,29 @@ def test_the_router_app_keeps_a_key_on_one_backend(async_engine, model_name):
     by_key = {backend: n for (backend, reason), n in keyed.items() if reason == "prompt_cache_key"}
     assert list(by_key.values()) == [3]  # the first placed it, the other 3 followed on one backend
     assert len({backend for (backend, reason) in keyed if reason == "round_robin"}) == 2
+
+
+def test_responses_through_the_router_follow_their_backend(async_engine, model_name):
+    """Two servers, each with its own stored responses, round-robin in front: without the router
+    learning where a response lives, every other follow-up would be a 404."""
+    from kvserve.server.api import build_app
+    from kvserve.server.router_app import build_router_app
+
+    with ServerThread(build_app(async_engine)) as one, ServerThread(build_app(async_engine)) as two:
+        app = build_router_app([one.url, two.url], policy="round-robin", poll_interval_s=0.2)
+        with ServerThread(app) as router:
+            client = OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            first = client.responses.create(model=model_name, input="Name a colour.", max_output_tokens=3)
+            previous = first
+            for turn in range(3):  # the middle one streamed
+                ask = dict(model=model_name, input=f"And another ({turn})?", previous_response_id=previous.id,
+                           max_output_tokens=3)
+                previous = (list(client.responses.create(**ask, stream=True))[-1].response if turn == 1
+                            else client.responses.create(**ask))
+                assert previous.previous_response_id is not None
+            assert client.responses.retrieve(first.id).id == first.id
+            client.responses.delete(first.id)
+            with pytest.raises(openai.NotFoundError):
+                client.responses.retrieve(first.id)
+            with pytest.raises(openai.NotFoundError):
+                client.responses.create(model=model_name, input="x", previous_response_id="resp_unknown")

@@ -115,6 +115,7 @@ class ToolCallKV:
 
     hold: bool = False
     answers: tuple[str, ...] = ()
+    hold_s: float | None = None  # the hold's TTL in seconds (None: --tool-call-kv-ttl)
 
 
 @dataclass(slots=True)

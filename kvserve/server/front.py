@@ -53,7 +53,8 @@ class FrontDoor:
         # prompt_cache_retention "24h": a tier that keeps pages past eviction and restarts
         self.keeps_24h = bool(llm.config.kv_disk_path or llm.config.redis_url)
         self.fim = fim_tokens(llm.tokenizer.get_vocab(with_added_tokens=True))  # None: no `suffix`
-        self.tool_holds = ToolHolds(engine, llm.config.tool_call_kv_ttl * llm.config.lease_ttl_scale)
+        self.tool_holds = ToolHolds(engine, llm.config.tool_call_kv_ttl * llm.config.lease_ttl_scale,
+                                    llm.config.lease_ttl_scale)
         self.draining = False  # shutting down: no new requests
         self.abort_note: str | None = None  # why in-flight requests were aborted (shutdown)
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvserve-tokenize")

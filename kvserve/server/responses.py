@@ -2,7 +2,7 @@
 `DELETE /v1/responses/{id}`. A request runs as a chat request (responses_protocol.py) through the
 serving layer; its output becomes `message` and `function_call` items. `store: true` (the default)
 keeps the response and its conversation for the tenant (responses_store.py) and holds the
-conversation's KV pages under the response id (the tool-call hold's mechanism, --tool-call-kv-ttl), so
+conversation's KV pages under the response id (the tool-call hold's mechanism, for 5 minutes), so
 a follow-up by `previous_response_id` renders the same prefix and hits it."""
 
 from __future__ import annotations

@@ -156,7 +156,8 @@ class OpenAIServing:
         fmt = self.door.tool_format if toolset.parses_calls else None
         answered = [m.tool_call_id for m in body.messages if m.role == "tool" and m.tool_call_id]
         tool_kv = self.door.tool_holds.request_kv(namespace, answered + ([continues] if continues else []),
-                                                  (fmt is not None or hold_key is not None) and body.n == 1)
+                                                  (fmt is not None or hold_key is not None) and body.n == 1,
+                                                  stored=hold_key is not None and body.n == 1)
         release = self.door.admit(namespace, body.n)
         try:
             prompt = await self.door.render_chat_request(body)
@@ -180,7 +181,8 @@ class OpenAIServing:
                                       body.num_logprobs, fmt, toolset.choice.parallel) for c in gen.choices]
         if tool_kv is not None and tool_kv.hold:
             calls = [call["id"] for call in choices[0]["message"].get("tool_calls", [])] or gen.held_under
-            gen.tool_hold = await self.door.tool_holds.settle(namespace, gen.choices[0].output, calls)
+            gen.tool_hold = await self.door.tool_holds.settle(namespace, gen.choices[0].output, calls,
+                                                              stored=gen.hold_key is not None)
         return gen.respond(render.chat_response(gen.request_id, gen.created, gen.model, choices, gen.usage()))
 
     def close(self, gen: Generation) -> None:
@@ -328,7 +330,8 @@ class OpenAIServing:
                 reason = completion.finish_reason if c.output.finished else None
                 if c.output.finished and c.index == 0 and gen.tool_kv is not None and gen.tool_kv.hold:
                     gen.tool_hold = await self.door.tool_holds.settle(gen.namespace, c.output,
-                                                                      list(c.call_ids.values()) or gen.held_under)
+                                                                      list(c.call_ids.values()) or gen.held_under,
+                                                                      stored=gen.hold_key is not None)
                 if reason == "stop" and c.call_ids:
                     reason = "tool_calls"
                 num_finished += c.output.finished

@@ -12,27 +12,33 @@ from typing import Any
 from kvserve.request import RequestOutput, ToolCallKV
 
 MAX_IDS = 50_000  # remembered tool call ids, least recently added first out
+STORED_RESPONSE_HOLD_S = 300.0  # a stored response's conversation: OpenAI's in-memory 5 minutes
 
 
 class ToolHolds:
-    def __init__(self, engine, ttl_s: float) -> None:
+    def __init__(self, engine, ttl_s: float, scale: float = 1.0) -> None:
         self.engine = engine  # AsyncEngine
         self.ttl_s = ttl_s  # --tool-call-kv-ttl (scaled): 0 is off
+        self.stored_ttl_s = STORED_RESPONSE_HOLD_S * scale  # a stored response's hold (scaled)
         self._by_call: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
 
     @property
     def enabled(self) -> bool:
         return self.ttl_s > 0
 
-    def request_kv(self, tenant: str, answered_ids: list[str], hold: bool) -> ToolCallKV | None:
+    def request_kv(self, tenant: str, answered_ids: list[str], hold: bool, stored: bool = False
+                   ) -> ToolCallKV | None:
         """What a chat request with tools asks of the engine: hold its own KV when it finishes
-        (`hold`) and end the holds of the calls whose results it brings."""
+        (`hold`) and end the holds of the calls whose results it brings. `stored`: the hold is a
+        stored response's (STORED_RESPONSE_HOLD_S, whether or not tool-call holds are on)."""
         now = time.monotonic()
         answers = []
         for call_id in answered_ids:
             found = self._by_call.get((tenant, call_id))
             if found is not None and found[1] > now and found[0] not in answers:
                 answers.append(found[0])
+        if stored:
+            return ToolCallKV(hold=True, answers=tuple(answers), hold_s=STORED_RESPONSE_HOLD_S)
         if not (self.enabled and hold) and not answers:
             return None
         return ToolCallKV(hold=self.enabled and hold, answers=tuple(answers))
@@ -45,7 +51,8 @@ class ToolHolds:
         await self.engine.call(lambda: self.engine.engine.release_lease(tenant, found[0]))
         return True
 
-    async def settle(self, tenant: str, output: RequestOutput, call_ids: list[str]) -> dict[str, Any] | None:
+    async def settle(self, tenant: str, output: RequestOutput, call_ids: list[str],
+                     stored: bool = False) -> dict[str, Any] | None:
         """After the answer finished: keep its hold under its tool call ids, or release it (no
         call). Returns what kv_explain shows about it."""
         lease_id = output.held_lease_id
@@ -54,9 +61,10 @@ class ToolHolds:
         if not call_ids:
             await self.engine.call(lambda: self.engine.engine.release_lease(tenant, lease_id))
             return {"held": False, "refused": None, "reason": "no_tool_call"}
-        expires = time.monotonic() + self.ttl_s
+        expires = time.monotonic() + (self.stored_ttl_s if stored else self.ttl_s)
         for call_id in call_ids:
             self._by_call[(tenant, call_id)] = (lease_id, expires)
         while len(self._by_call) > MAX_IDS:
             self._by_call.popitem(last=False)
-        return {"held": True, "lease_id": lease_id, "ttl_s": self.ttl_s, "tool_call_ids": list(call_ids)}
+        return {"held": True, "lease_id": lease_id, "ttl_s": self.stored_ttl_s if stored else self.ttl_s,
+                "tool_call_ids": list(call_ids)}

@@ -166,3 +166,29 @@ def test_prompt_cache_diagnostics_compare_with_an_earlier_response(client, model
     assert gone.prompt_cache_diagnostics.type == "comparison_response_not_found"
     with pytest.raises(openai.BadRequestError):  # a TTL it would not keep is refused, not ignored
         client.responses.create(model=model_name, input="x", prompt_cache_options={"ttl": "12h"})
+
+
+def test_a_stored_responses_hold_outlives_a_tool_calls_and_then_expires(model_name):
+    """Lease TTLs scaled by 0.01: a tool-call hold would last 0.3 s, a stored response's 3 s."""
+    import time
+
+    from kvserve.async_engine import AsyncEngine
+    from kvserve.config import EngineConfig
+    from kvserve.engine import LLMEngine
+    from kvserve.server.api import build_app
+    from tests.server.conftest import SMALL_ENGINE
+
+    engine = AsyncEngine(LLMEngine(EngineConfig(**{**SMALL_ENGINE, "kv_cache_memory": "64MiB", "max_model_len": 512},
+                                                lease_ttl_scale=0.01)))
+    with ServerThread(build_app(engine)) as server:
+        client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        leased = lambda: on_engine(engine, lambda: engine.engine.manager.leases.num_leased_pages)  # noqa: E731
+        start = time.monotonic()
+        client.responses.create(model=model_name, input=STORY, max_output_tokens=4, temperature=0)
+        time.sleep(max(0.0, start + 1.5 - time.monotonic()))
+        assert leased() >= 4  # past a tool-call hold's 0.3 s, still held
+        deadline = time.monotonic() + 10
+        while leased() and time.monotonic() < deadline:
+            time.sleep(1.0)  # (an idle engine expires leases after 0.5 s without a command: not polled faster)
+        assert leased() == 0 and time.monotonic() - start > 2.5  # gone after its 3 s
+    engine.shutdown()

@@ -202,8 +202,7 @@ class LLMEngine:
         request.kv_explain = kv_explain
         if tool_call is not None:
             request.tool_call = tool_call
-            ttl_s = self.config.tool_call_kv_ttl if tool_call.hold_s is None else tool_call.hold_s
-            request.hold_ttl_s = ttl_s * self.config.lease_ttl_scale if tool_call.hold else 0.0
+            request.hold_ttl_s = self.config.tool_call_kv_ttl * self.config.lease_ttl_scale if tool_call.hold else 0.0
         self.outputs.add(request_id, text, samples)
         self.scheduler.add(request)
         return request_id

@@ -115,7 +115,7 @@ class ToolCallKV:
 
     hold: bool = False
     answers: tuple[str, ...] = ()
-    hold_s: float | None = None  # the hold's TTL in seconds (None: --tool-call-kv-ttl)
+    hold_s: float | None = None  # the hold's TTL in seconds, lease_ttl_scale applied (None: --tool-call-kv-ttl)
 
 
 @dataclass(slots=True)

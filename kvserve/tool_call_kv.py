@@ -21,13 +21,14 @@ def after_step(manager: KVCacheManager, request: Request) -> None:
         for lease_id in tool.answers:
             manager.leases.use_hold(lease_id, request.tenant)
         request.tool_call = tool = replace(tool, answers=())
+    ttl_s = tool.hold_s if tool.hold and tool.hold_s is not None else request.hold_ttl_s
     # (a length-cut answer is no tool call, but a stored response it ends is continued all the same)
-    if (request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH) and request.hold_ttl_s > 0
+    if (request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH) and ttl_s > 0
             and request.cache.held_lease_id is None and request.cache.hold_refused is None):
         hit = manager.lookup(request.token_ids, request.namespace)
         num_pages = hit.num_tokens // manager.page_size  # full pages only
         held = manager.leases.hold(request.namespace, list(hit.pages[:num_pages]),
-                                   num_pages * manager.page_size, request.hold_ttl_s, manager.clock(),
+                                   num_pages * manager.page_size, ttl_s, manager.clock(),
                                    request.tenant)
         if isinstance(held, str):
             request.cache.hold_refused = held

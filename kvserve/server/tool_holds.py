@@ -38,7 +38,7 @@ class ToolHolds:
             if found is not None and found[1] > now and found[0] not in answers:
                 answers.append(found[0])
         if stored:
-            return ToolCallKV(hold=True, answers=tuple(answers), hold_s=STORED_RESPONSE_HOLD_S)
+            return ToolCallKV(hold=True, answers=tuple(answers), hold_s=self.stored_ttl_s)
         if not (self.enabled and hold) and not answers:
             return None
         return ToolCallKV(hold=self.enabled and hold, answers=tuple(answers))

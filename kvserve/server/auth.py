@@ -14,12 +14,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import json
 from collections.abc import Callable
 from typing import Any
 
-from kvserve.server.limits import receive_by
-from kvserve.server.protocol import error_body
+from kvserve.server.error_shapes import front_error
+from kvserve.server.limits import close_with, receive_by
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/dashboard", "/dashboard/stats"})
 NAMESPACE_SCOPE_KEY = "kvserve.namespace"
@@ -113,13 +112,5 @@ class KeyGate:
 
     @staticmethod
     async def _refuse(scope: Scope, send: Send) -> None:
-        if str(scope.get("path", "")).startswith("/v1/messages"):  # Anthropic's error shape
-            body = {"type": "error", "error": {"type": "authentication_error", "message": INVALID_KEY}}
-        else:
-            body = error_body(INVALID_KEY, "invalid_request_error", None, "invalid_api_key")
-        payload = json.dumps(body).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(payload)).encode()),
-                                (b"www-authenticate", b"Bearer"), (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": payload})
+        body = front_error(str(scope.get("path", "")), 401, INVALID_KEY, code="invalid_api_key")
+        await close_with(send, 401, body, [(b"www-authenticate", b"Bearer")])

@@ -1,5 +1,5 @@
 """What one client can make the server hold: a request body cap (413 before parsing), a read
-timeout on the body (408), and admission control over engine requests (429 with Retry-After
+timeout on the body (408), the body's structure (400, body_guard.py), and admission control over engine requests (429 with Retry-After
 before any work is queued, 400 for a request that could never be admitted).
 
 `BodyLimit` is plain ASGI middleware: a declared Content-Length over the cap is refused before
@@ -20,7 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.server.protocol import APIError, error_body
+from kvserve.server.body_guard import body_problem
+from kvserve.server.error_shapes import front_error
+from kvserve.server.protocol import APIError
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 DEFAULT_READ_TIMEOUT_S = 30.0
@@ -50,13 +52,13 @@ class BodyLimit:
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.strip().isdigit() and int(declared) > self.max_bytes:
             await self._drain(receive, 0, deadline)
-            return await self._refuse(send, int(declared))
+            return await self._refuse(scope, send, int(declared))
         chunks: list[bytes] = []
         size = 0
         while True:
             message = await receive_by(receive, deadline)
             if message is None:
-                return await self._timed_out(send, size)
+                return await self._timed_out(scope, send, size)
             if message["type"] == "http.disconnect":
                 return  # the client left before sending its body: nothing to answer
             chunk = message.get("body", b"")
@@ -64,11 +66,15 @@ class BodyLimit:
             if size > self.max_bytes:
                 if message.get("more_body", False):
                     await self._drain(receive, size, deadline)
-                return await self._refuse(send, None)
+                return await self._refuse(scope, send, None)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
+        problem = body_problem(body) if body else None
+        if problem is not None:
+            return await answer_with(send, 400, front_error(scope.get("path", ""), 400, problem,
+                                                            code="invalid_body"))
         replayed = False
 
         async def replay() -> dict[str, Any]:
@@ -89,18 +95,18 @@ class BodyLimit:
                 return
             size += len(message.get("body", b""))
 
-    async def _refuse(self, send: Send, declared: int | None) -> None:
+    async def _refuse(self, scope: Scope, send: Send, declared: int | None) -> None:
         size = f"{declared:,} bytes" if declared is not None else "over the limit"
         message = (f"the request body is {size}; this server accepts at most {self.max_bytes:,} "
                    f"bytes (--max-request-bytes)")
-        await close_with(send, 413, error_body(message, "invalid_request_error", None,
-                                               "request_too_large"))
+        await close_with(send, 413, front_error(scope.get("path", ""), 413, message,
+                                                code="request_too_large"))
 
-    async def _timed_out(self, send: Send, size: int) -> None:
+    async def _timed_out(self, scope: Scope, send: Send, size: int) -> None:
         message = (f"the request body did not arrive within {self.read_timeout_s:g} s "
                    f"({size:,} bytes came); send it faster (--request-read-timeout)")
-        await close_with(send, 408, error_body(message, "invalid_request_error", None,
-                                               "request_timeout"))
+        await close_with(send, 408, front_error(scope.get("path", ""), 408, message,
+                                                code="request_timeout"))
 
 
 async def receive_by(receive: Receive, deadline: float) -> dict[str, Any] | None:
@@ -112,13 +118,19 @@ async def receive_by(receive: Receive, deadline: float) -> dict[str, Any] | None
         return None
 
 
-async def close_with(send: Send, status: int, body: dict[str, Any]) -> None:
+async def close_with(send: Send, status: int, body: dict[str, Any],
+                     headers: list[tuple[bytes, bytes]] = ()) -> None:
     """Answer `status` with a JSON body and close the connection (the body was not read whole)."""
+    await answer_with(send, status, body, [*headers, (b"connection", b"close")])
+
+
+async def answer_with(send: Send, status: int, body: dict[str, Any],
+                      headers: list[tuple[bytes, bytes]] = ()) -> None:
+    """Answer `status` with a JSON body from middleware, before any route runs."""
     payload = json.dumps(body).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(payload)).encode()),
-                            (b"connection", b"close")]})
+                            (b"content-length", str(len(payload)).encode()), *headers]})
     await send({"type": "http.response.body", "body": payload})
 
 

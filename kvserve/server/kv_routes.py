@@ -1,7 +1,8 @@
 """HTTP routes about the KV cache itself rather than completions: `POST /tokenize` (vLLM's shape:
 find the token offset of your own text), `GET /v1/cache/report` (the live cache report) and
 `GET /v1/kv_events_endpoint` (where a KV-aware router subscribes to this instance's KV events) and
-`POST /reset_prefix_cache` (vLLM's: forget every cached page; KV events send AllBlocksCleared)."""
+`POST /reset_prefix_cache` (vLLM's: forget every cached page; KV events send AllBlocksCleared; an
+admin key's only, since it spans tenants)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from kvserve.server.front import FrontDoor
-from kvserve.server.protocol import ChatCompletionRequest, ChatMessage
+from kvserve.server.protocol import ChatCompletionRequest, ChatMessage, error_body
 
 
 class TokenizeRequest(BaseModel):
@@ -69,8 +70,13 @@ def kv_routes(door: FrontDoor, namespace: Callable[..., Awaitable[str]],
                 "namespace_by_api_key": namespace_by_api_key}
 
     @router.post("/reset_prefix_cache")
-    async def reset_prefix_cache(ns: str = Depends(namespace)):
-        """Refused (409) while requests hold pages, as vLLM refuses it."""
+    async def reset_prefix_cache(ns: str = Depends(namespace), admin: bool = Depends(is_admin)):
+        """Every tenant's cache, so an admin key's (or a server without keys); refused (409) while
+        requests hold pages, as vLLM refuses it."""
+        if not admin:
+            return JSONResponse(error_body("resetting the prefix cache drops every tenant's pages; "
+                                           "it needs a key from --admin-api-key-file",
+                                           "permission_error", None, "admin_key_required"), 403)
         if not await async_engine.call(engine.reset_prefix_cache):
             return JSONResponse({"error": {"message": "requests are running; reset the prefix cache "
                                            "when the server is idle", "type": "conflict_error"}}, 409)

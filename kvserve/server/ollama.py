@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -58,7 +59,8 @@ def ollama_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def register(app: FastAPI, serving: OpenAIServing, info: ModelInfo,
              namespace: Callable[[Request], Awaitable[str]]) -> None:
-    asked: dict[str, Any] = {"expires_at": None, "num_ctx": None}  # the last ones: /api/ps shows them
+    # each tenant's last keep_alive and num_ctx, which its /api/ps shows (never another tenant's)
+    asked_by: dict[str, dict[str, Any]] = defaultdict(lambda: {"expires_at": None, "num_ctx": None})
 
     def check_model(name: str) -> str:
         if info.serves(name):
@@ -69,6 +71,7 @@ def register(app: FastAPI, serving: OpenAIServing, info: ModelInfo,
         tenant = await namespace(raw)
         body = parse(model, await read_json(raw))
         name = check_model(body.model)
+        asked = asked_by[tenant]
         if body.keep_alive_s() is not None:
             asked["expires_at"] = info.expiry(body.keep_alive_s())
         num_ctx = body.options.num_ctx if body.options else None
@@ -114,7 +117,7 @@ def register(app: FastAPI, serving: OpenAIServing, info: ModelInfo,
         return {"models": [info.listing()]}
 
     async def ps(raw: Request):
-        await namespace(raw)
+        asked = asked_by.get(await namespace(raw), {"expires_at": None, "num_ctx": None})
         engine = serving.engine  # read now, between steps: the last step's snapshot may predate a finish
         stats = await engine.call(engine.engine.stats) if engine.is_running else engine.latest_stats
         return {"models": [info.running(stats, asked["expires_at"], asked["num_ctx"])]}

@@ -1,6 +1,6 @@
 """What vLLM-built routers read from a kvserve server: with `--metrics-name-prefix vllm` the five
 metric families llm-d's endpoint picker scrapes by default, with vLLM's types and labels; and
-`POST /reset_prefix_cache` behind the API key."""
+`POST /reset_prefix_cache` behind an admin key."""
 
 from __future__ import annotations
 
@@ -52,18 +52,20 @@ def test_kvserve_names_stay_the_default_with_the_info_families(server):
     assert "kvserve:lora_requests_info" in found and "kvserve:disk_tier_hits" in found
 
 
-def test_reset_prefix_cache_needs_the_key_and_forgets_cached_pages(async_engine, model_name):
+def test_reset_prefix_cache_needs_an_admin_key_and_forgets_cached_pages(async_engine, model_name):
     from openai import OpenAI
 
     from kvserve.server.api import build_app
 
-    with ServerThread(build_app(async_engine, api_keys=["sk-reset"])) as running:
+    with ServerThread(build_app(async_engine, api_keys=["sk-reset"], admin_api_keys=["sk-admin"])) as running:
         client = OpenAI(base_url=running.url + "/v1", api_key="sk-reset", max_retries=0)
         prompt = "Count the ships in the harbor, one by one, and name each of them " * 4
         client.completions.create(model=model_name, prompt=prompt, max_tokens=1)
         assert httpx.post(running.url + "/reset_prefix_cache").status_code == 401
+        tenant = httpx.post(running.url + "/reset_prefix_cache", headers={"Authorization": "Bearer sk-reset"})
+        assert tenant.status_code == 403 and tenant.json()["error"]["code"] == "admin_key_required"
         reset = httpx.post(running.url + "/reset_prefix_cache",
-                           headers={"Authorization": "Bearer sk-reset"})
+                           headers={"Authorization": "Bearer sk-admin"})
         assert reset.status_code == 200
         again = client.completions.create(model=model_name, prompt=prompt, max_tokens=1)
         assert (again.usage.prompt_tokens_details.cached_tokens or 0) == 0

@@ -16,6 +16,7 @@ import numpy as np
 # a JSON string literal (escapes included); what is left once they are blanked out is structure
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NON_FINITE = re.compile(rb"-?\b(?:NaN|Infinity)\b")
+_NON_FINITE_MEMBER = re.compile(rb'"((?:[^"\\]|\\.){0,200})"\s*:\s*-?(?:NaN|Infinity)\b')
 _OPEN = np.frombuffer(b"[{", dtype=np.uint8)
 _CLOSE = np.frombuffer(b"]}", dtype=np.uint8)
 
@@ -32,25 +33,34 @@ class BodyShape:
 DEFAULT_BODY_SHAPE = BodyShape()
 
 
-def body_problem(body: bytes, shape: BodyShape = DEFAULT_BODY_SHAPE) -> str | None:
+@dataclass(frozen=True, slots=True)
+class BodyProblem:
+    message: str
+    param: str | None = None  # the member holding the bad value, where one is named
+
+
+def body_problem(body: bytes, shape: BodyShape = DEFAULT_BODY_SHAPE) -> BodyProblem | None:
     """What is wrong with `body`'s structure, in a sentence for the client; None if nothing is.
     A body that is not JSON at all passes through: the route's parser names that problem."""
     try:
         body.decode("utf-8")
     except UnicodeDecodeError as err:
-        return f"the request body is not valid UTF-8 (byte {err.start}); send UTF-8 JSON"
+        return BodyProblem(f"the request body is not valid UTF-8 (byte {err.start}); send UTF-8 JSON")
     structure = _STRING.sub(b'""', body)
     if _NON_FINITE.search(structure):
-        return "the request body holds NaN or Infinity, which JSON does not allow; send a number"
+        member = _NON_FINITE_MEMBER.search(body)
+        param = member.group(1).decode() if member else None
+        return BodyProblem(f"{param + ': ' if param else ''}NaN and Infinity are not JSON numbers; "
+                           f"send a finite number", param)
     chars = np.frombuffer(structure, dtype=np.uint8)
     opens = np.isin(chars, _OPEN)
     depth = int(np.cumsum(opens.astype(np.int32) - np.isin(chars, _CLOSE)).max(initial=0))
     if depth > shape.max_depth:
-        return (f"the request body nests {depth} levels deep; this server accepts at most "
-                f"{shape.max_depth}")
+        return BodyProblem(f"the request body nests {depth} levels deep; this server accepts at "
+                           f"most {shape.max_depth}")
     # each comma separates two elements, each non-empty container holds one more than its commas
     elements = int(np.count_nonzero(chars == ord(","))) + int(np.count_nonzero(opens))
     if elements > shape.max_elements:
-        return (f"the request body holds about {elements:,} array items and object members; this "
-                f"server accepts at most {shape.max_elements:,}")
+        return BodyProblem(f"the request body holds about {elements:,} array items and object "
+                           f"members; this server accepts at most {shape.max_elements:,}")
     return None

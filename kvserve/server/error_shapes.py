@@ -10,9 +10,9 @@ from kvserve.server.protocol import error_body
 
 
 def front_error(path: str, status: int, message: str, type_: str = "invalid_request_error",
-                code: str | None = None) -> dict[str, Any]:
+                code: str | None = None, param: str | None = None) -> dict[str, Any]:
     if path.startswith("/v1/messages"):
         return anthropic_error(message, status)
     if path.startswith("/api/"):
         return {"error": message}
-    return error_body(message, type_, None, code)
+    return error_body(message, type_, param, code)

@@ -73,8 +73,8 @@ class BodyLimit:
         body = b"".join(chunks)
         problem = body_problem(body) if body else None
         if problem is not None:
-            return await answer_with(send, 400, front_error(scope.get("path", ""), 400, problem,
-                                                            code="invalid_body"))
+            return await answer_with(send, 400, front_error(
+                scope.get("path", ""), 400, problem.message, code="invalid_body", param=problem.param))
         replayed = False
 
         async def replay() -> dict[str, Any]:

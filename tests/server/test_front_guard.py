@@ -71,5 +71,6 @@ def test_body_problem_counts_strings_as_scalars():
 
     shape = BodyShape(max_depth=3, max_elements=4)
     assert body_problem(b'{"a": "[[[[[[,,,,,,NaN\\" {{{{"}', shape) is None
-    assert "nests 4" in body_problem(b'[[[["x"]]]]', shape)
-    assert "5 array items" in body_problem(b"[1,2,3,4,5]", shape)
+    assert "nests 4" in body_problem(b'[[[["x"]]]]', shape).message
+    assert "5 array items" in body_problem(b"[1,2,3,4,5]", shape).message
+    assert body_problem(b'{"top_p": -Infinity}', shape).param == "top_p"

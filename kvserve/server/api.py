@@ -36,6 +36,7 @@ from kvserve.server.limits import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_READ_TIMEO
                                    BodyLimit)
 from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from kvserve.server.ollama_info import kvserve_version, model_info
+from kvserve.server.openapi_doc import document
 from kvserve.server.serving import OpenAIServing, SSEResult
 
 log = logging.getLogger("kvserve.server")
@@ -88,6 +89,7 @@ def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
     hidden = bool(keys)  # with keys, the schema is served below, behind the key
     app = FastAPI(title="kvserve", lifespan=lifespan, docs_url=None if hidden else "/docs",
                   redoc_url=None, openapi_url=None if hidden else "/openapi.json")
+    app.openapi = lambda: document(app, names)
     app.state.engine = async_engine
     app.state.metrics = metrics
     app.state.serving = serving

@@ -7,9 +7,11 @@ admin key's only, since it spans tenants)."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import Annotated
+
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from kvserve.server.front import FrontDoor
 from kvserve.server.protocol import ChatCompletionRequest, ChatMessage, error_body
@@ -20,7 +22,7 @@ class TokenizeRequest(BaseModel):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_generation_prompt: bool = True
     # accepted for vLLM's clients; the ids are always those the completion endpoints would use
     add_special_tokens: bool | None = None
@@ -38,8 +40,7 @@ def kv_routes(door: FrontDoor, namespace: Callable[..., Awaitable[str]],
         """The token ids the completion endpoints give the engine for the same prompt or messages
         (the front door's rendering and rule, off the event loop)."""
         if (body.prompt is None) == (body.messages is None):
-            return JSONResponse({"error": {"message": "send exactly one of `prompt` or `messages`",
-                                           "type": "invalid_request_error"}}, 400)
+            return JSONResponse(error_body("send exactly one of `prompt` or `messages`"), 400)
         if body.messages is None:
             ids = (await door.tokenize([body.prompt]))[0]
         else:
@@ -61,8 +62,8 @@ def kv_routes(door: FrontDoor, namespace: Callable[..., Awaitable[str]],
     async def kv_events_endpoint(ns: str = Depends(namespace)):
         publisher = engine.event_publisher
         if publisher is None:
-            return JSONResponse({"error": {"message": "KV events are off; start with --kv-events-endpoint",
-                                           "type": "not_found_error"}}, 404)
+            return JSONResponse(error_body("KV events are off; start with --kv-events-endpoint",
+                                           "not_found_error"), 404)
         return {"endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint,
                 "page_size": engine.config.page_size, "hash_format": publisher.hash_format,
                 "topic": publisher.topic.decode(), "encoding": publisher.encoding,
@@ -78,8 +79,8 @@ def kv_routes(door: FrontDoor, namespace: Callable[..., Awaitable[str]],
                                            "it needs a key from --admin-api-key-file",
                                            "permission_error", None, "admin_key_required"), 403)
         if not await async_engine.call(engine.reset_prefix_cache):
-            return JSONResponse({"error": {"message": "requests are running; reset the prefix cache "
-                                           "when the server is idle", "type": "conflict_error"}}, 409)
+            return JSONResponse(error_body("requests are running; reset the prefix cache when the "
+                                           "server is idle", "conflict_error"), 409)
         return Response(status_code=200)
 
     return router

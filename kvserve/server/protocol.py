@@ -252,12 +252,14 @@ class ChatMessage(BaseModel):
                              f"{_json_type(value)}")
         return value
 
-    def text(self) -> str:
+    def text(self, param: str = "content") -> str:
+        """The content as one text; an APIError (400) naming `param` for a part that is not text."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         for part in self.content:
             if part.type != "text":
-                raise ValueError(f"content parts of type {part.type!r} are not supported; send text")
+                raise APIError(f"{param}: content parts of type {part.type!r} are not supported; "
+                               f"send text", param=param)
         return "".join(part.text or "" for part in self.content)
 
 
@@ -282,7 +284,7 @@ class ChatCompletionRequest(_Sampling):
         messages = []
         for i, message in enumerate(self.messages):
             item: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
-                                    "content": message.text()}
+                                    "content": message.text(f"messages.{i}.content")}
             if message.name:
                 item["name"] = message.name
             if message.tool_calls:

@@ -17,8 +17,6 @@ import numpy as np
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NON_FINITE = re.compile(rb"-?\b(?:NaN|Infinity)\b")
 _NON_FINITE_MEMBER = re.compile(rb'"((?:[^"\\]|\\.){0,200})"\s*:\s*-?(?:NaN|Infinity)\b')
-_OPEN = np.frombuffer(b"[{", dtype=np.uint8)
-_CLOSE = np.frombuffer(b"]}", dtype=np.uint8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,19 +45,20 @@ def body_problem(body: bytes, shape: BodyShape = DEFAULT_BODY_SHAPE) -> BodyProb
     except UnicodeDecodeError as err:
         return BodyProblem(f"the request body is not valid UTF-8 (byte {err.start}); send UTF-8 JSON")
     structure = _STRING.sub(b'""', body)
-    if _NON_FINITE.search(structure):
+    if (b"NaN" in structure or b"Infinity" in structure) and _NON_FINITE.search(structure):
         member = _NON_FINITE_MEMBER.search(body)
         param = member.group(1).decode() if member else None
         return BodyProblem(f"{param + ': ' if param else ''}NaN and Infinity are not JSON numbers; "
                            f"send a finite number", param)
     chars = np.frombuffer(structure, dtype=np.uint8)
-    opens = np.isin(chars, _OPEN)
-    depth = int(np.cumsum(opens.astype(np.int32) - np.isin(chars, _CLOSE)).max(initial=0))
+    opens = (chars == ord("[")) | (chars == ord("{"))
+    closes = (chars == ord("]")) | (chars == ord("}"))
+    depth = int(np.cumsum(opens.astype(np.int32) - closes).max(initial=0))
     if depth > shape.max_depth:
         return BodyProblem(f"the request body nests {depth} levels deep; this server accepts at "
                            f"most {shape.max_depth}")
     # each comma separates two elements, each non-empty container holds one more than its commas
-    elements = int(np.count_nonzero(chars == ord(","))) + int(np.count_nonzero(opens))
+    elements = structure.count(b",") + int(np.count_nonzero(opens))
     if elements > shape.max_elements:
         return BodyProblem(f"the request body holds about {elements:,} array items and object "
                            f"members; this server accepts at most {shape.max_elements:,}")

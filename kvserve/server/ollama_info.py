@@ -59,7 +59,10 @@ class ModelInfo:
 
     def expiry(self, keep_alive_s: float | None) -> datetime:
         seconds = DEFAULT_KEEP_ALIVE_S if keep_alive_s is None else keep_alive_s
-        return FOREVER if seconds < 0 else datetime.now(timezone.utc) + timedelta(seconds=seconds)
+        now = datetime.now(timezone.utc)
+        if seconds < 0 or not seconds < (FOREVER - now).total_seconds():  # past FOREVER is forever
+            return FOREVER
+        return now + timedelta(seconds=seconds)
 
     def running(self, stats: EngineStats | None, expires_at: datetime | None,
                 num_ctx: int | None) -> dict[str, Any]:

@@ -79,7 +79,9 @@ class ResponsesRequest(BaseModel):
     @field_validator("tools", mode="before")
     @classmethod
     def _function_tools(cls, value: Any) -> Any:
-        for i, tool in enumerate(value or []):
+        if not isinstance(value, list):
+            return value  # the field's own type check names the problem
+        for i, tool in enumerate(value):
             if isinstance(tool, dict) and tool.get("type") != "function":
                 raise ValueError(f"item {i}: tools of type {tool.get('type')!r} are not supported; "
                                  "send function tools")

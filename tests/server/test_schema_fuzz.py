@@ -166,3 +166,76 @@ def test_every_route_fuzzed_from_its_openapi_document(served):
     assert len(by_route) >= len({(op.method, op.path) for op in operations}) - 1, sorted(by_route)
     assert used == 0
     assert health.p99() < HEALTH_P99_S, report
+
+
+def body_routes(url: str) -> list[tuple[str, str]]:
+    spec = httpx.get(url + "/openapi.json", timeout=30).json()
+    return [(method.upper(), path.replace("{cache_id}", "kvc_x").replace("{response_id}", "resp_x"))
+            for path, operations in spec["paths"].items() for method, op in operations.items()
+            if "requestBody" in op]
+
+
+SEED_BODY = {"model": "m", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+             "input": "hi", "name": "c", "options": {"num_predict": 1}, "stream": False}
+
+
+def _nest(depth: int, leaf: bytes, array: bool) -> bytes:
+    return (b"[" * depth + leaf + b"]" * depth) if array else (b'{"a":' * depth + leaf + b"}" * depth)
+
+
+@st.composite
+def structure_mutation(draw) -> tuple[str, bytes]:
+    """A body the schema cannot describe: (what it is, its bytes)."""
+    kind = draw(st.sampled_from(["deep", "deep-field", "huge-array", "invalid-utf8", "duplicate-keys",
+                                 "nan", "truncated", "bare-scalar"]))
+    seed = json.dumps(SEED_BODY).encode()
+    if kind == "deep":
+        return kind, _nest(draw(st.integers(129, 100_000)), b"1", draw(st.booleans()))
+    if kind == "deep-field":
+        field = draw(st.sampled_from([b"metadata", b"messages", b"prompt", b"options", b"response_format"]))
+        return kind, b'{"model":"m","max_tokens":1,"' + field + b'":' + _nest(
+            draw(st.integers(129, 50_000)), b"1", draw(st.booleans())) + b"}"
+    if kind == "huge-array":
+        count = draw(st.integers(525_000, 700_000))
+        return kind, b'{"model":"m","prompt":[' + b",".join([b"0"] * count) + b"],\"max_tokens\":1}"
+    if kind == "invalid-utf8":
+        at = draw(st.integers(0, len(seed) - 1))
+        return kind, seed[:at] + draw(st.sampled_from([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80"])) + seed[at:]
+    if kind == "duplicate-keys":
+        return kind, seed[:-1] + b',"max_tokens":1,"model":"m","stream":false}'
+    if kind == "nan":
+        field = draw(st.sampled_from(["temperature", "top_p", "max_tokens", "n", "metadata"]))
+        value = draw(st.sampled_from(["NaN", "Infinity", "-Infinity"]))
+        return kind, seed[:-1] + f',"{field}":{value}}}'.encode()
+    if kind == "truncated":
+        return kind, seed[:draw(st.integers(1, len(seed) - 1))]
+    return kind, draw(st.sampled_from([b"1", b'"x"', b"null", b"true", b"[]", b"1e999999"]))
+
+
+@pytest.mark.slow
+def test_structure_mutations_on_every_body_route(served):
+    routes = body_routes(served)
+    assert len(routes) >= 12, routes
+    seen: Counter = Counter()
+
+    @settings(max_examples=NUM_MUTATIONS, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(route=st.sampled_from(routes), mutation=structure_mutation())
+    def run(route, mutation):
+        (method, path), (kind, body) = route, mutation
+        response = httpx.request(method, served + path, content=body, timeout=120,
+                                 headers={"content-type": "application/json"})
+        seen[(kind, response.status_code)] += 1
+        assert response.status_code < 500, (kind, path, response.text[:300])
+        if response.status_code >= 400:
+            assert family_shape(path, response.json()), (kind, path, response.text[:300])
+
+    with HealthWatch(served) as health:
+        run()
+    used = wait_no_pages_in_use(served)
+    print("structure mutations:", json.dumps({"cases": sum(seen.values()), "health_p99_ms": round(health.p99() * 1000, 1),
+                                             "by_kind_status": {f"{k} {s}": n for (k, s), n in sorted(seen.items())},
+                                             "pages_in_use_after": used}))
+    assert {kind for kind, _ in seen} >= {"deep", "huge-array", "invalid-utf8", "nan"}
+    assert used == 0
+    assert health.p99() < HEALTH_P99_S

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from kvserve.engine import LLMEngine, Prompt
+from kvserve.structured.workers import GrammarWorkers
 from kvserve.engine_stats import EngineStats
 from kvserve.request import CacheLease, RequestOutput, SamplingParams, ToolCallKV
 
@@ -69,6 +70,8 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        # structured outputs are compiled here, before a request reaches the engine thread
+        self.grammar_workers = GrammarWorkers(engine.config.grammar_compile_timeout)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> AsyncEngine:
@@ -85,6 +88,7 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout)
         self._thread = None
+        self.grammar_workers.shutdown()
 
     @property
     def is_running(self) -> bool:
@@ -115,15 +119,16 @@ class AsyncEngine:
         if not self.is_running:
             raise EngineDeadError("the engine loop is not running")
         loop = asyncio.get_running_loop()
+        grammars = [await self._compiled_grammar(params, namespace) for _, params, _ in items]
         streams = [RequestStream(rid or f"async-{next(self._ids)}", loop) for _, _, rid in items]
 
         def add() -> None:
             added: list[str] = []
             try:
-                for (prompt, params, _), stream in zip(items, streams):
+                for (prompt, params, _), stream, compiled in zip(items, streams, grammars):
                     self.engine.add_request(prompt, params, request_id=stream.request_id,
                                             tenant=namespace, leases=leases, kv_explain=kv_explain,
-                                            tool_call=tool_call)
+                                            tool_call=tool_call, compiled_grammar=compiled)
                     added.append(stream.request_id)
             except Exception:
                 for request_id in added:
@@ -139,6 +144,15 @@ class AsyncEngine:
                 self.abort(stream.request_id)
             raise
         return streams
+
+    async def _compiled_grammar(self, params: SamplingParams | None, namespace: str):
+        """The request's structured-outputs constraint compiled on a grammar worker within its
+        budget (None without one); GrammarError (a ValueError, a 400) if it cannot be."""
+        if params is None or params.structured_outputs is None:
+            return None
+        engine = self.engine
+        return await self.grammar_workers.compile(
+            lambda p, ns: engine.grammar_compiler().compile(p, ns), params.structured_outputs, namespace)
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
                        request_id: str | None = None, namespace: str = ""

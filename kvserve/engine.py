@@ -28,8 +28,8 @@ from kvserve.cache.tier_auth import default_auth
 from kvserve.cache_report import CacheReporter
 from kvserve.cache.tiers import HostTier
 from kvserve.engine_stats import EngineStats
-from kvserve.config import (MODEL_DTYPE_TO_KV, EngineConfig, PrefixCachePolicy, parse_bytes, plan_cache,
-                            resolve_kv_dtype)
+from kvserve.cache_plan import plan_cache
+from kvserve.config import MODEL_DTYPE_TO_KV, EngineConfig, PrefixCachePolicy, parse_bytes, resolve_kv_dtype
 from kvserve.kv_events import attach_tiers, publisher_for
 from kvserve.model.draft_model import DraftModel, load_draft_model
 from kvserve.model.gguf_loader import load_gguf, resolve_model_path
@@ -43,6 +43,7 @@ from kvserve.scheduler import Scheduler
 from kvserve.speculative.policy import SpecDecodeStats
 from kvserve.step import run_step
 from kvserve.structured import compiler_for
+from kvserve.structured.compiler import CompiledGrammar
 from kvserve import tool_call_kv
 
 Prompt = str | dict[str, Any] | list[int]
@@ -167,18 +168,21 @@ class LLMEngine:
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, tenant: str = "",
                     leases: list[CacheLease] | None = None, kv_explain: bool = False,
-                    tool_call: ToolCallKV | None = None, grammar: TokenConstraint | None = None) -> str:
+                    tool_call: ToolCallKV | None = None, grammar: TokenConstraint | None = None,
+                    compiled_grammar: CompiledGrammar | None = None) -> str:
         """Validate and queue one request. Bad input raises ValueError (a GrammarError naming the
         field for a constraint that cannot compile); nothing is queued then. `tool_call`: hold its KV
         when it finishes (if --tool-call-kv-ttl is on), release earlier holds. `grammar`: a state to
-        continue from (beam search) instead of a fresh one from params.structured_outputs."""
+        continue from (beam search) instead of a fresh one from params.structured_outputs;
+        `compiled_grammar`: params.structured_outputs already compiled (the server does it off this
+        thread, structured/workers.py)."""
         params = params or SamplingParams()
         params.validate()
         if grammar is not None and params.n > 1:
             raise ValueError("a grammar state to continue from serves one sample (n=1)")
-        compiled = None
-        if params.structured_outputs is not None and grammar is None:
-            compiled = self.grammar_compiler().compile(params.structured_outputs)
+        compiled = compiled_grammar
+        if params.structured_outputs is not None and grammar is None and compiled is None:
+            compiled = self.grammar_compiler().compile(params.structured_outputs, tenant)
         if self.config.role == "prefill":  # compute the prompt and its first token, publish, done
             params = replace(params, max_tokens=1)
         if params.n > self.config.max_num_seqs:

@@ -27,6 +27,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gpu-memory-utilization", type=float, default=ENGINE_DEFAULTS.gpu_memory_utilization,
                        help="CUDA: the fraction of the card's memory this process may use (vLLM's flag); "
                             "the KV pool gets what the weights and a profiled step leave of it")
+    group.add_argument("--grammar-compile-timeout", type=float, default=ENGINE_DEFAULTS.grammar_compile_timeout,
+                       metavar="SECONDS",
+                       help="a request's structured-outputs constraint (JSON schema, grammar, forced tool "
+                            "call) compiles on a worker thread; one that takes longer gets a 400, and so "
+                            "do its retries (default 10)")
     group.add_argument("--enforce-eager", action="store_true",
                        help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
     group.add_argument("--max-num-seqs", type=int, default=ENGINE_DEFAULTS.max_num_seqs)

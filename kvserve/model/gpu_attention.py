@@ -1,4 +1,4 @@
-"""The CUDA path's attention: per-step metadata for the Triton kernel (kvserve/gpu/paged_attention.py),
+"""The CUDA path's attention: per-step metadata for the Triton kernel (kvserve/kernels/cuda/paged_attention.py),
 which reads each row's keys from the pages in place, and the call that writes the step's K/V and
 attends. The metadata is four integer tensors, so a decode step's copy of it can live in persistent
 buffers that a captured CUDA graph reads (model/cuda_graphs.py).
@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from kvserve import gpu
+from kvserve.kernels import cuda as gpu
 from kvserve.model.flat_batch import FlatBatch
 from kvserve.model.kv_quant import Fp8Codec, KVCodec, PagedKV, write_kv_pair
 
@@ -57,7 +57,7 @@ def attend_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     meta: GpuAttentionMetadata) -> torch.Tensor:
     """Write this step's k, v [T, kv_heads, head_dim] into their slots, then attend:
     q [T, heads, head_dim] -> [T, heads, head_dim], keys read from the pages in place."""
-    from kvserve.gpu.paged_attention import paged_attention
+    from kvserve.kernels.cuda.paged_attention import paged_attention
 
     write_kv_pair(k_cache, v_cache, k, v, meta.slot_mapping)
     k_data, v_data, luts = k_cache.data, v_cache.data, (None, None)

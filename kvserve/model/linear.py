@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve import gpu, kernels
+from kvserve import kernels
+from kvserve.kernels import cuda as gpu
 from kvserve.config import ConfigError
 from kvserve.kernels import matmul as native_matmul
 from kvserve.model.loaded import FloatTensor, GGUFTensor, unpermute_rope_rows
@@ -43,7 +44,7 @@ class Linear(nn.Module):
 
 
 def gpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    from kvserve.gpu.matmul import linear  # triton: imported on the CUDA path only
+    from kvserve.kernels.cuda.matmul import linear  # triton: imported on the CUDA path only
 
     return linear(x, weight, bias)
 

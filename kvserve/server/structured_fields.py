@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
-from kvserve.structured import GrammarError, StructuredOutputsParams, check
+from kvserve.structured import GrammarError, StructuredOutputsParams
 
 
 class JSONSchemaFormat(BaseModel):
@@ -52,7 +52,7 @@ class StructuredFields(BaseModel):
     guided_grammar: StrictStr | None = None
 
     def output_constraint(self) -> StructuredOutputsParams | None:
-        """The request's constraint, checked (no tokenizer needed); GrammarError naming the field."""
+        """The request's constraint (compiled later, off the event loop); GrammarError naming the field."""
         return one_constraint(self._constraints())
 
     def _constraints(self) -> list[StructuredOutputsParams | None]:
@@ -88,15 +88,15 @@ class StructuredFields(BaseModel):
 
 
 def one_constraint(constraints: list[StructuredOutputsParams | None]) -> StructuredOutputsParams | None:
-    """The one constraint a request gives (None: none), checked; GrammarError naming the field when it
-    cannot compile or when two fields constrain the output."""
+    """The one constraint a request gives (None: none); GrammarError naming the field when two fields
+    constrain the output. (Whether it compiles is found off the event loop, by the engine's grammar
+    workers: a check here would hold every tenant's requests while a huge schema is read.)"""
     found = [c for c in constraints if c is not None]
     if len(found) > 1:
         raise GrammarError(f"{found[1].field} and {found[0].field} both constrain the output; "
                            "send one", found[1].field)
     if not found:
         return None
-    check(found[0])
     return found[0]
 
 

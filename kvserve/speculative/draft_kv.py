@@ -1,5 +1,5 @@
 """DraftKV: the draft model's paged KV as integers (speculative method draft_model). Its pages are a pool
-of their own, as many as the target's and budgeted from the same --kv-cache-memory (config.plan_cache
+of their own, as many as the target's and budgeted from the same --kv-cache-memory (cache_plan.plan_cache
 splits the bytes), with one block table per request, like the target's but private: the draft never
 shares, indexes, leases, tiers or publishes a page. Its K/V of a request's prefix is recomputed instead
 (after admission, a prefix hit, a fork, a preemption or a swap), catching up under a per-step cap.

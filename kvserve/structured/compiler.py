@@ -1,6 +1,10 @@
 """GrammarCompiler: StructuredOutputsParams -> a validated llguidance grammar for one model's tokenizer,
 and fresh per-sequence GrammarStates from it. The tokenizer's preprocessing (~0.5 s for SmolLM2's
-49k tokens) happens once per tokenizer in a process; compiled grammars are kept by their text."""
+49k tokens) happens once per tokenizer in a process. A grammar is compiled once per tenant: the
+outcome (the grammar, or the GrammarError it raised) is kept by (tenant namespace, grammar text), so
+a retry of a failed grammar costs no second compile and one tenant's cache tells another nothing
+(a hit would be a timing oracle). Each sequence's state is a copy of the compiled matcher (cheap),
+not a new compile (seconds for a 10,000-property schema)."""
 
 from __future__ import annotations
 
@@ -97,16 +101,16 @@ def closed_objects(schema: Any) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class CompiledGrammar:
-    """A grammar checked against the tokenizer; new_state() gives each sequence its own matcher."""
+    """A grammar checked against the tokenizer; new_state() gives each sequence its own matcher, a
+    copy of the compiled one at its start."""
 
     grammar: str
-    tokenizer: Any  # llguidance.LLTokenizer
+    prototype: Any  # llguidance.LLMatcher, never advanced
     vocab_size: int
     eos_token_ids: tuple[int, ...]
 
     def new_state(self) -> GrammarState:
-        return GrammarState(llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0),
-                            self.vocab_size, self.eos_token_ids)
+        return GrammarState(self.prototype.deep_copy(), self.vocab_size, self.eos_token_ids)
 
 
 class GrammarCompiler:
@@ -120,33 +124,58 @@ class GrammarCompiler:
         self.startup_s = time.perf_counter() - start
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
-        self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], CompiledGrammar | GrammarError] = OrderedDict()
         self._lock = threading.Lock()
         log.info("structured outputs: llguidance %s preprocessed the %d-token vocabulary in %.0f ms",
                  llguidance_version(), vocab_size, self.startup_s * 1e3)
 
-    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+    def compile(self, params: StructuredOutputsParams, namespace: str = "") -> CompiledGrammar:
+        """The compiled grammar of `params` for tenant `namespace`, or its GrammarError, from the
+        cache when this tenant compiled it before."""
         grammar = to_grammar(params)
         if len(grammar) > MAX_GRAMMAR_BYTES:
             raise GrammarError(f"the grammar is over {MAX_GRAMMAR_BYTES} bytes", params.field)
+        key = (namespace, grammar)
+        found = self._cached(key)
+        if found is None:
+            try:
+                found = self._compile(grammar, params.field)
+            except GrammarError as err:
+                found = err
+            self.remember(key, found)
+        if isinstance(found, GrammarError):
+            raise GrammarError(found.reason, params.field)
+        return found
+
+    def key_of(self, params: StructuredOutputsParams, namespace: str = "") -> tuple[str, str]:
+        return namespace, to_grammar(params)
+
+    def remember(self, key: tuple[str, str], outcome: CompiledGrammar | GrammarError) -> None:
+        """Keep a compile's outcome (a failure too: a budget exceeded, a grammar llguidance refused)."""
         with self._lock:
-            found = self._cache.get(grammar)
-            if found is not None:
-                self._cache.move_to_end(grammar)
-                return found
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
-        if error:
-            raise GrammarError(_one_line(error), params.field)
-        compiled = CompiledGrammar(grammar, self.tokenizer, self.vocab_size, self.eos_token_ids)
-        probe = compiled.new_state()
-        if probe.error:
-            raise GrammarError(_one_line(probe.error), params.field)
-        if not probe.can_start():
-            raise GrammarError("the grammar cannot match any text", params.field)
-        with self._lock:
-            self._cache[grammar] = compiled
+            self._cache[key] = outcome
+            self._cache.move_to_end(key)
             while len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
+
+    def _cached(self, key: tuple[str, str]) -> CompiledGrammar | GrammarError | None:
+        with self._lock:
+            found = self._cache.get(key)
+            if found is not None:
+                self._cache.move_to_end(key)
+            return found
+
+    def _compile(self, grammar: str, field: str | None) -> CompiledGrammar:
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if error:
+            raise GrammarError(_one_line(error), field)
+        prototype = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        compiled = CompiledGrammar(grammar, prototype, self.vocab_size, self.eos_token_ids)
+        probe = compiled.new_state()
+        if probe.error:
+            raise GrammarError(_one_line(probe.error), field)
+        if not probe.can_start():
+            raise GrammarError("the grammar cannot match any text", field)
         return compiled
 
 

@@ -14,10 +14,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvserve.config import (DEFAULT_KV_CACHE_MEMORY, KV_DTYPES, ConfigError, EngineConfig, ModelConfig, capacity_error_message,
-                            format_bytes, format_number, kv_bytes_for_tokens, kv_bytes_per_page, parse_bytes,
-                            pool_tokens_for, split_kv_budget, uses_hybrid_kv, window_pages_held,
-                            window_slots_needed)
+from kvserve.cache_plan import split_kv_budget, uses_hybrid_kv, window_slots_needed
+from kvserve.config import (DEFAULT_KV_CACHE_MEMORY, KV_DTYPES, ConfigError, EngineConfig, ModelConfig,
+                            capacity_error_message, format_bytes, format_number, kv_bytes_for_tokens,
+                            kv_bytes_per_page, parse_bytes, pool_tokens_for, window_pages_held)
 from kvserve.speculative_config import parse_speculative_config
 
 GIB = 1024**3

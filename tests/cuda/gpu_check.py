@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from kvserve import LLM, SamplingParams, gpu
+from kvserve import LLM, SamplingParams
+from kvserve.kernels import cuda as gpu
 from kvserve.config import ConfigError
 from kvserve.model.runner import build_model
 from tests.cuda.prompts import NEW_TOKENS, check_prompts

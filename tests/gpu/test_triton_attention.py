@@ -11,12 +11,12 @@ import random
 import pytest
 import torch
 
-from kvserve import gpu
+from kvserve.kernels import cuda as gpu
 from kvserve.model.attention import AttentionMetadata, paged_attention
 from kvserve.model.gpu_attention import GpuAttentionMetadata, attend_in_place, supports
 from kvserve.model.kv_quant import PagedKV, codec_for
 
-if not gpu.available():  # (not importorskip: triton must first be imported by kvserve.gpu)
+if not gpu.available():  # (not importorskip: triton must first be imported by kvserve.kernels.cuda)
     pytest.skip("triton is not installed", allow_module_level=True)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -95,7 +95,7 @@ def test_a_row_gives_the_same_bits_alone_and_in_a_batch():
     gen = torch.Generator().manual_seed(0)
     k_cache.data.copy_(torch.randn(k_cache.data.shape, generator=gen))
     v_cache.data.copy_(torch.randn(v_cache.data.shape, generator=gen))
-    from kvserve.gpu.paged_attention import paged_attention as kernel
+    from kvserve.kernels.cuda.paged_attention import paged_attention as kernel
 
     q = torch.randn(3, 6, HEAD_DIM, generator=gen).to(DEVICE)
     tables = torch.tensor([[5, 9, 2, 7], [11, 3, 0, 0], [8, 0, 0, 0]], device=DEVICE)
@@ -110,7 +110,7 @@ def test_int_codecs_are_not_on_the_triton_path():
 
 
 def test_matmul_is_correct_and_batch_invariant():
-    from kvserve.gpu.matmul import linear
+    from kvserve.kernels.cuda.matmul import linear
 
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(70, 100, generator=gen).to(DEVICE)

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from kvserve import gpu
+from kvserve.kernels import cuda as gpu
 from kvserve.batch import ScheduledSeq, SchedulerOutput
 from kvserve.config import KV_DTYPES
 from kvserve.model.gguf_loader import load_gguf

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.gpu import triton_module
+from kvserve.kernels.cuda import triton_module
 
 triton = triton_module()
 import triton.language as tl  # noqa: E402  (after the interpreter switch)

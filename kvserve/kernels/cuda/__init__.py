@@ -27,7 +27,7 @@ def triton_module() -> ModuleType:
     before the first import: `triton.jit` reads it when a kernel is defined."""
     if not torch.cuda.is_available():
         if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-            raise RuntimeError("triton was imported before kvserve.gpu with no CUDA device: set "
+            raise RuntimeError("triton was imported before kvserve.kernels.cuda with no CUDA device: set "
                                "TRITON_INTERPRET=1 first to run kvserve's Triton kernels on the CPU")
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import triton

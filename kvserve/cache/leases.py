@@ -22,6 +22,7 @@ TOOL_CALL = "tool_call"  # the label of a lease that holds a conversation while 
 class LeaseRefusal:
     BELOW_MIN_CACHEABLE = "below_min_cacheable"
     LEASED_FRACTION_CAP = "leased_fraction_cap"
+    LEASE_COUNT_CAP = "lease_count_cap"  # the tenant holds MAX_LEASES_PER_TENANT leases already
     NOT_CACHED = "not_cached"  # the prefix's pages were not (all) in the cache
     PREFIX_CACHE_OFF = "prefix_cache_off"
 
@@ -74,6 +75,13 @@ class LeaseUsage:
     cache_creation_tokens: dict[str, int] = field(default_factory=dict)  # by label: tokens newly leased
     refused: str | None = None  # why a breakpoint got no lease (LeaseRefusal), if one did not
     lease_ids: list[str] = field(default_factory=list)
+
+
+MAX_LEASES_PER_TENANT = 64  # leases one tenant may hold at once (pages are capped by the fraction)
+
+
+def _tenant_of(lease: Lease) -> str:
+    return lease.owner or lease.namespace
 
 
 @dataclass(slots=True)
@@ -171,8 +179,12 @@ class LeaseTable:
             existing.label = label if ttl_s >= existing.ttl_s else existing.label
             self.stats.refreshes += 1
             return existing
-        held = {page for lease in self.leases.values() for page in lease.pages}
-        if len(held | set(pages)) > self.max_leased_fraction * self.pool.num_usable:
+        tenant = owner or namespace
+        if sum(_tenant_of(lease) == tenant for lease in self.leases.values()) >= MAX_LEASES_PER_TENANT:
+            self.stats.refusals += 1
+            return LeaseRefusal.LEASE_COUNT_CAP
+        cap = self.max_leased_fraction * self.pool.num_usable
+        if not self._fits(pages, cap) and not self._reclaim(tenant, pages, cap):
             self.stats.refusals += 1
             return LeaseRefusal.LEASED_FRACTION_CAP
         lease = Lease(f"lease-{secrets.token_hex(12)}", namespace, list(pages), num_tokens, ttl_s,
@@ -184,6 +196,28 @@ class LeaseTable:
             self._by_pages[key] = lease.lease_id
         self.stats.grants += 1
         return lease
+
+    def _fits(self, pages: list[int], cap: float) -> bool:
+        held = {page for lease in self.leases.values() for page in lease.pages}
+        return len(held | set(pages)) <= cap
+
+    def _reclaim(self, tenant: str, pages: list[int], cap: float) -> bool:
+        """Make room under the cap for `tenant`'s new lease by releasing leases of other tenants that
+        hold more than an equal share of it (soonest to expire first), so one tenant's holds cannot
+        refuse another's cache request. True if the pages fit afterwards."""
+        while not self._fits(pages, cap):
+            tenants = {_tenant_of(lease) for lease in self.leases.values()} | {tenant}
+            share = cap / len(tenants)
+            held: dict[str, set[int]] = {}
+            for lease in self.leases.values():
+                held.setdefault(_tenant_of(lease), set()).update(lease.pages)
+            over = [lease for lease in self.leases.values()
+                    if _tenant_of(lease) != tenant and len(held[_tenant_of(lease)]) > share]
+            if not over:
+                return False
+            self.release(min(over, key=lambda lease: lease.expires_at).lease_id)
+            self.stats.breaks += 1
+        return True
 
     def touch(self, namespace: str, hit_pages: list[int], now: float) -> list[Lease]:
         """A request read these pages: refresh every lease of its namespace whose whole prefix they

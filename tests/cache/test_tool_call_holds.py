@@ -64,3 +64,40 @@ def test_a_hold_expires_counts_against_the_cap_and_gives_way():
 def test_no_hold_without_a_prefix_cache():
     m = KVCacheManager(8, PAGE, "off")
     assert m.leases.hold("", [1, 2], 8, 30.0, 0.0, owner="") == LeaseRefusal.PREFIX_CACHE_OFF
+
+
+def test_one_tenants_holds_cannot_refuse_another_tenants_cache_request():
+    """A's abandoned holds fill the leased-fraction cap; B's named cache still gets its pages: A's
+    leases over an equal share of the cap give way (soonest to expire first), B's are never touched."""
+    now = [0.0]
+    m = KVCacheManager(21, PAGE, "radix", clock=lambda: now[0], max_leased_fraction=0.5)  # cap: 10 pages
+    a_holds = []
+    for i in range(5):  # 5 conversations of 2 pages: A holds the whole cap
+        pages = finished(m, f"a{i}", list(range(1000 * (i + 1), 1000 * (i + 1) + 8)))
+        m.free(f"a{i}")
+        a_holds.append(m.leases.hold("", pages, 8, 30.0 + i, now[0], owner="tenant-a"))
+    assert all(not isinstance(h, str) for h in a_holds) and m.leases.num_leased_pages == 10
+    b_pages = finished(m, "b", list(range(50_000, 50_016)))  # 4 pages
+    m.free("b")
+    lease = m.leases.grant("", b_pages, 16, 3600.0, now[0], "1h", owner="tenant-b", shared=False)
+    assert not isinstance(lease, str), lease
+    left = [h.lease_id for h in a_holds if h.lease_id in m.leases.leases]
+    assert left == [h.lease_id for h in a_holds[2:]]  # the two soonest to expire gave way
+    # A cannot take B's lease back: B is within its share
+    more = finished(m, "a9", list(range(90_000, 90_012)))
+    m.free("a9")
+    assert m.leases.hold("", more, 12, 30.0, now[0], owner="tenant-a") == LeaseRefusal.LEASED_FRACTION_CAP
+    assert lease.lease_id in m.leases.leases
+    m.check_invariants()
+
+
+def test_a_tenant_holds_a_bounded_number_of_leases():
+    from kvserve.cache.leases import MAX_LEASES_PER_TENANT
+
+    m = KVCacheManager(400, PAGE, "radix", clock=lambda: 0.0, max_leased_fraction=0.9)
+    pages = finished(m, "a", list(range(100, 104)))
+    m.free("a")
+    for _ in range(MAX_LEASES_PER_TENANT):
+        assert not isinstance(m.leases.hold("", pages, 4, 30.0, 0.0, owner="t"), str)
+    assert m.leases.hold("", pages, 4, 30.0, 0.0, owner="t") == LeaseRefusal.LEASE_COUNT_CAP
+    assert not isinstance(m.leases.hold("", pages, 4, 30.0, 0.0, owner="u"), str)  # another tenant

@@ -181,3 +181,26 @@ def test_prefix_hit_rate_with_speculation_equals_off_on_w1_and_the_agent_trace(w
     assert results[0][:4] == results[1][:4]
     assert results[0][1] > 0.5 * results[0][0]  # mostly hits: the shared prefix, the resent conversations
     assert results[1][4] > 0, "drafts were verified"
+
+
+@pytest.mark.slow
+def test_seeded_sampling_is_the_same_text_with_speculation_on_or_off_at_any_load():
+    """20 seeds at temperature 1: the text with n-gram speculation on, one request at a time (drafts
+    proposed and verified) and 8 at a time (past disable_by_batch_size 4: speculation turns off
+    mid-run), equals the text with speculation off, batched."""
+    rng = random.Random(7)
+    loop = [rng.randrange(3, 49152) for _ in range(8)] * 4  # drafts are proposed from its repeats
+    prompts = [loop + [rng.randrange(3, 49152)] for _ in range(20)]
+    params = [SamplingParams(max_tokens=24, temperature=1.0, seed=s, ignore_eos=True) for s in range(20)]
+    spec = {**SPEC, "disable_by_batch_size": 4}
+    kwargs = dict(kv_cache_memory="256MiB", max_model_len=256, max_num_seqs=8)
+    off = run(make_llm(**kwargs), prompts, params)
+    alone_llm = make_llm(**kwargs, speculative_config=spec)
+    alone = []
+    for p, q in zip(prompts, params):
+        alone_llm.engine.reset_prefix_cache()  # (run() checks the index against this run's tokens)
+        alone.append(run(alone_llm, [p], [q])[0])
+    assert alone_llm.stats()["spec_decode_num_accepted_tokens"] > 0  # speculation did take drafts
+    loaded = run(make_llm(**kwargs, speculative_config=spec), prompts, params)
+    assert alone == off and loaded == off
+    assert len({tuple(o[0]) for o in off}) > 10  # the seeds do draw different texts

@@ -25,6 +25,17 @@ def _generator(seed: int, num_output_tokens: int, device: torch.device) -> torch
     return g
 
 
+def seeded_noise(row: torch.Tensor, seed: int, num_output_tokens: int) -> torch.Tensor:
+    """Fill `row` [V] with the Exp(1) noise of a seeded request's output token num_output_tokens: the
+    same numbers whoever draws it (the sampler, or speculative verification)."""
+    return row.exponential_(generator=_generator(seed, num_output_tokens, row.device))
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The exponential race: argmax(p / E) with E ~ Exp(1) draws from p (over the last dim)."""
+    return (probs / noise.clamp_min(1e-30)).argmax(dim=-1)  # no 0/0 on masked tokens
+
+
 def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """logits [N, V] (already temperature-scaled), top_k [N] (0 = off), top_p [N] -> logits with
     the excluded tokens at -inf. Ties at the top-k boundary are kept, as HF's top-k does."""
@@ -75,9 +86,8 @@ def sample(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> list[SampledTo
         noise = torch.empty_like(probs).exponential_()
         for r, i in enumerate(rows):
             if params[i].seed is not None:
-                g = _generator(params[i].seed, seqs[i].num_output_tokens, device)
-                noise[r].exponential_(generator=g)
-        chosen[idx] = (probs / noise.clamp_min_(1e-30)).argmax(dim=-1)  # no 0/0 on masked tokens
+                seeded_noise(noise[r], params[i].seed, seqs[i].num_output_tokens)
+        chosen[idx] = race(probs, noise)
 
     out = [SampledToken(t) for t in chosen.tolist()]
     add_logprobs(out, logits, chosen, params)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.batch import SampledToken, ScheduledSeq
-from kvserve.model.sampler import _generator, add_logprobs, target_probs
+from kvserve.model.sampler import add_logprobs, race, seeded_noise, target_probs
 
 
 def verify(logits: torch.Tensor, seq: ScheduledSeq) -> list[SampledToken]:
@@ -25,6 +25,8 @@ def verify(logits: torch.Tensor, seq: ScheduledSeq) -> list[SampledToken]:
         while n < k and picks[n] == drafts[n]:
             n += 1
         chosen = chosen[:n + 1]
+    elif params.seed is not None:
+        chosen = torch.tensor(_seeded_draws(logits, seq), device=logits.device)
     else:
         chosen = torch.tensor(_rejection_sample(logits, seq), device=logits.device)
     out = [SampledToken(t) for t in chosen.tolist()]
@@ -32,22 +34,36 @@ def verify(logits: torch.Tensor, seq: ScheduledSeq) -> list[SampledToken]:
     return out
 
 
-def _rejection_sample(logits: torch.Tensor, seq: ScheduledSeq) -> list[int]:
-    """Row j draws with the generator of output token num_output_tokens + j (seeded: reproducible)."""
+def _seeded_draws(logits: torch.Tensor, seq: ScheduledSeq) -> list[int]:
+    """Row j's token is the seed's draw for output token num_output_tokens + j; drafts are kept while
+    they match it."""
     drafts, params = seq.draft_token_ids, seq.sampling_params
     probs = target_probs(logits, [params] * logits.shape[0])  # [k + 1, V]
     kept: list[int] = []
     for j in range(len(drafts) + 1):
-        g = None if params.seed is None else _generator(params.seed, seq.num_output_tokens + j, logits.device)
+        noise = seeded_noise(torch.empty_like(probs[j]), params.seed, seq.num_output_tokens + j)
+        token = int(race(probs[j], noise))
+        kept.append(token)
+        if j == len(drafts) or token != drafts[j]:
+            break
+    return kept
+
+
+def _rejection_sample(logits: torch.Tensor, seq: ScheduledSeq) -> list[int]:
+    """The rejection rule, for a request without a seed (its draws need not be reproducible)."""
+    drafts, params = seq.draft_token_ids, seq.sampling_params
+    probs = target_probs(logits, [params] * logits.shape[0])  # [k + 1, V]
+    kept: list[int] = []
+    for j in range(len(drafts) + 1):
         if j == len(drafts):
-            kept.append(int(torch.multinomial(probs[j], 1, generator=g)))
+            kept.append(int(torch.multinomial(probs[j], 1)))
             break
         d = drafts[j]
-        if float(torch.rand((), generator=g, device=logits.device)) < float(probs[j, d]):
+        if float(torch.rand((), device=logits.device)) < float(probs[j, d]):
             kept.append(d)
             continue
         residual = probs[j].clone()
         residual[d] = 0.0  # p(d) < 1 here, so some mass is left
-        kept.append(int(torch.multinomial(residual, 1, generator=g)))
+        kept.append(int(torch.multinomial(residual, 1)))
         break
     return kept

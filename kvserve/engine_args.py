@@ -77,10 +77,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-events-replay-endpoint", default=None, metavar="tcp://HOST:PORT|off",
                        help="where the replay socket binds (default: the events port + 1 in bind "
                             "mode, none in connect mode)")
-    group.add_argument("--kv-events-token-ids", default="on", choices=["on", "off"],
+    group.add_argument("--kv-events-token-ids", default="auto", choices=["on", "off", "auto"],
                        help="off: BlockStored carries no token ids (no prompt text leaves the "
                             "process); only routers matching kvserve's block hashes (kvserve "
-                            "router) still route by them, llm-d and Dynamo do not")
+                            "router) still route by them, llm-d and Dynamo do not. auto (default): "
+                            "off when `kvserve serve` has API keys and the events socket no CURVE "
+                            "key (any local user could read every tenant's prompts), else on")
     group.add_argument("--kv-events-allow-remote", action="store_true",
                        help="allow binding the events and replay sockets on a non-loopback address "
                             "without CURVE (anyone who reaches the port reads every tenant's tokens)")
@@ -126,7 +128,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     given apart); also sets the process's tier secret from its file."""
     configure_tier_secret(args)
     kwargs = {name: getattr(args, name) for name in _flag_fields() if hasattr(args, name)}
-    kwargs["kv_events_token_ids"] = kwargs.get("kv_events_token_ids", "on") == "on"
+    # "auto" is resolved by `kvserve serve`, which knows its API keys (launch.event_token_ids);
+    # without a server there are no tenants to keep apart
+    kwargs["kv_events_token_ids"] = kwargs.get("kv_events_token_ids", "on") != "off"
     return kwargs
 
 
@@ -154,7 +158,7 @@ def engine_argv(kwargs: dict) -> list[str]:
         if action is None:
             raise ValueError(f"no engine flag sets {key!r}")
         flag = action.option_strings[0]
-        if action.choices is not None and list(action.choices) == ["on", "off"]:
+        if action.choices is not None and list(action.choices)[:2] == ["on", "off"]:
             argv += [flag, "on" if value else "off"]
         elif isinstance(action, argparse._StoreTrueAction):
             argv += [flag] if value else []

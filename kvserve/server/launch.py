@@ -37,6 +37,20 @@ def load_api_keys(args: argparse.Namespace) -> list[str]:
     return list(dict.fromkeys(keys))
 
 
+def event_token_ids(choice: str, has_api_keys: bool, has_curve_key: bool) -> tuple[bool, str]:
+    """Whether KV events carry `BlockStored.token_ids` (--kv-events-token-ids), and why: with API
+    keys and no CURVE key on the events socket, any local user who subscribes would read every
+    tenant's prompts, so "auto" keeps them in the process unless the operator says "on"."""
+    if choice == "on":
+        return True, "--kv-events-token-ids on"
+    if choice == "off":
+        return False, "--kv-events-token-ids off"
+    if has_api_keys and not has_curve_key:
+        return False, ("API keys are set and the events socket has no CURVE key "
+                       "(--kv-events-token-ids on sends them, for llm-d or Dynamo)")
+    return True, "no API keys" if not has_api_keys else "the events socket is CURVE-encrypted"
+
+
 def read_secret_file(path: str | None) -> bytes | None:
     """--metrics-tenant-secret-file: its bytes (stripped), at least 16; None without the flag."""
     if not path:
@@ -128,7 +142,12 @@ def serve(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     api_keys = load_api_keys(args)
     admin_keys = read_key_file(args.admin_api_key_file, "--admin-api-key-file") if args.admin_api_key_file else []
+    token_ids, why = event_token_ids(args.kv_events_token_ids, bool(api_keys or admin_keys),
+                                     bool(args.kv_events_curve_secret_file))
+    args.kv_events_token_ids = "on" if token_ids else "off"
     kwargs = engine_kwargs(args)
+    if args.kv_events_endpoint:
+        log.info("KV events %s token ids: %s", "carry" if token_ids else "carry no", why)
     if kwargs.get("threads") is None:
         kwargs["threads"] = serving_threads()
     engine = LLMEngine(EngineConfig(model=args.model, role=args.role, **kwargs))

@@ -59,7 +59,9 @@ def kv_routes(door: FrontDoor, namespace: Callable[..., Awaitable[str]],
         return report
 
     @router.get("/v1/kv_events_endpoint")
-    async def kv_events_endpoint(ns: str = Depends(namespace)):
+    async def kv_events_endpoint(ns: str = Depends(namespace), admin: bool = Depends(is_admin)):
+        """Where the events are published. The CURVE public key (what lets a subscriber in) only to an
+        admin key, a router's: the events span every tenant, so a tenant's key must not open them."""
         publisher = engine.event_publisher
         if publisher is None:
             return JSONResponse(error_body("KV events are off; start with --kv-events-endpoint",
@@ -67,7 +69,7 @@ def kv_routes(door: FrontDoor, namespace: Callable[..., Awaitable[str]],
         return {"endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint,
                 "page_size": engine.config.page_size, "hash_format": publisher.hash_format,
                 "topic": publisher.topic.decode(), "encoding": publisher.encoding,
-                "curve_public_key": publisher.curve_public_key,
+                "curve_public_key": publisher.curve_public_key if admin else None,
                 "namespace_by_api_key": namespace_by_api_key}
 
     @router.post("/reset_prefix_cache")

@@ -47,6 +47,12 @@ __all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "RequestOut
 
 
 def __getattr__(name: str):
+    if name == "__version__":  # one source: pyproject.toml's, as installed
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            return version("kvserve")
+        except PackageNotFoundError:  # a source tree on sys.path, never installed
+            return "0+unknown"
     # The engine pulls in torch; import it only when asked so the cache layer and tools stay light.
     if name == "LLM":
         from kvserve.llm import LLM

@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
+import kvserve
 from kvserve.config import ConfigError
 from kvserve.engine_args import add_engine_arguments, engine_kwargs
 
@@ -27,8 +29,17 @@ def main_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse's usage errors as one line and a pointer to --help (not the whole usage first);
+    subcommands' parsers are of this class too (add_subparsers takes the parent's)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvserve", description="An LLM inference server built around its KV cache.")
+    parser = _OneLineParser(prog="kvserve", description="An LLM inference server built around its KV cache.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {kvserve.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="complete one prompt and print the text")

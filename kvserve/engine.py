@@ -41,6 +41,7 @@ from kvserve.request import (CacheLease, LeaseInfo, Request, RequestOutput, Requ
                              TokenConstraint, ToolCallKV)
 from kvserve.scheduler import Scheduler
 from kvserve.speculative.policy import SpecDecodeStats
+from kvserve.startup_checks import check_machine
 from kvserve.step import run_step
 from kvserve.structured import compiler_for
 from kvserve.structured.compiler import CompiledGrammar
@@ -52,6 +53,7 @@ Prompt = str | dict[str, Any] | list[int]
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        check_machine(config)  # before the load: a device or memory the machine lacks fails at once
         self.loaded = load_gguf(resolve_model_path(config.model))
         # --chat-template replaces the model's own (the loaded model is shared in the process: not there)
         self.chat_template = (read_chat_template(config.chat_template) if config.chat_template is not None

@@ -13,6 +13,7 @@ of Python objects while a model loads, more than the file itself. This reader ke
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -42,16 +43,52 @@ class GGUFTensorInfo:
     data: np.ndarray  # numpy order; block types: uint8 [..., row bytes]
 
 
+class _Truncated(Exception):
+    """A header read ran past the end of the file."""
+
+
+@dataclass(frozen=True, slots=True)
+class _TensorPlace:
+    """A tensor-table entry: where its data lie, checked against the file's size before any view."""
+
+    name: str
+    dims: tuple[int, ...]
+    qtype: GGMLQuantizationType
+    data_offset: int
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.dims, dtype=np.int64))
+
+    @property
+    def n_bytes(self) -> int:
+        block, block_bytes = GGML_QUANT_SIZES[self.qtype]
+        return self.n_elements // block * block_bytes
+
+
 class GGUFFile:
     """`fields`: key -> value (str, int, float, bool, or a list of them); `tensors` in file order."""
 
     def __init__(self, path: str) -> None:
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 4:
+                raise ValueError(f"not a GGUF file ({size} bytes)")
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self._pos = 0
         if self._map[:4] != b"GGUF":
-            raise ValueError("not a GGUF file (bad magic)")
+            raise ValueError(f"not a GGUF file (it starts with {bytes(self._map[:4])!r}, not b'GGUF')")
         self._pos = 4
+        try:
+            self._read_header()
+        except _Truncated:
+            raise ValueError(f"truncated at byte {size:,}, inside the header; download the file again") from None
+        expected = max((t.data_offset + t.n_bytes for t in self._infos), default=self._pos)
+        if expected > size:
+            raise ValueError(f"truncated at byte {size:,} of {expected:,}; download the file again")
+        self.tensors = [self._tensor(info) for info in self._infos]
+
+    def _read_header(self) -> None:
         version = self._scalar(4)
         if version not in (2, 3):
             raise ValueError(f"GGUF version {version} is not supported (2 or 3; big-endian files neither)")
@@ -63,17 +100,23 @@ class GGUFFile:
         infos = [self._tensor_info() for _ in range(num_tensors)]
         alignment = int(self.fields.get("general.alignment", 32))
         start = -(-self._pos // alignment) * alignment
-        self.tensors = [self._tensor(name, dims, qtype, start + offset) for name, dims, qtype, offset in infos]
+        self._infos = [_TensorPlace(name, dims, qtype, start + offset) for name, dims, qtype, offset in infos]
+
+    def _need(self, num_bytes: int) -> None:
+        if self._pos + num_bytes > len(self._map):
+            raise _Truncated
 
     def _scalar(self, kind: int) -> Any:
         fmt = _SCALARS[kind]
+        self._need(struct.calcsize(fmt))
         (value,) = struct.unpack_from(fmt, self._map, self._pos)
         self._pos += struct.calcsize(fmt)
         return value
 
     def _string(self) -> str:
-        (n,) = struct.unpack_from("<Q", self._map, self._pos)
-        start = self._pos + 8
+        n = self._scalar(10)
+        self._need(n)
+        start = self._pos
         self._pos = start + n
         return self._map[start:start + n].decode("utf-8")
 
@@ -84,6 +127,7 @@ class GGUFFile:
             return self._scalar(kind)
         item, count = self._scalar(4), self._scalar(10)
         if item in _SCALARS:  # numbers: one read (numpy reads the struct codes as dtypes)
+            self._need(count * struct.calcsize(_SCALARS[item]))
             values = np.frombuffer(self._map, np.dtype(_SCALARS[item]), count, self._pos)
             self._pos += values.nbytes
             return values.tolist()
@@ -94,14 +138,14 @@ class GGUFFile:
         dims = tuple(self._scalar(10) for _ in range(self._scalar(4)))
         return name, dims, GGMLQuantizationType(self._scalar(4)), self._scalar(10)
 
-    def _tensor(self, name: str, dims: tuple[int, ...], qtype: GGMLQuantizationType, offset: int) -> GGUFTensorInfo:
-        n_elements = int(np.prod(dims, dtype=np.int64))
-        block, block_bytes = GGML_QUANT_SIZES[qtype]
-        n_bytes = n_elements // block * block_bytes
-        shape = tuple(reversed(dims))
-        if qtype in _ELEMENT_TYPES:
-            data = np.frombuffer(self._map, _ELEMENT_TYPES[qtype], n_elements, offset).reshape(shape)
+    def _tensor(self, place: _TensorPlace) -> GGUFTensorInfo:
+        shape = tuple(reversed(place.dims))
+        if place.qtype in _ELEMENT_TYPES:
+            data = np.frombuffer(self._map, _ELEMENT_TYPES[place.qtype], place.n_elements, place.data_offset)
+            data = data.reshape(shape)
         else:
-            data = np.frombuffer(self._map, np.uint8, n_bytes, offset)
+            block, block_bytes = GGML_QUANT_SIZES[place.qtype]
+            data = np.frombuffer(self._map, np.uint8, place.n_bytes, place.data_offset)
             data = data.reshape(*shape[:-1], shape[-1] // block * block_bytes)
-        return GGUFTensorInfo(name, qtype, dims, n_elements, offset, n_bytes, data)
+        return GGUFTensorInfo(place.name, place.qtype, place.dims, place.n_elements, place.data_offset,
+                              place.n_bytes, data)

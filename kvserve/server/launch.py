@@ -133,15 +133,19 @@ class _Drain:
 
 
 def serve(args: argparse.Namespace) -> int:
+    from kvserve.server.listen import bind_server_socket
+
+    setup_logging(args.log_level)
+    api_keys = load_api_keys(args)
+    admin_keys = read_key_file(args.admin_api_key_file, "--admin-api-key-file") if args.admin_api_key_file else []
+    # before torch is imported and the model loads: a port in use fails within a second
+    listener = bind_server_socket(args.host, args.port)
     from kvserve.config import EngineConfig
     from kvserve.engine import LLMEngine
     from kvserve.engine_args import engine_kwargs, serving_threads
     from kvserve.kv_events import fill_topic, pod_ip
     from kvserve.server.api import build_app, default_model_name
 
-    setup_logging(args.log_level)
-    api_keys = load_api_keys(args)
-    admin_keys = read_key_file(args.admin_api_key_file, "--admin-api-key-file") if args.admin_api_key_file else []
     token_ids, why = event_token_ids(args.kv_events_token_ids, bool(api_keys or admin_keys),
                                      bool(args.kv_events_curve_secret_file))
     args.kv_events_token_ids = "on" if token_ids else "off"
@@ -191,7 +195,7 @@ def serve(args: argparse.Namespace) -> int:
     # (drained) must end in exit status 0, not in the default handler's death by signal
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
     try:
-        server.run()
+        server.run(sockets=[listener])
     finally:
         drain.done.set()
         signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,56 @@
+"""Checks of the engine's configuration against the machine, made before the model loads: a device
+torch cannot use, or a KV budget larger than the memory there is, is one line at once rather than a
+torch traceback after the load."""
+
+from __future__ import annotations
+
+import os
+
+from kvserve.config import EngineConfig, format_bytes, parse_bytes
+from kvserve.errors import ConfigError
+
+
+def check_machine(config: EngineConfig) -> None:
+    check_device(config.device)
+    if config.device.split(":")[0] == "cpu":
+        check_host_memory(parse_bytes(config.kv_cache_memory), machine_memory_bytes())
+
+
+def check_device(device: str) -> None:
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"--device {device!r} is not a device torch knows; use cpu or cuda") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            raise ConfigError(f"--device {device}: this torch ({torch.__version__}) is a CPU-only build; "
+                              f"install a CUDA build of torch or use --device cpu")
+        raise ConfigError(f"--device {device}: torch {torch.__version__} (CUDA {torch.version.cuda}) finds no "
+                          f"GPU; check the driver and CUDA_VISIBLE_DEVICES, or use --device cpu")
+
+
+def check_host_memory(kv_cache_bytes: int, machine_bytes: int | None) -> None:
+    """The KV pool alone must fit in the machine's memory (its weights and the rest come on top)."""
+    if machine_bytes is not None and kv_cache_bytes > machine_bytes:
+        raise ConfigError(f"--kv-cache-memory {format_bytes(kv_cache_bytes)} is more than this machine's "
+                          f"{format_bytes(machine_bytes)} of memory; lower --kv-cache-memory "
+                          f"(`kvserve plan` sizes it for a context and concurrency)")
+
+
+def machine_memory_bytes() -> int | None:
+    """Physical memory, or the container's cgroup limit when that is lower; None where unknown."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                limit = f.read().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            total = min(total, int(limit))
+    return total

@@ -15,6 +15,7 @@ from kvserve.kernels import cuda as gpu
 from kvserve.config import ConfigError
 from kvserve.kernels import matmul as native_matmul
 from kvserve.model.loaded import FloatTensor, GGUFTensor, unpermute_rope_rows
+from kvserve.model.native_fallback import NativeFallback
 
 GROUP = 32  # elements per int4 group: one GGUF Q4 block
 PACKED_MODES = ("int4", "int8")
@@ -242,6 +243,7 @@ class WeightBuilder:
                 raise ConfigError("--dtype native needs kvserve's native kernels (built by `make install`, "
                                   "not disabled by KVSERVE_KERNELS=off); use --dtype int4 or float32")
         self.tensors, self.mode, self.device = tensors, mode, device
+        self.fallback = NativeFallback()
         self.dtype = compute_dtype(mode)
 
     def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -284,13 +286,18 @@ class WeightBuilder:
     def _native(self, parts: list[GGUFTensor], bias: torch.Tensor | None) -> NativeLinear:
         """Parts of one format next to each other share one block matrix (one kernel call)."""
         merged: list[tuple[int, list[torch.Tensor]]] = []
-        for qtype, blocks in (native_blocks(p, self.library) for p in parts):  # one tensor at a time
+        for qtype, blocks in (self._native_part(p) for p in parts):  # one tensor at a time
             if merged and merged[-1][0] == qtype:
                 merged[-1][1].append(blocks)
             else:
                 merged.append((qtype, [blocks]))
         joined = [(q, b[0] if len(b) == 1 else torch.cat(b)) for q, b in merged]
         return NativeLinear(joined, parts[0].shape[1], bias, self.library)
+
+    def _native_part(self, t: GGUFTensor | FloatTensor) -> tuple[int, torch.Tensor]:
+        if isinstance(t, FloatTensor) or native_matmul.supported(self.library, int(t.qtype)):
+            return native_blocks(t, self.library)
+        return self.fallback.blocks(t)  # a format without a kernel: requantized, and said once
 
     def _bias(self, names: list[str], biases: list[str]) -> torch.Tensor | None:
         if not any(b in self.tensors for b in biases):

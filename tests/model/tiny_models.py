@@ -66,10 +66,11 @@ def save_folder(model, folder: Path) -> Path:
 
 
 def write_gguf(model, kind: str, path: Path, add_bos: bool = False,
-               chat_template: str | None = None, full_vocab: bool = False) -> Path:
+               chat_template: str | None = None, full_vocab: bool = False, store=None) -> Path:
     """Write `model` as an F32 GGUF in llama.cpp's conventions, with the bundled tokenizer (a BOS
     added to prompts, and a chat template, when asked: Gemma's conventions); `full_vocab`: all of it,
-    for a model of SmolLM2's 49,152 tokens."""
+    for a model of SmolLM2's 49,152 tokens. `store(name, float32 array)` may return (raw blocks,
+    ggml type) to write a tensor in another format (None: F32)."""
     import gguf
 
     arch_name = {"llama3": "llama"}.get(kind, kind)
@@ -108,7 +109,11 @@ def write_gguf(model, kind: str, path: Path, add_bos: bool = False,
             t = _permute(t, heads)
         if arch.gguf_norm_offset and name.endswith("norm.weight"):
             t = t + arch.gguf_norm_offset
-        w.add_tensor(gname, t.numpy().astype(np.float32))
+        stored = store(gname, t.numpy().astype(np.float32)) if store else None
+        if stored is None:
+            w.add_tensor(gname, t.numpy().astype(np.float32))
+        else:
+            w.add_tensor(gname, stored[0], raw_shape=stored[0].shape, raw_dtype=stored[1])
     if kind == "llama3":
         factors = architectures.rope_freq_factors(rope, cfg.head_dim, rope["rope_theta"])
         w.add_tensor(architectures.ROPE_FREQS, np.array(factors, dtype=np.float32))

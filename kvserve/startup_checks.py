@@ -12,7 +12,7 @@ from kvserve.errors import ConfigError
 
 def check_machine(config: EngineConfig) -> None:
     check_device(config.device)
-    if config.device.split(":")[0] == "cpu":
+    if config.device.split(":")[0] == "cpu" and config.kv_cache_memory is not None:  # (None: a default that fits)
         check_host_memory(parse_bytes(config.kv_cache_memory), machine_memory_bytes())
 
 

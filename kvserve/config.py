@@ -42,6 +42,9 @@ KV_DTYPES: dict[str, KVDtype] = {
     "int8": KVDtype("int8", 8, scale_bytes_per_page_head=4, is_float=False),
     "int4": KVDtype("int4", 4, scale_bytes_per_page_head=4, is_float=False),
 }
+# vLLM's spellings, with vLLM's meanings: its `fp8` is fp8_e4m3 (on CUDA; ROCm's fnuz aside), `half` is float16
+KV_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+MODEL_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 # Weight modes (kvserve/model/linear.py) and the KV dtype `--kv-cache-dtype auto` gives each: the
 # packed-weight modes int4 and int8 compute in bfloat16; native (the GGUF's own blocks on kvserve's
@@ -61,6 +64,7 @@ AUTO_DTYPE_OTHER = "bfloat16"
 
 def resolve_model_dtype(dtype: str, device: str) -> str:
     """`auto` -> the weight mode for `device`; other names are checked and returned."""
+    dtype = MODEL_DTYPE_ALIASES.get(dtype, dtype)
     if dtype == "auto":
         if device.split(":")[0] != "cpu":
             return AUTO_DTYPE_OTHER
@@ -74,7 +78,8 @@ def resolve_model_dtype(dtype: str, device: str) -> str:
 
 def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: str) -> KVDtype:
     """`auto` means the model's own dtype."""
-    name = MODEL_DTYPE_TO_KV[model_dtype] if kv_cache_dtype == "auto" else kv_cache_dtype
+    name = MODEL_DTYPE_TO_KV[model_dtype] if kv_cache_dtype == "auto" else KV_DTYPE_ALIASES.get(kv_cache_dtype,
+                                                                                                kv_cache_dtype)
     if name not in KV_DTYPES:
         raise ConfigError(
             f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose one of auto, {', '.join(KV_DTYPES)}"

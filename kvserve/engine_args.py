@@ -9,7 +9,8 @@ import functools
 import json
 import os
 
-from kvserve.config import MODEL_DTYPES, EngineConfig
+from kvserve.config import MODEL_DTYPE_ALIASES, MODEL_DTYPES, EngineConfig
+from kvserve.vllm_flags import add_vllm_flags, swap_space
 
 ENGINE_DEFAULTS = EngineConfig()
 
@@ -38,12 +39,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--max-num-batched-tokens", type=int, default=ENGINE_DEFAULTS.max_num_batched_tokens)
     group.add_argument("--preemption-mode", default=ENGINE_DEFAULTS.preemption_mode, choices=["recompute", "swap"])
-    group.add_argument("--swap-space", default=ENGINE_DEFAULTS.swap_space)
+    group.add_argument("--swap-space", default=ENGINE_DEFAULTS.swap_space, type=swap_space,
+                       help="the host tier (swapped and offloaded pages); a number without a unit is "
+                            "GiB, as in vLLM (--swap-space 4 = 4 GiB); 0 turns it off")
     group.add_argument("--device", default=ENGINE_DEFAULTS.device)
     group.add_argument("--threads", "-t", type=int, default=None,
                        help="torch threads (default: $OMP_NUM_THREADS, else every usable core; "
                             "`serve`: every usable core but one, for the HTTP front door)")
-    group.add_argument("--dtype", default="auto", choices=["auto", *MODEL_DTYPES],
+    group.add_argument("--dtype", default="auto", choices=["auto", *MODEL_DTYPES, *MODEL_DTYPE_ALIASES],
                        help="weights and compute: float32 (exact), bfloat16, float16, int4 / int8 (the "
                             "GGUF's packed weights on torch's CPU kernels, bfloat16 activations); auto "
                             "(default): int4 on CPU, bfloat16 elsewhere")
@@ -121,6 +124,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a secret shared by the instances of one Redis tier: keys become keyed "
                             "hashes and every value carries a MAC, so no other writer can plant "
                             "pages (or set $KVSERVE_KV_TIER_SECRET)")
+    add_vllm_flags(group)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -151,7 +155,9 @@ def engine_argv(kwargs: dict) -> list[str]:
     """The flags that give EngineConfig's fields `kwargs` (engine_kwargs' inverse, for starting
     `kvserve serve` in a child process): each value written as its flag parses it (a bare switch,
     on|off, or text); None and False switches left out."""
-    actions = {a.dest: a for a in _engine_parser()._actions}
+    actions: dict[str, argparse.Action] = {}
+    for action in _engine_parser()._actions:  # a field's first flag (kvserve's own, not vLLM's alias)
+        actions.setdefault(action.dest, action)
     argv: list[str] = []
     for key, value in kwargs.items():
         action = actions.get(key)

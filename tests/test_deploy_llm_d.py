@@ -57,6 +57,6 @@ def test_the_picker_renders_on_the_served_model_name():
     args = build_parser().parse_args(kvserve_container()["args"])
     (config,) = docs("epp-config.yaml")
     (tokenizer,) = [p for p in config["plugins"] if p["type"] == "tokenizer"]
-    assert tokenizer["parameters"]["modelName"] == args.served_model_name
+    assert tokenizer["parameters"]["modelName"] == args.served_model_name[0]
     refs = [p["pluginRef"] for p in config["schedulingProfiles"][0]["plugins"]]
     assert {"tokenizer", "precise-prefix-cache-scorer", "max-score-picker"} <= set(refs)

@@ -46,8 +46,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "abort the rest (default 30)")
     parser.add_argument("--shared-cache-namespace", action="store_true",
                         help="let all API keys share one prefix cache")
-    parser.add_argument("--served-model-name", default=None,
-                        help="the model name clients send (default: the model's own name)")
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="the model name clients send (default: the model's own name); several "
+                             "names are all accepted and the first is answered, as in vLLM")
     parser.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
                         help="disaggregated serving behind `kvserve proxy`: prefill computes each "
                              "prompt and publishes its pages to --redis-url, decode loads them")

@@ -167,10 +167,11 @@ def serve(args: argparse.Namespace) -> int:
     # no structured-outputs warm-up: the first constrained request preprocesses the vocabulary (and
     # logs its cost), as vLLM does; a server that never gets one never holds it (~220 MB for
     # Gemma 3's 262k tokens, docs/structured_outputs.md)
-    app = build_app(engine, model_name=args.served_model_name, api_keys=api_keys or None,
+    served_name, *more_names = args.served_model_name or [None]
+    app = build_app(engine, model_name=served_name, api_keys=api_keys or None,
                     admin_api_keys=admin_keys,
                     shared_cache_namespace=args.shared_cache_namespace,
-                    extra_model_names=[args.model] if args.model else None,
+                    extra_model_names=[*more_names, *([args.model] if args.model else [])],
                     max_request_bytes=args.max_request_bytes,
                     max_waiting_requests=args.max_waiting_requests,
                     max_requests_per_tenant=args.max_requests_per_tenant,
@@ -182,7 +183,7 @@ def serve(args: argparse.Namespace) -> int:
     if engine.event_publisher is not None:  # the topic's {pod_ip}, {port} and {model}
         engine.event_publisher.set_topic(fill_topic(
             engine.config.kv_events_topic, pod_ip=pod_ip(engine.config.kv_events_endpoint),
-            port=args.port, model=args.served_model_name or default_model_name(engine)))
+            port=args.port, model=served_name or default_model_name(engine)))
     # what start-up built (model, tokenizer, pools) lives as long as the server: kept out of the
     # collector's full passes, which otherwise rescan it and stall the event loop
     gc.collect()

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvserve.cache_plan import split_kv_budget, uses_hybrid_kv, window_slots_needed
-from kvserve.config import (DEFAULT_KV_CACHE_MEMORY, KV_DTYPES, ConfigError, EngineConfig, ModelConfig,
-                            capacity_error_message, format_bytes, format_number, kv_bytes_for_tokens,
+from kvserve.config import (DEFAULT_KV_CACHE_MEMORY, KV_DTYPE_ALIASES, KV_DTYPES, ConfigError, EngineConfig,
+                            ModelConfig, capacity_error_message, format_bytes, format_number, kv_bytes_for_tokens,
                             kv_bytes_per_page, parse_bytes, pool_tokens_for, window_pages_held)
 from kvserve.speculative_config import parse_speculative_config
 
@@ -148,7 +148,8 @@ def parse_tokens(value: str | int) -> int:
 
 
 def _kv_dtypes(value: str) -> list[str]:
-    names = list(KV_DTYPES) if value.strip() == "all" else [n.strip() for n in value.split(",") if n.strip()]
+    names = list(KV_DTYPES) if value.strip() == "all" else [KV_DTYPE_ALIASES.get(n.strip(), n.strip())
+                                                            for n in value.split(",") if n.strip()]
     for name in names:
         if name not in KV_DTYPES:
             raise ConfigError(f"unknown --kv-cache-dtype {name!r}; choose from {', '.join(KV_DTYPES)} or all")

@@ -94,6 +94,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, preemption_mode=config.preemption_mode,
                                    speculative_config=config.speculative_config)
+        self.num_steps = self.num_step_tokens = 0  # steps that computed tokens, and those tokens (metrics)
         self.outputs = OutputProcessor(self.tokenizer)
         self.reporter = CacheReporter(config.page_size, self.runner.page_bytes / config.page_size, kv_dtype.name)
         self._ids = itertools.count()
@@ -245,6 +246,8 @@ class LLMEngine:
         """One step.run_step over the model runner, then what only a served engine does: the cache
         report, the KV events on the wire, stop strings (they need text) and the outputs."""
         step = run_step(self.scheduler, self.runner, time.monotonic)
+        self.num_steps += bool(step.out.seqs)
+        self.num_step_tokens += sum(len(seq.token_ids) for seq in step.out.seqs)
         if not step.out.seqs:
             # (a request that preempted itself, with leases holding the pool, is admitted next step:
             # admission breaks leases once nothing runs)
@@ -324,7 +327,8 @@ class LLMEngine:
             {t: v.cached_tokens for t, v in self.reporter.tenants.items()},
             self.config.page_size, self.cache_config.kv_dtype.name, self.fp8_scale, self.runner.kv_cache_bytes(),
             cache.num_pages_used * self.runner.page_bytes + window_bytes, self.max_model_len,
-            (self.cache_config.num_pages - 1) * self.config.page_size, self._spec_stats())
+            (self.cache_config.num_pages - 1) * self.config.page_size, self._spec_stats(),
+            num_steps=self.num_steps, num_step_tokens=self.num_step_tokens)
 
     def _spec_stats(self) -> SpecDecodeStats:
         """A copy of the speculative decoding counters (zeros with speculation off)."""

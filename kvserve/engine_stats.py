@@ -29,6 +29,8 @@ class EngineStats:
     max_model_len: int = 0
     pool_tokens: int = 0
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # zeros with speculation off
+    num_steps: int = 0  # engine steps that computed tokens
+    num_step_tokens: int = 0  # the tokens those steps computed (prompt chunks, decodes, drafts)
 
     @property
     def hit_rate(self) -> float:

@@ -29,6 +29,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvserve.engine_stats import EngineStats
 from kvserve.request import RequestOutput
+from kvserve.request_metrics import REQUEST_LATENCY_BUCKETS, TOKEN_LATENCY_BUCKETS, RequestHistograms
 
 PREFIX = "kvserve:"
 PREFIXES = ("kvserve", "vllm")
@@ -36,13 +37,11 @@ TENANT_LABEL_MODES = ("keyed", "off")
 PLAIN_TENANT_LABELS = ("default", "other")  # no key behind them
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
-# vLLM's buckets, so quantiles line up with a vLLM deployment's.
+# vLLM's buckets, so quantiles line up with a vLLM deployment's (the other histograms: request_metrics.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TPOT_BUCKETS = TOKEN_LATENCY_BUCKETS
+E2E_BUCKETS = REQUEST_LATENCY_BUCKETS
 
 # counter name (without _total) -> (field path in engine_stats.EngineStats of its cumulative value, help)
 COUNTERS = {
@@ -91,6 +90,9 @@ GAUGES = {
     "num_requests_running": ("scheduler.num_requests_running", "Requests in the running batch."),
     "num_requests_waiting": ("scheduler.num_requests_waiting", "Requests waiting to be admitted."),
     "num_requests_swapped": ("scheduler.num_requests_swapped", "Requests swapped out to the CPU tier."),
+    "host_tier_usage_perc": ("cache.tiers.host.cpu_cache_usage_perc",
+                             "Fraction of the host tier in use (0-1): cpu_cache_usage_perc under a name vLLM V1 "
+                             "does not retire, so dashboards have it under either prefix."),
     "num_pages_total": ("cache.num_pages_total", "KV pages in the pool."),
     "num_pages_free": ("cache.num_pages_free", "Free KV pages, cached idle ones included."),
     "num_pages_cached": ("cache.num_pages_cached", "Idle pages that still hold a cached prefix."),
@@ -103,6 +105,8 @@ GAUGES = {
     "disk_tier_pages": ("cache.tiers.disk.disk_cache_pages", "Pages held by the disk tier."),
     "disk_tier_used_bytes": ("cache.tiers.disk.disk_cache_used_bytes", "Bytes of the disk tier's page files."),
 }
+# vLLM V0's names that V1 dropped: served under the vllm prefix only when asked (v0_names)
+V0_ONLY_GAUGES = ("cpu_cache_usage_perc", "num_requests_swapped")
 
 
 def read(stats: EngineStats, path: str) -> float:
@@ -121,10 +125,12 @@ class EngineMetrics:
 
     def __init__(self, model_name: str, *, prefix: str = "kvserve",
                  cache_config: dict[str, str] | None = None, tenant_labels: str = "keyed",
-                 tenant_secret: bytes | None = None) -> None:
+                 tenant_secret: bytes | None = None, max_model_len: int = 8192, v0_names: bool = False) -> None:
         """`cache_config`: the labels of `cache_config_info` (vLLM's CacheConfig names:
         block_size, num_gpu_blocks, cache_dtype, ...). `tenant_secret`: the HMAC key of the tenant
-        labels (random per process unless given, so that replicas and restarts can agree)."""
+        labels (random per process unless given, so that replicas and restarts can agree).
+        `v0_names`: under the vllm prefix, vLLM V0's cpu_cache_usage_perc and num_requests_swapped too
+        (V1 dropped them; the kvserve prefix always has them)."""
         if prefix not in PREFIXES:
             raise ValueError(f"--metrics-name-prefix is kvserve or vllm, not {prefix!r}")
         if tenant_labels not in TENANT_LABEL_MODES:
@@ -145,7 +151,7 @@ class EngineMetrics:
         }
         self.gauges = {
             name: Gauge(p + name, help_, labels, registry=self.registry).labels(*base)
-            for name, (_, help_) in GAUGES.items()
+            for name, (_, help_) in GAUGES.items() if not vllm or v0_names or name not in V0_ONLY_GAUGES
         }
         self.tenant_counters = {
             name: Counter(p + name, help_, labels + ["tenant"], registry=self.registry)
@@ -165,6 +171,7 @@ class EngineMetrics:
                               buckets=TPOT_BUCKETS, registry=self.registry).labels(*base)
         self.e2e = Histogram(p + "e2e_request_latency_seconds", "End-to-end request latency.",
                              labels, buckets=E2E_BUCKETS, registry=self.registry).labels(*base)
+        self.requests = RequestHistograms(p, labels, base, max_model_len, self.registry)
         # vLLM's info gauges: the labels are the information, the value 1 (cache config) or the
         # time of the last update (LoRA: no adapters here, so both adapter lists stay empty)
         config = dict(cache_config or {})
@@ -188,8 +195,8 @@ class EngineMetrics:
                 if delta > 0:  # a counter never goes back, even if the engine's were reset
                     self.counters[name].inc(delta)
                 self._seen[path] = value
-            for name, (path, _) in GAUGES.items():
-                self.gauges[name].set(read(stats, path))
+            for name, gauge in self.gauges.items():
+                gauge.set(read(stats, GAUGES[name][0]))
             if self.tenant_labels != "off":
                 self._observe_tenants(stats)
             for position, value in enumerate(stats.spec_decode.accepted_per_pos):
@@ -199,6 +206,7 @@ class EngineMetrics:
                     self.accepted_per_pos.labels(*self._base, str(position)).inc(delta)
                 self._seen[seen] = value
             self.lora_info.set(time.time())
+            self.requests.observe_step(stats, outputs)
         for output in outputs:
             if output.finished:
                 self.observe_finished(output)
@@ -228,6 +236,7 @@ class EngineMetrics:
         metrics = output.metrics
         reason = output.outputs[0].finish_reason if output.outputs else None
         self.request_success.labels(*self._base, reason or "unknown").inc()
+        self.requests.observe_finished(output)
         if metrics.first_token_time is not None:
             self.ttft.observe(max(metrics.first_token_time - metrics.arrival_time, 0.0))
         if metrics.finish_time is not None:

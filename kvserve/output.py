@@ -57,10 +57,11 @@ class OutputProcessor:
                 self._group_of.pop(s.request_id, None)
         first_token = min((s.first_token_time for s in samples if s.first_token_time), default=None)
         last = max((s.finish_time or 0.0 for s in samples), default=None) if finished else None
+        scheduled = min((s.first_scheduled_time for s in samples if s.first_scheduled_time), default=None)
         return RequestOutput(
             request_id=rid, prompt=prompt, prompt_token_ids=first.prompt_token_ids,
             outputs=completions, finished=finished, num_cached_tokens=first.num_cached_tokens,
-            metrics=RequestMetrics(first.arrival_time, first_token, last), lease_usage=first.lease_usage,
+            metrics=RequestMetrics(first.arrival_time, first_token, last, scheduled), lease_usage=first.lease_usage,
             kv_cache=first.kv_cache, spec_decode=_spec_counts(samples),
             held_lease_id=first.cache.held_lease_id, hold_refused=first.cache.hold_refused)
 

@@ -165,6 +165,7 @@ class Request:
     num_computed_tokens: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
+    first_scheduled_time: float | None = None  # the start of the first step that computed it (queue time's end)
     num_preemptions: int = 0
     logprobs: list[dict[int, float]] = field(default_factory=list)
     # n > 1: the other samples wait here until this request has computed all but its last prompt
@@ -238,6 +239,7 @@ class RequestMetrics:
     arrival_time: float
     first_token_time: float | None
     finish_time: float | None
+    first_scheduled_time: float | None = None
 
     @property
     def ttft_s(self) -> float | None:

@@ -39,7 +39,12 @@ class StepOutcome:
 def run_step(scheduler: Scheduler, executor: Executor, clock: Callable[[], float]) -> StepOutcome:
     manager = scheduler.manager
     manager.expire_leases()
+    start = clock()
     out = scheduler.schedule()
+    for seq in out.seqs:  # a request's queue time ends with the first step that computes it
+        request = scheduler.requests[seq.request_id]
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = start
     if not out.seqs:
         _apply(scheduler, executor, out.page_ops)  # (what an empty schedule still decided)
         return StepOutcome(out)

@@ -56,6 +56,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="vllm: /metrics under vLLM's names and labels (vllm:num_requests_waiting, "
                              "...), for scrapers that cannot be configured (llm-d's default picker); "
                              "`kvserve router` reads the kvserve names")
+    parser.add_argument("--metrics-v0-names", action="store_true",
+                        help="with --metrics-name-prefix vllm: also vLLM V0's vllm:cpu_cache_usage_perc and "
+                             "vllm:num_requests_swapped, which vLLM V1 no longer exports")
     parser.add_argument("--metrics-tenant-labels", default="keyed", choices=["keyed", "off"],
                         help="keyed: per-tenant /metrics series labelled by an HMAC of the tenant "
                              "under a server secret (the admin's /v1/cache/report maps them); off: "

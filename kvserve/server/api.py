@@ -57,6 +57,7 @@ def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_waiting_requests: int = 0,
               max_requests_per_tenant: int = 0, metrics_name_prefix: str = "kvserve",
               metrics_tenant_labels: str = "keyed", metrics_tenant_secret: bytes | None = None,
+              metrics_v0_names: bool = False,
               read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
               max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED) -> FastAPI:
     owns_engine = isinstance(engine, LLMEngine)
@@ -64,7 +65,9 @@ def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
     model_name = model_name or default_model_name(llm_engine)
     metrics = EngineMetrics(model_name, prefix=metrics_name_prefix,
                             cache_config=cache_config_labels(llm_engine),
-                            tenant_labels=metrics_tenant_labels, tenant_secret=metrics_tenant_secret)
+                            tenant_labels=metrics_tenant_labels, tenant_secret=metrics_tenant_secret,
+                            max_model_len=llm_engine.max_model_len, v0_names=metrics_v0_names)
+    metrics.requests.start_after(llm_engine.num_steps, llm_engine.num_step_tokens)
     if owns_engine:
         async_engine = AsyncEngine(engine, on_step=metrics.observe)
     else:

@@ -178,6 +178,7 @@ def serve(args: argparse.Namespace) -> int:
                     metrics_name_prefix=args.metrics_name_prefix,
                     metrics_tenant_labels=args.metrics_tenant_labels,
                     metrics_tenant_secret=read_secret_file(args.metrics_tenant_secret_file),
+                    metrics_v0_names=args.metrics_v0_names,
                     read_timeout_s=args.request_read_timeout,
                     max_unauthenticated=args.max_unauthenticated_connections)
     if engine.event_publisher is not None:  # the topic's {pod_ip}, {port} and {model}

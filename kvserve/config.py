@@ -7,11 +7,11 @@
 from __future__ import annotations
 
 import enum
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvserve.errors import ConfigError  # noqa: F401  (re-exported: most modules import it from here)
+from kvserve.units import parse_bytes  # noqa: F401  (re-exported, as ConfigError)
 from kvserve.speculative_config import SpeculativeConfig, parse_speculative_config
 
 # public-domain text shipped with the package: `kvserve eval-kv` and the fp8 calibration pass read it
@@ -94,23 +94,6 @@ def kv_bytes_per_page(
     elements = 2 * num_layers * page_size * num_kv_heads * head_dim
     scales = 2 * num_layers * num_kv_heads * kv_dtype.scale_bytes_per_page_head
     return int(elements * kv_dtype.bits) // 8 + scales
-
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
-          "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "t": 1000**4,
-          "tb": 1000**4}
-
-
-def parse_bytes(value: str | int | float) -> int:
-    """'1GiB', '512MiB', '2e9', 1_000_000 -> bytes."""
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise ConfigError(f"a memory size cannot be negative: {value}")
-        return int(value)
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ConfigError(f"cannot read memory size {value!r}; write it like 512MiB, 1GiB or 2e9")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 class PrefixCachePolicy(str, enum.Enum):

@@ -6,11 +6,9 @@ config.py, so the Python API takes them too.)"""
 from __future__ import annotations
 
 import argparse
-import re
 
 from kvserve.config import PrefixCachePolicy
-
-_BARE_NUMBER = re.compile(r"\s*[0-9]*\.?[0-9]+(?:e[0-9]+)?\s*")
+from kvserve.units import is_bare_number
 
 
 def add_vllm_flags(group: argparse._ArgumentGroup) -> None:
@@ -39,6 +37,6 @@ class _PrefixCaching(argparse.Action):
 def swap_space(value: str | int) -> str | int:
     """--swap-space as vLLM reads it: a number without a unit is GiB ("4" -> "4GiB"); with a unit
     (4GiB, 512MiB, 2e9B) it is what it says."""
-    if isinstance(value, str) and _BARE_NUMBER.fullmatch(value):
+    if is_bare_number(value):
         return f"{value.strip()}GiB"
     return value

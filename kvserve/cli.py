@@ -20,6 +20,7 @@ def main_generate(args: argparse.Namespace) -> int:
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             ignore_eos=args.ignore_eos)
     llm = LLM(model=args.model, **engine_kwargs(args))
+    print(_mode_line(llm.engine), file=sys.stderr)  # (stdout holds the answer alone)
     if args.chat:
         output = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
     else:
@@ -35,6 +36,16 @@ class _OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _mode_line(engine) -> str:
+    """generate's start-up line: the weight mode (and the kernels' instruction set) and the KV dtype."""
+    from kvserve import kernels
+
+    library = kernels.library() if engine.config.dtype == "native" else None
+    weights = (f"the file's own formats on kvserve's native kernels ({library.isa})" if library is not None
+               else f"{engine.config.dtype} (torch)")
+    return f"kvserve: weights: {weights}; KV cache: {engine.cache_config.kv_dtype.name}"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -111,7 +111,10 @@ def _load(isa: str) -> KernelLibrary | None:
     import torch  # noqa: F401  (loads torch's OpenMP runtime first, so the kernels share its threads)
 
     path = library_path(isa)
+    build_if_missing(isa)
     if not path.is_file():
+        if isa in _build_tried:
+            return None  # (the build attempt said why, in its one line)
         _warn_once(f"native kernels not built ({path} missing; run `python -m kvserve.kernels.build`); "
                    "using the torch path")
         return None
@@ -146,7 +149,29 @@ def available() -> bool:
         isa = selected_isa()
     except ConfigError:
         return False
+    build_if_missing(isa)
     return library_path(isa).is_file() and built_digest(isa) == source_digest()
+
+
+def build_if_missing(isa: str) -> None:
+    """A pip-installed kvserve carries the sources but no library: the first use builds this CPU's one
+    (about a minute on 2 cores, once per install), saying so in one line; without a compiler, one line
+    and the torch path. A library built from other sources is not rebuilt here (a checkout that moved
+    on: `python -m kvserve.kernels.build`, as the refusal says)."""
+    if library_path(isa).is_file() or isa in _build_tried or not any(SRC_DIR.glob("*.cpp")):
+        return
+    _build_tried.add(isa)
+    from kvserve.kernels import build
+
+    if build.compiler() is not None:
+        _warn_once(f"building the native kernels for {isa} into {LIB_DIR} (first use after install; once)")
+    try:
+        build.build([isa])
+    except (RuntimeError, OSError) as e:
+        _warn_once(f"native kernels could not be built ({str(e).splitlines()[0]}); using the torch path")
+
+
+_build_tried: set[str] = set()
 
 
 def digest_path(isa: str) -> Path:

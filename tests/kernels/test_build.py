@@ -89,3 +89,16 @@ def test_the_simd_libraries_keep_their_prefetches():
         code = subprocess.run(["objdump", "-d", str(kernels.library_path(isa))], capture_output=True, text=True,
                               check=True).stdout
         assert all(f"prefetcht{level}" in code for level in (0, 1, 2)), isa
+
+
+def test_a_missing_library_without_a_compiler_is_one_line_and_the_torch_path(monkeypatch, capsys, tmp_path,
+                                                                             fresh_loader):
+    """A pip install builds the library on first use (tests/test_fresh_install.py); with no compiler
+    there, the first use says so in one line and runs the torch path."""
+    monkeypatch.setenv("KVSERVE_KERNELS", "on")
+    monkeypatch.setattr(kernels, "LIB_DIR", tmp_path)  # nothing built here
+    monkeypatch.setattr(kernels, "_build_tried", set())
+    monkeypatch.setattr(build, "compiler", lambda: None)
+    assert not kernels.available() and kernels.library() is None
+    err = capsys.readouterr().err.strip()
+    assert "no C++ compiler" in err and "torch path" in err and "\n" not in err

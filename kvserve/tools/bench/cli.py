@@ -85,6 +85,10 @@ def _check(args: argparse.Namespace) -> tuple[list[str], bool]:
     if args.vs == "llama-cpp" and importlib.util.find_spec("llama_cpp") is None:
         raise ConfigError("--vs llama-cpp needs llama-cpp-python, which is not installed "
                           "(pip install llama-cpp-python), or use --vs transformers")
+    for wanted, module in ((args.vs == "transformers", "transformers"), (bool(args.plot), "matplotlib")):
+        if wanted and importlib.util.find_spec(module) is None:  # the [bench] extra, not kvserve's own needs
+            raise ConfigError(f"{'--vs transformers' if module == 'transformers' else '--plot'} needs {module}, "
+                              f"which is not installed: pip install 'kvserve[bench]'")
     modes = [m.strip() for m in args.transformers_modes.split(",") if m.strip()]
     if args.vs == "transformers" and (not modes or any(m not in TRANSFORMERS_MODES for m in modes)):
         raise ConfigError(f"--transformers-modes is a comma list of {', '.join(TRANSFORMERS_MODES)}")

@@ -130,3 +130,21 @@ def test_dashboard_shows_the_pool_and_the_hit_rate_of_metrics(server, model_name
     assert float(idle.values["hit-rate"]) == pytest.approx(final[h_name] / final[q_name])
     assert idle.texts["running"] == "0" and idle.texts["grid-used"] == "0"
     assert idle.texts["report-summary"].startswith("hit rate ")  # the cache-report panel filled in
+
+
+def test_with_api_keys_the_dashboards_data_needs_one(async_engine, tmp_path):
+    """/dashboard (a page without data) stays open; /dashboard/stats answers only a valid key, which
+    the page takes from its URL fragment (never sent to the server) and sends as a Bearer header."""
+    from kvserve.server.api import build_app
+    from tests.server.conftest import ServerThread
+
+    with ServerThread(build_app(async_engine, api_keys=["sk-dash"])) as keyed:
+        assert httpx.get(keyed.url + "/dashboard").status_code == 200
+        assert httpx.get(keyed.url + "/dashboard/stats").status_code == 401
+        stats = httpx.get(keyed.url + "/dashboard/stats", headers={"Authorization": "Bearer sk-dash"})
+        assert stats.status_code == 200 and stats.json()["num_pages_total"] > 0
+        without = Page(chromium(keyed.url + "/dashboard", tmp_path / "p1", "--dump-dom"))
+        assert "API key needed" in without.texts["status"]
+        with_key = Page(chromium(keyed.url + "/dashboard#key=sk-dash", tmp_path / "p2", "--dump-dom"))
+        assert with_key.texts["status"] == "live"
+        assert int(with_key.values["pages-total"]) == stats.json()["num_pages_total"]

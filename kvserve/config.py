@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvserve.errors import ConfigError  # noqa: F401  (re-exported: most modules import it from here)
-from kvserve.units import parse_bytes  # noqa: F401  (re-exported, as ConfigError)
+from kvserve.units import format_bytes, format_number, parse_bytes  # noqa: F401  (re-exported)
 from kvserve.speculative_config import SpeculativeConfig, parse_speculative_config
 
 # public-domain text shipped with the package: `kvserve eval-kv` and the fp8 calibration pass read it
@@ -306,17 +306,6 @@ class EngineConfig:
 def pool_tokens_for(kv_cache_memory_bytes: int, bytes_per_page: int, page_size: int) -> int:
     """Tokens the page pool holds: whole pages in the budget, less the reserved null page 0."""
     return max(0, kv_cache_memory_bytes // bytes_per_page - 1) * page_size
-
-
-def format_bytes(num: float) -> str:
-    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if num >= size:
-            return f"{num / size:.2f}".rstrip("0").rstrip(".") + f" {unit}"
-    return f"{num:.0f} B"
-
-
-def format_number(num: float) -> str:
-    return f"{num:,.0f}" if float(num).is_integer() else f"{num:,.2f}"
 
 
 def capacity_error_message(max_model_len: int, pool_tokens: int, kv_cache_memory_bytes: int,

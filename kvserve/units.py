@@ -1,5 +1,5 @@
 """Memory sizes as users write them on the command line and in the Python API ('1GiB', '512MiB',
-'2e9', or a number of bytes), read in one place."""
+'2e9', or a number of bytes), read in one place, and sizes and counts as messages print them."""
 
 from __future__ import annotations
 
@@ -29,3 +29,14 @@ def is_bare_number(value: str | int | float) -> bool:
     """Text that is a number with no unit ('4', '0.5', '2e9'): flags whose unit is not bytes (vLLM's
     --swap-space in GiB) read it in their own unit."""
     return isinstance(value, str) and re.fullmatch(rf"\s*{_NUMBER}\s*", value) is not None
+
+
+def format_bytes(num: float) -> str:
+    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if num >= size:
+            return f"{num / size:.2f}".rstrip("0").rstrip(".") + f" {unit}"
+    return f"{num:.0f} B"
+
+
+def format_number(num: float) -> str:
+    return f"{num:,.0f}" if float(num).is_integer() else f"{num:,.2f}"

@@ -51,8 +51,8 @@ def __getattr__(name: str):
         from importlib.metadata import PackageNotFoundError, version
         try:
             return version("kvserve")
-        except PackageNotFoundError:  # a source tree on sys.path, never installed
-            return "0+unknown"
+        except PackageNotFoundError:  # a source tree on sys.path, never installed (semver and PEP 440 alike)
+            return "0.0.0+unknown"
     # The engine pulls in torch; import it only when asked so the cache layer and tools stay light.
     if name == "LLM":
         from kvserve.llm import LLM

@@ -60,6 +60,8 @@ TABLE = {
     "--speculative-config": (["--speculative-config", json.dumps(SPEC)],
                              lambda a, c: (c.speculative_config.method, c.speculative_config.num_speculative_tokens),
                              ("ngram", 3)),
+    "--chat-template": (["--chat-template", "{{ messages[0]['content'] }}"], lambda a, c: c.chat_template,
+                        "{{ messages[0]['content'] }}"),  # vLLM: a file path or the template itself
     "--disable-hybrid-kv-cache-manager": (["--disable-hybrid-kv-cache-manager"],
                                           lambda a, c: c.disable_hybrid_kv_cache_manager, True),
 }

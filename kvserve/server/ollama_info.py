@@ -4,7 +4,6 @@ hold beside what a runtime that reserves the whole context at load would hold fo
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -98,10 +97,9 @@ def model_info(engine: LLMEngine, names: list[str], version: str) -> ModelInfo:
 
 
 def kvserve_version() -> str:
-    try:
-        return importlib.metadata.version("kvserve")
-    except importlib.metadata.PackageNotFoundError:
-        return "0.0.0"
+    import kvserve
+
+    return kvserve.__version__
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -73,6 +73,15 @@ def serve_flags() -> set[str]:
     return {flag for action in serve._actions for flag in action.option_strings}
 
 
+def test_serve_takes_the_model_as_vllm_serve_does(capsys):
+    from kvserve.cli import main
+
+    args = build_parser().parse_args(["serve", "m.gguf", "--port", "8001"])
+    assert args.model_tag == "m.gguf" and args.model is None
+    assert main(["serve", "a.gguf", "--model", "b.gguf"]) == 2
+    assert "two models given" in capsys.readouterr().err
+
+
 def test_every_shared_flag_has_a_row():
     shared = serve_flags() & VLLM_FLAGS
     assert shared - set(TABLE) == set(), "add these flags to TABLE with vLLM's meaning"

@@ -12,6 +12,8 @@ import argparse
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     from kvserve.engine_args import add_engine_arguments
 
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as `vllm serve MODEL` takes it (same as --model)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", action="append", default=None, metavar="KEY",
@@ -86,6 +88,11 @@ def _non_negative_int(text: str) -> int:
 
 
 def main_serve(args: argparse.Namespace) -> int:
+    from kvserve.errors import ConfigError
     from kvserve.server.launch import serve
 
+    if args.model_tag is not None:  # `kvserve serve MODEL`, vLLM's spelling
+        if args.model is not None and args.model != args.model_tag:
+            raise ConfigError(f"two models given: {args.model_tag!r} and --model {args.model!r}; give one")
+        args.model = args.model_tag
     return serve(args)

@@ -160,7 +160,9 @@ def serve(args: argparse.Namespace) -> int:
         log.info("%s: %d tokens of KV", engine.gpu_budget.describe(),
                  (engine.cache_config.num_pages - 1) * engine.cache_config.page_size)
     if engine.runner.kernel_tuning is not None:
-        log.info("native kernels: %s", engine.runner.kernel_tuning.label())
+        from kvserve import kernels
+
+        log.info("native kernels (%s): %s", kernels.library().isa, engine.runner.kernel_tuning.label())
     if args.threads is None and kwargs["threads"] is not None:
         log.info("engine threads: %d (every usable core but one, left to the HTTP front door; --threads "
                  "to change)", kwargs["threads"])

@@ -71,7 +71,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         # structured outputs are compiled here, before a request reaches the engine thread
-        self.grammar_workers = GrammarWorkers(engine.config.grammar_compile_timeout)
+        self._grammar_workers: GrammarWorkers | None = None  # made on the first constraint
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> AsyncEngine:
@@ -88,7 +88,8 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout)
         self._thread = None
-        self.grammar_workers.shutdown()
+        if self._grammar_workers is not None:
+            self._grammar_workers.shutdown()
 
     @property
     def is_running(self) -> bool:
@@ -126,9 +127,10 @@ class AsyncEngine:
             added: list[str] = []
             try:
                 for (prompt, params, _), stream, compiled in zip(items, streams, grammars):
+                    extra = {} if compiled is None else {"compiled_grammar": compiled}
                     self.engine.add_request(prompt, params, request_id=stream.request_id,
                                             tenant=namespace, leases=leases, kv_explain=kv_explain,
-                                            tool_call=tool_call, compiled_grammar=compiled)
+                                            tool_call=tool_call, **extra)
                     added.append(stream.request_id)
             except Exception:
                 for request_id in added:
@@ -151,7 +153,9 @@ class AsyncEngine:
         if params is None or params.structured_outputs is None:
             return None
         engine = self.engine
-        return await self.grammar_workers.compile(
+        if self._grammar_workers is None:
+            self._grammar_workers = GrammarWorkers(engine.config.grammar_compile_timeout)
+        return await self._grammar_workers.compile(
             lambda p, ns: engine.grammar_compiler().compile(p, ns), params.structured_outputs, namespace)
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None,

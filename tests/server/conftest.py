@@ -77,8 +77,22 @@ def async_engine():
     from kvserve.engine import LLMEngine
 
     engine = AsyncEngine(LLMEngine(EngineConfig(**SMALL_ENGINE))).start()
+    _SESSION_ENGINE.append(engine)
     yield engine
     engine.shutdown()
+
+
+_SESSION_ENGINE: list = []  # the session's engine, once some test asked for it
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_leases_past_the_module():
+    """Leases a module's requests left on the session's engine (a stored response holds its
+    conversation's pages for 5 minutes) end with the module: the next module starts with none."""
+    yield
+    for engine in _SESSION_ENGINE:
+        leases = engine.engine.manager.leases
+        on_engine(engine, lambda: [leases.release(lease_id) for lease_id in list(leases.leases)])
 
 
 @pytest.fixture(scope="session")

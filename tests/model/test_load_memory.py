@@ -117,5 +117,5 @@ def test_gguf_file_reads_what_gguf_py_reads():
 def test_a_file_that_is_not_gguf_is_refused(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGML" + bytes(64))
-    with pytest.raises(ValueError, match="bad magic"):
+    with pytest.raises(ValueError, match="not a GGUF file"):
         GGUFFile(str(bad))

@@ -235,6 +235,8 @@ class EngineConfig:
     kv_events_curve_secret_file: str | None = None  # CURVE secret key (Z85): subscribers need its public key
     kv_disk_path: str | None = None  # disk tier directory (pages survive restarts)
     kv_disk_bytes: str | int = "10GiB"
+    kv_pin_bytes: str | int | None = None  # 24h retention pins in the disk/Redis tier; None: half the disk tier
+    kv_pin_tenant_bytes: str | int | None = None  # ... per tenant; None: a quarter of kv_pin_bytes
     # Sliding-window layers keep only their window's pages (vLLM's hybrid KV cache manager). Off
     # when tiers below the pool are asked for (swap, Redis, disk), whose pages carry every layer.
     disable_hybrid_kv_cache_manager: bool = False
@@ -263,7 +265,8 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         parse_bytes(self.swap_space)
-        parse_bytes(self.kv_disk_bytes)
+        for size in (self.kv_disk_bytes, self.kv_pin_bytes, self.kv_pin_tenant_bytes):
+            parse_bytes(size) if size is not None else None
         if self.kv_disk_path and self.prefix_cache == PrefixCachePolicy.OFF.value:
             raise ConfigError("--kv-disk-path keeps prefix-cache pages; use --prefix-cache radix or hash")
         if self.kv_events_endpoint and not self.kv_events_endpoint.startswith(("tcp://", "ipc://")):

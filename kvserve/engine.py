@@ -20,9 +20,11 @@ import torch
 
 from kvserve.cache.disk_tier import DiskTier, TierAuthSealer
 from kvserve.cache.events import KVEventBuffer
+from kvserve.cache.hashing import namespace as cache_namespace, page_hashes
 from kvserve.cache.leases import Retention
 from kvserve.cache.manager import KVCacheManager
 from kvserve.cache.offload import Offloader
+from kvserve.cache.pins import DAY_S, PinLedger, PinResult, ledger_for
 from kvserve.cache.redis_tier import RedisTier
 from kvserve.cache.tier_auth import default_auth
 from kvserve.cache_report import CacheReporter
@@ -81,6 +83,7 @@ class LLMEngine:
         self.host_tier = HostTier(parse_bytes(config.swap_space), self.runner.page_bytes)
         self.redis_tier = self._redis_tier() if config.redis_url else None
         self.disk_tier = self._disk_tier() if config.kv_disk_path else None
+        self.pins = self._pin_ledger()  # prompt_cache_retention 24h; None without a disk or Redis tier
         self.events, self.event_publisher = None, None
         if config.kv_events_endpoint:
             self.events = KVEventBuffer(config.page_size)
@@ -133,6 +136,32 @@ class LLMEngine:
         return DiskTier(self.config.kv_disk_path, parse_bytes(self.config.kv_disk_bytes),
                         self.runner.page_bytes, layout=layout,
                         sealer=TierAuthSealer(auth) if auth.enabled else None)
+
+    def _pin_ledger(self) -> PinLedger | None:
+        if self.disk_tier is None and self.redis_tier is None:
+            return None
+        disk, config = self.disk_tier, self.config
+        ledger = ledger_for(self.runner.page_bytes, disk.capacity_pages if disk else None,
+                            disk.root if disk else None,
+                            *(parse_bytes(b) if b is not None else None
+                              for b in (config.kv_pin_bytes, config.kv_pin_tenant_bytes)))
+        for tier in (disk, self.redis_tier):
+            if tier is not None:
+                tier.pins = ledger
+        return ledger
+
+    def pin_prefix(self, token_ids: list[int], tenant: str, cache_salt: str | None,
+                   ttl_s: float = DAY_S) -> PinResult | None:
+        """prompt_cache_retention 24h: pin the full pages of `token_ids` (in the namespace a request of
+        `tenant` with `cache_salt` gets) in the disk and Redis tiers for `ttl_s`. None: no such tier.
+        Thread-safe (ledger and tiers lock themselves); blocking (file and Redis writes)."""
+        if self.pins is None:
+            return None
+        hashes = page_hashes(token_ids, self.config.page_size, cache_namespace(tenant, cache_salt))
+        result = self.pins.pin(tenant, hashes, ttl_s)
+        if result.pinned and self.redis_tier is not None:
+            self.redis_tier.expire(hashes, ttl_s)
+        return result
 
     def close(self) -> None:
         """Write what the Redis and disk tiers still have queued, close their connections and the

@@ -61,6 +61,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "after a restart")
     group.add_argument("--kv-disk-bytes", default=ENGINE_DEFAULTS.kv_disk_bytes,
                        help="byte budget of the disk tier (LRU within it)")
+    group.add_argument("--kv-pin-bytes", default=None,
+                       help="prompt_cache_retention 24h: bytes of pages pinned for 24 h in the disk and "
+                            "Redis tiers (default: half of --kv-disk-bytes; 1GiB with Redis only)")
+    group.add_argument("--kv-pin-tenant-bytes", default=None,
+                       help="the same per API key (default: a quarter of --kv-pin-bytes); over it the "
+                            "response says retention was capped")
     group.add_argument("--kv-events-endpoint", default=None, metavar="tcp://HOST:PORT",
                        help="publish KV events (vLLM's BlockStored/BlockRemoved schema, msgpack over "
                             "ZMQ PUB); replay socket on the next port. Loopback addresses only unless "

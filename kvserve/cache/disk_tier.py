@@ -12,6 +12,7 @@ read each other's pages. A file is a header, then the payload:
 The tag seals (layout, page hash, payload): `Blake2bChecksum` by default; `KeyedBlake2b(secret)`
 (or any `PageSealer`, e.g. one from a TierAuth) makes it a MAC. A file whose header, length or tag
 is wrong is deleted and counted in `stats.corrupt`, and the read is a miss (the engine recomputes).
+Pages pinned in `pins` (24h retention, cache/pins.py) are skipped by the LRU until their pins expire.
 Writes go to a bounded queue that a background thread drains (temp file + rename, so a crash leaves
 either the old state or the whole page); a page is readable from the queue until it is on disk.
 """
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvserve.cache.background import drain, stop
+from kvserve.cache.pins import PinLedger
 from kvserve.cache.tier_auth import TierAuth
 
 log = logging.getLogger("kvserve.disk")
@@ -113,7 +115,8 @@ class DiskTier:
                  layout: str = "", sealer: PageSealer | None = None,
                  queue_bytes: int = 64 << 20,
                  on_evict: Callable[[bytes], None] | None = None,
-                 on_store: Callable[[bytes], None] | None = None) -> None:
+                 on_store: Callable[[bytes], None] | None = None,
+                 pins: PinLedger | None = None) -> None:
         if page_bytes < 1:
             raise ValueError(f"page_bytes must be positive, got {page_bytes}")
         self.page_bytes = page_bytes
@@ -123,6 +126,7 @@ class DiskTier:
         self.sealer: PageSealer = sealer or Blake2bChecksum()
         self.root = Path(path) / hashlib.blake2b(self.layout, digest_size=8).hexdigest()
         self.stats = DiskTierStats()
+        self.pins = pins  # 24h retention (cache/pins.py): pinned pages are never the LRU victim
         # told (page_hash) of every page that leaves the tier: budget, corruption, write failure
         # (the KV events' BlockRemoved(medium="disk")); called without the tier's lock held
         self.on_evict = on_evict
@@ -232,12 +236,16 @@ class DiskTier:
     def _make_room(self) -> list[bytes]:
         """Under the lock: drop least recently used pages until the index fits the budget; returns
         them (their files are deleted after the lock is released)."""
-        victims = []
-        while len(self._index) > self.capacity_pages:
+        victims, kept = [], []
+        while len(self._index) + len(kept) > self.capacity_pages and self._index:
             victim, _ = self._index.popitem(last=False)
+            if self.pins is not None and self.pins.is_pinned(victim):
+                kept.append(victim)  # pinned (24h retention): skipped, put back as recently used
+                continue
             self._pending.pop(victim, None)
             self.stats.evictions += 1
             victims.append(victim)
+        self._index.update(dict.fromkeys(kept))
         return victims
 
     def _read(self, page_hash: bytes) -> bytes | None:
@@ -332,10 +340,8 @@ class DiskTier:
         for _, page_hash in sorted(found):
             self._index[page_hash] = None
         self.stats.loaded = len(self._index)
-        while len(self._index) > self.capacity_pages:  # the budget shrank since the last run
-            victim, _ = self._index.popitem(last=False)
+        for victim in self._make_room():  # the budget shrank since the last run
             self._remove(self.file_of(victim))
-            self.stats.evictions += 1
 
     def _write_loop(self) -> None:
         while True:

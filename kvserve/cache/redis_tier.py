@@ -16,7 +16,8 @@ neither guess which key holds which prompt nor plant a page that verifies. Witho
 the page hash in hex and the tier trusts every writer (start-up says so).
 
 Writes: `offer` puts pages on a bounded queue that a background thread drains with pipelined SETs
-(no expiry: Redis's own `maxmemory` + `maxmemory-policy allkeys-lru` is the capacity policy); when
+(no expiry: Redis's own `maxmemory` + `maxmemory-policy allkeys-lru` is the capacity policy; a page
+pinned for 24h retention is written with the pin's TTL, and `expire` sets it on pages already there); when
 the queue is full the page is dropped and counted, the caller never waits. `put_many` writes
 synchronously (a prefill instance, whose decode instance reads the pages next).
 Reads: `fetch` asks for the pages after a local hit with one MGET (per `batch_pages`) under a short
@@ -45,6 +46,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from kvserve.cache.pins import PinLedger
 from kvserve.cache.tier_auth import TierAuth, default_auth
 from kvserve.cache.tiers import page_hashes_from
 
@@ -114,6 +116,7 @@ class RedisTier:
         self.batch_pages = batch_pages
         self.write_batch_pages = write_batch_pages
         self.stats = RedisTierStats()
+        self.pins: PinLedger | None = None  # 24h retention (cache/pins.py): pinned pages get a TTL
         # no retries inside redis-py: a failed call is a miss now, and the backoff decides when to
         # try again. Timeouts in the URL (?socket_timeout=0.05) win over these defaults.
         no_retry = Retry(NoBackoff(), 0)
@@ -253,7 +256,8 @@ class RedisTier:
         pipe = self._writer.pipeline(transaction=False)
         for page_hash, payload in items:
             key = self.key(page_hash)
-            pipe.set(key, pack_page(payload, self.auth, key))
+            ttl = self.pins.remaining_s(page_hash) if self.pins is not None else 0.0
+            pipe.set(key, pack_page(payload, self.auth, key), ex=max(1, int(ttl)) if ttl else None)
         try:
             results = pipe.execute(raise_on_error=False)
         except (redis.RedisError, OSError) as err:
@@ -273,6 +277,24 @@ class RedisTier:
         else:
             self._remember([h for h, _ in items])
         return stored
+
+    def expire(self, hashes: list[bytes], ttl_s: float) -> int:
+        """Give the pages Redis already holds a TTL of `ttl_s` (a 24h retention pin; pages not there
+        yet get it when they are written); returns how many were there. Those missing are forgotten,
+        so a later commit offers them again."""
+        if not hashes or not self._usable():
+            return 0
+        pipe = self._writer.pipeline(transaction=False)
+        for page_hash in hashes:
+            pipe.expire(self.key(page_hash), max(1, int(ttl_s)))
+        try:
+            results = pipe.execute(raise_on_error=False)
+        except (redis.RedisError, OSError) as err:
+            self._failed("write", err)
+            return 0
+        self._succeeded()
+        self._forget([h for h, r in zip(hashes, results) if r is not True and r != 1])
+        return sum(1 for r in results if r is True or r == 1)
 
     # -- Tier protocol (by page hash) ----------------------------------------------------------
     def get(self, page_hash: bytes) -> memoryview | None:

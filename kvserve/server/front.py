@@ -50,8 +50,6 @@ class FrontDoor:
         self.admission = admission or Admission()
         self.renderer = ChatRenderer(llm.chat_prompt, self.encode_with_ends)
         self.tool_format = tool_format(llm.chat_template)  # how this model writes tool calls
-        # prompt_cache_retention "24h": a tier that keeps pages past eviction and restarts
-        self.keeps_24h = bool(llm.config.kv_disk_path or llm.config.redis_url)
         self.fim = fim_tokens(llm.tokenizer.get_vocab(with_added_tokens=True))  # None: no `suffix`
         self.tool_holds = ToolHolds(engine, llm.config.tool_call_kv_ttl * llm.config.lease_ttl_scale,
                                     llm.config.lease_ttl_scale)
@@ -158,15 +156,24 @@ class FrontDoor:
         """The prompt ids /v1/chat/completions gives the engine for `body`."""
         return await self.render_chat(body.conversation(), tools=body.toolset().template_tools)
 
-    def retention(self, asked: str | None) -> dict[str, Any]:
+    async def retain(self, asked: str | None, prompts: list[list[int]], tenant: str,
+                     cache_salt: str | None) -> dict[str, Any]:
         """The response's `prompt_cache_retention` for what a request asked (nothing when it asked
-        nothing); 24h without a disk or Redis tier is capped to in_memory, never refused."""
+        nothing). 24h pins the prompts' pages in the disk / Redis tier (cache/pins.py); without such a
+        tier, or over a pin cap, it is capped to in_memory and the note says why, never refused."""
         if asked is None:
             return {}
-        if asked == "24h" and not self.keeps_24h:
+        if asked != "24h":
+            return {"prompt_cache_retention": asked}
+        llm = self.engine.engine
+        results = await self.off_loop(lambda: [llm.pin_prefix(p, tenant, cache_salt) for p in prompts])
+        if any(r is None for r in results):
             return {"prompt_cache_retention": "in_memory",
                     "prompt_cache_retention_note": "capped: this server has no disk or Redis KV tier"}
-        return {"prompt_cache_retention": asked}
+        refused = next((r for r in results if not r.pinned), None)
+        if refused is not None:
+            return {"prompt_cache_retention": "in_memory", "prompt_cache_retention_note": refused.reason}
+        return {"prompt_cache_retention": "24h"}
 
     def check_fits(self, num_tokens: int, param: str = "messages") -> None:
         if num_tokens >= self.max_model_len:

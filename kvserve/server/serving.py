@@ -130,7 +130,8 @@ class OpenAIServing:
             params = body.sampling_params(max_tokens, body.logprobs)
             gen = await self._submit("cmpl", prompts, params, body.n, namespace, release,
                                      retention=body.kv_retention, kv_explain=body.kv_explain)
-            gen.retention = self.door.retention(body.prompt_cache_retention)
+            gen.retention = await self.door.retain(body.prompt_cache_retention, prompts, namespace,
+                                                   params.cache_salt)
         except BaseException:
             release()
             raise
@@ -166,7 +167,8 @@ class OpenAIServing:
             gen = await self._submit("chatcmpl", [prompt], params, body.n, namespace, release,
                                      retention=body.kv_retention, kv_explain=body.kv_explain,
                                      tool_kv=tool_kv)
-            gen.retention = self.door.retention(body.prompt_cache_retention)
+            gen.retention = await self.door.retain(body.prompt_cache_retention, [prompt], namespace,
+                                                   params.cache_salt)
             gen.hold_key = hold_key
         except BaseException:
             release()

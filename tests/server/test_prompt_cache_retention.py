@@ -1,7 +1,8 @@
 """OpenAI's prompt caching fields: `prompt_cache_key` is taken on every route (a routing hint, never
 an isolation boundary: two keys share the prefix), `prompt_cache_retention: "24h"` is capped to
-in_memory, and said so, on a server without a disk or Redis tier, and with `--kv-disk-path` a prefix
-is still cached after a restart of `kvserve serve`, with the greedy text of the cold run."""
+in_memory, and said so, on a server without a disk or Redis tier, and with `--kv-disk-path` a 24h prefix
+is still cached after unpinned prefixes overflowed the disk tier and `kvserve serve` restarted, with the
+greedy text of the cold run."""
 
 from __future__ import annotations
 
@@ -40,11 +41,18 @@ def test_prompt_cache_key_is_a_hint_not_a_namespace(client, model_name):
     assert other.usage.prompt_tokens_details.cached_tokens >= 32
 
 
+PAGE_FILE = 368_640 + 88  # a bf16 page of the bundled model (16 tokens x 23,040 bytes) + its file header
+DISK_PAGES = 24
+FILLERS = [" ".join(f"{word}{k}" for word in ("lantern", "harbor", "copper", "meadow") * 40)
+           for k in range(3)]  # ~3 x 19 pages: the 24-page disk tier overflows twice
+
+
 def serve(tmp_path, port: int, disk: str, name: str) -> subprocess.Popen:
     log = open(tmp_path / name, "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvserve.cli", "serve", "--port", str(port), "--kv-cache-memory", "128MiB",
-         "--max-model-len", "1024", "--kv-disk-path", disk, "--log-level", "warning"],
+         "--max-model-len", "1024", "--kv-disk-path", disk, "--log-level", "warning",
+         "--kv-disk-bytes", str(DISK_PAGES * PAGE_FILE), "--kv-pin-tenant-bytes", str(12 * PAGE_FILE)],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     wait_until_serving(proc, f"http://127.0.0.1:{port}", tmp_path / name)
     return proc
@@ -66,9 +74,13 @@ def test_24h_on_a_disk_tier_survives_a_restart(tmp_path):
             responses.append(client.responses.create(model=model, input=messages[1:], instructions=PREFIX,
                                                       max_output_tokens=12, temperature=0,
                                                       prompt_cache_retention="24h"))
+            for filler in FILLERS if run == 0 else ():  # unpinned prefixes push the disk tier's LRU
+                client.chat.completions.create(model=model, messages=[{"role": "user", "content": filler}],
+                                               max_tokens=1)
         finally:
             stop_serving(proc)
     cold, warm = outputs
+    assert len(list((tmp_path / "kv").glob("*/*/*.kvp"))) <= DISK_PAGES  # the budget held: others went
     # the Responses API's own turn after the restart: its prompt is the chat's, so it hits the disk too
     assert responses[1].usage.input_tokens_details.cached_tokens >= responses[1].usage.input_tokens // 16 * 16 - 16
     assert responses[1].output_text == responses[0].output_text == cold.choices[0].message.content

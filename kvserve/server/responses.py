@@ -1,7 +1,8 @@
 """OpenAI's Responses API: `POST /v1/responses` (streamed as its typed events, or whole), `GET` and
 `DELETE /v1/responses/{id}`. A request runs as a chat request (responses_protocol.py) through the
 serving layer; its output becomes `message` and `function_call` items. `store: true` (the default)
-keeps the response and its conversation for the tenant (responses_store.py) and holds the
+keeps the response and its conversation for the tenant (responses_store.py; also beside the disk tier or
+in Redis when the server has one, so it outlives a restart: responses_persist.py) and holds the
 conversation's KV pages under the response id (the tool-call hold's mechanism, for 5 minutes), so
 a follow-up by `previous_response_id` renders the same prefix and hits it."""
 
@@ -22,7 +23,8 @@ from kvserve.server.ollama_protocol import validated
 from kvserve.server.protocol import APIError
 from kvserve.server.responses_diagnostics import compare, prompt_record
 from kvserve.server.responses_protocol import ResponsesRequest
-from kvserve.server.responses_store import ResponseStore
+from kvserve.server.responses_persist import response_backing
+from kvserve.server.responses_store import MAX_BYTES, MAX_RESPONSES, ResponseStore
 from kvserve.server.router_responses import RESPONSE_ID_HEADER
 from kvserve.server.serving import OpenAIServing, sse_payloads
 
@@ -151,8 +153,13 @@ class ResponseBuilder:
 
 
 def register(app: FastAPI, serving: OpenAIServing, namespace: Callable[[Request], Awaitable[str]]) -> None:
-    store = ResponseStore()
+    config = serving.engine.engine.config
+    store = ResponseStore(backing=response_backing(config.kv_disk_path, config.redis_url, MAX_RESPONSES, MAX_BYTES))
     app.state.responses = store
+
+    async def io(work: Callable[[], Any]) -> Any:
+        """The store's calls: on worker threads when they write to disk or Redis."""
+        return work() if store.backing is None else await serving.door.off_loop(work)
 
     def not_found(response_id: str, param: str | None = None) -> APIError:
         return APIError(f"Response with id '{response_id}' not found.", 404, "invalid_request_error", param)
@@ -163,7 +170,7 @@ def register(app: FastAPI, serving: OpenAIServing, namespace: Callable[[Request]
         body = validated(ResponsesRequest, await read_json(raw))
         earlier: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
-            previous = store.get(tenant, body.previous_response_id)
+            previous = await io(lambda: store.get(tenant, body.previous_response_id))
             if previous is None:
                 raise not_found(body.previous_response_id, "previous_response_id")
             earlier = previous.messages
@@ -176,21 +183,21 @@ def register(app: FastAPI, serving: OpenAIServing, namespace: Callable[[Request]
         extra = {}
         options = body.prompt_cache_options
         if options is not None and options.comparison_response_id is not None:
-            compared = store.get(tenant, options.comparison_response_id)
+            compared = await io(lambda: store.get(tenant, options.comparison_response_id))
             extra["prompt_cache_diagnostics"] = compare(compared.prompt if compared else None, record)
         builder = ResponseBuilder(response_id, body, serving.model_names[0], extra)
         events = builder.events(sse_payloads(result.body))
 
-        def keep() -> None:
+        async def keep() -> None:
             if body.store and builder.response["status"] in ("completed", "incomplete"):
-                store.put(tenant, builder.snapshot(),
-                          [*earlier, *body.new_messages(), builder.assistant_message()], record)
+                snapshot, messages = builder.snapshot(), [*earlier, *body.new_messages(), builder.assistant_message()]
+                await io(lambda: store.put(tenant, snapshot, messages, record))
 
         if body.stream:
             async def lines() -> AsyncIterator[str]:
                 async for kind, payload in events:
                     yield f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
-                keep()
+                await keep()
             return ClosingStream(lines(), result.close, media_type="text/event-stream",
                                  headers={**SSE_HEADERS, RESPONSE_ID_HEADER: response_id})
         try:
@@ -199,12 +206,13 @@ def register(app: FastAPI, serving: OpenAIServing, namespace: Callable[[Request]
                     raise APIError(payload["message"], 503, "server_error", payload.get("param"), payload.get("code"))
         finally:
             result.close()
-        keep()
+        await keep()
         return JSONResponse(builder.snapshot(), headers={RESPONSE_ID_HEADER: response_id})
 
     @app.get("/v1/responses/{response_id}")
     async def get(response_id: str, raw: Request):
-        found = store.get(await namespace(raw), response_id)
+        tenant = await namespace(raw)
+        found = await io(lambda: store.get(tenant, response_id))
         if found is None:
             raise not_found(response_id)
         return found.response
@@ -212,7 +220,7 @@ def register(app: FastAPI, serving: OpenAIServing, namespace: Callable[[Request]
     @app.delete("/v1/responses/{response_id}")
     async def delete(response_id: str, raw: Request):
         tenant = await namespace(raw)
-        if not store.delete(tenant, response_id):
+        if not await io(lambda: store.delete(tenant, response_id)):
             raise not_found(response_id)
         await serving.door.tool_holds.release(tenant, response_id)  # its KV need not wait for the TTL
         return {"id": response_id, "object": "response.deleted", "deleted": True}

@@ -29,6 +29,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "tenants (the whole /v1/cache/report; other keys see their own part)")
     parser.add_argument("--max-request-bytes", type=_positive_int, default=4 << 20, metavar="N",
                         help="larger request bodies get a 413 before parsing (default 4 MiB)")
+    parser.add_argument("--max-body-bytes-in-flight", type=_byte_size, default=256 << 20, metavar="N",
+                        help="bytes of request bodies still arriving, all clients together; past it a "
+                             "429 before more is read (default 256 MiB)")
+    parser.add_argument("--max-body-bytes-per-key", type=_byte_size, default=64 << 20, metavar="N",
+                        help="the same, per API key (default 64 MiB; at least --max-request-bytes)")
+    parser.add_argument("--max-connections-per-key", type=_positive_int, default=128, metavar="N",
+                        help="with API keys: requests one key may have open at once, a 429 for more "
+                             "before any body is read (default 128)")
     parser.add_argument("--request-read-timeout", type=float, default=30.0, metavar="S",
                         help="a request body must arrive whole within S seconds, or the "
                              "connection gets a 408 and is closed (default 30)")
@@ -78,6 +86,15 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _byte_size(text: str) -> int:
+    from kvserve.units import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _non_negative_int(text: str) -> int:

@@ -31,6 +31,7 @@ from kvserve.server import anthropic, caches, llamacpp, ollama, render_routes, r
 from kvserve.server.auth import (DEFAULT_MAX_UNAUTHENTICATED, INVALID_KEY, NAMESPACE_SCOPE_KEY,
                                  ApiKeys, KeyGate, key_namespace)  # noqa: F401 (re-exported)
 from kvserve.server.front import FrontDoor, sse_response
+from kvserve.server.inflight import InFlight, InFlightCaps
 from kvserve.server.kv_routes import kv_routes
 from kvserve.server.limits import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_READ_TIMEOUT_S, Admission,
                                    BodyLimit)
@@ -59,7 +60,8 @@ def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
               metrics_tenant_labels: str = "keyed", metrics_tenant_secret: bytes | None = None,
               metrics_v0_names: bool = False,
               read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
-              max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED) -> FastAPI:
+              max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED,
+              in_flight_caps: InFlightCaps | None = None) -> FastAPI:
     owns_engine = isinstance(engine, LLMEngine)
     llm_engine = engine if owns_engine else engine.engine
     model_name = model_name or default_model_name(llm_engine)
@@ -97,7 +99,9 @@ def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
     app.state.metrics = metrics
     app.state.serving = serving
     app.state.door = door
-    app.add_middleware(BodyLimit, max_bytes=max_request_bytes, read_timeout_s=read_timeout_s)
+    in_flight = InFlight(in_flight_caps) if in_flight_caps is not None else None
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes, read_timeout_s=read_timeout_s,
+                       in_flight=in_flight)
     # added last, so outermost: the key is checked before the body cap reads a byte of the body
     app.add_middleware(KeyGate, keys=keys, max_unauthenticated=max_unauthenticated,
                        read_timeout_s=read_timeout_s)

@@ -6,7 +6,8 @@ answered 401 and its connection closed, its body never buffered. So that an ordi
 wrong key reads that 401 rather than a reset connection (closing a socket with unread data sends a
 RST), up to `UNAUTHENTICATED_DRAIN_BYTES` of its body are read and dropped first, within the read
 timeout; at most `max_unauthenticated` such requests are drained at once, and beyond that the 401
-comes at once. A valid key's cache namespace is put in the ASGI scope for the app.
+comes at once. A valid key's cache namespace is put in the ASGI scope for the app, and an id of the
+key for the per-key caps of the body cap (limits.BodyLimit, inflight.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvserve.server.error_shapes import front_error
+from kvserve.server.inflight import CLIENT_KEY_SCOPE
 from kvserve.server.limits import close_with, receive_by
 
 # /dashboard is a page without data (its script asks /dashboard/stats with the key); /metrics is open by
@@ -61,6 +63,12 @@ class ApiKeys:
         key = self._match(headers, self.namespaces)
         return None if key is None else self.namespaces[key]
 
+    def key_id_of(self, headers: dict[str, str]) -> str | None:
+        """An id of the valid key the headers carry (not the key, and apart from namespaces, which
+        keys may share): what per-key caps count by (inflight.py)."""
+        key = self._match(headers, self.namespaces) if self.namespaces else None
+        return None if key is None else key_namespace(key)
+
     def is_admin(self, headers: dict[str, str]) -> bool:
         """Whether the request may see across tenants: an admin key, or a server without keys
         (whose one user is its operator)."""
@@ -94,6 +102,7 @@ class KeyGate:
         namespace = self.keys.namespace_of(headers)
         if namespace is not None:
             scope[NAMESPACE_SCOPE_KEY] = namespace
+            scope[CLIENT_KEY_SCOPE] = self.keys.key_id_of(headers)
             return await self.app(scope, receive, send)
         if self.num_draining < self.max_unauthenticated:
             self.num_draining += 1

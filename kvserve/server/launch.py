@@ -135,7 +135,10 @@ class _Drain:
 def serve(args: argparse.Namespace) -> int:
     from kvserve.server.listen import bind_server_socket
 
+    from kvserve.server.inflight import InFlightCaps
+
     setup_logging(args.log_level)
+    InFlightCaps(args.max_body_bytes_in_flight, args.max_body_bytes_per_key).check(args.max_request_bytes)
     api_keys = load_api_keys(args)
     admin_keys = read_key_file(args.admin_api_key_file, "--admin-api-key-file") if args.admin_api_key_file else []
     # before torch is imported and the model loads: a port in use fails within a second
@@ -170,6 +173,7 @@ def serve(args: argparse.Namespace) -> int:
     # logs its cost), as vLLM does; a server that never gets one never holds it (~220 MB for
     # Gemma 3's 262k tokens, docs/structured_outputs.md)
     served_name, *more_names = args.served_model_name or [None]
+    caps = InFlightCaps(args.max_body_bytes_in_flight, args.max_body_bytes_per_key, args.max_connections_per_key)
     app = build_app(engine, model_name=served_name, api_keys=api_keys or None,
                     admin_api_keys=admin_keys,
                     shared_cache_namespace=args.shared_cache_namespace,
@@ -182,7 +186,7 @@ def serve(args: argparse.Namespace) -> int:
                     metrics_tenant_secret=read_secret_file(args.metrics_tenant_secret_file),
                     metrics_v0_names=args.metrics_v0_names,
                     read_timeout_s=args.request_read_timeout,
-                    max_unauthenticated=args.max_unauthenticated_connections)
+                    max_unauthenticated=args.max_unauthenticated_connections, in_flight_caps=caps)
     if engine.event_publisher is not None:  # the topic's {pod_ip}, {port} and {model}
         engine.event_publisher.set_topic(fill_topic(
             engine.config.kv_events_topic, pod_ip=pod_ip(engine.config.kv_events_endpoint),

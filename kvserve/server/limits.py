@@ -1,6 +1,7 @@
 """What one client can make the server hold: a request body cap (413 before parsing), a read
-timeout on the body (408), the body's structure (400, body_guard.py), and admission control over engine requests (429 with Retry-After
-before any work is queued, 400 for a request that could never be admitted).
+timeout on the body (408), the body's structure (400, body_guard.py), the bytes of unfinished bodies
+and the open requests of one API key (429, inflight.py), and admission control over engine requests
+(429 with Retry-After before any work is queued, 400 for a request that could never be admitted).
 
 `BodyLimit` is plain ASGI middleware: a declared Content-Length over the cap is refused before
 any of it reaches the app; otherwise the body is read (counting bytes, which also covers chunked
@@ -22,6 +23,8 @@ from typing import Any
 
 from kvserve.server.body_guard import body_problem
 from kvserve.server.error_shapes import front_error
+from kvserve.server.inflight import (CLIENT_KEY_SCOPE, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_BODY_BYTES_PER_KEY,
+                                     InFlight, InFlightCaps, Refusal)
 from kvserve.server.protocol import APIError
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
@@ -40,13 +43,30 @@ Send = Callable[[dict[str, Any]], Any]
 
 class BodyLimit:
     def __init__(self, app, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> None:
+                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, in_flight: InFlight | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.read_timeout_s = read_timeout_s
+        self.in_flight = in_flight or InFlight(InFlightCaps(
+            max(DEFAULT_MAX_BODY_BYTES, max_bytes), max(DEFAULT_MAX_BODY_BYTES_PER_KEY, max_bytes)))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        key = scope.get(CLIENT_KEY_SCOPE)  # KeyGate's, with API keys
+        refusal = self.in_flight.open(key)
+        if refusal is not None:
+            return await self._busy(scope, send, refusal)
+        held = [0]  # body bytes this request holds in the in-flight count
+        try:
+            await self._read_then_call(scope, receive, send, key, held)
+        finally:
+            self.in_flight.give(key, held[0])
+            self.in_flight.close(key)
+
+    async def _read_then_call(self, scope: Scope, receive: Receive, send: Send, key: str | None,
+                              held: list[int]) -> None:
+        if scope.get("method") in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
         deadline = asyncio.get_running_loop().time() + self.read_timeout_s
         declared = dict(scope.get("headers") or []).get(b"content-length")
@@ -67,10 +87,17 @@ class BodyLimit:
                 if message.get("more_body", False):
                     await self._drain(receive, size, deadline)
                 return await self._refuse(scope, send, None)
+            refusal = self.in_flight.take(key, len(chunk))
+            if refusal is not None:  # answered now: the rest of the body is never read
+                return await self._busy(scope, send, refusal)
+            held[0] += len(chunk)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
+        del chunks
+        self.in_flight.give(key, held[0])  # whole: the route owns it now
+        held[0] = 0
         problem = body_problem(body) if body else None
         if problem is not None:
             return await answer_with(send, 400, front_error(
@@ -101,6 +128,11 @@ class BodyLimit:
                    f"bytes (--max-request-bytes)")
         await close_with(send, 413, front_error(scope.get("path", ""), 413, message,
                                                 code="request_too_large"))
+
+    @staticmethod
+    async def _busy(scope: Scope, send: Send, refusal: Refusal) -> None:
+        body = front_error(scope.get("path", ""), 429, refusal.message, "rate_limit_error", refusal.code)
+        await close_with(send, 429, body, [(b"retry-after", b"1")])
 
     async def _timed_out(self, scope: Scope, send: Send, size: int) -> None:
         message = (f"the request body did not arrive within {self.read_timeout_s:g} s "

@@ -23,7 +23,7 @@
 // one fma chain over the keys in ascending order; segments are fixed by absolute position and always
 // merged in one order).
 #include "ops_simd.h"
-#include <omp.h>
+#include "team.h"
 #include <algorithm>
 #include <atomic>
 #include <climits>
@@ -554,8 +554,7 @@ KVS_EXPORT int kvs_paged_attention(const KvsAttention* args) {
         pending[t].store(first_unit[t + 1] - first_unit[t], std::memory_order_relaxed);
     if (a.k_new) {  // every new row is written before any row is read
         const int64_t n = static_cast<int64_t>(kv_heads) * head_dim;
-#pragma omp parallel for schedule(static) num_threads(threads) if (num_rows * n >= 65536)
-        for (int64_t r = 0; r < num_rows; ++r) {
+        kvs::parallel_for_static(num_rows * n >= 65536 ? threads : 1, num_rows, [&](int64_t r) {
             const int64_t at = a.slot_mapping[r] * n;
             if (codec == KVS_CODEC_FP32) {
                 write_row<KVS_CODEC_FP32>(a.k_new + r * a.k_new_stride, a.k_data, at, static_cast<int>(n));
@@ -564,30 +563,29 @@ KVS_EXPORT int kvs_paged_attention(const KvsAttention* args) {
                 write_row<KVS_CODEC_BF16>(a.k_new + r * a.k_new_stride, a.k_data, at, static_cast<int>(n));
                 write_row<KVS_CODEC_BF16>(a.v_new + r * a.v_new_stride, a.v_data, at, static_cast<int>(n));
             }
-        }
+        });
     }
-#pragma omp parallel num_threads(threads)
-    {
+    kvs::DynamicCounter units(by_segment ? num_seg_units : num_tiles);
+    kvs::team_run(threads, [&](int, int) {
         Scratch sc;
         if (!by_segment) {
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t t = 0; t < num_tiles; ++t)
+            units.each([&](int64_t t) {
                 attend_tile(a, make_tile(a, tiles[t], static_cast<int>(tiles[t + 1] - tiles[t])), all, sc);
+            });
         } else {
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t p = 0; p < num_seg_units; ++p) {
+            units.each([&](int64_t p) {
                 const int64_t t = std::upper_bound(first_unit.begin(), first_unit.end(), p) - first_unit.begin() - 1;
                 const Tile tile = make_tile(a, tiles[t], static_cast<int>(tiles[t + 1] - tiles[t]));
                 sc.prepare(kv_heads, tile.rows * group, head_dim, codec != KVS_CODEC_FP32 && codec != KVS_CODEC_BF16);
                 load_queries(a, tile, all, sc);
                 attend_segment_any(a, tile, all, seg_of[p], sc, partials.data() + offset_of[p]);
                 // acq_rel: the last one sees every other segment's partial
-                if (pending[t].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;
+                if (pending[t].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
                 for (int64_t i = first_unit[t]; i < first_unit[t + 1]; ++i)  // ascending segments
                     merge_unit(a, tile, all, seg_of[i], partials.data() + offset_of[i], sc);
                 finish(a, tile, all, sc);
-            }
+            });
         }
-    }
+    });
     return 0;
 }

@@ -7,7 +7,7 @@
 // their own).
 // Invariance: y[t, n] is one dot chain over row t of x and the decoded row n of W, in one order; threads
 // split N only, and T and N are tiled without changing any element's operations.
-#include <omp.h>
+#include "team.h"
 
 #include <algorithm>
 #include <array>
@@ -27,6 +27,7 @@ constexpr int64_t DIRECT_ROWS = 8;        // up to this many rows: weights decod
 constexpr int64_t L1_BYTES = 24 * 1024;  // decoded rows for a few activation rows: stay in L1
 constexpr int64_t L2_BYTES = 96 * 1024;  // decoded rows reread by every tile of a prefill chunk: in L2
 constexpr int64_t PANELS_PER_THREAD = 4;  // prefill: weight panels a thread takes at least (dynamically)
+constexpr int64_t CHUNK_BYTES = 16384;    // decode: weight bytes a thread takes at a time from a share
 
 // ---------------------------------------------------------------- the format table
 //
@@ -40,7 +41,8 @@ constexpr int64_t PANELS_PER_THREAD = 4;  // prefill: weight panels a thread tak
 using ToFloatFn = void (*)(const uint8_t*, int64_t, float*);
 using ToGroupFn = void (*)(const uint8_t*, int64_t, const QGroup&, int);
 using GroupFn = void (*)(const XRow*, const QGroup&, int, int64_t, float*, int64_t);
-using DirectFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, int64_t, const XRow*, float*, float*, int64_t);
+using DirectFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, int64_t, int64_t, const XRow*, float*, float*,
+                         int64_t);
 
 struct FormatKernels {
     const FormatRow* row;
@@ -86,9 +88,7 @@ void run_float(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, c
     const int64_t row_bytes = K / f.row->block * f.row->bytes;
     const bool direct = f.row->type == KVS_F32;
     const int64_t rows_per_block = std::max<int64_t>(8, (T <= TILE_ROWS ? L1_BYTES : L2_BYTES) / (4 * K));
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
-    {
-        const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+    team_run(nthreads, [&](int64_t tid, int64_t nth) {
         const int64_t per = (N + nth - 1) / nth;
         const int64_t lo = std::min(N, tid * per), hi = std::min(N, lo + per);
         thread_local std::vector<float> scratch;  // OpenMP's threads persist: grown once
@@ -118,7 +118,7 @@ void run_float(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, c
                 }
             }
         }
-    }
+    });
 }
 
 #if KVS_SIMD
@@ -127,15 +127,13 @@ void run_float(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, c
 void run_quant_direct(const FormatKernels& f, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t nb,
                       const XRow* xrows, int64_t T, float* y, int64_t ldy, int nthreads) {
     const DirectFn rows_fn = f.decode_rows[T - 1];
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
-    {
-        const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
-        const int64_t per = (N + nth - 1) / nth;
-        const int64_t lo = std::min(N, tid * per), hi = std::min(N, lo + per);
+    // each thread's share of the rows in chunks of about CHUNK_BYTES (whole groups of eight rows)
+    const int64_t chunk = std::max<int64_t>(1, CHUNK_BYTES / (DIRECT_GROUP * row_bytes)) * DIRECT_GROUP;
+    parallel_for_shares(nthreads, N, DIRECT_GROUP, chunk, [&](int64_t lo, int64_t hi, int64_t share_end) {
         thread_local std::vector<float> off;  // per-block offsets of the weight rows in flight
         if (int64_t(off.size()) < DIRECT_GROUP * nb) off.resize(DIRECT_GROUP * nb);
-        rows_fn(w, row_bytes, lo, hi, nb, xrows, off.data(), y, ldy);
-    }
+        rows_fn(w, row_bytes, lo, hi, share_end, nb, xrows, off.data(), y, ldy);
+    });
 }
 #endif
 
@@ -165,11 +163,10 @@ void run_quant(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, c
     XBlocks& xb = caller_blocks;
     xb.fit(T, K);
     std::vector<XRow> xrows(T);
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && T > 1)
-    for (int64_t t = 0; t < T; ++t) {
+    parallel_for_static(T > 1 ? nthreads : 1, T, [&](int64_t t) {
         quantize_row(x + t * ldx, K, xb, t);
         xrows[t] = xb.row(t, K);
-    }
+    });
     const bool offsets = f.row->has_offset;
 #if KVS_SIMD
     if (T <= DIRECT_ROWS) {
@@ -185,8 +182,8 @@ void run_quant(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, c
         (std::max<int64_t>(TILE_GROUP, std::min(TILE_GROUP * (T <= TILE_ROWS ? L1_BYTES : L2_BYTES) / gbytes, per_thread)) +
          TILE_GROUP - 1) / TILE_GROUP * TILE_GROUP;
     const int64_t num_panels = (N + rows_per_block - 1) / rows_per_block;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
-    {
+    DynamicCounter panels(num_panels);
+    team_run(nthreads, [&](int, int) {
         thread_local std::vector<uint8_t> scratch;  // the panel's decoded groups
         if (int64_t(scratch.size()) < rows_per_block / TILE_GROUP * gbytes) scratch.resize(rows_per_block / TILE_GROUP * gbytes);
         // the offsets' dot runs as its own pass over eight rows a vector (SIMD builds): the tiles skip it
@@ -194,8 +191,7 @@ void run_quant(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, c
         const int64_t ldo = rows_per_block;
         thread_local std::vector<float> offT;  // [nb][ldo] the panel's offsets, transposed
         if (split_offsets && int64_t(offT.size()) < nb * ldo) offT.resize(nb * ldo);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t panel = 0; panel < num_panels; ++panel) {
+        panels.each([&](int64_t panel) {
             const int64_t n0 = panel * rows_per_block, nw = std::min(N, n0 + rows_per_block) - n0;
             const int64_t groups = (nw + TILE_GROUP - 1) / TILE_GROUP;
             // a last group short of rows repeats the panel's last row (its outputs are not kept)
@@ -217,8 +213,8 @@ void run_quant(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, c
                     for (int64_t r = 0; r < nr; ++r) add_offsets(offT.data(), ldo, nw, nb, xr[r].s, yt + r * ldy);
 #endif
             }
-        }
-    }
+        });
+    });
 }
 
 void run(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t ldx, int64_t T,

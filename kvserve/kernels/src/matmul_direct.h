@@ -289,10 +289,10 @@ inline void qdot_directk(const uint8_t* const* rows, int64_t nb, const XRow* x, 
 
 // The decode rows of block format Q: y[r * ldy + j] = x[r] . W[lo + j] for R activation rows and the weight
 // rows lo .. hi, eight weight rows at a time; `off` holds DIRECT_GROUP * K / 32 floats (a group's offsets
-// transposed, [nb][8])
+// transposed, [nb][8]). Rows up to prefetch_hi (>= hi) are the caller's next: prefetching may run into them.
 template <int Q, int R>
-inline void qdot_direct_rows(const uint8_t* w, int64_t row_bytes, int64_t lo, int64_t hi, int64_t nb, const XRow* x,
-                             float* off, float* y, int64_t ldy) {
+inline void qdot_direct_rows(const uint8_t* w, int64_t row_bytes, int64_t lo, int64_t hi, int64_t prefetch_hi,
+                             int64_t nb, const XRow* x, float* off, float* y, int64_t ldy) {
     constexpr int C = DIRECT_GROUP;
     const uint8_t* rows[C];
     // the weights stream from memory once: ask for the bytes `ahead` of the group being computed into
@@ -301,7 +301,7 @@ inline void qdot_direct_rows(const uint8_t* w, int64_t row_bytes, int64_t lo, in
     const KvsTuning tuning = current_tuning();
     const int64_t group_bytes = C * row_bytes;
     const int64_t ahead = tuning.weight_prefetch_ahead > 0 ? tuning.weight_prefetch_ahead : 2 * group_bytes;
-    const uint8_t* const end = w + hi * row_bytes;
+    const uint8_t* const end = w + prefetch_hi * row_bytes;
     constexpr int64_t blocks_per_step = has_subscales(Q) ? 8 : 1;  // the K formats step a superblock at a time
     const int64_t steps = nb / blocks_per_step;
     SpreadPrefetch spread{nullptr, (group_bytes + steps - 1) / steps, end,

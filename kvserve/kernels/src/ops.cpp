@@ -3,7 +3,7 @@
 // by one fixed sequence of float operations, so results never depend on how many rows a call gets or
 // on the thread count (threads only split rows).
 #include "ops_simd.h"
-#include <omp.h>
+#include "team.h"
 
 namespace {
 
@@ -54,8 +54,7 @@ KVS_EXPORT void kvs_rms_norm(const float* x, int64_t outer, int inner, int dim, 
                              const float* residual, float* sum, const float* weight, float eps, float* out,
                              int64_t out_stride, int num_threads) {
     const int64_t rows = outer * inner;
-#pragma omp parallel for schedule(static) num_threads(threads_for(rows, dim, num_threads))
-    for (int64_t r = 0; r < rows; ++r) {
+    kvs::parallel_for_static(threads_for(rows, dim, num_threads), rows, [&](int64_t r) {
         const int64_t o = r / inner, i = r % inner;
         const float* xr = x + o * x_stride + i * dim;
         if (residual) {
@@ -67,7 +66,7 @@ KVS_EXPORT void kvs_rms_norm(const float* x, int64_t outer, int inner, int dim, 
             xr = sr;
         }
         norm_row(xr, weight, eps, dim, out + o * out_stride + i * dim);
-    }
+    });
 }
 
 // RoPE, rotate-half layout, on x [tokens, heads, head_dim] (token stride x_stride, heads contiguous):
@@ -79,8 +78,7 @@ KVS_EXPORT void kvs_rope(const float* x, int64_t tokens, int heads, int head_dim
                          int num_threads) {
     const int half = head_dim / 2;
     const int64_t rows = tokens * heads;
-#pragma omp parallel for schedule(static) num_threads(threads_for(rows, head_dim, num_threads))
-    for (int64_t r = 0; r < rows; ++r) {
+    kvs::parallel_for_static(threads_for(rows, head_dim, num_threads), rows, [&](int64_t r) {
         const int64_t t = r / heads;
         const int h = static_cast<int>(r % heads);
         const float* xr = x + t * x_stride + static_cast<int64_t>(h) * head_dim;
@@ -102,15 +100,14 @@ KVS_EXPORT void kvs_rope(const float* x, int64_t tokens, int heads, int head_dim
             const float v = xr[d] * c[d] + xr[partner] * s[d];
             o[d] = scaled ? v * scale : v;
         }
-    }
+    });
 }
 
 // out[t] = act(gate[t]) * up[t], gate and up the two halves of x[t] ([tokens, 2 * inter], row stride
 // x_stride); act 0 = SiLU, 1 = GELU (tanh approximation). out contiguous [tokens, inter].
 KVS_EXPORT void kvs_gated_act(const float* x, int64_t tokens, int inter, int64_t x_stride, int act, float* out,
                               int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(threads_for(tokens, inter, num_threads))
-    for (int64_t t = 0; t < tokens; ++t) {
+    kvs::parallel_for_static(threads_for(tokens, inter, num_threads), tokens, [&](int64_t t) {
         const float* g = x + t * x_stride;
         const float* u = g + inter;
         float* o = out + t * inter;
@@ -126,5 +123,5 @@ KVS_EXPORT void kvs_gated_act(const float* x, int64_t tokens, int inter, int64_t
             vstore(lane, act ? gelu_tanh(gv) : silu(gv));
             o[d] = lane[0] * u[d];
         }
-    }
+    });
 }

@@ -232,6 +232,7 @@ class EngineConfig:
     kv_events_replay_endpoint: str | None = None  # None: events port + 1 when binding, none when connecting; "off"
     kv_events_token_ids: bool = True  # False: BlockStored carries no token ids
     kv_events_allow_remote: bool = False  # bind a non-loopback address without CURVE
+    kv_events_allow_plaintext: bool = False  # connect mode: a non-loopback address without CURVE
     kv_events_curve_secret_file: str | None = None  # CURVE secret key (Z85): subscribers need its public key
     kv_disk_path: str | None = None  # disk tier directory (pages survive restarts)
     kv_disk_bytes: str | int = "10GiB"

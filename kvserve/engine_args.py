@@ -95,6 +95,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-events-allow-remote", action="store_true",
                        help="allow binding the events and replay sockets on a non-loopback address "
                             "without CURVE (anyone who reaches the port reads every tenant's tokens)")
+    group.add_argument("--kv-events-allow-plaintext", action="store_true",
+                       help="--kv-events-mode connect: allow a non-loopback address without CURVE "
+                            "(refused by default: the events would cross the network in plain text)")
     group.add_argument("--kv-events-curve-secret-file", default=None, metavar="FILE",
                        help="a CURVE secret key (Z85, 40 characters; make one with python -c "
                             "'import zmq; print(zmq.curve_keypair()[1].decode())'): the sockets "

@@ -1,6 +1,6 @@
 """Checks of the engine's configuration against the machine, made before the model loads: a device
 torch cannot use, or a KV budget larger than the memory there is, is one line at once rather than a
-torch traceback after the load."""
+torch traceback after the load; so is a KV event stream sent in plain text to another machine."""
 
 from __future__ import annotations
 
@@ -11,9 +11,23 @@ from kvserve.errors import ConfigError
 
 
 def check_machine(config: EngineConfig) -> None:
+    check_event_socket(config)
     check_device(config.device)
     if config.device.split(":")[0] == "cpu" and config.kv_cache_memory is not None:  # (None: a default that fits)
         check_host_memory(parse_bytes(config.kv_cache_memory), machine_memory_bytes())
+
+
+def check_event_socket(config: EngineConfig) -> None:
+    """--kv-events-mode connect to another machine without CURVE sends every event (block hashes,
+    token ids) across the network in plain text: refused unless --kv-events-allow-plaintext."""
+    from kvserve.kv_events.wire import is_loopback
+
+    endpoint = config.kv_events_endpoint
+    if (endpoint and config.kv_events_mode == "connect" and not is_loopback(endpoint)
+            and not config.kv_events_curve_secret_file and not config.kv_events_allow_plaintext):
+        raise ConfigError(f"--kv-events-mode connect to {endpoint} would send KV events in plain text to "
+                          f"another machine; set a CURVE key (--kv-events-curve-secret-file) or pass "
+                          f"--kv-events-allow-plaintext")
 
 
 def check_device(device: str) -> None:

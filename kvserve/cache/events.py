@@ -13,6 +13,10 @@ A page stored in a tier gets its parent hash and token ids from the pool's store
 page (the buffer remembers them while some medium holds the page); a tier page the buffer never
 saw in the pool (found on disk after a restart) goes out location-only, with no tokens, as vLLM's
 offloading connectors send theirs.
+
+Each event also names its pages' tenant (the tenant part of the request's namespace; a removal of
+pages of several tenants is split per tenant), for the tenant-scoped view of the stream
+(server/kv_event_view.py); the wire never carries it.
 """
 
 from __future__ import annotations
@@ -54,12 +58,14 @@ class BlockStored:
     lora_id: int | None = None
     lora_name: str | None = None
     extra_keys: list[ExtraKeys | None] | None = None  # one entry per page, or None for none at all
+    tenant: str = ""  # whose pages (namespace's tenant; "" none or unknown): the tenant view's, never on the wire
 
 
 @dataclass(slots=True)
 class BlockRemoved:
     page_hashes: list[bytes]
     medium: str = MEDIUM_POOL
+    tenant: str = ""
 
 
 @dataclass(slots=True)
@@ -76,6 +82,7 @@ class _Known:
     token_ids: list[int]
     extra_keys: ExtraKeys | None
     media: set[str]
+    tenant: str
 
 
 class KVEventBuffer:
@@ -96,13 +103,14 @@ class KVEventBuffer:
         if len(token_ids) != self.page_size:
             raise ValueError(f"a stored page holds {self.page_size} tokens, got {len(token_ids)}")
         extra = namespace_extra_keys(namespace) if parent_hash is None else None
+        tenant = tenant_of(namespace)
         with self._lock:
             known = self._known.get(page_hash)
             if known is None:
-                self._known[page_hash] = _Known(parent_hash, list(token_ids), extra, {medium})
+                self._known[page_hash] = _Known(parent_hash, list(token_ids), extra, {medium}, tenant)
             else:
                 known.media.add(medium)
-            self._append_store(page_hash, parent_hash, list(token_ids), medium, extra)
+            self._append_store(page_hash, parent_hash, list(token_ids), medium, extra, tenant)
 
     def tier_stored(self, page_hash: bytes, medium: str) -> None:
         """A tier below the pool took a page (by hash): announced with the tokens the pool's store
@@ -110,11 +118,11 @@ class KVEventBuffer:
         with self._lock:
             known = self._known.get(page_hash)
             if known is None:
-                self._append_store(page_hash, None, [], medium, None)
+                self._append_store(page_hash, None, [], medium, None, "")
                 return
             known.media.add(medium)
             self._append_store(page_hash, known.parent_hash, list(known.token_ids), medium,
-                               known.extra_keys)
+                               known.extra_keys, known.tenant)
 
     def removed(self, page_hash: bytes, medium: str = MEDIUM_POOL) -> None:
         """A cached page left `medium` (evicted, dropped, or reused for other tokens)."""
@@ -122,11 +130,12 @@ class KVEventBuffer:
             known = self._known.get(page_hash)
             if known is not None:
                 known.media.discard(medium)  # (forgotten at drain: a tier may take it this step)
+            tenant = "" if known is None else known.tenant
             last = self.events[-1] if self.events else None
-            if isinstance(last, BlockRemoved) and last.medium == medium:
+            if isinstance(last, BlockRemoved) and last.medium == medium and last.tenant == tenant:
                 last.page_hashes.append(page_hash)
                 return
-            self.events.append(BlockRemoved([page_hash], medium))
+            self.events.append(BlockRemoved([page_hash], medium, tenant))
 
     def cleared(self) -> None:
         """Every cached page of every medium is gone (prefix cache reset): earlier events void."""
@@ -142,17 +151,18 @@ class KVEventBuffer:
         return events
 
     def _append_store(self, page_hash: bytes, parent_hash: bytes | None, token_ids: list[int],
-                      medium: str, extra: ExtraKeys | None) -> None:
+                      medium: str, extra: ExtraKeys | None, tenant: str) -> None:
         last = self.events[-1] if self.events else None
-        if (isinstance(last, BlockStored) and last.medium == medium and token_ids
+        if (isinstance(last, BlockStored) and last.medium == medium and token_ids and last.tenant == tenant
                 and last.token_ids and last.page_hashes[-1] == parent_hash):
             last.page_hashes.append(page_hash)
             last.token_ids.extend(token_ids)
             if last.extra_keys is not None:
                 last.extra_keys.append(None)
             return
-        if not token_ids and isinstance(last, BlockStored) and last.medium == medium and not last.token_ids:
+        if (not token_ids and isinstance(last, BlockStored) and last.medium == medium and not last.token_ids
+                and last.tenant == tenant):
             last.page_hashes.append(page_hash)  # location-only stores: one list of hashes
             return
         self.events.append(BlockStored([page_hash], parent_hash, token_ids, self.page_size, medium,
-                                       extra_keys=None if extra is None else [extra]))
+                                       extra_keys=None if extra is None else [extra], tenant=tenant))

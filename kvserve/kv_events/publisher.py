@@ -8,7 +8,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import zmq
@@ -41,6 +41,7 @@ def publisher_for(config: EngineConfig) -> KVEventPublisher:
                             encoding=config.kv_events_encoding,  # type: ignore[arg-type]
                             connect=config.kv_events_mode == "connect",
                             allow_remote=config.kv_events_allow_remote,
+                            allow_plaintext=config.kv_events_allow_plaintext,
                             send_token_ids=config.kv_events_token_ids, curve=curve)
 
 
@@ -90,13 +91,18 @@ class KVEventPublisher:
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, *,
                  buffer_steps: int = 10_000, topic: str = "", data_parallel_rank: int = 0,
                  hash_format: HashFormat = "int", encoding: Encoding = "array",
-                 connect: bool = False, allow_remote: bool = False, send_token_ids: bool = True,
+                 connect: bool = False, allow_remote: bool = False, allow_plaintext: bool = False,
+                 send_token_ids: bool = True,
                  curve: CurveKeys | None = None, max_queue_batches: int = 100_000,
                  hwm: int = 100_000) -> None:
         if hash_format not in ("int", "bytes"):
             raise ValueError(f"hash_format is 'int' or 'bytes', not {hash_format!r}")
         if encoding not in ENCODINGS:
             raise ValueError(f"--kv-events-encoding is array or map, not {encoding!r}")
+        if connect and not is_loopback(endpoint) and curve is None and not allow_plaintext:
+            raise ValueError(f"--kv-events-mode connect to {endpoint} would send KV events in plain text "
+                             f"to another machine; set a CURVE key (--kv-events-curve-secret-file) or pass "
+                             f"--kv-events-allow-plaintext")
         binds = [e for e in ((None if connect else endpoint), replay_endpoint) if e]
         exposed = [e for e in binds if not is_loopback(e)]
         if exposed and not (allow_remote or curve):
@@ -112,6 +118,7 @@ class KVEventPublisher:
         self.curve_public_key = None if curve is None else curve.public.decode()
         self.num_dropped = 0  # batches not published: queue full
         self.num_published = 0
+        self.taps: list[Callable[[list[Event]], None]] = []  # also handed each step's events
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._queue: queue.Queue[tuple[float, list[Event]] | None] = queue.Queue(max_queue_batches)
         self._next_seq = 0
@@ -149,6 +156,8 @@ class KVEventPublisher:
         """Queue one step's events as one batch (nothing is sent for an empty step)."""
         if not events:
             return
+        for tap in list(self.taps):  # the tenant view (server/kv_event_view.py): never blocks
+            tap(list(events))
         try:
             self._queue.put_nowait((time.time(), list(events)))
         except queue.Full:

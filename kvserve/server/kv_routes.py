@@ -2,7 +2,8 @@
 find the token offset of your own text), `GET /v1/cache/report` (the live cache report) and
 `GET /v1/kv_events_endpoint` (where a KV-aware router subscribes to this instance's KV events) and
 `POST /reset_prefix_cache` (vLLM's: forget every cached page; KV events send AllBlocksCleared; an
-admin key's only, since it spans tenants)."""
+admin key's only, since it spans tenants) and `GET /v1/kv_events` (a tenant's own KV events, SSE:
+kv_event_view.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from collections.abc import Awaitable, Callable
 from typing import Annotated
 
 from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvserve.server.front import FrontDoor
+from kvserve.server.kv_event_view import TenantEventView
 from kvserve.server.protocol import ChatCompletionRequest, ChatMessage, error_body
 
 
@@ -70,7 +72,21 @@ def kv_routes(door: FrontDoor, namespace: Callable[..., Awaitable[str]],
                 "page_size": engine.config.page_size, "hash_format": publisher.hash_format,
                 "topic": publisher.topic.decode(), "encoding": publisher.encoding,
                 "curve_public_key": publisher.curve_public_key if admin else None,
-                "namespace_by_api_key": namespace_by_api_key}
+                "namespace_by_api_key": namespace_by_api_key, "tenant_events": "/v1/kv_events"}
+
+    view: list[TenantEventView] = []  # made on the first subscriber
+
+    @router.get("/v1/kv_events")
+    async def kv_events(ns: str = Depends(namespace), admin: bool = Depends(is_admin)):
+        """The caller's own KV events as SSE; an admin key's (or a keyless server's): every tenant's."""
+        publisher = engine.event_publisher
+        if publisher is None:
+            return JSONResponse(error_body("KV events are off; start with --kv-events-endpoint",
+                                           "not_found_error"), 404)
+        if not view:
+            view.append(TenantEventView(publisher))
+        return StreamingResponse(view[0].stream(None if admin else ns), media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache"})
 
     @router.post("/reset_prefix_cache")
     async def reset_prefix_cache(ns: str = Depends(namespace), admin: bool = Depends(is_admin)):

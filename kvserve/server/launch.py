@@ -148,16 +148,19 @@ def serve(args: argparse.Namespace) -> int:
     from kvserve.engine_args import engine_kwargs, serving_threads
     from kvserve.kv_events import fill_topic, pod_ip
     from kvserve.server.api import build_app, default_model_name
+    from kvserve.startup_checks import check_event_socket
 
     token_ids, why = event_token_ids(args.kv_events_token_ids, bool(api_keys or admin_keys),
                                      bool(args.kv_events_curve_secret_file))
     args.kv_events_token_ids = "on" if token_ids else "off"
     kwargs = engine_kwargs(args)
-    if args.kv_events_endpoint:
-        log.info("KV events %s token ids: %s", "carry" if token_ids else "carry no", why)
     if kwargs.get("threads") is None:
         kwargs["threads"] = serving_threads()
-    engine = LLMEngine(EngineConfig(model=args.model, role=args.role, **kwargs))
+    config = EngineConfig(model=args.model, role=args.role, **kwargs)
+    check_event_socket(config)  # (LLMEngine checks it too; here before anything is logged)
+    if args.kv_events_endpoint:
+        log.info("KV events %s token ids: %s", "carry" if token_ids else "carry no", why)
+    engine = LLMEngine(config)
     log.info("%s", engine_memory_promise(engine, args).line())
     if engine.gpu_budget is not None:
         log.info("%s: %d tokens of KV", engine.gpu_budget.describe(),

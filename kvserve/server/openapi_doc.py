@@ -43,7 +43,7 @@ ERROR_SCHEMAS: dict[str, dict[str, Any]] = {
 STREAMS = {"/v1/completions": "text/event-stream", "/v1/chat/completions": "text/event-stream",
            "/v1/messages": "text/event-stream", "/v1/responses": "text/event-stream",
            "/completion": "text/event-stream", "/api/chat": "application/x-ndjson",
-           "/api/generate": "application/x-ndjson"}
+           "/api/generate": "application/x-ndjson", "/v1/kv_events": "text/event-stream"}
 STREAM_ITEM = {  # one server-sent event; one JSON object per NDJSON line
     "text/event-stream": {"type": "object", "required": ["data"],
                           "properties": {"event": {"type": "string"}, "data": {"type": "string"}}},

@@ -30,7 +30,7 @@ TOOLS = -2  # ... and of the tool definitions (block index = the tool's index)
 RESULT_BASE = -10_000  # block index RESULT_BASE + k: a turn's k-th tool result (rendered before its text)
 _MARKERS = ("\x00", "\x01", "\ue000", "\ue001", "\U000f0000")
 _JSON_MARKERS = _MARKERS[2:]  # kept verbatim by tojson (ensure_ascii off), as tool JSON needs
-TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
+TTL_SECONDS = {"5m": 300.0, "1h": 3600.0, "30m": 1800.0, "12h": 43200.0}  # Anthropic's; OpenAI's
 
 
 @dataclass(slots=True)

@@ -4,8 +4,9 @@ Unknown fields are ignored (as vLLM does); known fields of the wrong type or out
 with OpenAI's error JSON. Fields kvserve adds: `cache_salt` (cache isolation), `top_k`, `ignore_eos`,
 `kv_retention` (lease the prompt's KV), `kv_explain` (a `kv_cache` explanation beside `usage`).
 OpenAI's `prompt_cache_key` (a routing hint: `kvserve router` keeps a key on one backend; never an
-isolation boundary) and `prompt_cache_retention` (`24h` is kept where a disk or Redis tier holds pages
-across evictions and restarts; without one the answer says it was capped to `in_memory`).
+isolation boundary), `prompt_cache_retention` (`24h` pins the prompt's pages in a disk or Redis tier;
+without one, or over a pin cap, the answer says it was capped to `in_memory`) and `prompt_cache_options`
+(prompt_cache_options.py).
 Output constraints (`response_format`, `structured_outputs`, `guided_*`): structured_fields.py;
 llama.cpp's fields (`n_predict`, `grammar`, `json_schema`, `cache_prompt`): llamacpp_fields.py.
 """
@@ -20,6 +21,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, 
 from kvserve.request import SamplingParams
 from kvserve.server import tool_protocol as tp
 from kvserve.server.llamacpp_fields import LlamaCppFields
+from kvserve.server.prompt_cache_options import LeaseAsk, PromptCacheOptions, refuse_breakpoint
 from kvserve.server.structured_fields import StructuredFields, one_constraint
 from kvserve.structured import GrammarError, StructuredOutputsParams
 
@@ -105,6 +107,7 @@ class _Sampling(StructuredFields, LlamaCppFields):
     kv_explain: StrictBool = False  # add `kv_cache`: why the prompt hit or missed the prefix cache
     prompt_cache_key: Annotated[Text, Field(max_length=1024)] | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: PromptCacheOptions | None = None  # prompt_cache_options.py
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -134,7 +137,19 @@ class _Sampling(StructuredFields, LlamaCppFields):
         self.predict_limit(getattr(self, "max_completion_tokens", None) or self.max_tokens)
         if self.cache_salt == "":
             raise ValueError("cache_salt must not be empty; leave it out to share the cache")
+        if self.kv_retention is not None and self.prompt_cache_options is not None:
+            raise ValueError("send kv_retention or prompt_cache_options (its ttl leases the prompt), not both")
         return self
+
+    def lease_ask(self) -> KVRetention | LeaseAsk | None:
+        """The lease on the whole prompt this request asks for, if any."""
+        return self.kv_retention or (self.prompt_cache_options.lease() if self.prompt_cache_options else None)
+
+    def prompt_salt(self, cache_salt: str | None) -> str | None:
+        options = self.prompt_cache_options
+        if options is not None and not options.uses_cache:
+            return options.private_salt(cache_salt)
+        return super().prompt_salt(cache_salt)
 
     @property
     def include_usage_chunk(self) -> bool:
@@ -234,6 +249,7 @@ class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: StrictStr
     text: Text | None = None
+    prompt_cache_breakpoint: Any = None  # refused (prompt_cache_options.py), never ignored
 
 
 class ChatMessage(BaseModel):
@@ -256,7 +272,10 @@ class ChatMessage(BaseModel):
         """The content as one text; an APIError (400) naming `param` for a part that is not text."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        for part in self.content:
+        for j, part in enumerate(self.content):
+            refused = refuse_breakpoint(part, f"{param}.{j}")
+            if refused is not None:
+                raise APIError(refused, param=f"{param}.{j}.prompt_cache_breakpoint")
             if part.type != "text":
                 raise APIError(f"{param}: content parts of type {part.type!r} are not supported; "
                                f"send text", param=param)

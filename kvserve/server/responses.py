@@ -49,6 +49,8 @@ class ResponseBuilder:
                      if body.text and body.text.format else {"type": "text"}},
             "metadata": body.metadata or {}, "truncation": "disabled", "usage": None,
             "prompt_cache_key": body.prompt_cache_key, **extra}
+        if body.prompt_cache_options is not None:
+            self.response["prompt_cache_options"] = body.prompt_cache_options.applied()
 
     def event(self, kind: str, **fields: Any) -> tuple[str, dict[str, Any]]:
         self.seq += 1
@@ -68,7 +70,7 @@ class ResponseBuilder:
             if not chunk.get("choices"):
                 continue
             choice = chunk["choices"][0]
-            delta = choice.get("delta") or {}
+            delta = {} if self.body.prewarm else choice.get("delta") or {}  # prewarm: no output
             if delta.get("content"):
                 for e in self._text(delta["content"]):
                     yield e
@@ -129,6 +131,9 @@ class ResponseBuilder:
                                       output_index=index, arguments=item["arguments"], name=item["name"]))
             out.append(self.event("response.output_item.done", output_index=index, item=dict(item)))
         cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+        if self.body.prewarm:  # the one token computed is dropped, not output
+            usage = {**usage, "completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
+            reason = "stop"
         self.response.update(
             status="incomplete" if reason == "length" else "completed",
             incomplete_details={"reason": "max_output_tokens"} if reason == "length" else None,
@@ -141,15 +146,17 @@ class ResponseBuilder:
         out.append(self.event(done, response=self.snapshot()))
         return out
 
-    def assistant_message(self) -> dict[str, Any]:
-        """The output as the chat turn a follow-up renders (calls with their ids)."""
+    def assistant_message(self) -> list[dict[str, Any]]:
+        """The output as the chat turn a follow-up renders (calls with their ids); none for a prewarm."""
+        if self.body.prewarm:
+            return []
         text = self.message["content"][0]["text"] if self.message else ""
         turn: dict[str, Any] = {"role": "assistant", "content": text or None}
         calls = [i for i in self.items if i["type"] == "function_call"]
         if calls:
             turn["tool_calls"] = [{"id": c["call_id"], "type": "function",
                                    "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
-        return turn
+        return [turn]
 
 
 def register(app: FastAPI, serving: OpenAIServing, namespace: Callable[[Request], Awaitable[str]]) -> None:
@@ -190,7 +197,7 @@ def register(app: FastAPI, serving: OpenAIServing, namespace: Callable[[Request]
 
         async def keep() -> None:
             if body.store and builder.response["status"] in ("completed", "incomplete"):
-                snapshot, messages = builder.snapshot(), [*earlier, *body.new_messages(), builder.assistant_message()]
+                snapshot, messages = builder.snapshot(), [*earlier, *body.new_messages(), *builder.assistant_message()]
                 await io(lambda: store.put(tenant, snapshot, messages, record))
 
         if body.stream:

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
 
 from kvserve.server.ollama_protocol import validated
+from kvserve.server.prompt_cache_options import ResponsesPromptCacheOptions, refuse_breakpoint
 from kvserve.server.protocol import (APIError, ChatCompletionRequest, MaxTokens, Temperature, Text,
                                      TopP)
 
@@ -46,14 +47,6 @@ class NamedFunction(BaseModel):
     name: Text
 
 
-class PromptCacheOptions(BaseModel):
-    """Only the comparison is taken: kvserve always caches implicitly, and a breakpoint TTL it would
-    not keep is refused rather than ignored."""
-
-    model_config = ConfigDict(extra="forbid")
-    comparison_response_id: Annotated[Text, Field(min_length=1, max_length=128)] | None = None
-
-
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: Text | None = None
@@ -72,7 +65,7 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, StrictStr] | None = None
     prompt_cache_key: Annotated[Text, Field(max_length=1024)] | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
-    prompt_cache_options: PromptCacheOptions | None = None
+    prompt_cache_options: ResponsesPromptCacheOptions | None = None  # prompt_cache_options.py
     truncation: Literal["disabled"] | None = None
     user: Text | None = None
 
@@ -111,15 +104,22 @@ class ResponsesRequest(BaseModel):
                 raise APIError(f"input.{i}.type: items of type {kind!r} are not supported", param=f"input.{i}.type")
         return out
 
+    @property
+    def prewarm(self) -> bool:
+        """prompt_cache_options.prewarm: compute (and lease) the prompt, generate nothing."""
+        return self.prompt_cache_options is not None and self.prompt_cache_options.prewarm
+
     def chat_request(self, earlier: list[dict[str, Any]]) -> ChatCompletionRequest:
         """The chat request for `earlier` (a stored conversation, or none) plus this input."""
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         payload: dict[str, Any] = {"model": self.model, "stream": True,
                                    "messages": [*system, *earlier, *self.new_messages()],
                                    "temperature": self.temperature, "top_p": self.top_p,
-                                   "max_tokens": self.max_output_tokens,
+                                   "max_tokens": 1 if self.prewarm else self.max_output_tokens,
                                    "prompt_cache_key": self.prompt_cache_key,
                                    "prompt_cache_retention": self.prompt_cache_retention}
+        if self.prompt_cache_options is not None:
+            payload["prompt_cache_options"] = self.prompt_cache_options.model_dump(include={"mode", "ttl"})
         if self.tools:
             payload["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                                 for t in self.tools]
@@ -153,6 +153,9 @@ def _text(content: Any, i: int) -> str:
         raise APIError(f"input.{i}.content: must be text or a list of text parts", param=f"input.{i}.content")
     texts = []
     for j, part in enumerate(content):
+        refused = refuse_breakpoint(part, f"input.{i}.content.{j}")
+        if refused is not None:
+            raise APIError(refused, param=f"input.{i}.content.{j}.prompt_cache_breakpoint")
         if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
                 or not isinstance(part.get("text"), str):
             raise APIError(f"input.{i}.content.{j}: only text parts are supported",

@@ -129,7 +129,7 @@ class OpenAIServing:
             max_tokens = self._room(max(map(len, prompts)), max_tokens, num_ctx, "prompt")
             params = body.sampling_params(max_tokens, body.logprobs)
             gen = await self._submit("cmpl", prompts, params, body.n, namespace, release,
-                                     retention=body.kv_retention, kv_explain=body.kv_explain)
+                                     retention=body.lease_ask(), kv_explain=body.kv_explain)
             gen.retention = await self.door.retain(body.prompt_cache_retention, prompts, namespace,
                                                    params.cache_salt)
         except BaseException:
@@ -165,7 +165,7 @@ class OpenAIServing:
             max_tokens = self._room(len(prompt), body.requested_max_tokens, num_ctx, "messages")
             params = with_tool_grammar(body.sampling_params(max_tokens, body.num_logprobs), toolset, fmt)
             gen = await self._submit("chatcmpl", [prompt], params, body.n, namespace, release,
-                                     retention=body.kv_retention, kv_explain=body.kv_explain,
+                                     retention=body.lease_ask(), kv_explain=body.kv_explain,
                                      tool_kv=tool_kv)
             gen.retention = await self.door.retain(body.prompt_cache_retention, [prompt], namespace,
                                                    params.cache_salt)

@@ -7,7 +7,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import os
 
 from kvserve.config import MODEL_DTYPE_ALIASES, MODEL_DTYPES, EngineConfig
 from kvserve.vllm_flags import add_vllm_flags, swap_space
@@ -44,8 +43,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "GiB, as in vLLM (--swap-space 4 = 4 GiB); 0 turns it off")
     group.add_argument("--device", default=ENGINE_DEFAULTS.device)
     group.add_argument("--threads", "-t", type=int, default=None,
-                       help="torch threads (default: $OMP_NUM_THREADS, else every usable core; "
-                            "`serve`: every usable core but one, for the HTTP front door)")
+                       help="torch and kernel threads (default: $OMP_NUM_THREADS, else every usable core, "
+                            "`serve` included, as llama-server)")
     group.add_argument("--dtype", default="auto", choices=["auto", *MODEL_DTYPES, *MODEL_DTYPE_ALIASES],
                        help="weights and compute: float32 (exact), bfloat16, float16, int4 / int8 (the "
                             "GGUF's packed weights on torch's CPU kernels, bfloat16 activations); auto "
@@ -190,14 +189,3 @@ def configure_tier_secret(args: argparse.Namespace) -> None:
     path = getattr(args, "kv_tier_secret_file", None)
     if path:
         set_process_secret(read_secret_file(path))
-
-
-def serving_threads() -> int | None:
-    """`kvserve serve`'s torch threads when --threads is not given: every usable core but one, which
-    the HTTP front door (event loop, tokenization, streaming) and clients on the same host need; None
-    (the engine's default) when $OMP_NUM_THREADS is set or one core is all there is. W1 over HTTP on
-    2 cores (Zen 5, docs/performance.md): 1 client's warm pass 32.4 s at 2 threads, 17.1-18.0 s at 1."""
-    if "OMP_NUM_THREADS" in os.environ or not hasattr(os, "sched_getaffinity"):
-        return None
-    cores = len(os.sched_getaffinity(0))
-    return cores - 1 if cores > 1 else None

@@ -73,13 +73,3 @@ def test_engine_argv_is_engine_kwargs_inverse():
         engine_argv({"not_a_field": 1})
 
 
-@pytest.mark.parametrize("cores, omp, expected", [(2, None, 1), (8, None, 7), (1, None, None), (4, "3", None)])
-def test_serve_leaves_one_core_to_the_front_door(monkeypatch, cores, omp, expected):
-    from kvserve.engine_args import serving_threads
-
-    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cores)))
-    if omp is None:
-        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    else:
-        monkeypatch.setenv("OMP_NUM_THREADS", omp)
-    assert serving_threads() == expected

@@ -145,7 +145,7 @@ def serve(args: argparse.Namespace) -> int:
     listener = bind_server_socket(args.host, args.port)
     from kvserve.config import EngineConfig
     from kvserve.engine import LLMEngine
-    from kvserve.engine_args import engine_kwargs, serving_threads
+    from kvserve.engine_args import engine_kwargs
     from kvserve.kv_events import fill_topic, pod_ip
     from kvserve.server.api import build_app, default_model_name
     from kvserve.startup_checks import check_event_socket
@@ -154,8 +154,6 @@ def serve(args: argparse.Namespace) -> int:
                                      bool(args.kv_events_curve_secret_file))
     args.kv_events_token_ids = "on" if token_ids else "off"
     kwargs = engine_kwargs(args)
-    if kwargs.get("threads") is None:
-        kwargs["threads"] = serving_threads()
     config = EngineConfig(model=args.model, role=args.role, **kwargs)
     check_event_socket(config)  # (LLMEngine checks it too; here before anything is logged)
     if args.kv_events_endpoint:
@@ -169,9 +167,10 @@ def serve(args: argparse.Namespace) -> int:
         from kvserve import kernels
 
         log.info("native kernels (%s): %s", kernels.library().isa, engine.runner.kernel_tuning.label())
-    if args.threads is None and kwargs["threads"] is not None:
-        log.info("engine threads: %d (every usable core but one, left to the HTTP front door; --threads "
-                 "to change)", kwargs["threads"])
+    import torch
+
+    log.info("engine threads: %d (%s; --threads to change)", torch.get_num_threads(),
+             "given" if args.threads else "every usable core, as llama-server uses")
     # no structured-outputs warm-up: the first constrained request preprocesses the vocabulary (and
     # logs its cost), as vLLM does; a server that never gets one never holds it (~220 MB for
     # Gemma 3's 262k tokens, docs/structured_outputs.md)

@@ -8,7 +8,6 @@ import os
 import re
 from pathlib import Path
 
-from kvserve.engine_args import serving_threads
 from kvserve.tools.bench.http_client import HttpTarget, run_pass
 from kvserve.tools.bench.spec import WARMUP_IDS
 from kvserve.tools.bench.servers import SERVED_MODEL_NAME, kvserve_server, llama_server
@@ -64,7 +63,6 @@ def run_http(engine: str, model_path: str, token_ids: list[list[int]], max_token
     extra: dict = {}
     if engine.startswith("kvserve"):  # kvserve, kvserve+ngram
         server = kvserve_server(model_path, engine_kwargs)
-        num_threads = threads or serving_threads() or num_threads  # what `kvserve serve` runs with
     else:
         context = llama_server_context_tokens or llama_server_context(token_ids, max_tokens, concurrency,
                                                                        same_capacity_as)

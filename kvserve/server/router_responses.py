@@ -1,11 +1,16 @@
 """The Responses API through `kvserve router`: a stored response lives on the backend that answered it,
 so the router learns each response's backend from the answer's `x-kvserve-response-id` header and sends
-a follow-up (`previous_response_id`), a GET and a DELETE of that id there (per API key). A streamed
-answer is relayed as it comes (no resume on another backend: the follow-up state is on this one)."""
+a follow-up (`previous_response_id`), a GET and a DELETE of that id there (per API key). An id the
+router does not know (it restarted, or forgot it) or whose backend is down or answers 404 is asked of
+the other backends in turn: backends that share stored responses through Redis all find it, and a
+backend that lacks it answers its own 404 (tenants stay the backends' to tell apart). A streamed answer
+is relayed as it comes (no resume on another backend: its stored response has that backend's id)."""
 
 from __future__ import annotations
 
 import contextlib
+
+import httpx
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -34,17 +39,23 @@ def register(app: FastAPI, router: Router) -> None:
         request = await read_forwarded(raw)
         body, headers = request.body, request.headers
         previous = body.get("previous_response_id") if isinstance(body, dict) else None
-        if isinstance(previous, str):
-            key = response_key(headers, previous)
-            if router.affinity.backend_of(key) is None:
-                return not_found(previous, "previous_response_id")
-        else:
-            key = router.affinity.key_of(headers, body)
+        key = router.affinity.key_of(headers, body)
+        if isinstance(previous, str) and router.affinity.backend_of(response_key(headers, previous)) is not None:
+            key = response_key(headers, previous)  # (unknown: any backend, which 404s if it lacks it)
         stream = isinstance(body, dict) and body.get("stream") is True
-        sent = await router.send("/v1/responses", request.content, headers, {}, set(), stream, key)
-        if isinstance(sent, str):
-            return JSONResponse(error_body(f"no backend could answer ({sent})", "server_error"), 502)
-        ticket, response, reason, _ = sent
+        tried: set[str] = set()
+        while True:
+            sent = await router.send("/v1/responses", request.content, headers, {}, tried, stream, key)
+            if isinstance(sent, str):
+                if isinstance(previous, str) and len(tried) == len(router.backends):
+                    return not_found(previous, "previous_response_id")  # every backend said 404
+                return JSONResponse(error_body(f"no backend could answer ({sent})", "server_error"), 502)
+            ticket, response, reason, _ = sent
+            if not (isinstance(previous, str) and response.status_code == 404):
+                break
+            ticket.release()  # this backend lacks the previous response: ask the next one
+            with contextlib.suppress(Exception):
+                await response.aclose()
         router.metrics.decided(ticket.backend.url, reason, 0)
         if (answered := response.headers.get(RESPONSE_ID_HEADER)) is not None:
             router.affinity.place(response_key(headers, answered), ticket.backend.url)
@@ -65,13 +76,21 @@ def register(app: FastAPI, router: Router) -> None:
         return Response(data, response.status_code, media_type=kind)
 
     async def on_its_backend(method: str, response_id: str, raw: Request) -> Response:
+        """Its backend first, then the others (healthy first) until one has it."""
         headers = forwarded_headers(raw)
-        url = router.affinity.backend_of(response_key(headers, response_id))
-        if url is None:
-            return not_found(response_id)
-        answer = await router.client.request(method, f"{url}/v1/responses/{response_id}", headers=headers,
-                                             timeout=router.timeouts.whole_s)
-        return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
+        known = router.affinity.backend_of(response_key(headers, response_id))
+        order = sorted(router.backends, key=lambda b: (b.url != known, not b.healthy))
+        for url in (b.url for b in order):
+            try:
+                answer = await router.client.request(method, f"{url}/v1/responses/{response_id}", headers=headers,
+                                                     timeout=router.timeouts.whole_s)
+            except httpx.HTTPError:
+                continue
+            if answer.status_code != 404:
+                router.affinity.place(response_key(headers, response_id), url)
+                return Response(answer.content, answer.status_code,
+                                media_type=answer.headers.get("content-type"))
+        return not_found(response_id)
 
     @app.get("/v1/responses/{response_id}")
     async def get(response_id: str, raw: Request):

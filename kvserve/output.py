@@ -74,7 +74,8 @@ class OutputProcessor:
         return CompletionOutput(
             index=index, token_ids=list(request.output_token_ids), text=text,
             finish_reason=request.status.value if done else None,
-            logprobs=list(request.logprobs) if request.sampling_params.logprobs is not None else None)
+            logprobs=list(request.logprobs) if request.sampling_params.logprobs is not None else None,
+            error=request.error if done else None)
 
 
 def _spec_counts(samples: list[Request]) -> SpecDecodeCounts | None:

@@ -89,6 +89,9 @@ class TokenConstraint(Protocol):
     @property
     def is_finished(self) -> bool: ...
 
+    @property
+    def violation(self) -> str: ...  # why output ending here is outside the grammar ("" if inside)
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -97,11 +100,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # the output cannot meet its constraint (Request.error says why): never "stop"
 
     @property
     def is_finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
 CacheLease = Breakpoint  # the name the server and the Python API pass breakpoints by
@@ -179,6 +183,7 @@ class Request:
     spec_decode: SpecDecodeCounts = field(default_factory=lambda: SpecDecodeCounts())
     namespace: str = field(init=False, default="")  # cache.hashing.namespace(tenant, cache_salt)
     grammar: TokenConstraint | None = None  # structured outputs: advanced by each sampled token
+    error: str | None = None  # FINISHED_ERROR: why (e.g. the grammar needed a token that ends the output)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -202,6 +207,17 @@ class Request:
         self.token_ids.append(token_id)
         if self.grammar is not None:
             self.grammar.accept(token_id)
+
+    def stop_status(self) -> RequestStatus:
+        """How a sequence that stops here (EOS, a stop token id, its grammar done) ends: "stop", or
+        FINISHED_ERROR (with `error`) when its grammar is not satisfied by the output so far, which the
+        engine could not enforce (an end-of-sequence token the grammar itself asked for, a matcher
+        error): a client must never get output outside its constraint as a normal stop."""
+        violation = self.grammar.violation if self.grammar is not None else ""
+        if not violation:
+            return RequestStatus.FINISHED_STOPPED
+        self.error = violation
+        return RequestStatus.FINISHED_ERROR
 
     @property
     def is_grammar_complete(self) -> bool:
@@ -232,6 +248,7 @@ class CompletionOutput:
     text: str
     finish_reason: str | None
     logprobs: list[dict[int, float]] | None = None
+    error: str | None = None  # finish_reason "error": why
 
 
 @dataclass(slots=True)

@@ -26,6 +26,7 @@ from kvserve.server.anthropic_protocol import (MessagesRequest, ParsedChat, anth
                                                parse_chat, parse_request)
 from kvserve.server.breakpoints import SYSTEM, TOOLS, RenderedChat, make_lease
 from kvserve.server.cache_diagnostics import DiagnosticsStore, PromptFingerprint, fingerprint
+from kvserve.server.constraint_error import unenforced
 from kvserve.server.protocol import APIError
 from kvserve.server.tool_grammar import with_tool_grammar
 from kvserve.server.tool_parser import ToolFormat
@@ -297,6 +298,8 @@ class MessagesService:
     def _checked(self, output: RequestOutput | None) -> RequestOutput:
         if output is None or output.outputs[0].finish_reason == "abort":
             raise APIError(self.door.abort_note or "the request was aborted before it finished", 503)
+        if output.finished and (broken := unenforced(output)) is not None:
+            raise broken
         return output
 
     async def _events(self, pending: Pending, stream: RequestStream, namespace: str) -> AsyncIterator[str]:

@@ -26,6 +26,7 @@ from kvserve.request import RequestOutput, SamplingParams, ToolCallKV
 from kvserve.server import render
 from kvserve.server.breakpoints import retained_requests
 from kvserve.server.front import MAX_CHOICES, FrontDoor
+from kvserve.server.constraint_error import unenforced
 from kvserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                      error_body)
 from kvserve.server.text_delta import TextDelta
@@ -283,6 +284,8 @@ class OpenAIServing:
                 choice, item = await merged.get()
                 if isinstance(item, BaseException):
                     raise APIError(str(item), 503, "server_error")
+                if item.finished and (broken := unenforced(item)) is not None:
+                    raise broken  # (a stream's error event, a plain 400 otherwise)
                 choice.output = item
                 remaining -= item.finished
                 yield choice

@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+MAX_ERROR_CHARS = 300  # llguidance's errors can carry the grammar and parser state (~250 KB)
+
 log = logging.getLogger("kvserve.structured")
 
 
@@ -41,7 +43,7 @@ class GrammarState:
         ok = bool(self.matcher.consume_token(token_id))
         self.num_tokens += ok
         if not ok:
-            log.warning("grammar refused sampled token %d: %s", token_id, self.matcher.get_error())
+            log.warning("grammar refused sampled token %d: %s", token_id, self.error)
         return ok
 
     @property
@@ -54,8 +56,22 @@ class GrammarState:
         return self.matcher.is_accepting()
 
     @property
+    def violation(self) -> str:
+        """Why an output that ended here would be outside the grammar ("" when it is inside)."""
+        if self.matcher.is_error():
+            return "the grammar could not be followed: " + self.error
+        if self.matcher.is_stopped() or self.matcher.is_accepting():
+            return ""
+        return ("the output ended (an end-of-sequence or stop token) before the grammar was complete; "
+                "the grammar requires a token that ends generation, or one this engine cannot emit")
+
+    @property
     def error(self) -> str:
-        return self.matcher.get_error() if self.matcher.is_error() else ""
+        """The matcher's error in one line of at most MAX_ERROR_CHARS ("" without one)."""
+        if not self.matcher.is_error():
+            return ""
+        text = " ".join(self.matcher.get_error().split())
+        return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS - 3] + "..."
 
     def copy(self) -> GrammarState:
         """An independent state at the same place (n > 1 forks, beam search candidates)."""

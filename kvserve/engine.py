@@ -342,6 +342,10 @@ class LLMEngine:
     def release_lease(self, tenant: str, lease_id: str) -> bool:
         return self.lease_info(tenant, lease_id) is not None and self.manager.leases.release(lease_id)
 
+    def release_tenant_leases(self, tenant: str) -> int:
+        """Release the prompt leases and tool-call holds of `tenant`'s requests (not its named caches)."""
+        return self.manager.leases.release_tenant(tenant)
+
     def expire_leases(self) -> int:
         """Release the leases whose TTL ran out (each step does; an idle server's loop calls it)."""
         return self.manager.expire_leases()

@@ -250,6 +250,14 @@ class LeaseTable:
             self.pool.decref(page)
         return True
 
+    def release_tenant(self, tenant: str) -> int:
+        """Release the leases a tenant's requests made (prompt leases and tool-call holds), never its
+        named caches (leases of their own, released by id); returns how many (Ollama's keep_alive 0)."""
+        shared = set(self._by_pages.values())
+        mine = [i for i, lease in self.leases.items() if _tenant_of(lease) == tenant
+                and (i in shared or lease.label == TOOL_CALL)]
+        return sum(self.release(i) for i in mine)
+
     def expiring(self, now: float) -> list[Lease]:
         return [lease for lease in self.leases.values() if lease.expires_at <= now]
 

@@ -80,6 +80,8 @@ def register(app: FastAPI, serving: OpenAIServing, info: ModelInfo,
             raise APIError(f"options.num_ctx {num_ctx} is over this server's max_model_len "
                            f"{serving.max_model_len}; lower num_ctx", param="options.num_ctx")
         if not chat_route and not body.prompt:  # Ollama's "load the model" call
+            if body.keep_alive_s() == 0:
+                await unload(tenant)
             return {"model": name, "created_at": now_iso(), "response": "", "done": True,
                     "done_reason": "unload" if body.keep_alive_s() == 0 else "load"}
         request = body.openai()
@@ -87,13 +89,27 @@ def register(app: FastAPI, serving: OpenAIServing, info: ModelInfo,
         serve = serving.chat if isinstance(request, ChatCompletionRequest) else serving.completions
         result: SSEResult = await serve(request, raw, tenant, num_ctx)
         events = _events(result.body, name, timer, chat_route)
+        unloads = body.keep_alive_s() == 0  # once the answer is out
         if body.stream:
-            lines = (json.dumps(event) + "\n" async for event in events)
-            return ClosingStream(lines, result.close, media_type=NDJSON)
+            async def lines():
+                async for event in events:
+                    yield json.dumps(event) + "\n"
+                if unloads:
+                    await unload(tenant)
+            return ClosingStream(lines(), result.close, media_type=NDJSON)
         try:
             return await _whole(events, chat_route)
         finally:
             result.close()
+            if unloads:
+                await unload(tenant)
+
+    async def unload(tenant: str) -> None:
+        """keep_alive 0: Ollama frees the model's memory; the model here is shared, so what goes is this
+        tenant's hold on the pool: its prompt leases and tool-call holds (its pages become evictable;
+        named caches stay, they are released by id)."""
+        llm = serving.engine.engine
+        await serving.engine.call(lambda: llm.release_tenant_leases(tenant))
 
     async def answer(work: Awaitable[Any]):
         try:

@@ -15,6 +15,7 @@ is in flight, which is what the shutdown counts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -174,6 +175,17 @@ class FrontDoor:
         if refused is not None:
             return {"prompt_cache_retention": "in_memory", "prompt_cache_retention_note": refused.reason}
         return {"prompt_cache_retention": "24h"}
+
+    def pin_answers(self, gen: Any) -> None:
+        """A finished request that got 24h retention: pin each prompt's first answer with it (prompt +
+        output ids, the prefix of the conversation's next turn), in the background, as far as the pin
+        caps allow (the prompt alone stays pinned when they do not)."""
+        if gen.retention.get("prompt_cache_retention") != "24h":
+            return
+        llm, firsts = self.engine.engine, {c.prompt_index: c.output for c in reversed(gen.choices)}
+        done = [o.prompt_token_ids + o.outputs[0].token_ids for o in firsts.values() if o is not None]
+        with contextlib.suppress(RuntimeError):  # (the pool is shut down: the server is stopping)
+            self._pool.submit(lambda: [llm.pin_prefix(ids, gen.namespace, gen.cache_salt) for ids in done])
 
     def check_fits(self, num_tokens: int, param: str = "messages") -> None:
         if num_tokens >= self.max_model_len:

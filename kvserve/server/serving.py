@@ -70,6 +70,7 @@ class Generation:
     tool_hold: dict[str, Any] | None = None  # what became of its own hold (kv_explain)
     echo: list[str] | None = None  # /v1/completions with echo: each prompt's text, sent before the output
     retention: dict[str, Any] = field(default_factory=dict)  # the prompt_cache_retention it got
+    cache_salt: str | None = None  # its requests' (the namespace their pages are hashed in)
 
     @property
     def held_under(self) -> list[str]:
@@ -194,6 +195,7 @@ class OpenAIServing:
         release, gen.release = gen.release, None
         if release is not None:
             release()
+            self.door.pin_answers(gen)  # 24h retention: the answers too (the next turn's prefix)
 
     # -- shared steps --------------------------------------------------------------------------
     def _room(self, prompt_len: int, max_tokens: int | None, num_ctx: int | None, param: str) -> int:
@@ -259,7 +261,7 @@ class OpenAIServing:
             choices.append(Choice(index, index // n, stream, TextDelta(params.stop)))
         model = self.model_names[0]
         return Generation(request_id, model, prompts, choices, release=release, kv_explain=kv_explain,
-                          namespace=namespace, tool_kv=tool_kv)
+                          namespace=namespace, tool_kv=tool_kv, cache_salt=params.cache_salt)
 
     def _abort_unfinished(self, gen: Generation) -> None:
         for choice in gen.choices:

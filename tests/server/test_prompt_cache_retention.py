@@ -68,6 +68,11 @@ def test_24h_on_a_disk_tier_survives_a_restart(tmp_path):
         try:
             client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
             model = client.models.list().data[0].id
+            if run == 1:  # first, the next turn: the first answer's pages were pinned with its prompt
+                answer = {"role": "assistant", "content": outputs[0].choices[0].message.content}
+                follow = client.chat.completions.create(
+                    model=model, messages=[*messages, answer, {"role": "user", "content": "And the coins?"}],
+                    max_tokens=4, temperature=0, extra_body={"prompt_cache_retention": "24h"})
             outputs.append(client.chat.completions.create(
                 model=model, messages=messages, max_tokens=12, temperature=0,
                 extra_body={"prompt_cache_retention": "24h"}))
@@ -80,6 +85,9 @@ def test_24h_on_a_disk_tier_survives_a_restart(tmp_path):
         finally:
             stop_serving(proc)
     cold, warm = outputs
+    turn = cold.usage.prompt_tokens + cold.usage.completion_tokens - 1  # (the last token has no KV)
+    assert follow.usage.prompt_tokens_details.cached_tokens >= turn // 16 * 16 - 16
+    assert follow.usage.prompt_tokens_details.cached_tokens > cold.usage.prompt_tokens // 16 * 16
     assert len(list((tmp_path / "kv").glob("*/*/*.kvp"))) <= DISK_PAGES  # the budget held: others went
     # the Responses API's own turn after the restart: its prompt is the chat's, so it hits the disk too
     assert responses[1].usage.input_tokens_details.cached_tokens >= responses[1].usage.input_tokens // 16 * 16 - 16

@@ -94,14 +94,19 @@ def weights_bytes(engine) -> int:
     return sum(storages.values())
 
 
-def engine_memory_promise(engine, args: argparse.Namespace):
+def engine_memory_promise(engine, args: argparse.Namespace | None, measured: bool = False):
+    """The start-up memory line's numbers; `measured`: with this process's resident memory now
+    and the in-flight body cap, which make it a bound (memory_promise.py)."""
     from kvserve.config import parse_bytes
-    from kvserve.memory_promise import memory_promise
+    from kvserve.memory_promise import memory_promise, resident_bytes, step_activation_bytes
 
-    config = engine.config  # (--kv-disk-bytes has a default: it counts only with a --kv-disk-path)
+    config, model = engine.config, engine.loaded.config  # (--kv-disk-bytes counts only with a --kv-disk-path)
     disk = parse_bytes(config.kv_disk_bytes) if config.kv_disk_path else 0
-    return memory_promise(weights_bytes(engine), engine.runner.kv_cache_bytes(),
-                          parse_bytes(config.swap_space), disk)
+    body = getattr(args, "max_body_bytes_in_flight", 0) if measured else 0
+    step = step_activation_bytes(model.hidden_size, model.intermediate_size, model.vocab_size,
+                                 config.max_num_batched_tokens, config.max_num_seqs) if measured else 0
+    return memory_promise(weights_bytes(engine), engine.runner.kv_cache_bytes(), parse_bytes(config.swap_space),
+                          disk, resident_bytes() if measured else 0, body, step)
 
 
 class _Drain:
@@ -159,7 +164,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.kv_events_endpoint:
         log.info("KV events %s token ids: %s", "carry" if token_ids else "carry no", why)
     engine = LLMEngine(config)
-    log.info("%s", engine_memory_promise(engine, args).line())
+    log.info("%s", engine_memory_promise(engine, args, measured=True).line())
     if engine.gpu_budget is not None:
         log.info("%s: %d tokens of KV", engine.gpu_budget.describe(),
                  (engine.cache_config.num_pages - 1) * engine.cache_config.page_size)

@@ -96,9 +96,16 @@ def kv_routes(door: FrontDoor, namespace: Callable[..., Awaitable[str]],
             return JSONResponse(error_body("resetting the prefix cache drops every tenant's pages; "
                                            "it needs a key from --admin-api-key-file",
                                            "permission_error", None, "admin_key_required"), 403)
-        if not await async_engine.call(engine.reset_prefix_cache):
-            return JSONResponse(error_body("requests are running; reset the prefix cache when the "
-                                           "server is idle", "conflict_error"), 409)
+        def reset() -> tuple[bool, int, int]:
+            done = engine.reset_prefix_cache()
+            return done, len(engine.scheduler.running) + len(engine.scheduler.swapped), len(engine.manager.leases.leases)
+
+        done, num_running, num_leases = await async_engine.call(reset)
+        if not done:  # say what holds the pages: requests, or leases (named caches, cache_control, holds)
+            return JSONResponse(error_body(
+                f"{num_running} requests are running and {num_leases} leases hold pages (named caches, "
+                f"cache_control, tool-call holds); reset the prefix cache when no request runs and the "
+                f"leases are released or expired", "conflict_error", None, "pages_in_use"), 409)
         return Response(status_code=200)
 
     return router

@@ -98,7 +98,8 @@ def kv_routes(door: FrontDoor, namespace: Callable[..., Awaitable[str]],
                                            "permission_error", None, "admin_key_required"), 403)
         def reset() -> tuple[bool, int, int]:
             done = engine.reset_prefix_cache()
-            return done, len(engine.scheduler.running) + len(engine.scheduler.swapped), len(engine.manager.leases.leases)
+            stats = engine.stats().as_dict()
+            return done, stats["num_requests_running"] + stats["num_requests_swapped"], stats["num_leases"]
 
         done, num_running, num_leases = await async_engine.call(reset)
         if not done:  # say what holds the pages: requests, or leases (named caches, cache_control, holds)

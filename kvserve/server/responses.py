@@ -9,6 +9,7 @@ a follow-up by `previous_response_id` renders the same prefix and hits it."""
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -27,6 +28,9 @@ from kvserve.server.responses_persist import response_backing
 from kvserve.server.responses_store import MAX_BYTES, MAX_RESPONSES, ResponseStore
 from kvserve.server.router_responses import RESPONSE_ID_HEADER
 from kvserve.server.serving import OpenAIServing, sse_payloads
+
+
+RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")
 
 
 class ResponseBuilder:
@@ -171,6 +175,14 @@ def register(app: FastAPI, serving: OpenAIServing, namespace: Callable[[Request]
     def not_found(response_id: str, param: str | None = None) -> APIError:
         return APIError(f"Response with id '{response_id}' not found.", 404, "invalid_request_error", param)
 
+    async def resumed_id(raw: Request, tenant: str) -> str | None:
+        """`kvserve router` resuming a stream another backend began asks for that response's id (one
+        of this id's shape, not stored here for the tenant: a caller can only name a new one)."""
+        asked = raw.headers.get(RESPONSE_ID_HEADER)
+        if asked is None or not RESPONSE_ID.fullmatch(asked):
+            return None
+        return None if await io(lambda: store.get(tenant, asked)) is not None else asked
+
     @app.post("/v1/responses")
     async def create(raw: Request):
         tenant = await namespace(raw)
@@ -182,7 +194,7 @@ def register(app: FastAPI, serving: OpenAIServing, namespace: Callable[[Request]
                 raise not_found(body.previous_response_id, "previous_response_id")
             earlier = previous.messages
         chat = body.chat_request(earlier)
-        response_id = f"resp_{secrets.token_hex(16)}"
+        response_id = await resumed_id(raw, tenant) or f"resp_{secrets.token_hex(16)}"
         result = await serving.chat(chat, raw, tenant, hold_key=response_id if body.store else None,
                                     continues=body.previous_response_id)
         record = prompt_record(body.prompt_cache_key, chat.tools and [t.model_dump() for t in chat.tools],

@@ -4,7 +4,7 @@ a follow-up (`previous_response_id`), a GET and a DELETE of that id there (per A
 router does not know (it restarted, or forgot it) or whose backend is down or answers 404 is asked of
 the other backends in turn: backends that share stored responses through Redis all find it, and a
 backend that lacks it answers its own 404 (tenants stay the backends' to tell apart). A streamed answer
-is relayed as it comes (no resume on another backend: its stored response has that backend's id)."""
+whose backend dies is resumed on another one under the same response id (router_responses_stream.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from kvserve.server.forwarding import forwarded_headers, read_forwarded
 from kvserve.server.protocol import error_body
 from kvserve.server.router_core import Router
 from kvserve.server.router_index import bearer
+from kvserve.server.router_responses_stream import ResponsesTranscript
+from kvserve.server.router_stream import Attempt, ResumingRelay
 
 RESPONSE_ID_HEADER = "x-kvserve-response-id"
 
@@ -66,14 +68,37 @@ def register(app: FastAPI, router: Router) -> None:
             with contextlib.suppress(Exception):
                 await response.aclose()
 
-        if stream and response.status_code == 200:
-            return StreamingResponse(response.aiter_raw(), 200, media_type=kind,
-                                     headers={"Cache-Control": "no-cache"}, background=BackgroundTask(done))
+        if stream and response.status_code == 200 and kind.startswith("text/event-stream"):
+            return resuming(ticket, response, request.content, headers, key)
         try:
             data = await response.aread()
         finally:
             await done()
         return Response(data, response.status_code, media_type=kind)
+
+    def resuming(ticket, response, content: bytes, headers: dict[str, str], key) -> StreamingResponse:
+        """The stream relayed through a ResponsesTranscript: resumed on another backend if this one
+        dies, under the same response id (router_responses_stream.py)."""
+        transcript = ResponsesTranscript()
+
+        async def reopen(tried: set[str]) -> Attempt | None:
+            again = {**headers, RESPONSE_ID_HEADER: transcript.response_id} if transcript.response_id else headers
+            while not isinstance(sent := await router.send("/v1/responses", content, again, {}, tried, True, key), str):
+                ticket, response, _, _ = sent
+                if response.status_code == 200 and response.headers.get("content-type", "").startswith(
+                        "text/event-stream"):
+                    router.affinity.place(response_key(headers, transcript.response_id or ""), ticket.backend.url)
+                    return Attempt(ticket, response, 0, router.alarms[ticket.backend.url])
+                ticket.release()
+                await response.aclose()
+            return None
+
+        relay = ResumingRelay(transcript, Attempt(ticket, response, 0, router.alarms[ticket.backend.url]), reopen,
+                              router.failed, router.metrics, router.timeouts)
+        return StreamingResponse(relay.body(), 200, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache",
+                                          RESPONSE_ID_HEADER: response.headers.get(RESPONSE_ID_HEADER, "")},
+                                 background=BackgroundTask(relay.finish))
 
     async def on_its_backend(method: str, response_id: str, raw: Request) -> Response:
         """Its backend first, then the others (healthy first) until one has it."""

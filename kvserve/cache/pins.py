@@ -30,6 +30,7 @@ log = logging.getLogger("kvserve.pins")
 
 DAY_S = 24 * 3600.0  # "24h"
 FILE_NAME = "pins.json"
+SAVE_SLACK_S = 600.0  # a renewal that moves no expiry by more than this is not written to the file
 
 
 @dataclass(slots=True)
@@ -108,15 +109,18 @@ class PinLedger:
                 return PinResult(False, len(hashes), reason=(
                     f"capped: pinning {len(new)} more pages for 24h would put the server at "
                     f"{len(self._pins) + len(new)}, over its {self.max_pages} (--kv-pin-bytes)"))
-            expires_at = now + ttl_s
+            expires_at, changed = now + ttl_s, bool(new)
             for h in dict.fromkeys(hashes):
                 pin = self._pins.get(h)
                 if pin is None:
                     self._pins[h] = Pin(tenant, expires_at)
                     self._by_tenant[tenant] += 1
                 else:
+                    changed |= expires_at - pin.expires_at > SAVE_SLACK_S
                     pin.expires_at = max(pin.expires_at, expires_at)
-            snapshot = self._snapshot() if self.path is not None else None
+            # (a renewal alone is written at most once per SAVE_SLACK_S: a prefix that every request
+            # repeats does not rewrite the file each time; after a restart its pin ends that much early)
+            snapshot = self._snapshot() if self.path is not None and changed else None
         if snapshot is not None:
             self._save(snapshot)
         return PinResult(True, len(hashes), expires_at)

@@ -90,3 +90,16 @@ def test_the_engine_ledger_never_pins_the_whole_disk_tier():
 def test_an_unreadable_ledger_is_ignored(tmp_path):
     (tmp_path / "pins.json").write_text("{not json")
     assert PinLedger(4, 4, tmp_path).num_pages == 0
+
+
+def test_a_renewal_rewrites_the_ledger_only_when_it_moves_an_expiry_enough(tmp_path):
+    clock = Clock()
+    ledger = PinLedger(4, 4, tmp_path, clock)
+    ledger.pin("", [h(0)], 3600)
+    (tmp_path / "pins.json").write_text("{}")  # (so a rewrite would show)
+    clock.now += 60
+    ledger.pin("", [h(0)], 3600)  # renewed by a minute: in memory only
+    assert (tmp_path / "pins.json").read_text() == "{}" and ledger.remaining_s(h(0)) == 3600
+    clock.now += 3000
+    ledger.pin("", [h(0)], 3600)  # renewed by 50 minutes: written
+    assert h(0).hex() in (tmp_path / "pins.json").read_text()

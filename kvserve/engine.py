@@ -109,7 +109,7 @@ class LLMEngine:
         device = torch.device(config.device)
         if device.type != "cuda" or config.kv_cache_memory is not None:
             return None
-        build_model(self.loaded, config.dtype, str(device))  # cached: the runner gets the same model
+        build_model(self.loaded, config.dtype, str(device), config.max_model_len)  # cached: the runner's
         num_tokens = min(config.max_num_batched_tokens,
                          config.max_model_len or self.loaded.config.max_position_embeddings)
         kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, config.dtype)

@@ -167,8 +167,10 @@ class LlamaModel(nn.Module):
 
     def __init__(
         self, cfg: ModelConfig, tensors: dict[str, GGUFTensor], mode: str = "float32",
-        device: torch.device | str = "cpu",
+        device: torch.device | str = "cpu", max_positions: int | None = None,
     ) -> None:
+        """`max_positions`: the RoPE tables' rows (the engine's max_model_len; default the model's own
+        context, 2 x 64 MiB of float32 tables for a 131,072-token Llama 3.1)."""
         super().__init__()
         self.config = cfg
         device = torch.device(device)
@@ -181,13 +183,12 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(wb.tensor("model.norm.weight", torch.float32), eps, cfg.norm_weight_offset)
         self.lm_head = tied_head if cfg.tie_word_embeddings else wb.linear(["lm_head.weight"])
-        self.rope = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, device, self.dtype,
-                           cfg.rope_freq_factors)
+        positions = min(cfg.max_position_embeddings, max_positions or cfg.max_position_embeddings)
+        self.rope = Rotary(cfg.head_dim, cfg.rope_theta, positions, device, self.dtype, cfg.rope_freq_factors)
         # Gemma's sliding-window layers use their own RoPE base, without the global scaling
         self.local_rope = None
         if cfg.rope_local_theta is not None:
-            self.local_rope = Rotary(cfg.head_dim, cfg.rope_local_theta, cfg.max_position_embeddings, device,
-                                     self.dtype)
+            self.local_rope = Rotary(cfg.head_dim, cfg.rope_local_theta, positions, device, self.dtype)
         self.windows = [cfg.layer_window(i) for i in range(cfg.num_layers)]
         self._fused: dict[kernels.KernelLibrary, native_layers.DecoderLayers | None] = {}
 

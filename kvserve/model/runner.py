@@ -64,10 +64,19 @@ class Drafter(Protocol):
     def kv_cache_bytes(self) -> int: ...
 
 
+def build_model(loaded: LoadedModel, dtype: str, device: str, max_model_len: int | None = None) -> LlamaModel:
+    """One model per (weights, weight mode, device, positions) in a process: the model holds no
+    per-request state. Its RoPE tables cover max_model_len positions (None: the model's context)."""
+    context = loaded.config.max_position_embeddings
+    return _build_model(loaded, dtype, device, min(max_model_len or context, context))
+
+
 @functools.lru_cache(maxsize=4)
-def build_model(loaded: LoadedModel, dtype: str, device: str) -> LlamaModel:
-    """One model per (weights, weight mode, device) in a process: the model holds no per-request state."""
-    return LlamaModel(loaded.config, loaded.tensors, dtype, device).eval()
+def _build_model(loaded: LoadedModel, dtype: str, device: str, max_positions: int) -> LlamaModel:
+    return LlamaModel(loaded.config, loaded.tensors, dtype, device, max_positions).eval()
+
+
+build_model.cache_clear = _build_model.cache_clear  # (frees the cached models: tests/cuda/gpu_check.py)
 
 
 class ModelRunner:
@@ -92,7 +101,7 @@ class ModelRunner:
         self.num_pages = num_pages
         self.kv_dtype = kv_dtype
         self.device = torch.device(device)
-        self.model = build_model(loaded, dtype, str(self.device))
+        self.model = build_model(loaded, dtype, str(self.device), max_model_len or None)
         # the native kernels' prefetch choices for this host (speed only, never bits)
         self.kernel_tuning = tune_kernels(self.model, cfg, torch.get_num_threads()) if self.device.type == "cpu" \
             else None

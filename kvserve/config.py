@@ -234,6 +234,7 @@ class EngineConfig:
     kv_events_allow_remote: bool = False  # bind a non-loopback address without CURVE
     kv_events_allow_plaintext: bool = False  # connect mode: a non-loopback address without CURVE
     kv_events_curve_secret_file: str | None = None  # CURVE secret key (Z85): subscribers need its public key
+    kv_events_curve_clients_file: str | None = None  # subscriber public keys let in (ZAP); None: any with the server key
     kv_disk_path: str | None = None  # disk tier directory (pages survive restarts)
     kv_disk_bytes: str | int = "10GiB"
     kv_pin_bytes: str | int | None = None  # 24h retention pins in the disk/Redis tier; None: half the disk tier

@@ -101,6 +101,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a CURVE secret key (Z85, 40 characters; make one with python -c "
                             "'import zmq; print(zmq.curve_keypair()[1].decode())'): the sockets "
                             "encrypt, and only subscribers given its public key connect")
+    group.add_argument("--kv-events-curve-clients-file", default=None, metavar="FILE",
+                       help="with a CURVE key: only subscribers whose CURVE public key is listed here "
+                            "(one per line) get in; without it any subscriber that knows the server's "
+                            "public key does")
     group.add_argument("--min-cacheable-tokens", type=int, default=ENGINE_DEFAULTS.min_cacheable_tokens,
                        help="cache breakpoints (cache_control, kv_retention) on shorter prefixes get no lease")
     group.add_argument("--max-leased-fraction", type=float, default=ENGINE_DEFAULTS.max_leased_fraction,

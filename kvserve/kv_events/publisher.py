@@ -16,6 +16,7 @@ import zmq
 from kvserve.cache.background import drain, stop
 from kvserve.cache.events import MEDIUM_DISK, Event, KVEventBuffer
 from kvserve.config import EngineConfig
+from kvserve.kv_events.curve_clients import ClientAllowlist, read_client_keys
 from kvserve.kv_events.wire import (END_SEQ, ENCODINGS, Encoding, HashFormat, encode_batch,
                                     is_loopback, replay_endpoint_for)
 
@@ -32,6 +33,12 @@ def publisher_for(config: EngineConfig) -> KVEventPublisher:
                 curve = CurveKeys.from_secret(f.read())
         except OSError as err:
             raise ValueError(f"cannot read --kv-events-curve-secret-file: {err}") from None
+    clients = None
+    if config.kv_events_curve_clients_file:
+        if curve is None:
+            raise ValueError("--kv-events-curve-clients-file lists the subscribers of a CURVE-encrypted "
+                             "stream; give the server's key too (--kv-events-curve-secret-file)")
+        clients = read_client_keys(config.kv_events_curve_clients_file)
     endpoint, replay = config.kv_events_endpoint, config.kv_events_replay_endpoint
     if replay is None:
         replay = replay_endpoint_for(endpoint) if config.kv_events_mode == "bind" else None
@@ -42,7 +49,7 @@ def publisher_for(config: EngineConfig) -> KVEventPublisher:
                             connect=config.kv_events_mode == "connect",
                             allow_remote=config.kv_events_allow_remote,
                             allow_plaintext=config.kv_events_allow_plaintext,
-                            send_token_ids=config.kv_events_token_ids, curve=curve)
+                            send_token_ids=config.kv_events_token_ids, curve=curve, curve_clients=clients)
 
 
 def attach_tiers(events: KVEventBuffer, host, disk) -> None:
@@ -93,7 +100,8 @@ class KVEventPublisher:
                  hash_format: HashFormat = "int", encoding: Encoding = "array",
                  connect: bool = False, allow_remote: bool = False, allow_plaintext: bool = False,
                  send_token_ids: bool = True,
-                 curve: CurveKeys | None = None, max_queue_batches: int = 100_000,
+                 curve: CurveKeys | None = None, curve_clients: frozenset[bytes] | None = None,
+                 max_queue_batches: int = 100_000,
                  hwm: int = 100_000) -> None:
         if hash_format not in ("int", "bytes"):
             raise ValueError(f"hash_format is 'int' or 'bytes', not {hash_format!r}")
@@ -122,7 +130,9 @@ class KVEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._queue: queue.Queue[tuple[float, list[Event]] | None] = queue.Queue(max_queue_batches)
         self._next_seq = 0
-        self._ctx = zmq.Context.instance()
+        # with a subscriber allowlist the sockets get a context of their own, whose ZAP handler it is
+        self._ctx = zmq.Context() if curve_clients else zmq.Context.instance()
+        self._allowlist = ClientAllowlist(self._ctx, curve_clients) if curve is not None and curve_clients else None
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
         _curve_server(self._pub, curve)
@@ -142,6 +152,8 @@ class KVEventPublisher:
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as err:
             self._close_sockets()
+            if self._allowlist is not None:
+                self._allowlist.stop()
             raise ValueError(f"cannot {'connect' if connect else 'bind'} the KV events socket at "
                              f"{endpoint}{'' if replay_endpoint is None else ' / ' + replay_endpoint}: "
                              f"{err}; choose another address or port") from None
@@ -170,6 +182,9 @@ class KVEventPublisher:
     def close(self, timeout: float = 2.0) -> None:
         """Send what is queued (up to `timeout`), then close the sockets."""
         stop(self._queue, self._thread, timeout)
+        if self._allowlist is not None:
+            self._allowlist.stop()
+            self._ctx.term()
 
     def _run(self) -> None:
         try:

@@ -9,14 +9,17 @@ from collections.abc import Callable
 
 import zmq
 
+from kvserve.kv_events.curve_clients import client_keys
 from kvserve.kv_events.wire import WireEvent, decode_batch
 
 log = logging.getLogger("kvserve.events")
 
 
-def _curve_client(sock: zmq.Socket, server_key: str | None) -> None:
+def _curve_client(sock: zmq.Socket, server_key: str | None, own: tuple[bytes, bytes] | None) -> None:
+    """CURVE as a client of `server_key`, with this subscriber's own key pair (one the publisher's
+    allowlist names, curve_clients.py) or a fresh one."""
     if server_key:
-        public, secret = zmq.curve_keypair()
+        public, secret = own or zmq.curve_keypair()
         sock.curve_serverkey = server_key.encode()
         sock.curve_publickey, sock.curve_secretkey = public, secret
 
@@ -25,15 +28,18 @@ class KVEventSubscriber:
     """Follows one publisher on a thread: connects, replays everything it buffered (so a late
     subscriber learns what is already cached), then applies live batches in sequence order,
     asking the replay socket for the batches it missed. `on_events` gets each batch's events.
-    `curve_server_key`: the publisher's CURVE public key, when it requires one."""
+    `curve_server_key`: the publisher's CURVE public key, when it requires one; `curve_client_secret`:
+    this subscriber's own CURVE secret key, when the publisher admits listed subscribers only."""
 
     def __init__(self, endpoint: str, replay_endpoint: str | None,
                  on_events: Callable[[list[WireEvent]], None], *, topic: str = "",
-                 replay_timeout_s: float = 2.0, curve_server_key: str | None = None) -> None:
+                 replay_timeout_s: float = 2.0, curve_server_key: str | None = None,
+                 curve_client_secret: str | None = None) -> None:
         self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
         self.on_events = on_events
         self.topic = topic.encode()
         self.curve_server_key = curve_server_key
+        self.curve_client = client_keys(curve_client_secret)
         self.replay_timeout_ms = int(replay_timeout_s * 1000)
         self.last_seq = -1
         self.num_batches = self.num_replayed = self.num_missed = 0
@@ -48,7 +54,7 @@ class KVEventSubscriber:
     def _run(self) -> None:
         ctx = zmq.Context.instance()
         sub = ctx.socket(zmq.SUB)
-        _curve_client(sub, self.curve_server_key)
+        _curve_client(sub, self.curve_server_key, self.curve_client)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         try:
             sub.connect(self.endpoint)
@@ -72,7 +78,7 @@ class KVEventSubscriber:
         if self.replay_endpoint is None:
             return
         dealer = ctx.socket(zmq.DEALER)
-        _curve_client(dealer, self.curve_server_key)
+        _curve_client(dealer, self.curve_server_key, self.curve_client)
         try:
             dealer.connect(self.replay_endpoint)
             dealer.send_multipart((b"", start.to_bytes(8, "big")))

@@ -71,6 +71,10 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
                         help="clients' keys (one per line, as `kvserve serve --api-key-file`: give the "
                              "backends' keys): a request without one of them gets a 401 at the router, "
                              "before any backend is asked anything")
+    parser.add_argument("--kv-events-curve-client-secret-file", default=None, metavar="FILE",
+                        help="the router's own CURVE secret key for backends' KV event streams that "
+                             "admit listed subscribers only (its public key in their "
+                             "--kv-events-curve-clients-file)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
@@ -88,6 +92,19 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds between health and load checks of each backend")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
+
+
+def _read_secret(path: str | None) -> str | None:
+    if not path:
+        return None
+    from kvserve.kv_events.curve_clients import client_keys
+
+    try:
+        secret = Path(path).read_text().strip()
+    except OSError as err:
+        raise ValueError(f"cannot read --kv-events-curve-client-secret-file {path}: {err}") from None
+    client_keys(secret)  # a malformed key: one line now, not a subscriber that never connects
+    return secret
 
 
 def main_router(args: argparse.Namespace) -> int:
@@ -109,6 +126,6 @@ def main_router(args: argparse.Namespace) -> int:
     app = build_router_app(args.backend, policy=args.policy, prefill_urls=args.prefill,
                            timeouts=timeouts, poll_interval_s=args.poll_interval,
                            backend_keys=keys, max_request_bytes=args.max_request_bytes,
-                           api_keys=client_keys)
+                           api_keys=client_keys, curve_client_secret=_read_secret(args.kv_events_curve_client_secret_file))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

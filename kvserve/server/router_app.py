@@ -37,10 +37,12 @@ def build_router_app(backend_urls: list[str], *, policy: str = "kv",
                      timeouts: ReadTimeouts = ReadTimeouts(), poll_interval_s: float = 0.5,
                      weights: Weights = Weights(), backend_keys: dict[str, str] | None = None,
                      max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                     api_keys: list[str] | None = None) -> FastAPI:
+                     api_keys: list[str] | None = None, curve_client_secret: str | None = None) -> FastAPI:
     """`api_keys`: the clients' keys, checked before anything else (None: forwarded unchecked, the
-    backends decide)."""
+    backends decide). `curve_client_secret`: the router's own CURVE key for backends' event streams
+    that admit listed subscribers only (--kv-events-curve-clients-file)."""
     router = Router(backend_urls, policy, weights, poll_interval_s, backend_keys, timeouts)
+    router.curve_client_secret = curve_client_secret
     prefills = [base_url(u) for u in prefill_urls or []]
     prefill_turn = [0]
 

@@ -57,6 +57,7 @@ class Router:
         self.metrics = RouterMetrics()
         self.affinity = CacheKeyAffinity()
         self.subscribers: dict[str, KVEventSubscriber] = {}
+        self.curve_client_secret: str | None = None  # its own CURVE key, where backends list subscribers
         self.alarms = {b.url: Alarm() for b in self.backends}
         self._turn = 0
         self.client = None  # httpx.AsyncClient, set by the app's lifespan
@@ -255,7 +256,8 @@ class Router:
         self.subscribers[b.url] = KVEventSubscriber(
             events_address(info["endpoint"], b.url),
             events_address(replay, b.url) if replay else None,
-            apply, topic=info.get("topic", ""), curve_server_key=info.get("curve_public_key"))
+            apply, topic=info.get("topic", ""), curve_server_key=info.get("curve_public_key"),
+            curve_client_secret=self.curve_client_secret)
         b.events_note = f"following {info['endpoint']}"
         log.info("following %s's KV events at %s", b.url, info["endpoint"])
 

@@ -214,14 +214,18 @@ def make_lease(engine, num_tokens: int, label: str) -> CacheLease:
 
 
 async def retained_requests(engine, items: list[tuple[list[int], Any, str]], namespace: str,
-                            label: str, kv_explain: bool = False, tool_call: Any = None) -> list:
+                            ask: Any, kv_explain: bool = False, tool_call: Any = None) -> list:
     """Queue (prompt token ids, params, request id) items, each distinct prompt with a lease on all
-    its tokens (`kv_retention`); all or none: a refused item aborts the ones queued before it."""
+    its tokens for `ask.ttl` (`kv_retention`, prompt_cache_options) unless `ask.whole` is False, and
+    on the first `n` tokens for each (n, label) of `ask.token_counts` (OpenAI's explicit breakpoints);
+    all or none: a refused item aborts the ones queued before it."""
     streams, leased = [], set()
+    whole, counts = getattr(ask, "whole", True), getattr(ask, "token_counts", ())
     try:
         for prompt, params, request_id in items:
             key = tuple(prompt)
-            leases = None if key in leased else [make_lease(engine.engine, len(prompt), label)]
+            wanted = [*counts, *([(len(prompt), ask.ttl)] if whole else [])]
+            leases = None if key in leased else [make_lease(engine.engine, n, label) for n, label in wanted]
             leased.add(key)
             streams.append(await engine.add_request(prompt, params, request_id, namespace,
                                                     leases=leases, kv_explain=kv_explain, tool_call=tool_call))

@@ -28,6 +28,7 @@ from kvserve.server import render
 from kvserve.server.breakpoints import ChatRenderer
 from kvserve.server.fim import fim_prompt, fim_tokens
 from kvserve.server.limits import Admission
+from kvserve.server.openai_breakpoints import breakpoint_tokens
 from kvserve.server.protocol import APIError
 from kvserve.server.tool_holds import ToolHolds
 from kvserve.server.tool_parser import tool_format
@@ -120,13 +121,17 @@ class FrontDoor:
         """A chat's prompt ids: the model's template (generation prompt added, tools where the
         template puts them), then `encode`. Blocking: call it on a worker thread."""
         self.check_chars(chat_chars(conversation, tools), param)
+        return self.encode(self.chat_text(conversation, param, tools), param)
+
+    def chat_text(self, conversation: list[dict[str, Any]], param: str = "messages",
+                  tools: list[dict[str, Any]] | None = None) -> str:
+        """The chat as the model's template renders it (template errors: a 400 naming `param`)."""
         try:
-            text = self.engine.engine.chat_prompt(conversation, tools)
+            return self.engine.engine.chat_prompt(conversation, tools)
         except APIError:
             raise
         except Exception as err:  # template errors: jinja raises its own types
             raise APIError(f"cannot apply the chat template: {err}", param=param) from None
-        return self.encode(text, param)
 
     async def off_loop(self, fn: Callable[[], Any]) -> Any:
         """Run CPU-heavy request preparation on the tokenizer threads, never on the event loop."""
@@ -154,8 +159,26 @@ class FrontDoor:
         return await self.tokenize(prompts)
 
     async def render_chat_request(self, body: ChatCompletionRequest) -> list[int]:
-        """The prompt ids /v1/chat/completions gives the engine for `body`."""
-        return await self.render_chat(body.conversation(), tools=body.toolset().template_tools)
+        """The prompt ids /v1/chat/completions gives the engine for `body`; its explicit cache
+        breakpoints placed on them (body.place_breakpoints, openai_breakpoints.py)."""
+        conversation, tools = body.conversation(), body.toolset().template_tools
+        refs = body.breakpoint_refs()
+        if not refs:
+            return await self.render_chat(conversation, tools=tools)
+        self.check_chars(chat_chars(conversation, tools), "messages")
+        contents = {i: m.content for i, m in enumerate(body.messages) if isinstance(m.content, list)}
+
+        def work() -> tuple[list[int], list[int] | None]:
+            text = self.chat_text(conversation, "messages", tools)
+            encoded = self.encode_with_ends(text)
+            render = lambda chat: self.chat_text(chat, "messages", tools)  # noqa: E731
+            return encoded.ids, breakpoint_tokens(conversation, contents, refs, render, text, encoded)
+        ids, counts = await self.off_loop(work)
+        if counts is None:
+            raise APIError("this model's chat template does not copy message text verbatim, so "
+                           "prompt_cache_breakpoint cannot be placed; remove it", param="messages")
+        body.place_breakpoints(counts)
+        return ids
 
     async def retain(self, asked: str | None, prompts: list[list[int]], tenant: str,
                      cache_salt: str | None) -> dict[str, Any]:

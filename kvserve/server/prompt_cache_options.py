@@ -5,9 +5,10 @@ mapped onto kvserve's cache, every field honoured or refused, none ignored:
   a lease on the whole prompt for that long (the leases of `kv_retention` and Anthropic's
   `cache_control`: prompts under --min-cacheable-tokens get none, as OpenAI caches from 1,024 tokens;
   leases are capped by --max-leased-fraction and broken only under pressure).
-- `mode` "implicit" (default): that breakpoint. "explicit": only explicit breakpoints are written, and
-  kvserve places none (`prompt_cache_breakpoint` on a content part is refused with a 400), so, as OpenAI
-  says of an explicit request without breakpoints, the request uses no prompt caching: it runs under a
+- `prompt_cache_breakpoint` on a content part (openai_breakpoints.py): a lease on the prompt up to the
+  end of that part, for its own ttl or the request's (at most four per request).
+- `mode` "implicit" (default): the whole-prompt lease, and the explicit ones. "explicit": the explicit
+  breakpoints only; without any, as OpenAI says, the request uses no prompt caching: it runs under a
   salt of its own, reusing nothing and leaving nothing another request can reuse.
 - `prewarm` (Responses): compute and lease the prompt, generate nothing (the one token the engine
   computes is dropped; the response has no output items and 0 output tokens).
@@ -32,6 +33,8 @@ class LeaseAsk:
     """A request's ask for a lease on its whole prompt (what `kv_retention` also gives `_submit`)."""
 
     ttl: str  # a breakpoints.TTL_SECONDS label
+    whole: bool = True  # lease the whole prompt (the implicit breakpoint)
+    token_counts: tuple[tuple[int, str], ...] = ()  # (tokens, label): explicit breakpoints' prefixes
 
 
 class PromptCacheOptions(BaseModel):
@@ -41,12 +44,15 @@ class PromptCacheOptions(BaseModel):
     mode: Literal["implicit", "explicit"] = "implicit"
     ttl: Literal["30m", "12h"] = "30m"
 
-    @property
-    def uses_cache(self) -> bool:
-        return self.mode == "implicit"
+    def uses_cache(self, has_breakpoints: bool) -> bool:
+        """An explicit request without breakpoints uses no prompt caching (OpenAI's rule)."""
+        return self.mode == "implicit" or has_breakpoints
 
-    def lease(self) -> LeaseAsk | None:
-        return LeaseAsk(self.ttl) if self.uses_cache else None
+    def lease(self, breakpoints: tuple[tuple[int, str], ...] = ()) -> LeaseAsk | None:
+        """The implicit breakpoint (mode implicit) and the explicit ones (tokens, ttl label)."""
+        if self.mode == "explicit" and not breakpoints:
+            return None
+        return LeaseAsk(self.ttl, self.mode == "implicit", breakpoints)
 
     def private_salt(self, cache_salt: str | None) -> str:
         """The salt of a request that uses no prompt caching (a new one each time)."""
@@ -60,12 +66,3 @@ class ResponsesPromptCacheOptions(PromptCacheOptions):
     def applied(self) -> dict[str, Any]:
         """What the response object reports."""
         return {"mode": self.mode, "ttl": self.ttl, "comparison_response_id": self.comparison_response_id}
-
-
-def refuse_breakpoint(part: Any, where: str) -> str | None:
-    """The 400 message for a content part that carries `prompt_cache_breakpoint` (None: it has none)."""
-    has = part.get("prompt_cache_breakpoint") if isinstance(part, dict) else getattr(part, "prompt_cache_breakpoint", None)
-    if has is None:
-        return None
-    return (f"{where}.prompt_cache_breakpoint: explicit cache breakpoints are not supported; remove it "
-            "(prompt_cache_options.ttl leases the whole prompt, the implicit breakpoint)")

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
-                      field_validator, model_validator)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt,
+                      StrictStr, field_validator, model_validator)
 
 from kvserve.request import SamplingParams
 from kvserve.server import tool_protocol as tp
 from kvserve.server.llamacpp_fields import LlamaCppFields
-from kvserve.server.prompt_cache_options import LeaseAsk, PromptCacheOptions, refuse_breakpoint
+from kvserve.server.openai_breakpoints import MAX_BREAKPOINTS, BreakpointRef, PromptCacheBreakpoint
+from kvserve.server.prompt_cache_options import LeaseAsk, PromptCacheOptions
 from kvserve.server.structured_fields import StructuredFields, one_constraint
 from kvserve.structured import GrammarError, StructuredOutputsParams
 
@@ -137,17 +138,30 @@ class _Sampling(StructuredFields, LlamaCppFields):
         self.predict_limit(getattr(self, "max_completion_tokens", None) or self.max_tokens)
         if self.cache_salt == "":
             raise ValueError("cache_salt must not be empty; leave it out to share the cache")
-        if self.kv_retention is not None and self.prompt_cache_options is not None:
-            raise ValueError("send kv_retention or prompt_cache_options (its ttl leases the prompt), not both")
+        if self.kv_retention is not None and (self.prompt_cache_options is not None or self.breakpoint_refs()):
+            raise ValueError("send kv_retention or prompt_cache_options / prompt_cache_breakpoint, not both")
         return self
 
+    # (token count, ttl label) of each explicit breakpoint, placed by the front door once rendered
+    _breakpoint_leases: tuple[tuple[int, str], ...] = PrivateAttr(default=())
+
+    def breakpoint_refs(self) -> list[BreakpointRef]:
+        return []  # (chat content parts carry them)
+
     def lease_ask(self) -> KVRetention | LeaseAsk | None:
-        """The lease on the whole prompt this request asks for, if any."""
-        return self.kv_retention or (self.prompt_cache_options.lease() if self.prompt_cache_options else None)
+        """The leases this request asks for, if any (prompt_cache_options.py)."""
+        if self.kv_retention is not None:
+            return self.kv_retention
+        options = self.prompt_cache_options or (PromptCacheOptions() if self._breakpoint_leases else None)
+        return options.lease(self._breakpoint_leases) if options is not None else None
+
+    def place_breakpoints(self, counts: list[int]) -> None:
+        default = self.prompt_cache_options.ttl if self.prompt_cache_options else "30m"
+        self._breakpoint_leases = tuple((n, ttl or default) for n, (_, _, ttl) in zip(counts, self.breakpoint_refs()))
 
     def prompt_salt(self, cache_salt: str | None) -> str | None:
         options = self.prompt_cache_options
-        if options is not None and not options.uses_cache:
+        if options is not None and not options.uses_cache(bool(self.breakpoint_refs())):
             return options.private_salt(cache_salt)
         return super().prompt_salt(cache_salt)
 
@@ -249,7 +263,7 @@ class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: StrictStr
     text: Text | None = None
-    prompt_cache_breakpoint: Any = None  # refused (prompt_cache_options.py), never ignored
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None  # openai_breakpoints.py
 
 
 class ChatMessage(BaseModel):
@@ -272,10 +286,7 @@ class ChatMessage(BaseModel):
         """The content as one text; an APIError (400) naming `param` for a part that is not text."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        for j, part in enumerate(self.content):
-            refused = refuse_breakpoint(part, f"{param}.{j}")
-            if refused is not None:
-                raise APIError(refused, param=f"{param}.{j}.prompt_cache_breakpoint")
+        for part in self.content:
             if part.type != "text":
                 raise APIError(f"{param}: content parts of type {part.type!r} are not supported; "
                                f"send text", param=param)
@@ -295,7 +306,15 @@ class ChatCompletionRequest(_Sampling):
     def _chat_only(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if len(self.breakpoint_refs()) > MAX_BREAKPOINTS:
+            raise ValueError(f"at most {MAX_BREAKPOINTS} prompt_cache_breakpoint parts per request")
         return self
+
+    def breakpoint_refs(self) -> list[BreakpointRef]:
+        """(message, part, ttl) of each content part marked with prompt_cache_breakpoint."""
+        return [(i, j, part.prompt_cache_breakpoint.ttl) for i, m in enumerate(self.messages)
+                if isinstance(m.content, list) for j, part in enumerate(m.content)
+                if part.prompt_cache_breakpoint is not None]
 
     def conversation(self) -> list[dict[str, Any]]:
         """The messages as the chat template reads them (tool calls with their arguments parsed).

@@ -209,7 +209,8 @@ def register(app: FastAPI, serving: OpenAIServing, namespace: Callable[[Request]
 
         async def keep() -> None:
             if body.store and builder.response["status"] in ("completed", "incomplete"):
-                snapshot, messages = builder.snapshot(), [*earlier, *body.new_messages(), *builder.assistant_message()]
+                snapshot = builder.snapshot()
+                messages = [*earlier, *body.new_messages(breakpoints=False), *builder.assistant_message()]
                 await io(lambda: store.put(tenant, snapshot, messages, record))
 
         if body.stream:

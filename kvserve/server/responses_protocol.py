@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError, field_validator
 
 from kvserve.server.ollama_protocol import validated
-from kvserve.server.prompt_cache_options import ResponsesPromptCacheOptions, refuse_breakpoint
+from kvserve.server.openai_breakpoints import PromptCacheBreakpoint
+from kvserve.server.prompt_cache_options import ResponsesPromptCacheOptions
 from kvserve.server.protocol import (APIError, ChatCompletionRequest, MaxTokens, Temperature, Text,
                                      TopP)
 
@@ -80,15 +81,22 @@ class ResponsesRequest(BaseModel):
                                  "send function tools")
         return value
 
-    def new_messages(self) -> list[dict[str, Any]]:
-        """The request's own input as chat messages (OpenAI chat JSON)."""
+    def new_messages(self, breakpoints: bool = True) -> list[dict[str, Any]]:
+        """The request's own input as chat messages (OpenAI chat JSON); with `breakpoints`, a message
+        with a prompt_cache_breakpoint part keeps its parts (what is stored keeps only the text)."""
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
         out: list[dict[str, Any]] = []
         for i, item in enumerate(self.input):
             kind = item.get("type", "message")
             if kind == "message":
-                out.append({"role": _role(item.get("role"), i), "content": _text(item.get("content"), i)})
+                content = item.get("content")
+                text = _text(content, i)
+                marked = breakpoints and isinstance(content, list) and any(
+                    isinstance(p, dict) and p.get("prompt_cache_breakpoint") is not None for p in content)
+                out.append({"role": _role(item.get("role"), i), "content": [
+                    {"type": "text", "text": p["text"], "prompt_cache_breakpoint": p.get("prompt_cache_breakpoint")}
+                    for p in content] if marked else text})
             elif kind == "function_call":
                 call = {"id": _field(item, "call_id", i), "type": "function",
                         "function": {"name": _field(item, "name", i), "arguments": _field(item, "arguments", i)}}
@@ -153,13 +161,16 @@ def _text(content: Any, i: int) -> str:
         raise APIError(f"input.{i}.content: must be text or a list of text parts", param=f"input.{i}.content")
     texts = []
     for j, part in enumerate(content):
-        refused = refuse_breakpoint(part, f"input.{i}.content.{j}")
-        if refused is not None:
-            raise APIError(refused, param=f"input.{i}.content.{j}.prompt_cache_breakpoint")
         if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
                 or not isinstance(part.get("text"), str):
             raise APIError(f"input.{i}.content.{j}: only text parts are supported",
                            param=f"input.{i}.content.{j}")
+        if part.get("prompt_cache_breakpoint") is not None:
+            try:
+                PromptCacheBreakpoint.model_validate(part["prompt_cache_breakpoint"])
+            except ValidationError as err:
+                where = f"input.{i}.content.{j}.prompt_cache_breakpoint"
+                raise APIError(f"{where}: {err.errors()[0]['msg']}", param=where) from None
         texts.append(part["text"])
     return "".join(texts)
 

@@ -246,7 +246,7 @@ class OpenAIServing:
                 streams = await self.engine.add_requests(items, namespace, kv_explain=kv_explain,
                                                          tool_call=tool_kv)
             else:  # kv_retention: each request leases its whole prompt
-                streams = await retained_requests(self.engine, items, namespace, retention.ttl, kv_explain,
+                streams = await retained_requests(self.engine, items, namespace, retention, kv_explain,
                                                   tool_kv)
         except GrammarError as err:  # compiles, but not for this tokenizer (e.g. can match nothing)
             raise APIError(str(err), param=err.field) from None

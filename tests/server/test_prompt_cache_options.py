@@ -1,9 +1,9 @@
 """OpenAI's `prompt_cache_options` through the real openai SDK against a real server: `ttl` leases the
 whole prompt for 30 minutes or 12 hours (the implicit breakpoint), `mode: "explicit"` without breakpoints
 uses no prompt caching (no hit, and nothing another request hits), `prewarm` computes and leases the
-prompt with no output so the next request hits it, the response echoes what was applied, and what
-kvserve does not do (`prompt_cache_breakpoint`, an unknown TTL or key, `kv_retention` beside it) is a 400
-naming the field."""
+prompt with no output so the next request hits it, `prompt_cache_breakpoint` on a content part leases the
+prompt up to that part's end (chat and Responses), the response echoes what was applied, and what kvserve
+does not take (an unknown TTL, mode or key, five breakpoints, `kv_retention` beside them) is a 400."""
 
 from __future__ import annotations
 
@@ -89,13 +89,17 @@ def test_prewarm_computes_the_prompt_and_outputs_nothing(client, model_name, asy
     assert follow.usage.input_tokens > warm.usage.input_tokens  # the prewarmed turn, then the new one
 
 
+BREAK = {"mode": "explicit"}
+
+
 @pytest.mark.parametrize(("path", "body", "param"), [
     ("/v1/responses", {"input": [{"role": "user", "content": [
-        {"type": "input_text", "text": "x", "prompt_cache_breakpoint": {"mode": "explicit"}}]}]},
-     "input.0.content.0.prompt_cache_breakpoint"),
+        {"type": "input_text", "text": "x", "prompt_cache_breakpoint": {"mode": "implicit"}}]}]}, "input"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "x", "prompt_cache_breakpoint": {"mode": "explicit"}}]}]},
-     "messages.0.content.0.prompt_cache_breakpoint"),
+        {"type": "text", "text": "x", "prompt_cache_breakpoint": {"mode": "explicit", "ttl": "7d"}}]}]},
+     "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": str(k), "prompt_cache_breakpoint": BREAK} for k in range(5)]}]}, None),
     ("/v1/responses", {"input": "x", "prompt_cache_options": {"ttl": "7d"}}, "prompt_cache_options"),
     ("/v1/responses", {"input": "x", "prompt_cache_options": {"mode": "sometimes"}}, "prompt_cache_options"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
@@ -110,7 +114,7 @@ def test_what_kvserve_does_not_do_is_a_400_naming_the_field(server, path, body, 
     if param is not None:
         assert (error["param"] or "").startswith(param) or error["message"].startswith(param), r.text
     else:
-        assert "not both" in error["message"]
+        assert "not both" in error["message"] or "at most 4" in error["message"], r.text
 
 
 def test_the_sdk_types_the_echoed_options(client, model_name):
@@ -119,3 +123,26 @@ def test_the_sdk_types_the_echoed_options(client, model_name):
     assert isinstance(resp, openai.types.responses.Response)
     assert (resp.prompt_cache_options.mode, resp.prompt_cache_options.ttl) == ("explicit", "12h")
     assert resp.usage.input_tokens_details.cached_tokens == 0
+
+
+def test_an_explicit_breakpoint_leases_the_prompt_up_to_its_part(client, model_name, async_engine):
+    before = leases(async_engine)
+    system = {"role": "system", "content": [{"type": "text", "text": "breakpoint " + LONG,
+                                             "prompt_cache_breakpoint": {"mode": "explicit", "ttl": "12h"}}]}
+    first = client.chat.completions.create(model=model_name, max_tokens=2, prompt_cache_options={"mode": "explicit"},
+                                           messages=[system, {"role": "user", "content": "Who keeps it?"}])
+    [(ttl_s, label, num_tokens)] = new_leases(async_engine, before)  # the breakpoint's lease only
+    assert (ttl_s, label) == (43200.0, "12h")
+    # the system turn's text ends a few template tokens before the user's turn and the generation prompt
+    assert first.usage.prompt_tokens - 20 < num_tokens < first.usage.prompt_tokens - 4
+    other = client.chat.completions.create(model=model_name, max_tokens=2,
+                                           messages=[system, {"role": "user", "content": "And the tides?"}])
+    assert other.usage.prompt_tokens_details.cached_tokens >= num_tokens // PAGE * PAGE
+    resp = client.responses.create(model=model_name, max_output_tokens=2, store=False, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "responses " + LONG,
+                                      "prompt_cache_breakpoint": {"mode": "explicit"}},
+                                     {"type": "input_text", "text": " Who keeps the ledger, and why?" * 4}]}])
+    labels = sorted(lease[1] for lease in new_leases(async_engine, before))
+    # its breakpoint (30m: the default ttl) and the implicit one, two pages and more past it
+    assert labels == ["12h", "30m", "30m"]
+    assert resp.usage.input_tokens > 1000

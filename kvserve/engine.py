@@ -81,6 +81,7 @@ class LLMEngine:
                                   drafter=drafter, decode_graphs_batch=0 if config.enforce_eager else config.max_num_seqs,
                                   max_model_len=self.max_model_len)
         self.host_tier = HostTier(parse_bytes(config.swap_space), self.runner.page_bytes)
+        self.tier_auth = default_auth()  # --kv-tier-secret-file: MACs on what tiers hold (stored responses too)
         self.redis_tier = self._redis_tier() if config.redis_url else None
         self.disk_tier = self._disk_tier() if config.kv_disk_path else None
         self.pins = self._pin_ledger()  # prompt_cache_retention 24h; None without a disk or Redis tier

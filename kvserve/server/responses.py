@@ -165,7 +165,8 @@ class ResponseBuilder:
 
 def register(app: FastAPI, serving: OpenAIServing, namespace: Callable[[Request], Awaitable[str]]) -> None:
     config = serving.engine.engine.config
-    store = ResponseStore(backing=response_backing(config.kv_disk_path, config.redis_url, MAX_RESPONSES, MAX_BYTES))
+    store = ResponseStore(backing=response_backing(config.kv_disk_path, config.redis_url, MAX_RESPONSES, MAX_BYTES,
+                                                   serving.engine.engine.tier_auth))
     app.state.responses = store
 
     async def io(work: Callable[[], Any]) -> Any:

@@ -7,7 +7,9 @@ A record is the stored response as JSON (response object, conversation, prompt r
 wall-clock expiry. Names are digests: of the tenant (an API key's namespace) and of the response id,
 so a tenant's id never reaches another tenant's records and no id becomes a path. Per tenant the count
 and the bytes are bounded as in memory, the oldest dropped first; expired records are never returned.
-A failing disk or Redis loses persistence (logged), never the request.
+A failing disk or Redis loses persistence (logged), never the request. With the tier secret
+(--kv-tier-secret-file: the engine's `tier_auth`) each record carries a keyed MAC over its name and
+bytes, so one written or moved by someone without the secret is never served (as absent).
 """
 
 from __future__ import annotations
@@ -25,6 +27,21 @@ from typing import Any, Protocol
 log = logging.getLogger("kvserve.responses")
 
 
+class Sealer(Protocol):
+    """cache/tier_auth.TierAuth, as the engine hands it over (seal: value + MAC; open: None if forged)."""
+
+    def seal(self, key: str, value: bytes) -> bytes: ...
+    def open(self, key: str, sealed: bytes) -> Any: ...
+
+
+class _Plain:
+    def seal(self, key: str, value: bytes) -> bytes:
+        return value
+
+    def open(self, key: str, sealed: bytes) -> bytes:
+        return sealed
+
+
 class ResponseBacking(Protocol):
     def put(self, tenant: str, response_id: str, record: dict[str, Any], ttl_s: float) -> None: ...
     def get(self, tenant: str, response_id: str) -> dict[str, Any] | None: ...
@@ -33,6 +50,11 @@ class ResponseBacking(Protocol):
 
 def digest(text: str) -> str:
     return hashlib.blake2b(text.encode(), digest_size=16, person=b"kvserve-resp").hexdigest()
+
+
+def _name(tenant: str, response_id: str) -> str:
+    """What a record's MAC covers besides its bytes: it cannot be moved to another tenant or id."""
+    return f"response:{digest(tenant)}:{digest(response_id)}"
 
 
 def _encode(response_id: str, record: dict[str, Any], ttl_s: float) -> bytes:
@@ -45,7 +67,7 @@ def _decode(response_id: str, raw: bytes | None) -> dict[str, Any] | None:
     if raw is None:
         return None
     try:
-        record = json.loads(raw)
+        record = json.loads(bytes(raw))
     except ValueError:
         return None
     if not isinstance(record, dict) or record.get("id") != response_id:
@@ -56,8 +78,10 @@ def _decode(response_id: str, raw: bytes | None) -> dict[str, Any] | None:
 class DiskResponses:
     """`{root}/{tenant digest}/{id digest}.json`, written as temp file + rename."""
 
-    def __init__(self, root: str | os.PathLike, max_responses: int, max_bytes: int) -> None:
+    def __init__(self, root: str | os.PathLike, max_responses: int, max_bytes: int,
+                 sealer: Sealer | None = None) -> None:
         self.root = Path(root)
+        self.sealer = sealer or _Plain()
         self.max_responses, self.max_bytes = max_responses, max_bytes
         self._lock = threading.Lock()  # one trim at a time
 
@@ -69,7 +93,7 @@ class DiskResponses:
         tmp = path.with_suffix(f".{threading.get_ident()}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_bytes(_encode(response_id, record, ttl_s))
+            tmp.write_bytes(self.sealer.seal(_name(tenant, response_id), _encode(response_id, record, ttl_s)))
             os.replace(tmp, path)
             self._trim(path.parent)
         except OSError as err:
@@ -83,7 +107,8 @@ class DiskResponses:
             raw = path.read_bytes()
         except OSError:
             return None
-        record = _decode(response_id, raw)
+        opened = self.sealer.open(_name(tenant, response_id), raw)
+        record = _decode(response_id, opened) if opened is not None else None
         if record is None:
             with contextlib.suppress(OSError):
                 path.unlink()
@@ -117,9 +142,11 @@ class RedisResponses:
     """`kvserve:responses:{tenant digest}:{id digest}` with the record's TTL; per tenant a sorted set
     (by time stored) and a hash of sizes bound the count and the bytes."""
 
-    def __init__(self, url: str, max_responses: int, max_bytes: int, timeout_s: float = 1.0) -> None:
+    def __init__(self, url: str, max_responses: int, max_bytes: int, timeout_s: float = 1.0,
+                 sealer: Sealer | None = None) -> None:
         import redis
 
+        self.sealer = sealer or _Plain()
         self._errors = (redis.RedisError, OSError)
         self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.max_responses, self.max_bytes = max_responses, max_bytes
@@ -131,7 +158,8 @@ class RedisResponses:
 
     def put(self, tenant: str, response_id: str, record: dict[str, Any], ttl_s: float) -> None:
         key, index, sizes = self._keys(tenant, response_id)
-        value, name, now = _encode(response_id, record, ttl_s), digest(response_id), time.time()
+        value = self.sealer.seal(_name(tenant, response_id), _encode(response_id, record, ttl_s))
+        name, now = digest(response_id), time.time()
         try:
             pipe = self.client.pipeline(transaction=False)
             pipe.set(key, value, ex=max(1, int(ttl_s)))
@@ -165,7 +193,9 @@ class RedisResponses:
 
     def get(self, tenant: str, response_id: str) -> dict[str, Any] | None:
         try:
-            return _decode(response_id, self.client.get(self._keys(tenant, response_id)[0]))
+            raw = self.client.get(self._keys(tenant, response_id)[0])
+            opened = self.sealer.open(_name(tenant, response_id), raw) if raw is not None else None
+            return _decode(response_id, opened)
         except self._errors as err:
             log.warning("cannot read stored response %s from Redis: %s", response_id, err)
             return None
@@ -184,11 +214,11 @@ class RedisResponses:
 
 
 def response_backing(disk_path: str | None, redis_url: str | None, max_responses: int,
-                     max_bytes: int) -> ResponseBacking | None:
+                     max_bytes: int, sealer: Sealer | None = None) -> ResponseBacking | None:
     """Redis when the server has it (every instance then finds a stored response), else the disk
     tier's directory (`{kv_disk_path}/responses`), else none (stored responses live in memory only)."""
     if redis_url:
-        return RedisResponses(redis_url, max_responses, max_bytes)
+        return RedisResponses(redis_url, max_responses, max_bytes, sealer=sealer)
     if disk_path:
-        return DiskResponses(Path(disk_path) / "responses", max_responses, max_bytes)
+        return DiskResponses(Path(disk_path) / "responses", max_responses, max_bytes, sealer)
     return None

@@ -95,3 +95,19 @@ def test_a_follow_up_by_previous_response_id_after_a_restart(tmp_path):
             client.responses.retrieve(first.id)
     finally:
         stop_serving(proc)
+
+
+def test_with_the_tier_secret_a_record_written_or_moved_without_it_is_not_served(tmp_path):
+    from kvserve.cache.tier_auth import TierAuth
+
+    sealed = DiskResponses(tmp_path, 3, 1 << 20, TierAuth(b"s" * 32))
+    record = {"response": response(1), "messages": [], "prompt": None}
+    sealed.put("key:a", response(1)["id"], record, 60)
+    assert sealed.get("key:a", response(1)["id"])["response"] == response(1)
+    check_backing(lambda: DiskResponses(tmp_path / "sealed", 3, 1 << 20, TierAuth(b"s" * 32)))
+    DiskResponses(tmp_path, 3, 1 << 20).put("key:a", response(2)["id"], record | {"response": response(2)}, 60)
+    assert sealed.get("key:a", response(2)["id"]) is None  # forged: no MAC
+    other = sealed._file("key:b", response(1)["id"])
+    other.parent.mkdir(parents=True, exist_ok=True)
+    other.write_bytes(sealed._file("key:a", response(1)["id"]).read_bytes())
+    assert sealed.get("key:b", response(1)["id"]) is None  # moved to another tenant: its MAC names key:a

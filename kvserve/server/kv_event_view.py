@@ -46,7 +46,10 @@ class Subscription:
         mine = [e for e in events if self.tenant is None or isinstance(e, AllBlocksCleared)
                 or getattr(e, "tenant", None) == self.tenant]
         if mine:
-            self.loop.call_soon_threadsafe(self._put, time.time(), mine)
+            try:
+                self.loop.call_soon_threadsafe(self._put, time.time(), mine)
+            except RuntimeError:  # the server's loop is closed: nobody is listening any more
+                pass
 
     def _put(self, ts: float, events: list[Event]) -> None:
         if self.queue.qsize() >= self.max_batches:

@@ -100,12 +100,17 @@ def test_a_tenant_key_streams_only_its_own_pages_and_an_admin_key_all():
             for reader in readers.values():
                 reader.join(60)
             stranger = httpx.get(running.url + "/v1/kv_events", timeout=10)
+            deadline = time.monotonic() + 10
+            while engine.event_publisher.taps and time.monotonic() < deadline:
+                time.sleep(0.05)
+            taps_left = len(engine.event_publisher.taps)  # each subscriber gone with its client
     finally:
         subscriber.close()
         engine.close()
     a, b, admin = (readers[k] for k in (A, B, ADMIN))
     assert {r.status for r in readers.values()} == {200}
     assert stranger.status_code == 401
+    assert taps_left == 0
     print(f"A: {len(a.hashes())} hashes in {len(a.batches)} batches, B: {len(b.hashes())}, admin: "
           f"{len(admin.hashes())}, ZMQ: {len(zmq_hashes)}")
     assert a.hashes() and b.hashes()

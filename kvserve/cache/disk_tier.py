@@ -33,7 +33,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvserve.cache.background import drain, stop
+from kvserve.cache.log_limit import LogLimit
 from kvserve.cache.pins import PinLedger
+from kvserve.cache.stats import DiskTierStats
 from kvserve.cache.tier_auth import TierAuth
 
 log = logging.getLogger("kvserve.disk")
@@ -95,18 +97,6 @@ def _blake2b(key: bytes, layout: bytes, page_hash: bytes, payload: memoryview) -
     return h.digest()
 
 
-@dataclass(slots=True)
-class DiskTierStats:
-    hits: int = 0  # pages read back valid
-    misses: int = 0  # gets of pages not on disk (or unreadable)
-    writes: int = 0  # page files written
-    evictions: int = 0  # pages dropped for the byte budget
-    corrupt: int = 0  # files rejected: bad header, length or tag
-    drops: int = 0  # puts not taken: write queue full
-    errors: int = 0  # I/O failures (disk full, permissions)
-    loaded: int = 0  # pages found on disk at start-up
-
-
 class DiskTier:
     """Pages of `page_bytes` each under `path`, at most `capacity_bytes` of files. Thread-safe: the
     engine thread calls get/put/contains, the writer thread writes and deletes files."""
@@ -132,6 +122,7 @@ class DiskTier:
         self.on_evict = on_evict
         self.on_store = on_store  # told (page_hash) of every page taken (BlockStored(medium="STORAGE"))
         self._lock = threading.Lock()  # _index, _pending, stats
+        self._warn = LogLimit(log)  # a failing disk fails every page: one line per kind every 10 s
         self._index: OrderedDict[bytes, None] = OrderedDict()  # pages on disk or queued, LRU first
         self._pending: dict[bytes, bytes] = {}  # queued, not yet on disk
         self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue(
@@ -252,11 +243,13 @@ class DiskTier:
         path = self.file_of(page_hash)
         try:
             raw = path.read_bytes()
-        except FileNotFoundError:  # evicted meanwhile
+        except FileNotFoundError:  # evicted meanwhile, or the whole directory deleted
+            if not self.root.is_dir():
+                self._root_gone()
             self._forget(page_hash)
             return None
         except OSError as err:
-            log.warning("cannot read disk page %s: %s", path, err)
+            self._warn.warning("read", "cannot read disk page %s: %s", path, err)
             with self._lock:
                 self.stats.errors += 1
             return None
@@ -265,8 +258,8 @@ class DiskTier:
             with contextlib.suppress(OSError):
                 os.utime(path)  # the access order survives a restart
         else:
-            log.warning("corrupt disk page %s (%d bytes): dropped, the engine recomputes it",
-                        path, len(raw))
+            self._warn.warning("corrupt", "corrupt disk page %s (%d bytes): dropped, the engine recomputes it",
+                               path, len(raw))
             with self._lock:
                 self.stats.corrupt += 1
             self._forget(page_hash)
@@ -297,7 +290,7 @@ class DiskTier:
         try:
             path.unlink(missing_ok=True)
         except OSError as err:
-            log.warning("cannot delete disk page %s: %s", path, err)
+            self._warn.warning("delete", "cannot delete disk page %s: %s", path, err)
             with self._lock:
                 self.stats.errors += 1
 
@@ -306,6 +299,17 @@ class DiskTier:
             held = self._index.pop(page_hash, False) is not False
             self._pending.pop(page_hash, None)
         if held:
+            self._evicted(page_hash)
+
+    def _root_gone(self) -> None:
+        """The tier's directory was deleted under it: the pages not still queued went with it."""
+        with self._lock:
+            lost = [page_hash for page_hash in self._index if page_hash not in self._pending]
+            for page_hash in lost:
+                del self._index[page_hash]
+        self._warn.warning("gone", "the disk tier's directory %s is gone: %d pages forgotten; new pages "
+                           "are written there again", self.root, len(lost))
+        for page_hash in lost:
             self._evicted(page_hash)
 
     def _evicted(self, page_hash: bytes) -> None:
@@ -361,6 +365,8 @@ class DiskTier:
                 return  # evicted (or re-put) before its turn
         path = self.file_of(page_hash)
         tmp = path.with_suffix(f".{threading.get_ident()}.tmp")
+        if not self.root.is_dir():
+            self._root_gone()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)  # (re-creates a deleted tier directory)
             tmp.write_bytes(self._pack(page_hash, data))
@@ -368,7 +374,7 @@ class DiskTier:
         except OSError as err:
             with contextlib.suppress(OSError):  # (a read-only disk never made it)
                 tmp.unlink(missing_ok=True)
-            log.warning("cannot write disk page %s: %s", path, err)
+            self._warn.warning("write", "cannot write disk page %s: %s", path, err)
             with self._lock:
                 self.stats.errors += 1
             self._forget(page_hash)

@@ -121,3 +121,17 @@ class CacheStats:
         return {**flat, **tiers, **asdict(self.leases),
                 "cached_pages_per_tenant": dict(self.cached_pages_per_tenant),
                 "window_pool": asdict(self.window) if self.window is not None else None}
+
+
+@dataclass(slots=True)
+class DiskTierStats:
+    """The disk tier's own counters (cache/disk_tier.py), updated under its lock."""
+
+    hits: int = 0  # pages read back valid
+    misses: int = 0  # gets of pages not on disk (or unreadable)
+    writes: int = 0  # page files written
+    evictions: int = 0  # pages dropped for the byte budget
+    corrupt: int = 0  # files rejected: bad header, length or tag
+    drops: int = 0  # puts not taken: write queue full
+    errors: int = 0  # I/O failures (disk full, permissions)
+    loaded: int = 0  # pages found on disk at start-up

@@ -28,7 +28,7 @@ from kvserve.server import render
 from kvserve.server.breakpoints import ChatRenderer
 from kvserve.server.fim import fim_prompt, fim_tokens
 from kvserve.server.limits import Admission
-from kvserve.server.openai_breakpoints import breakpoint_tokens
+from kvserve.server.openai_breakpoints import MAX_BREAKPOINTS, breakpoint_tokens
 from kvserve.server.protocol import APIError
 from kvserve.server.tool_holds import ToolHolds
 from kvserve.server.tool_parser import tool_format
@@ -165,6 +165,9 @@ class FrontDoor:
         refs = body.breakpoint_refs()
         if not refs:
             return await self.render_chat(conversation, tools=tools)
+        if len(refs) > MAX_BREAKPOINTS:
+            raise APIError(f"at most {MAX_BREAKPOINTS} prompt_cache_breakpoint parts per request, got "
+                           f"{len(refs)}", param="messages")
         self.check_chars(chat_chars(conversation, tools), "messages")
         contents = {i: m.content for i, m in enumerate(body.messages) if isinstance(m.content, list)}
 

@@ -21,7 +21,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr,
 from kvserve.request import SamplingParams
 from kvserve.server import tool_protocol as tp
 from kvserve.server.llamacpp_fields import LlamaCppFields
-from kvserve.server.openai_breakpoints import MAX_BREAKPOINTS, BreakpointRef, PromptCacheBreakpoint
+from kvserve.server.openai_breakpoints import BreakpointRef, PromptCacheBreakpoint
 from kvserve.server.prompt_cache_options import LeaseAsk, PromptCacheOptions
 from kvserve.server.structured_fields import StructuredFields, one_constraint
 from kvserve.structured import GrammarError, StructuredOutputsParams
@@ -306,8 +306,6 @@ class ChatCompletionRequest(_Sampling):
     def _chat_only(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
-        if len(self.breakpoint_refs()) > MAX_BREAKPOINTS:
-            raise ValueError(f"at most {MAX_BREAKPOINTS} prompt_cache_breakpoint parts per request")
         return self
 
     def breakpoint_refs(self) -> list[BreakpointRef]:

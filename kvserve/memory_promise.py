@@ -1,11 +1,13 @@
-"""The memory a server may grow to. Its parts that `kvserve plan` can compute: weights + KV page pool
-+ host tier (swap and offload), plus the disk tier when there is one. `kvserve serve` adds what it
-measures at start-up: the process's resident memory then (the interpreter, torch, the tokenizer and
-kernels besides the weights and the pool, which are resident by then), to which only the host tier
-(filled on demand), request bodies still arriving (--max-body-bytes-in-flight) and an estimate of one
-step's activations are added. Left out, and named in the line: grammar matchers (the first
-constrained request preprocesses the vocabulary: 58 MiB for SmolLM2's 49,152 tokens) and stored
-responses.
+"""The memory a server grows to, and what the line cannot bound. Its parts that `kvserve plan` can
+compute: weights + KV page pool + host tier (swap and offload), plus the disk tier when there is one.
+`kvserve serve` adds what it measures at start-up: the process's resident memory then (the
+interpreter, torch, the tokenizer and kernels besides the weights and the pool, which are resident by
+then), and what comes on top of it: the host tier (filled on demand), request bodies still arriving
+(--max-body-bytes-in-flight) and an estimate of one step's activations, summed as what to expect.
+Not bounded, and named in the line: grammar matchers (the first constrained request preprocesses the
+vocabulary: 58 MiB for SmolLM2's 49,152 tokens), stored responses and the allocator's slack under
+concurrent requests (glibc keeps per-thread arenas; a busy peak with 4 clients was up to 31 MiB
+above the sum).
 Both commands print it from this module, so the operator sees the same sum in both places."""
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from dataclasses import dataclass
 
 from kvserve.config import format_bytes
 
-LEFT_OUT = "grammar matchers (the first constrained request adds ~1.2 KB per vocabulary token) and stored responses"
+LEFT_OUT = ("grammar matchers (the first constrained request adds ~1.2 KB per vocabulary token), stored "
+            "responses and the allocator's slack under concurrent requests")
 FLOAT_BYTES = 4  # activations are float32 (bf16 halves them; the bound stays a bound)
 
 
@@ -34,9 +37,9 @@ class MemoryPromise:
         return self.weights_bytes + self.kv_pool_bytes + self.host_tier_bytes
 
     @property
-    def bound_bytes(self) -> int:
-        """What the process may grow to: resident at start-up + the host tier + bodies in flight + a
-        step's activations (without a measurement: the model's state alone)."""
+    def expected_bytes(self) -> int:
+        """What to expect the process to grow to: resident at start-up + the host tier + bodies in
+        flight + a step's activations (without a measurement: the model's state alone)."""
         if not self.resident_bytes:
             return self.memory_bytes
         return self.resident_bytes + self.host_tier_bytes + self.body_bytes + self.activation_bytes
@@ -47,10 +50,10 @@ class MemoryPromise:
                 f"{format_bytes(self.host_tier_bytes)} = {format_bytes(self.memory_bytes)}")
         if self.resident_bytes:
             text += (f"; resident at start-up {format_bytes(self.resident_bytes)} (with the interpreter, torch "
-                     f"and the tokenizer), so this process may grow to {format_bytes(self.bound_bytes)} with "
-                     f"the host tier, request bodies in flight ({format_bytes(self.body_bytes)}, "
+                     f"and the tokenizer); expect about {format_bytes(self.expected_bytes)} with the host "
+                     f"tier, request bodies in flight (up to {format_bytes(self.body_bytes)}, "
                      f"--max-body-bytes-in-flight) and a step's activations (about "
-                     f"{format_bytes(self.activation_bytes)}), not counting {LEFT_OUT}")
+                     f"{format_bytes(self.activation_bytes)}); not bounded here: {LEFT_OUT}")
         else:
             text += (" for the model's state (the interpreter, torch and the tokenizer add a few hundred MB; "
                      f"activations, {LEFT_OUT} come on top)")

@@ -4,7 +4,7 @@
 // that disagree are never called.
 //
 // Conventions: matrices are row-major float32 unless named otherwise; `ld*` / `*_stride` are elements
-// between rows; `num_threads` is an upper bound for OpenMP (torch's runtime); 0 is success.
+// between rows; `num_threads` is an upper bound for the kernels' thread team (team.h); 0 is success.
 #pragma once
 #include <cstddef>
 #include <cstdint>

@@ -91,7 +91,7 @@ void run_float(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, c
     team_run(nthreads, [&](int64_t tid, int64_t nth) {
         const int64_t per = (N + nth - 1) / nth;
         const int64_t lo = std::min(N, tid * per), hi = std::min(N, lo + per);
-        thread_local std::vector<float> scratch;  // OpenMP's threads persist: grown once
+        thread_local std::vector<float> scratch;  // the team's threads persist: grown once
         if (!direct && int64_t(scratch.size()) < rows_per_block * K) scratch.resize(rows_per_block * K);
         std::vector<const float*> wrows(rows_per_block);
         for (int64_t n0 = lo; n0 < hi; n0 += rows_per_block) {

@@ -1,7 +1,7 @@
 // kvserve's own thread team: every parallel loop of the kernels runs on it (not on OpenMP's). A decode
 // step makes ~150 parallel calls of a few tens of microseconds each; OpenMP's workers fall asleep
 // between them (GOMP_SPINCOUNT) and a wake costs 15-40 us, with ms tails on a shared host. The team's
-// workers spin, then yield, for a bounded time after each call before they sleep, so the calls of one
+// workers spin for a bounded time after each call before they sleep (team.cpp), so the calls of one
 // step find them awake and a step pays at most one wake. Which thread computes an output never
 // changes its bits: each output keeps its one reduction order whoever computes it.
 #pragma once
@@ -43,13 +43,6 @@ struct DynamicCounter {
             f(i);
     }
 };
-
-// f(i) for i in [0, count), each index taken by whichever thread asks first
-template <class F>
-void parallel_for_dynamic(int n, int64_t count, F&& f) {
-    DynamicCounter counter(count);
-    team_run(n, [&](int, int) { counter.each(f); });
-}
 
 // [0, count) cut in n contiguous shares (edges multiples of `align`), each handed out `chunk` at a time:
 // thread t takes its own share's chunks front to back, then helps the others from their fronts, so a

@@ -56,7 +56,10 @@ def test_a_huge_schema_neither_stalls_nor_informs_another_tenant(keyed):
 
     # A's schema sent by B costs a compile, as a schema nobody sent does; A's repeat does not
     shared, fresh = schema(2_000, "s"), schema(2_000, "f")
-    assert ask(url, KEY_A, shared)[0] == 200
+    status, _, body = ask(url, KEY_A, shared)
+    # compiled, then its first token: llguidance's parser may find the 2,000 properties past its row
+    # limit there (7,999 items of 2,000), which the engine answers as a constraint it cannot enforce
+    assert status == 200 or (status == 400 and body["error"]["code"] == "constraint_not_enforceable"), body
     a_again = ask(url, KEY_A, shared)[1]
     b_shared = ask(url, KEY_B, shared)[1]
     b_fresh = ask(url, KEY_B, fresh)[1]

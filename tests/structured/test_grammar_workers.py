@@ -71,3 +71,20 @@ def test_one_tenant_holds_at_most_its_share_of_the_workers():
     assert compiler.calls == MAX_PER_TENANT
     assert asyncio.run(workers.compile(lambda p, ns: "ok", others[-1], "b")) == "ok"  # b is not held up
     workers.shutdown()
+
+
+def test_compiles_run_below_the_engine_threads_priority():
+    """a compile's thread is niced by WORKER_NICE: on a busy host the step keeps its cores"""
+    import os
+
+    from kvserve.structured.workers import WORKER_NICE
+
+    workers = GrammarWorkers(budget_s=5)
+    engine_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    def own_nice(params, namespace):
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    assert asyncio.run(workers.compile(own_nice, PARAMS, "a")) == min(19, engine_nice + WORKER_NICE)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == engine_nice  # the caller's own is unchanged
+    workers.shutdown()

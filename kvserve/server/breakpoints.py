@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvserve.request import CacheLease
+from kvserve.server.openai_breakpoints import marker_offsets
 from kvserve.server.protocol import APIError
 
 if TYPE_CHECKING:
@@ -150,15 +151,7 @@ class ChatRenderer:
         marker = next((m for m in markers if m not in chat.text), None)
         if marker is None:
             return None
-        rendered = self.render_text(*marked_input(marker))
-        if rendered.replace(marker, "") != chat.text:
-            return None
-        ends, seen = [], 0
-        for index, char in enumerate(rendered):
-            if char == marker:
-                ends.append(index - seen)
-                seen += 1
-        return ends
+        return marker_offsets(self.render_text(*marked_input(marker)), marker, chat.text)
 
     def token_offsets(self, system: Turn | None, turns: list[Turn], chat: RenderedChat,
                       refs: list[BlockRef], tools: list[dict[str, Any]] | None = None) -> list[int]:

@@ -46,14 +46,9 @@ def breakpoint_tokens(conversation: list[dict[str, Any]], contents: dict[int, li
     for i, j, _ in sorted(refs, key=lambda r: (r[0], -r[1])):  # the latest part first: offsets hold
         end = part_end(contents[i], j)
         marked[i]["content"] = marked[i]["content"][:end] + marker + marked[i]["content"][end:]
-    rendered = render(marked)
-    if rendered.replace(marker, "") != text:
+    ends = marker_offsets(render(marked), marker, text)
+    if ends is None:
         return None
-    ends, seen = [], 0
-    for index, char in enumerate(rendered):
-        if char == marker:
-            ends.append(index - seen)
-            seen += 1
     token_ends = encoded.ends()
     by_order = [_tokens_before(token_ends, end) for end in ends]  # in prompt order: (message, part)
     order = sorted(range(len(refs)), key=lambda k: (refs[k][0], refs[k][1]))
@@ -61,6 +56,19 @@ def breakpoint_tokens(conversation: list[dict[str, Any]], contents: dict[int, li
     for rank, k in enumerate(order):
         counts[k] = by_order[rank]
     return counts
+
+
+def marker_offsets(rendered: str, marker: str, text: str) -> list[int] | None:
+    """Where each `marker` stood in `rendered`, as offsets into `text` (rendered without the markers);
+    None if the markers changed more of the rendering than themselves."""
+    if rendered.replace(marker, "") != text:
+        return None
+    ends, seen = [], 0
+    for index, char in enumerate(rendered):
+        if char == marker:
+            ends.append(index - seen)
+            seen += 1
+    return ends
 
 
 def _tokens_before(token_ends: list[int], char_pos: int) -> int:

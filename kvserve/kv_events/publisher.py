@@ -184,7 +184,8 @@ class KVEventPublisher:
         stop(self._queue, self._thread, timeout)
         if self._allowlist is not None:
             self._allowlist.stop()
-            self._ctx.term()
+            if not self._thread.is_alive():  # (term() would wait for sockets a late thread still holds)
+                self._ctx.term()
 
     def _run(self) -> None:
         try:

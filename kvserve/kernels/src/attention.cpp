@@ -554,7 +554,7 @@ KVS_EXPORT int kvs_paged_attention(const KvsAttention* args) {
         pending[t].store(first_unit[t + 1] - first_unit[t], std::memory_order_relaxed);
     if (a.k_new) {  // every new row is written before any row is read
         const int64_t n = static_cast<int64_t>(kv_heads) * head_dim;
-        kvs::parallel_for_static(num_rows * n >= 65536 ? threads : 1, num_rows, [&](int64_t r) {
+        kvs::parallel_for(num_rows * n >= 65536 ? threads : 1, num_rows, [&](int64_t r) {
             const int64_t at = a.slot_mapping[r] * n;
             if (codec == KVS_CODEC_FP32) {
                 write_row<KVS_CODEC_FP32>(a.k_new + r * a.k_new_stride, a.k_data, at, static_cast<int>(n));

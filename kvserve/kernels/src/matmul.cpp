@@ -88,34 +88,32 @@ void run_float(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, c
     const int64_t row_bytes = K / f.row->block * f.row->bytes;
     const bool direct = f.row->type == KVS_F32;
     const int64_t rows_per_block = std::max<int64_t>(8, (T <= TILE_ROWS ? L1_BYTES : L2_BYTES) / (4 * K));
-    team_run(nthreads, [&](int64_t tid, int64_t nth) {
-        const int64_t per = (N + nth - 1) / nth;
-        const int64_t lo = std::min(N, tid * per), hi = std::min(N, lo + per);
+    // each thread's share of the rows, a block of rows at a time
+    parallel_for_shares(nthreads, N, rows_per_block, rows_per_block, [&](int64_t n0, int64_t hi, int64_t) {
         thread_local std::vector<float> scratch;  // the team's threads persist: grown once
         if (!direct && int64_t(scratch.size()) < rows_per_block * K) scratch.resize(rows_per_block * K);
-        std::vector<const float*> wrows(rows_per_block);
-        for (int64_t n0 = lo; n0 < hi; n0 += rows_per_block) {
-            const int64_t nw = std::min(hi, n0 + rows_per_block) - n0;
-            for (int64_t j = 0; j < nw; ++j) {
-                const uint8_t* row = w + (n0 + j) * row_bytes;
-                if (direct) {
-                    wrows[j] = reinterpret_cast<const float*>(row);
-                } else {
-                    f.to_float(row, K, &scratch[j * K]);
-                    wrows[j] = &scratch[j * K];
-                }
+        thread_local std::vector<const float*> wrows;
+        if (int64_t(wrows.size()) < rows_per_block) wrows.resize(rows_per_block);
+        const int64_t nw = hi - n0;
+        for (int64_t j = 0; j < nw; ++j) {
+            const uint8_t* row = w + (n0 + j) * row_bytes;
+            if (direct) {
+                wrows[j] = reinterpret_cast<const float*>(row);
+            } else {
+                f.to_float(row, K, &scratch[j * K]);
+                wrows[j] = &scratch[j * K];
             }
-            for (int64_t t = 0; t < T; t += TILE_ROWS) {
-                const float* xr[TILE_ROWS];
-                const int nr = int(std::min<int64_t>(TILE_ROWS, T - t));
-                for (int r = 0; r < nr; ++r) xr[r] = x + (t + r) * ldx;
-                float* yt = y + t * ldy + n0;
-                switch (nr) {
-                    case 4: dot_panel<4>(xr, wrows.data(), nw, K, yt, ldy); break;
-                    case 3: dot_panel<3>(xr, wrows.data(), nw, K, yt, ldy); break;
-                    case 2: dot_panel<2>(xr, wrows.data(), nw, K, yt, ldy); break;
-                    default: dot_panel<1>(xr, wrows.data(), nw, K, yt, ldy); break;
-                }
+        }
+        for (int64_t t = 0; t < T; t += TILE_ROWS) {
+            const float* xr[TILE_ROWS];
+            const int nr = int(std::min<int64_t>(TILE_ROWS, T - t));
+            for (int r = 0; r < nr; ++r) xr[r] = x + (t + r) * ldx;
+            float* yt = y + t * ldy + n0;
+            switch (nr) {
+                case 4: dot_panel<4>(xr, wrows.data(), nw, K, yt, ldy); break;
+                case 3: dot_panel<3>(xr, wrows.data(), nw, K, yt, ldy); break;
+                case 2: dot_panel<2>(xr, wrows.data(), nw, K, yt, ldy); break;
+                default: dot_panel<1>(xr, wrows.data(), nw, K, yt, ldy); break;
             }
         }
     });
@@ -163,7 +161,7 @@ void run_quant(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, c
     XBlocks& xb = caller_blocks;
     xb.fit(T, K);
     std::vector<XRow> xrows(T);
-    parallel_for_static(T > 1 ? nthreads : 1, T, [&](int64_t t) {
+    parallel_for(T > 1 ? nthreads : 1, T, [&](int64_t t) {
         quantize_row(x + t * ldx, K, xb, t);
         xrows[t] = xb.row(t, K);
     });

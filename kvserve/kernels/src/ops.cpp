@@ -54,7 +54,7 @@ KVS_EXPORT void kvs_rms_norm(const float* x, int64_t outer, int inner, int dim, 
                              const float* residual, float* sum, const float* weight, float eps, float* out,
                              int64_t out_stride, int num_threads) {
     const int64_t rows = outer * inner;
-    kvs::parallel_for_static(threads_for(rows, dim, num_threads), rows, [&](int64_t r) {
+    kvs::parallel_for(threads_for(rows, dim, num_threads), rows, [&](int64_t r) {
         const int64_t o = r / inner, i = r % inner;
         const float* xr = x + o * x_stride + i * dim;
         if (residual) {
@@ -78,7 +78,7 @@ KVS_EXPORT void kvs_rope(const float* x, int64_t tokens, int heads, int head_dim
                          int num_threads) {
     const int half = head_dim / 2;
     const int64_t rows = tokens * heads;
-    kvs::parallel_for_static(threads_for(rows, head_dim, num_threads), rows, [&](int64_t r) {
+    kvs::parallel_for(threads_for(rows, head_dim, num_threads), rows, [&](int64_t r) {
         const int64_t t = r / heads;
         const int h = static_cast<int>(r % heads);
         const float* xr = x + t * x_stride + static_cast<int64_t>(h) * head_dim;
@@ -107,7 +107,7 @@ KVS_EXPORT void kvs_rope(const float* x, int64_t tokens, int heads, int head_dim
 // x_stride); act 0 = SiLU, 1 = GELU (tanh approximation). out contiguous [tokens, inter].
 KVS_EXPORT void kvs_gated_act(const float* x, int64_t tokens, int inter, int64_t x_stride, int act, float* out,
                               int num_threads) {
-    kvs::parallel_for_static(threads_for(tokens, inter, num_threads), tokens, [&](int64_t t) {
+    kvs::parallel_for(threads_for(tokens, inter, num_threads), tokens, [&](int64_t t) {
         const float* g = x + t * x_stride;
         const float* u = g + inter;
         float* o = out + t * inter;

@@ -1,15 +1,15 @@
-// The thread team of team.h: workers made on first use and kept; a call publishes its body and bumps a
-// generation counter; every worker runs its id's share (or nothing, past the call's n) and checks in.
-// Whoever waits (an idle worker for the next call, the caller for the workers to check in) spins with
-// `pause` for a bounded time, then sleeps on a condition variable; it never yields in a loop: on a host
-// with more runnable threads than cores, each sched_yield hands a whole time slice to another process,
-// while a sleeper that is woken runs at once. A worker that the kernel preempts often (the host is
-// oversubscribed) stops spinning for a while: its spinning would take the core from the thread it waits
-// for. One caller at a time: a second thread's call waits for the first to end.
+// The thread team of team.h: workers made on first use and kept. A call publishes its body and bumps a
+// generation counter; a worker that sees it joins the call (unless the caller has already closed it),
+// runs its id's part and leaves. The caller runs its own part, which takes every piece of work no
+// thread has taken yet, closes the call and waits only for the workers inside it: a worker the host has
+// not scheduled yet (an oversubscribed host, a wake-up on its way) costs the call nothing.
+// Whoever waits (an idle worker for the next call, the caller for the workers inside) spins with `pause`
+// for a bounded time, then sleeps on a condition variable; it never yields in a loop: on an oversubscribed
+// host each sched_yield hands a whole time slice to another process. One caller at a time: a second
+// thread's call waits for the first to end.
 #include "team.h"
 
 #include <pthread.h>
-#include <sys/resource.h>
 
 #include <chrono>
 #include <condition_variable>
@@ -52,60 +52,48 @@ bool spin_until(std::chrono::microseconds spin, Done&& done) {
     }
 }
 
-// Involuntary context switches of the calling thread: the kernel took its core for another thread
-long preemptions() {
-    rusage usage{};
-    return getrusage(RUSAGE_THREAD, &usage) == 0 ? usage.ru_nivcsw : 0;
-}
-
-// A worker counts its preemptions every PROBE_CALLS calls; more than PREEMPTED_PER_PROBE there (the host
-// has more runnable threads than cores: other processes, the server's own threads) and every waiter
-// sleeps at once, as OpenMP's passive threads do, for the next PASSIVE_CALLS calls (a second or more of
-// decode steps), then spins again. Speed only: which thread computes an output never changes it.
-constexpr uint64_t PROBE_CALLS = 64, PASSIVE_CALLS = 16384;
-constexpr long PREEMPTED_PER_PROBE = 2;
-
 struct Team {
+    static constexpr uint64_t CLOSED = 1u << 15, INSIDE = CLOSED - 1;  // `state`'s low bits
+
     const std::chrono::microseconds spin = spin_from_env();
     std::mutex caller;  // one call at a time
     std::vector<std::thread> workers;
-    std::atomic<uint64_t> generation{0};
-    std::atomic<int> pending{0};         // workers yet to check in for the current call
-    std::atomic<int> sleepers{0};        // workers asleep (or about to be) on `wake`
+    std::atomic<uint64_t> generation{0};  // the current call's number
+    std::atomic<uint64_t> state{0};       // the current call's number << 16 | CLOSED | workers inside it
+    std::atomic<int> sleepers{0};         // workers asleep (or about to be) on `wake`
     std::atomic<bool> caller_asleep{false};  // the caller sleeps (or is about to) on `done`
-    std::atomic<uint64_t> passive_until{0};  // generation before which waiters do not spin
-    // the current call; written before `generation` is bumped, read after it is seen
+    // the current call; written before `state` and `generation` are, read by a worker once it has joined
     void (*body)(void*, int, int) = nullptr;
     void* ctx = nullptr;
     int n = 0;
     std::mutex sleep_lock;
     std::condition_variable wake, done;
 
-    std::chrono::microseconds spin_now(uint64_t gen) const {
-        return gen < passive_until.load(std::memory_order_relaxed) ? std::chrono::microseconds(0) : spin;
+    // joins call `gen` unless it is closed or past: whether this worker is now inside it
+    bool join(uint64_t gen) {
+        uint64_t s = state.load(std::memory_order_acquire);
+        while ((s >> 16) == gen && !(s & CLOSED))
+            if (state.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel)) return true;
+        return false;
     }
 
     void worker_loop(int id) {
-        uint64_t seen = 0, calls = 0;
-        long preempted = preemptions();
+        uint64_t seen = 0;
         for (;;) {
             auto published = [&] { return generation.load(std::memory_order_acquire) != seen; };
-            if (!spin_until(spin_now(seen), published)) {
+            if (!spin_until(spin, published)) {
                 std::unique_lock<std::mutex> lock(sleep_lock);
-                sleepers.fetch_add(1);
+                sleepers.fetch_add(1);  // seq_cst: pairs with the caller's bump of `generation`
                 wake.wait(lock, published);
                 sleepers.fetch_sub(1);
             }
             seen = generation.load(std::memory_order_acquire);
+            if (!join(seen)) continue;
             if (id < n) body(ctx, id, n);
-            if (pending.fetch_sub(1) == 1 && caller_asleep.load()) {
+            const uint64_t left = state.fetch_sub(1) - 1;  // seq_cst: pairs with the caller's `caller_asleep`
+            if ((left & CLOSED) && (left & INSIDE) == 0 && caller_asleep.load()) {
                 std::lock_guard<std::mutex> lock(sleep_lock);
                 done.notify_one();
-            }
-            if (++calls % PROBE_CALLS == 0) {
-                const long now = preemptions();
-                if (now - preempted > PREEMPTED_PER_PROBE) passive_until.store(seen + PASSIVE_CALLS, std::memory_order_relaxed);
-                preempted = now;
             }
         }
     }
@@ -120,20 +108,20 @@ struct Team {
         body = fn;
         ctx = arg;
         n = threads;
-        // every worker checks in, also those past n: none may still be reading this call's fields
-        // when the next call writes them
-        pending.store(static_cast<int>(workers.size()), std::memory_order_relaxed);
-        const uint64_t gen = generation.fetch_add(1) + 1;  // seq_cst: pairs with a sleeper's `sleepers`
+        const uint64_t gen = generation.load(std::memory_order_relaxed) + 1;
+        state.store(gen << 16, std::memory_order_release);
+        generation.store(gen);  // seq_cst: pairs with a sleeper's `sleepers`
         if (sleepers.load() > 0) {
             std::lock_guard<std::mutex> lock(sleep_lock);
             wake.notify_all();
         }
         fn(arg, 0, threads);
-        auto all_in = [&] { return pending.load() == 0; };
-        if (!spin_until(spin_now(gen), all_in)) {
+        state.fetch_or(CLOSED);  // no worker joins from here on
+        auto all_out = [&] { return (state.load() & INSIDE) == 0; };
+        if (!spin_until(spin, all_out)) {
             std::unique_lock<std::mutex> lock(sleep_lock);
-            caller_asleep.store(true);  // seq_cst, then `pending` read under the lock: pairs with the last worker
-            done.wait(lock, all_in);
+            caller_asleep.store(true);  // seq_cst, then `state` read under the lock: pairs with the last worker out
+            done.wait(lock, all_out);
             caller_asleep.store(false);
         }
     }

@@ -12,22 +12,15 @@
 
 namespace kvs {
 
-// body(ctx, id, n) on n threads, the caller being id 0; returns when every id has returned. Runs inline
-// (id 0 of 1) when n <= 1, or when called from inside a team call.
+// body(ctx, id, n) on the caller (id 0) and on those of workers 1 .. n - 1 that join before the caller's
+// own body(ctx, 0, n) returns; returns when every one that joined has. So a body must hand out all of
+// its work through shared counters (below): what the caller's body finds left, it does. Runs inline (id 0
+// of 1) when n <= 1, or when called from inside a team call.
 void team_run_raw(int n, void (*body)(void*, int, int), void* ctx);
 
 template <class F>
 void team_run(int n, F&& body) {
     team_run_raw(n, [](void* ctx, int id, int nt) { (*static_cast<F*>(ctx))(id, nt); }, &body);
-}
-
-// f(i) for i in [0, count), contiguous ranges split evenly over the n threads
-template <class F>
-void parallel_for_static(int n, int64_t count, F&& f) {
-    team_run(n, [&](int id, int nt) {
-        const int64_t per = (count + nt - 1) / nt, lo = id * per, hi = lo + per < count ? lo + per : count;
-        for (int64_t i = lo; i < hi; ++i) f(i);
-    });
 }
 
 // A shared counter handing out indices [0, count) one at a time: a thread the host descheduled leaves
@@ -55,20 +48,30 @@ void parallel_for_shares(int n, int64_t count, int64_t align, int64_t chunk, F&&
         int64_t end;
     };
     n = std::max(1, n);
-    std::unique_ptr<Share[]> shares(new Share[n]);
+    std::unique_ptr<Share[]> shares(new Share[n]);  // (one allocation a call: ~50 ns of ~10 us at least)
     const int64_t units = (count + align - 1) / align;
     for (int t = 0; t < n; ++t) {
         shares[t].next.store(std::min(count, units * t / n * align), std::memory_order_relaxed);
         shares[t].end = std::min(count, units * (t + 1) / n * align);
     }
     team_run(n, [&](int id, int nt) {
-        for (int k = 0; k < n; ++k) {  // (run inline, nt is 1: id 0 takes every share in turn)
+        for (int k = 0; k < n; ++k) {  // (alone, inline or not, id 0 takes every share in turn)
             Share& s = shares[(id + k) % n];
             for (int64_t lo = s.next.fetch_add(chunk, std::memory_order_relaxed); lo < s.end;
                  lo = s.next.fetch_add(chunk, std::memory_order_relaxed))
                 f(lo, std::min(lo + chunk, s.end), s.end);
         }
         (void)nt;
+    });
+}
+
+// f(i) for i in [0, count): each thread its own contiguous share first (a quarter at a time), then what
+// is left of the others'
+template <class F>
+void parallel_for(int n, int64_t count, F&& f) {
+    const int64_t chunk = std::max<int64_t>(1, (count + 4 * n - 1) / (4 * std::max(1, n)));
+    parallel_for_shares(n, count, 1, chunk, [&](int64_t lo, int64_t hi, int64_t) {
+        for (int64_t i = lo; i < hi; ++i) f(i);
     });
 }
 

@@ -11,6 +11,8 @@ import os
 # costs ~40 us each. W1 decode step at 1.5k context, 2 threads, Zen 5 (docs/performance.md): alone
 # 14.1 -> 5.5 ms; beside two busy processes 26.8 -> 13.2 ms; beside one 10.7 -> 12.7 ms; two engines
 # of 2 threads on 2 cores 10.2 -> 13.6 ms (there, give each `--threads 1`, or set GOMP_SPINCOUNT=0).
+# Those figures were OpenMP's running the native kernels; the kernels now run on their own thread team
+# (kvserve/kernels/src/team.h, KVSERVE_TEAM_SPIN_US), and these settings govern torch's own ops.
 #
 # torch's CPU allocator puts blocks of 2 MB and more on transparent huge pages (read at its first
 # allocation). A buffer's first touch is then one fault per 2 MB, not per 4 KB: the first 1.5k-token

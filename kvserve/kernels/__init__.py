@@ -108,7 +108,7 @@ def _warn_once(message: str) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _load(isa: str) -> KernelLibrary | None:
-    import torch  # noqa: F401  (loads torch's OpenMP runtime first, so the kernels share its threads)
+    import torch  # noqa: F401  (loads torch's OpenMP runtime first: kvs_max_threads reads that one)
 
     path = library_path(isa)
     build_if_missing(isa)

@@ -54,14 +54,13 @@ void parallel_for_shares(int n, int64_t count, int64_t align, int64_t chunk, F&&
         shares[t].next.store(std::min(count, units * t / n * align), std::memory_order_relaxed);
         shares[t].end = std::min(count, units * (t + 1) / n * align);
     }
-    team_run(n, [&](int id, int nt) {
+    team_run(n, [&](int id, int) {
         for (int k = 0; k < n; ++k) {  // (alone, inline or not, id 0 takes every share in turn)
             Share& s = shares[(id + k) % n];
             for (int64_t lo = s.next.fetch_add(chunk, std::memory_order_relaxed); lo < s.end;
                  lo = s.next.fetch_add(chunk, std::memory_order_relaxed))
                 f(lo, std::min(lo + chunk, s.end), s.end);
         }
-        (void)nt;
     });
 }
 

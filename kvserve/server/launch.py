@@ -95,8 +95,8 @@ def weights_bytes(engine) -> int:
 
 
 def engine_memory_promise(engine, args: argparse.Namespace | None, measured: bool = False):
-    """The start-up memory line's numbers; `measured`: with this process's resident memory now
-    and the in-flight body cap, which make it a bound (memory_promise.py)."""
+    """The start-up memory line's numbers; `measured`: with this process's resident memory now, the
+    in-flight body cap and one step's activations (an expectation, not a bound: memory_promise.py)."""
     from kvserve.config import parse_bytes
     from kvserve.memory_promise import memory_promise, resident_bytes, step_activation_bytes
 

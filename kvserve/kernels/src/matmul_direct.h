@@ -8,15 +8,6 @@ namespace kvs {
 #if KVS_SIMD
 constexpr int DIRECT_GROUP = 8;  // weight rows decoded side by side, their totals one 256-bit vector
 
-// Q6_K's sub-scales for the element pairs of sub-block j (elements 0..15 take scale 2 j, 16..31
-// scale 2 j + 1) from all sixteen of a superblock as int16 (sc16)
-inline __m256i pair_scales(__m256i sc16, int j) {
-    // scales 2 j and 2 j + 1 in each pair of words, then each spread over its half
-    const __m256i two = _mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(j));
-    return _mm256_shuffle_epi8(two, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
-                                                     2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
-}
-
 // The group's weight rows as the products see them: one row a 256-bit vector, or on AVX-512 two (row
 // 2v in the low half, 2v + 1 in the high one: the products and the lanes' reduction at twice the
 // width); the totals and the float chain after them are the same on both, bit for bit.
@@ -34,9 +25,9 @@ inline wvec q6_bias_pairs(wvec x) { return _mm512_maddubs_epi16(_mm512_set1_epi8
 // block_lanes (below, the AVX2 build's) for two weight rows at once (AVX-512 has no vpsignb: x
 // negated where w < 0 instead)
 template <int Q>
-inline wvec block_lanes(wvec w, wvec w_abs, wvec x, wvec mult, wvec x_bias, wvec scales) {
+inline wvec block_lanes(wvec w, wvec w_abs, wvec x, wvec mult, wvec x_bias) {
     if constexpr (Q == KVS_Q6_K) {
-        return _mm512_madd_epi16(_mm512_sub_epi16(_mm512_maddubs_epi16(w, x), x_bias), _mm512_mullo_epi16(scales, mult));
+        return _mm512_madd_epi16(_mm512_sub_epi16(_mm512_maddubs_epi16(w, x), x_bias), mult);
     } else if constexpr (codes_of(Q) == Codes::Signed) {
         const wvec signed_x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
         return _mm512_madd_epi16(_mm512_maddubs_epi16(w_abs, signed_x), mult);
@@ -45,15 +36,28 @@ inline wvec block_lanes(wvec w, wvec w_abs, wvec x, wvec mult, wvec x_bias, wvec
     }
 }
 
-// totals8 (below, the AVX2 build's) of four vectors of two rows each
-inline __m256i totals8(const wvec* p) {
-    // quarter k (128 bits) of s03: row k's lanes 0..3 plus its lanes 4..7; of s47: row 4 + k's
-    const wvec s03 = _mm512_add_epi32(_mm512_shuffle_i64x2(p[0], p[1], 0x88), _mm512_shuffle_i64x2(p[0], p[1], 0xDD));
-    const wvec s47 = _mm512_add_epi32(_mm512_shuffle_i64x2(p[2], p[3], 0x88), _mm512_shuffle_i64x2(p[2], p[3], 0xDD));
-    const wvec t = _mm512_add_epi32(_mm512_unpacklo_epi32(s03, s47), _mm512_unpackhi_epi32(s03, s47));
+// the eight rows' sums in order, quarter k (128 bits) of q03 holding four lanes of row k, of q47 of row 4 + k
+inline __m256i row_sums(wvec q03, wvec q47) {
+    const wvec t = _mm512_add_epi32(_mm512_unpacklo_epi32(q03, q47), _mm512_unpackhi_epi32(q03, q47));
     const wvec u = _mm512_add_epi32(t, _mm512_shuffle_epi32(t, _MM_PERM_BADC));  // quarter k: rows k, 4 + k
     const wvec order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
     return _mm512_castsi512_si256(_mm512_permutexvar_epi32(order, u));
+}
+
+// half_totals8 (below, the AVX2 build's) of four vectors of two rows each
+inline void half_totals8(const wvec* p, __m256i& first, __m256i& second) {
+    // quarter k of f03: row k's lanes 0..3, of s03: its lanes 4..7 (f47, s47: row 4 + k's)
+    const wvec f03 = _mm512_shuffle_i64x2(p[0], p[1], 0x88), s03 = _mm512_shuffle_i64x2(p[0], p[1], 0xDD);
+    const wvec f47 = _mm512_shuffle_i64x2(p[2], p[3], 0x88), s47 = _mm512_shuffle_i64x2(p[2], p[3], 0xDD);
+    first = row_sums(f03, f47);
+    second = row_sums(s03, s47);
+}
+
+// totals8 (below, the AVX2 build's) of four vectors of two rows each
+inline __m256i totals8(const wvec* p) {
+    const wvec s03 = _mm512_add_epi32(_mm512_shuffle_i64x2(p[0], p[1], 0x88), _mm512_shuffle_i64x2(p[0], p[1], 0xDD));
+    const wvec s47 = _mm512_add_epi32(_mm512_shuffle_i64x2(p[2], p[3], 0x88), _mm512_shuffle_i64x2(p[2], p[3], 0xDD));
+    return row_sums(s03, s47);
 }
 #else
 using wvec = __m256i;
@@ -66,12 +70,12 @@ inline wvec abs8(wvec w) { return _mm256_abs_epi8(w); }
 
 // Lanes of one block for one weight row (w: its codes as codes_of(Q) stores them, w_abs: |w| for
 // Signed) and one activation row (x, its multipliers per pair of elements: mult), whose sum is the
-// block's total before block_totals' per-row terms. Q6_K's bias and two sub-scales are taken in here
-// (x_bias: q6_bias_pairs(x); scales: pair_scales).
+// block's total before block_totals' per-row terms. Q6_K's bias is taken off here (x_bias:
+// q6_bias_pairs(x)), its two sub-scales after the lanes are summed (q6_block_totals).
 template <int Q>
-inline __m256i block_lanes(__m256i w, __m256i w_abs, __m256i x, __m256i mult, __m256i x_bias, __m256i scales) {
+inline __m256i block_lanes(__m256i w, __m256i w_abs, __m256i x, __m256i mult, __m256i x_bias) {
     if constexpr (Q == KVS_Q6_K) {
-        return _mm256_madd_epi16(_mm256_sub_epi16(_mm256_maddubs_epi16(w, x), x_bias), _mm256_mullo_epi16(scales, mult));
+        return _mm256_madd_epi16(_mm256_sub_epi16(_mm256_maddubs_epi16(w, x), x_bias), mult);
     } else if constexpr (codes_of(Q) == Codes::Signed) {
         return _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w)), mult);
     } else {
@@ -82,15 +86,33 @@ inline __m256i block_lanes(__m256i w, __m256i w_abs, __m256i x, __m256i mult, __
 // 32 * x's pair sums: the bias Q6_K's lanes take off
 inline __m256i q6_bias_pairs(__m256i x) { return _mm256_maddubs_epi16(_mm256_set1_epi8(32), x); }
 
-// the eight block totals of p[0..7] (each 8 int32 lanes), in order, as one vector
-inline __m256i totals8(const __m256i* p) {
+// the eight rows' sums of lanes 0..3 (first: elements 0..15 of the block) and of lanes 4..7 (second) of
+// p[0..7] (each 8 int32 lanes), in row order
+inline void half_totals8(const __m256i* p, __m256i& first, __m256i& second) {
     const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
     const __m256i e = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
     // a: rows 0..3's sums of lanes 0..3, then of lanes 4..7; e: rows 4..7's
-    return _mm256_add_epi32(_mm256_permute2x128_si256(a, e, 0x20), _mm256_permute2x128_si256(a, e, 0x31));
+    first = _mm256_permute2x128_si256(a, e, 0x20);
+    second = _mm256_permute2x128_si256(a, e, 0x31);
+}
+
+// the eight block totals of p[0..7], in order, as one vector
+inline __m256i totals8(const __m256i* p) {
+    __m256i first, second;
+    half_totals8(p, first, second);
+    return _mm256_add_epi32(first, second);
 }
 #endif
 constexpr int GROUP_VECS = DIRECT_GROUP / ROWS_PER_VEC;
+
+// Q6_K: eight weight rows' totals of one block, each half's lanes (16 elements) times its sub-scale
+// (scales: the rows' int8 sub-scales of the block's two halves, bytes 0..7 and 8..15)
+inline __m256i q6_block_totals(const wvec* p, __m128i scales) {
+    __m256i first, second;
+    half_totals8(p, first, second);
+    return _mm256_add_epi32(_mm256_mullo_epi32(first, _mm256_cvtepi8_epi32(scales)),
+                            _mm256_mullo_epi32(second, _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(scales, scales))));
+}
 
 // Eight weight rows' totals of one block against one activation row (its block sum of q * m: xsum):
 // totals8 of their block_lanes, then the terms each row has once a block: Q4_0's and Q5_0's bias
@@ -207,7 +229,7 @@ inline void qdot_direct32(const uint8_t* const* rows, int64_t nb, const XRow* x,
         for (int r = 0; r < R; ++r) {
             const wvec xq = both_halves(load256(x[r].q + 32 * b)), mult = both_halves(load256(x[r].mult + 16 * b));
             wvec p[GROUP_VECS];
-            for (int v = 0; v < GROUP_VECS; ++v) p[v] = block_lanes<Q>(w[v], w_abs[v], xq, mult, zero, zero);
+            for (int v = 0; v < GROUP_VECS; ++v) p[v] = block_lanes<Q>(w[v], w_abs[v], xq, mult, zero);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_totals<Q>(p, x[r].sum[b], _mm256_setzero_si256())),
                                      _mm256_mul_ps(dw, _mm256_broadcast_ss(x[r].d + b)), acc[r]);
         }
@@ -215,24 +237,52 @@ inline void qdot_direct32(const uint8_t* const* rows, int64_t nb, const XRow* x,
     store_direct<Q, R>(acc, x, offT, nb, y, ldy);
 }
 
-// out[8 j + c] = byte j of v[c] for eight rows c: their bytes regrouped by sub-block
-inline void bytes_by_subblock(const uint64_t* v, uint8_t* out) {
-    const __m256i pairs = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
-                                           0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-    // 16-bit pair j of each half: two rows' byte j (t0: rows 0, 1 | 2, 3; t1: rows 4, 5 | 6, 7)
-    const __m256i t0 = _mm256_shuffle_epi8(load256(v), pairs), t1 = _mm256_shuffle_epi8(load256(v + 4), pairs);
-    const __m256i x = _mm256_permute2x128_si256(t0, t1, 0x20), y = _mm256_permute2x128_si256(t0, t1, 0x31);
-    // 32-bit word j of each half: rows 0..3's byte j (low half), rows 4..7's (high half); then interleaved
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
-                        _mm256_permutevar8x32_epi32(_mm256_unpacklo_epi16(x, y), order));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32),
-                        _mm256_permutevar8x32_epi32(_mm256_unpackhi_epi16(x, y), order));
+// Q6_K: the int8 sub-scales of eight rows' superblocks (blk[c]) regrouped: out[j] holds the rows'
+// scales of sub-blocks 2 j (bytes 0..7, row order) and 2 j + 1 (bytes 8..15), a three-step unpack
+inline void q6_scales_by_subblock(const uint8_t* const* blk, __m128i* out) {
+    __m128i r[DIRECT_GROUP], pairs[8], quads[8];
+    for (int c = 0; c < DIRECT_GROUP; ++c) r[c] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[c] + 192));
+    for (int i = 0; i < 4; ++i) {  // word k of pairs[i]: rows 2 i, 2 i + 1 at sub-block k (pairs[4 + i]: k + 8)
+        pairs[i] = _mm_unpacklo_epi8(r[2 * i], r[2 * i + 1]);
+        pairs[4 + i] = _mm_unpackhi_epi8(r[2 * i], r[2 * i + 1]);
+    }
+    for (int h = 0; h < 8; h += 4) {  // dword k of quads[h + 2 i]: rows 4 i .. 4 i + 3 at sub-block k (+ 8 if h)
+        quads[h] = _mm_unpacklo_epi16(pairs[h], pairs[h + 1]);
+        quads[h + 1] = _mm_unpackhi_epi16(pairs[h], pairs[h + 1]);  // sub-blocks 4..7
+        quads[h + 2] = _mm_unpacklo_epi16(pairs[h + 2], pairs[h + 3]);
+        quads[h + 3] = _mm_unpackhi_epi16(pairs[h + 2], pairs[h + 3]);
+    }
+    for (int q = 0; q < 4; ++q) {  // quads[q'] with q' = q / 2 * 4 + q % 2: sub-blocks 4 q .. 4 q + 3
+        const int lo = q / 2 * 4 + q % 2;
+        out[2 * q] = _mm_unpacklo_epi32(quads[lo], quads[lo + 2]);
+        out[2 * q + 1] = _mm_unpackhi_epi32(quads[lo], quads[lo + 2]);
+    }
 }
 
-// The int32 lanes of eight bytes (eight rows' values of one sub-block)
-inline __m256i lanes_of(const uint8_t* p) {
-    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+// Q4_K, Q5_K: the 6-bit sub-scales and mins of eight rows' superblocks (blk[c]), one row a 32-bit lane,
+// in k4_scales_mins' order: byte j of sc[0] the scale of sub-block j, of sc[1] of sub-block 4 + j
+inline void k4_scales_mins8(const uint8_t* const* blk, __m256i* sc, __m256i* mn) {
+    __m128i a[2], b[2], c[2];  // each row's scale bytes 0..3, 4..7, 8..11: rows 0..3, then rows 4..7
+    for (int h = 0; h < 2; ++h) {
+        __m128i x[4];
+        for (int i = 0; i < 4; ++i) x[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[4 * h + i] + 4));
+        const __m128i ab01 = _mm_unpacklo_epi32(x[0], x[1]), ab23 = _mm_unpacklo_epi32(x[2], x[3]);
+        a[h] = _mm_unpacklo_epi64(ab01, ab23);
+        b[h] = _mm_unpackhi_epi64(ab01, ab23);
+        c[h] = _mm_unpacklo_epi64(_mm_unpackhi_epi32(x[0], x[1]), _mm_unpackhi_epi32(x[2], x[3]));
+    }
+    const __m256i va = _mm256_set_m128i(a[1], a[0]), vb = _mm256_set_m128i(b[1], b[0]), vc = _mm256_set_m128i(c[1], c[0]);
+    const __m256i low6 = _mm256_set1_epi8(0x3f), low4 = _mm256_set1_epi8(0x0f), top2 = _mm256_set1_epi8(0x03);
+    const auto top_bits = [&](__m256i v) { return _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(v, 6), top2), 4); };
+    sc[0] = _mm256_and_si256(va, low6);
+    mn[0] = _mm256_and_si256(vb, low6);
+    sc[1] = _mm256_or_si256(_mm256_and_si256(vc, low4), top_bits(va));
+    mn[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(vc, 4), low4), top_bits(vb));
+}
+
+// byte j % 4 of each lane of v[j / 4] (a row's value for sub-block j) as int32 lanes
+inline __m256i subblock_lanes(const __m256i* v, int j) {
+    return _mm256_and_si256(_mm256_srli_epi32(v[j / 4], 8 * (j % 4)), _mm256_set1_epi32(0xff));
 }
 
 // Q4_K, Q5_K and Q6_K: eight weight rows against R activation rows, each superblock's codes unpacked in
@@ -248,39 +298,39 @@ inline void qdot_directk(const uint8_t* const* rows, int64_t nb, const XRow* x, 
         prefetch.step(sb);
         const uint8_t* blk[DIRECT_GROUP];
         for (int c = 0; c < DIRECT_GROUP; ++c) blk[c] = rows[c] + sb * bytes;
-        const __m256 dw = group_halves<Q>(rows, sb, Q == KVS_Q6_K ? 208 : 0);
-        __m256i sc16[DIRECT_GROUP];  // Q6_K: each row's sixteen int8 sub-scales (one per 16 elements) as int16
-        alignas(32) uint8_t subscale[64];  // Q4_K, Q5_K: sub-block j's eight rows at [8 j ..]
+        __m256 dw;
+        __m128i q6_scales[8];     // Q6_K: q6_scales_by_subblock's
+        __m256i sc[2], mn[2];     // Q4_K, Q5_K: k4_scales_mins8's
         if constexpr (Q == KVS_Q6_K) {
-            for (int c = 0; c < DIRECT_GROUP; ++c)
-                sc16[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[c] + 192)));
+            dw = group_halves<Q>(rows, sb, 208);
+            q6_scales_by_subblock(blk, q6_scales);
         } else {  // the offsets -(dmin * m) of each sub-block, eight rows a vector (offT: [nb][8])
-            uint64_t sc8[DIRECT_GROUP], min8[DIRECT_GROUP];
-            for (int c = 0; c < DIRECT_GROUP; ++c) k4_scales_mins(blk[c] + 4, sc8[c], min8[c]);
-            alignas(32) uint8_t mins[64];
-            bytes_by_subblock(sc8, subscale);
-            bytes_by_subblock(min8, mins);
-            const __m256 neg_dmin = _mm256_xor_ps(group_halves<Q>(rows, sb, 2), _mm256_set1_ps(-0.0f));
+            __m256 dmin;
+            group_half_pairs<Q>(rows, sb, dw, dmin);
+            k4_scales_mins8(blk, sc, mn);
+            const __m256 neg_dmin = _mm256_xor_ps(dmin, _mm256_set1_ps(-0.0f));
             for (int j = 0; j < 8; ++j) {
-                const __m256 m = _mm256_cvtepi32_ps(lanes_of(mins + 8 * j));
+                const __m256 m = _mm256_cvtepi32_ps(subblock_lanes(mn, j));
                 _mm256_storeu_ps(offT + DIRECT_GROUP * (sb * 8 + j), _mm256_mul_ps(neg_dmin, m));
             }
         }
+#pragma GCC unroll 8  // j constant in each copy: k_codes' choices of bytes and shifts made at compile time
         for (int j = 0; j < 8; ++j) {
             const int64_t b = sb * 8 + j;
-            wvec w[GROUP_VECS], scales[GROUP_VECS];
-            for (int v = 0; v < GROUP_VECS; ++v) {
-                w[v] = rows_of(v, [&](int c) { return k_codes<Q>(blk[c], j); });
-                if constexpr (Q == KVS_Q6_K) scales[v] = rows_of(v, [&](int c) { return pair_scales(sc16[c], j); });
-            }
-            const __m256i scale = Q != KVS_Q6_K ? lanes_of(subscale + 8 * j) : _mm256_setzero_si256();
+            wvec w[GROUP_VECS];
+            for (int v = 0; v < GROUP_VECS; ++v) w[v] = rows_of(v, [&](int c) { return k_codes<Q>(blk[c], j); });
             for (int r = 0; r < R; ++r) {
                 const wvec xq = both_halves(load256(x[r].q + 32 * b)), mult = both_halves(load256(x[r].mult + 16 * b));
                 const wvec xb = Q == KVS_Q6_K ? q6_bias_pairs(xq) : xq;
                 wvec p[GROUP_VECS];
-                for (int v = 0; v < GROUP_VECS; ++v) p[v] = block_lanes<Q>(w[v], w[v], xq, mult, xb, scales[v]);
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_totals<Q>(p, x[r].sum[b], scale)),
-                                         _mm256_mul_ps(dw, _mm256_broadcast_ss(x[r].d + b)), acc[r]);
+                for (int v = 0; v < GROUP_VECS; ++v) p[v] = block_lanes<Q>(w[v], w[v], xq, mult, xb);
+                __m256i total;
+                if constexpr (Q == KVS_Q6_K) {
+                    total = q6_block_totals(p, q6_scales[j]);
+                } else {
+                    total = block_totals<Q>(p, x[r].sum[b], subblock_lanes(sc, j));
+                }
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(dw, _mm256_broadcast_ss(x[r].d + b)), acc[r]);
             }
         }
     }

@@ -58,8 +58,8 @@ struct KvsFormatInfo {
 // by kernels/tuning.py. The built-in defaults (kvs_set_tuning(null)): {L1, 0, L1, 0}.
 struct KvsTuning {
     int32_t weight_prefetch;        // KvsPrefetch: where the decode rows ask for the weights ahead of use
-    int32_t weight_prefetch_ahead;  // bytes between the group being computed and the one prefetched
-                                    //   (0: two groups of eight rows, whatever their size)
+    int32_t weight_prefetch_ahead;  // bytes between the end of the group being computed and the ones
+                                    //   prefetched (0: one group of eight rows, whatever its size)
     int32_t kv_prefetch;            // KvsPrefetch: where attention asks for the KV rows ahead of use
     int32_t weight_prefetch_spread; // 1: a group's prefetch spread over its blocks; 0: in one burst
 };

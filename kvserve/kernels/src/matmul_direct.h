@@ -350,7 +350,9 @@ inline void qdot_direct_rows(const uint8_t* w, int64_t row_bytes, int64_t lo, in
     // the group after next into L1, a burst; Zen 4 wants them spread)
     const KvsTuning tuning = current_tuning();
     const int64_t group_bytes = C * row_bytes;
-    const int64_t ahead = tuning.weight_prefetch_ahead > 0 ? tuning.weight_prefetch_ahead : 2 * group_bytes;
+    // (counted past the group's end: its eight rows are read side by side, so with long rows, a group
+    // larger than the distance, a prefetch any nearer would land in rows the group is still reading)
+    const int64_t ahead = group_bytes + (tuning.weight_prefetch_ahead > 0 ? tuning.weight_prefetch_ahead : group_bytes);
     const uint8_t* const end = w + prefetch_hi * row_bytes;
     constexpr int64_t blocks_per_step = has_subscales(Q) ? 8 : 1;  // the K formats step a superblock at a time
     const int64_t steps = nb / blocks_per_step;

@@ -20,15 +20,12 @@ template <class F>
 inline wvec rows_of(int v, F f) { return _mm512_inserti64x4(_mm512_castsi256_si512(f(2 * v)), f(2 * v + 1), 1); }
 inline wvec both_halves(__m256i x) { return _mm512_broadcast_i64x4(x); }
 inline wvec abs8(wvec w) { return _mm512_abs_epi8(w); }
-inline wvec q6_bias_pairs(wvec x) { return _mm512_maddubs_epi16(_mm512_set1_epi8(32), x); }
 
 // block_lanes (below, the AVX2 build's) for two weight rows at once (AVX-512 has no vpsignb: x
 // negated where w < 0 instead)
 template <int Q>
-inline wvec block_lanes(wvec w, wvec w_abs, wvec x, wvec mult, wvec x_bias) {
-    if constexpr (Q == KVS_Q6_K) {
-        return _mm512_madd_epi16(_mm512_sub_epi16(_mm512_maddubs_epi16(w, x), x_bias), mult);
-    } else if constexpr (codes_of(Q) == Codes::Signed) {
+inline wvec block_lanes(wvec w, wvec w_abs, wvec x, wvec mult) {
+    if constexpr (codes_of(Q) == Codes::Signed) {
         const wvec signed_x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
         return _mm512_madd_epi16(_mm512_maddubs_epi16(w_abs, signed_x), mult);
     } else {
@@ -70,21 +67,15 @@ inline wvec abs8(wvec w) { return _mm256_abs_epi8(w); }
 
 // Lanes of one block for one weight row (w: its codes as codes_of(Q) stores them, w_abs: |w| for
 // Signed) and one activation row (x, its multipliers per pair of elements: mult), whose sum is the
-// block's total before block_totals' per-row terms. Q6_K's bias is taken off here (x_bias:
-// q6_bias_pairs(x)), its two sub-scales after the lanes are summed (q6_block_totals).
+// block's total before block_totals' per-row terms (Q6_K's: q6_block_totals').
 template <int Q>
-inline __m256i block_lanes(__m256i w, __m256i w_abs, __m256i x, __m256i mult, __m256i x_bias) {
-    if constexpr (Q == KVS_Q6_K) {
-        return _mm256_madd_epi16(_mm256_sub_epi16(_mm256_maddubs_epi16(w, x), x_bias), mult);
-    } else if constexpr (codes_of(Q) == Codes::Signed) {
+inline __m256i block_lanes(__m256i w, __m256i w_abs, __m256i x, __m256i mult) {
+    if constexpr (codes_of(Q) == Codes::Signed) {
         return _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w)), mult);
     } else {
         return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), mult);
     }
 }
-
-// 32 * x's pair sums: the bias Q6_K's lanes take off
-inline __m256i q6_bias_pairs(__m256i x) { return _mm256_maddubs_epi16(_mm256_set1_epi8(32), x); }
 
 // the eight rows' sums of lanes 0..3 (first: elements 0..15 of the block) and of lanes 4..7 (second) of
 // p[0..7] (each 8 int32 lanes), in row order
@@ -105,11 +96,15 @@ inline __m256i totals8(const __m256i* p) {
 #endif
 constexpr int GROUP_VECS = DIRECT_GROUP / ROWS_PER_VEC;
 
-// Q6_K: eight weight rows' totals of one block, each half's lanes (16 elements) times its sub-scale
-// (scales: the rows' int8 sub-scales of the block's two halves, bytes 0..7 and 8..15)
-inline __m256i q6_block_totals(const wvec* p, __m128i scales) {
+// Q6_K: eight weight rows' totals of one block against an activation row whose sums of q * m are `half`
+// over the first 16 elements and `sum` over all 32. p: block_lanes of the codes as stored, the values
+// plus 32, so 32 * (the half's sum) comes off each half's lanes before its sub-scale multiplies them
+// (scales: the rows' int8 sub-scales of the two halves, bytes 0..7 and 8..15).
+inline __m256i q6_block_totals(const wvec* p, __m128i scales, int32_t half, int32_t sum) {
     __m256i first, second;
     half_totals8(p, first, second);
+    first = _mm256_sub_epi32(first, _mm256_set1_epi32(32 * half));
+    second = _mm256_sub_epi32(second, _mm256_set1_epi32(32 * (sum - half)));
     return _mm256_add_epi32(_mm256_mullo_epi32(first, _mm256_cvtepi8_epi32(scales)),
                             _mm256_mullo_epi32(second, _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(scales, scales))));
 }
@@ -206,7 +201,6 @@ inline void qdot_direct32(const uint8_t* const* rows, int64_t nb, const XRow* x,
                           int64_t ldy, const SpreadPrefetch& prefetch) {
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    const wvec zero = both_halves(_mm256_setzero_si256());
     for (int64_t b = 0; b < nb; ++b) {
         prefetch.step(b);
         wvec w[GROUP_VECS], w_abs[GROUP_VECS];
@@ -229,7 +223,7 @@ inline void qdot_direct32(const uint8_t* const* rows, int64_t nb, const XRow* x,
         for (int r = 0; r < R; ++r) {
             const wvec xq = both_halves(load256(x[r].q + 32 * b)), mult = both_halves(load256(x[r].mult + 16 * b));
             wvec p[GROUP_VECS];
-            for (int v = 0; v < GROUP_VECS; ++v) p[v] = block_lanes<Q>(w[v], w_abs[v], xq, mult, zero);
+            for (int v = 0; v < GROUP_VECS; ++v) p[v] = block_lanes<Q>(w[v], w_abs[v], xq, mult);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_totals<Q>(p, x[r].sum[b], _mm256_setzero_si256())),
                                      _mm256_mul_ps(dw, _mm256_broadcast_ss(x[r].d + b)), acc[r]);
         }
@@ -321,12 +315,11 @@ inline void qdot_directk(const uint8_t* const* rows, int64_t nb, const XRow* x, 
             for (int v = 0; v < GROUP_VECS; ++v) w[v] = rows_of(v, [&](int c) { return k_codes<Q>(blk[c], j); });
             for (int r = 0; r < R; ++r) {
                 const wvec xq = both_halves(load256(x[r].q + 32 * b)), mult = both_halves(load256(x[r].mult + 16 * b));
-                const wvec xb = Q == KVS_Q6_K ? q6_bias_pairs(xq) : xq;
                 wvec p[GROUP_VECS];
-                for (int v = 0; v < GROUP_VECS; ++v) p[v] = block_lanes<Q>(w[v], w[v], xq, mult, xb);
+                for (int v = 0; v < GROUP_VECS; ++v) p[v] = block_lanes<Q>(w[v], w[v], xq, mult);
                 __m256i total;
                 if constexpr (Q == KVS_Q6_K) {
-                    total = q6_block_totals(p, q6_scales[j]);
+                    total = q6_block_totals(p, q6_scales[j], x[r].half[b], x[r].sum[b]);
                 } else {
                     total = block_totals<Q>(p, x[r].sum[b], subblock_lanes(sc, j));
                 }

@@ -240,13 +240,15 @@ inline void q6_scales_by_subblock(const uint8_t* const* blk, __m128i* out) {
         pairs[i] = _mm_unpacklo_epi8(r[2 * i], r[2 * i + 1]);
         pairs[4 + i] = _mm_unpackhi_epi8(r[2 * i], r[2 * i + 1]);
     }
-    for (int h = 0; h < 8; h += 4) {  // dword k of quads[h + 2 i]: rows 4 i .. 4 i + 3 at sub-block k (+ 8 if h)
+    // dword k of quads[h]: rows 0..3 at sub-block k (+ 8 for h >= 4), of quads[h + 1] at k + 4; quads[h + 2]
+    // and quads[h + 3]: rows 4..7's
+    for (int h = 0; h < 8; h += 4) {
         quads[h] = _mm_unpacklo_epi16(pairs[h], pairs[h + 1]);
-        quads[h + 1] = _mm_unpackhi_epi16(pairs[h], pairs[h + 1]);  // sub-blocks 4..7
+        quads[h + 1] = _mm_unpackhi_epi16(pairs[h], pairs[h + 1]);
         quads[h + 2] = _mm_unpacklo_epi16(pairs[h + 2], pairs[h + 3]);
         quads[h + 3] = _mm_unpackhi_epi16(pairs[h + 2], pairs[h + 3]);
     }
-    for (int q = 0; q < 4; ++q) {  // quads[q'] with q' = q / 2 * 4 + q % 2: sub-blocks 4 q .. 4 q + 3
+    for (int q = 0; q < 4; ++q) {  // sub-blocks 4 q .. 4 q + 3: rows 0..3 in quads[lo], rows 4..7 in quads[lo + 2]
         const int lo = q / 2 * 4 + q % 2;
         out[2 * q] = _mm_unpacklo_epi32(quads[lo], quads[lo + 2]);
         out[2 * q + 1] = _mm_unpackhi_epi32(quads[lo], quads[lo + 2]);

@@ -1,7 +1,7 @@
 """ctypes wrapper of the fused decoder layers (src/ops_layers.cpp): a Llama-style model's layers and
 final norm for a step's rows in one native call, made of the same kernel calls (same arguments) as
 model/llama.py's per-op path, so the bits are the same. The weights' part of the arguments is made
-once; a step fills in its rows, RoPE tables, attention rows and one scratch buffer."""
+once; a step fills in its rows, RoPE tables, attention rows and one scratch buffer (kept between steps)."""
 
 from __future__ import annotations
 
@@ -103,6 +103,10 @@ class DecoderLayers:
                   "cos": 2 * s.head_dim, "sin": 2 * s.head_dim}
         self.widths = [widths[n] for n in STEP_SCRATCH]
         self.row_floats = sum(self.widths)
+        # kept from step to step and only grown, as llama.cpp keeps its compute buffers: a prefill chunk's
+        # (hundreds of MB at 1-8B shapes) allocated afresh each step came from new pages, and faulting them
+        # in cost ~10% of the chunk's time
+        self._scratch = torch.empty(0, dtype=torch.float32)
 
     def run(self, x: torch.Tensor, codec: str, kv: list[tuple[torch.Tensor, torch.Tensor]], page_size: int,
             row_sets: list[tuple[AttentionRows, torch.Tensor, int | None]], num_threads: int) -> torch.Tensor:
@@ -112,7 +116,10 @@ class DecoderLayers:
         window) for the full-attention layers, then (if any) for the windowed ones."""
         t = x.shape[0]
         assert x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == self.shapes.hidden
-        scratch = torch.empty(t * self.row_floats, dtype=torch.float32)
+        if self._scratch.numel() < t * self.row_floats:
+            self._scratch = torch.empty(0, dtype=torch.float32)  # (the old one freed before the new is made)
+            self._scratch = torch.empty(t * self.row_floats, dtype=torch.float32)
+        scratch = self._scratch
         step = self.step
         step.rows, step.page_size, step.codec, step.num_threads = t, page_size, CODECS[codec], num_threads
         step.h = x.data_ptr()
@@ -132,4 +139,5 @@ class DecoderLayers:
         rc = self.fn(self.layers, ctypes.byref(step))
         if rc:
             raise RuntimeError(f"the fused decoder layers failed (kernel code {rc})")
-        return scratch[out_at:out_at + t * self.shapes.hidden].view(t, self.shapes.hidden)
+        # a copy: the next step writes the scratch again while the caller may still hold this step's output
+        return scratch[out_at:out_at + t * self.shapes.hidden].view(t, self.shapes.hidden).clone()

@@ -6,6 +6,7 @@ once; a step fills in its rows, RoPE tables, attention rows and one scratch buff
 from __future__ import annotations
 
 import ctypes
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +108,7 @@ class DecoderLayers:
         # (hundreds of MB at 1-8B shapes) allocated afresh each step came from new pages, and faulting them
         # in cost ~10% of the chunk's time
         self._scratch = torch.empty(0, dtype=torch.float32)
+        self._lock = threading.Lock()  # engines that share a model (build_model's cache) share this step and scratch
 
     def run(self, x: torch.Tensor, codec: str, kv: list[tuple[torch.Tensor, torch.Tensor]], page_size: int,
             row_sets: list[tuple[AttentionRows, torch.Tensor, int | None]], num_threads: int) -> torch.Tensor:
@@ -114,6 +116,11 @@ class DecoderLayers:
         -> the final norm's output [T, hidden]. kv: each layer's (K data, V data) pages of a codec
         whose write the attention kernel does (fp32, bf16). row_sets: (rows, slot_mapping [T] int64,
         window) for the full-attention layers, then (if any) for the windowed ones."""
+        with self._lock:
+            return self._run(x, codec, kv, page_size, row_sets, num_threads)
+
+    def _run(self, x: torch.Tensor, codec: str, kv: list[tuple[torch.Tensor, torch.Tensor]], page_size: int,
+             row_sets: list[tuple[AttentionRows, torch.Tensor, int | None]], num_threads: int) -> torch.Tensor:
         t = x.shape[0]
         assert x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == self.shapes.hidden
         if self._scratch.numel() < t * self.row_floats:

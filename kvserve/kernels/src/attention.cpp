@@ -33,7 +33,9 @@ namespace {
 
 using namespace kvs::simd;
 
-constexpr int KG = 4;  // keys whose scores are reduced together (reduce4)
+// keys whose scores are reduced together (reduce_keys): four where 16 vectors fit in registers; on AVX2, whose
+// vector is two registers, one, so that three query vectors still share each key's load
+constexpr int KG = VF_BUDGET >= 16 ? 4 : 1;
 constexpr int SEGMENT = 256;  // keys per partial softmax state, aligned to absolute positions
 constexpr int TILE = 16;  // prefill rows of one table attended together (each key block decoded once)
 static_assert(SEGMENT % KG == 0 && SEGMENT % 16 == 0, "score groups and W-lane chunks never straddle segments");
@@ -60,9 +62,9 @@ inline void load_nibbles(const uint8_t* src, vf& lo, vf& hi) {
     lo = {_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)))};
     hi = {_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4))};
 #elif defined(KVS_ISA_AVX2)
-    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
-    lo = {_mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)))};
-    hi = {_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4))};
+    const __m256i b0 = u8x8(src), b1 = u8x8(src + 8), m15 = _mm256_set1_epi32(15);
+    lo = {_mm256_cvtepi32_ps(_mm256_and_si256(b0, m15)), _mm256_cvtepi32_ps(_mm256_and_si256(b1, m15))};
+    hi = {_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4))};
 #else
     lo = {static_cast<float>(src[0] & 15)};
     hi = {static_cast<float>(src[0] >> 4)};
@@ -162,26 +164,35 @@ inline vf load_row(const void* row, int64_t at, int d) {
 }
 
 // out[k] = the sum of acc[k]'s lanes for k < KG, each by one fixed tree whatever the other
-// accumulators hold: AVX2 ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)); AVX-512 first adds lanes i and i+8.
-inline void reduce4(const vf* acc, float* out) {
+// accumulators hold: lanes i and i + 8 first, then ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)) of those.
+inline void reduce_keys(const vf* acc, float* out) {
+    static_assert(KG <= 4, "one tree of hadds takes four keys");
 #if defined(KVS_ISA_AVX2) || defined(KVS_ISA_AVX512)
-    __m256 x[KG];
+    __m256 x[4];
     for (int k = 0; k < KG; ++k) {
 #if defined(KVS_ISA_AVX512)
         x[k] = _mm256_add_ps(_mm512_castps512_ps256(acc[k].v), _mm512_extractf32x8_ps(acc[k].v, 1));
 #else
-        x[k] = acc[k].v;
+        x[k] = _mm256_add_ps(acc[k].lo, acc[k].hi);
 #endif
     }
+    for (int k = KG; k < 4; ++k) x[k] = x[0];  // (a key's tree never depends on its neighbours)
     const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));  // [low | high halves]
-    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+    const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+    if constexpr (KG == 4) {
+        _mm_storeu_ps(out, sums);
+    } else {
+        alignas(16) float all[4];
+        _mm_store_ps(all, sums);
+        for (int k = 0; k < KG; ++k) out[k] = all[k];
+    }
 #else
     for (int k = 0; k < KG; ++k) out[k] = acc[k].v;
 #endif
 }
 
 // s[i * SEGMENT + k] = q_i . key k for NQ query vectors (hd floats apart) and the KG keys kb[0..KG)
-// (`at` bytes on): per lane one fma chain over head_dim, then reduce4 (a score never depends on its
+// (`at` bytes on): per lane one fma chain over head_dim, then reduce_keys (a score never depends on its
 // neighbours; NQ only decides which chains share a key load).
 template <bool B16, int NQ>
 inline void scores_kg(const float* q, const void* const* kb, int64_t at, int hd, float* s) {
@@ -202,13 +213,14 @@ inline void scores_kg(const float* q, const void* const* kb, int64_t at, int hd,
             for (int i = 0; i < NQ; ++i) acc[i][kk] = vfma(qd[i], k, acc[i][kk]);
         }
     }
-    for (int i = 0; i < NQ; ++i) reduce4(acc[i], s + i * SEGMENT);
+    for (int i = 0; i < NQ; ++i) reduce_keys(acc[i], s + i * SEGMENT);
 }
 
-// Scores of nq query vectors against the keys g .. g + KG - 1, each key row loaded once for three.
+// Scores of nq query vectors against the keys g .. g + KG - 1, each key row loaded once for up to three.
 template <bool B16>
 inline void group_scores(const float* q, int nq, const void* const* kb, int64_t at, int hd, float* s) {
     int i = 0;
+    // (3 x KG accumulators, three queries and one key: within VF_BUDGET)
     for (; i + 3 <= nq; i += 3) scores_kg<B16, 3>(q + i * hd, kb, at, hd, s + i * SEGMENT);
     if (nq - i == 2) scores_kg<B16, 2>(q + i * hd, kb, at, hd, s + i * SEGMENT);
     if (nq - i == 1) scores_kg<B16, 1>(q + i * hd, kb, at, hd, s + i * SEGMENT);
@@ -237,10 +249,13 @@ inline void accumulate_span(const float* p, const void* const* vb, int64_t at, i
 
 template <bool B16, int NQ>
 void accumulate_rows(const float* p, const void* const* vb, int64_t at, int j0, int j1, int hd, float* o) {
-    constexpr int ND = NQ == 1 ? 8 : 4;  // NQ * ND accumulators + NQ probabilities + one value in registers
+    // NQ x ND accumulators, NQ probabilities and one value within the budget (ND a power of two, at most 8)
+    constexpr int fit = (VF_BUDGET - NQ - 1) / NQ;
+    constexpr int ND = fit >= 8 ? 8 : fit >= 4 ? 4 : fit >= 2 ? 2 : 1;
     int d = 0;
     for (; d + ND * W <= hd; d += ND * W) accumulate_span<B16, NQ, ND>(p, vb, at, j0, j1, d, hd, o);
-    for (; d + 2 * W <= hd; d += 2 * W) accumulate_span<B16, NQ, 2>(p, vb, at, j0, j1, d, hd, o);
+    if constexpr (ND > 2)
+        for (; d + 2 * W <= hd; d += 2 * W) accumulate_span<B16, NQ, 2>(p, vb, at, j0, j1, d, hd, o);
     for (; d < hd; d += W) accumulate_span<B16, NQ, 1>(p, vb, at, j0, j1, d, hd, o);
 }
 

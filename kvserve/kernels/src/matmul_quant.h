@@ -308,9 +308,12 @@ inline void dot_tile(const float* const* x, const float* const* w, int64_t K, fl
 }
 
 // Weight rows side by side for R activation rows: enough independent chains to hide the fma latency,
-// few enough that accumulators, weights and one activation vector fit in 16 registers
+// few enough that accumulators, weights and one activation vector fit in the registers (simd::VF_BUDGET)
 template <int R>
-constexpr int tile_cols() { return R == 1 ? 8 : R == 2 ? 4 : 3; }
+constexpr int tile_cols() {
+    if constexpr (simd::VF_BUDGET >= 16) return R == 1 ? 8 : R == 2 ? 4 : 3;
+    return R == 1 ? 3 : R == 2 ? 2 : 1;
+}
 
 // y[r * ldy + j] = x[r] . w[j] for R rows and nw weight rows
 template <int R>

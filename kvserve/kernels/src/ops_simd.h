@@ -1,8 +1,10 @@
-// A float vector of this build's width (scalar: 1 lane, AVX2: 8, AVX-512: 16) and the few operations
-// attention and the fused ops need, so each kernel is written once. Every operation is elementwise or
-// has one fixed reduction order (hsum's tree), so a result never depends on where data sits in a vector.
-// This is the one place an operation is spelled per instruction set: the AVX2 and AVX-512 blocks below
-// are line-for-line twins by design (each line one intrinsic of that width).
+// A float vector of 16 lanes (scalar: 1) and the few operations attention, the norms and the float
+// matmul need, so each kernel is written once. Every operation is elementwise or has one fixed reduction
+// order (hsum's tree), so a result never depends on where data sits in a vector; and the lanes are 16 on
+// AVX2 too (two 256-bit halves), so an AVX2 and an AVX-512 build compute every float in the same order
+// and give the same bits (tests/kernels/test_isa_identity.py). This is the one place an operation is
+// spelled per instruction set. VF_BUDGET: how many vf a kernel may keep live (tile shapes are sized to
+// it; a shape never changes a result): 16 registers' worth, a vf being one zmm or two ymm.
 #pragma once
 #include "common.h"
 #include <cmath>
@@ -12,6 +14,7 @@ namespace kvs::simd {
 
 #if defined(KVS_ISA_AVX512)
 constexpr int W = 16;
+constexpr int VF_BUDGET = 16;
 struct vf { __m512 v; };
 inline vf vzero() { return {_mm512_setzero_ps()}; }
 inline vf vset1(float x) { return {_mm512_set1_ps(x)}; }
@@ -55,57 +58,61 @@ inline vf vlookup(const float* table, const uint8_t* p) {  // table[p[i]]
     __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return {_mm512_i32gather_ps(idx, table, 4)};
 }
-#elif defined(KVS_ISA_AVX2)  // the AVX-512 block's twin at half the width, line for line (see the top)
-constexpr int W = 8;
-struct vf { __m256 v; };
-inline vf vzero() { return {_mm256_setzero_ps()}; }
-inline vf vset1(float x) { return {_mm256_set1_ps(x)}; }
-inline vf vload(const float* p) { return {_mm256_loadu_ps(p)}; }
-inline void vstore(float* p, vf a) { _mm256_storeu_ps(p, a.v); }
-inline vf vadd(vf a, vf b) { return {_mm256_add_ps(a.v, b.v)}; }
-inline vf vsub(vf a, vf b) { return {_mm256_sub_ps(a.v, b.v)}; }
-inline vf vmul(vf a, vf b) { return {_mm256_mul_ps(a.v, b.v)}; }
-inline vf vdiv(vf a, vf b) { return {_mm256_div_ps(a.v, b.v)}; }
-inline vf vfma(vf a, vf b, vf c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
-inline vf vmax(vf a, vf b) { return {_mm256_max_ps(a.v, b.v)}; }
-inline vf vmin(vf a, vf b) { return {_mm256_min_ps(a.v, b.v)}; }
-inline vf vfloor(vf a) { return {_mm256_floor_ps(a.v)}; }
-inline vf vpow2i(vf n) {
-    __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n.v), _mm256_set1_epi32(127));
-    return {_mm256_castsi256_ps(_mm256_slli_epi32(e, 23))};
+#elif defined(KVS_ISA_AVX2)  // the AVX-512 block's 16 lanes as two 256-bit halves, line for line (see the top)
+constexpr int W = 16;
+constexpr int VF_BUDGET = 8;
+struct vf { __m256 lo, hi; };  // lanes 0..7, 8..15
+inline vf vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline vf vset1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline vf vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void vstore(float* p, vf a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
+inline vf vadd(vf a, vf b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline vf vsub(vf a, vf b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline vf vmul(vf a, vf b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline vf vdiv(vf a, vf b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+inline vf vfma(vf a, vf b, vf c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline vf vmax(vf a, vf b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline vf vmin(vf a, vf b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
+inline vf vfloor(vf a) { return {_mm256_floor_ps(a.lo), _mm256_floor_ps(a.hi)}; }
+inline __m256 pow2i8(__m256 n) {
+    __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
 }
-inline float vfirst(vf a) { return _mm256_cvtss_f32(a.v); }
+inline vf vpow2i(vf n) { return {pow2i8(n.lo), pow2i8(n.hi)}; }
+inline float vfirst(vf a) { return _mm256_cvtss_f32(a.lo); }
 inline float hmax(vf a) {
-    __m128 x = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+    const __m256 h = _mm256_max_ps(a.lo, a.hi);
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
     x = _mm_max_ps(x, _mm_movehl_ps(x, x));
     x = _mm_max_ss(x, _mm_movehdup_ps(x));
     return _mm_cvtss_f32(x);
 }
-inline float hsum(vf a) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+inline float hsum(vf a) {  // the AVX-512 tree: lanes i and i + 8 first
+    const __m256 h = _mm256_add_ps(a.lo, a.hi);
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
     x = _mm_add_ps(x, _mm_movehl_ps(x, x));
     x = _mm_add_ss(x, _mm_movehdup_ps(x));
     return _mm_cvtss_f32(x);
 }
-inline vf vload_bf16(const uint16_t* p) {
+inline __m256 bf16x8(const uint16_t* p) {
     __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16))};
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
-inline vf vload_f16(const uint16_t* p) {
-    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+inline vf vload_bf16(const uint16_t* p) { return {bf16x8(p), bf16x8(p + 8)}; }
+inline __m256 f16x8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline vf vload_f16(const uint16_t* p) { return {f16x8(p), f16x8(p + 8)}; }
+inline __m256 i8x8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
-inline vf vload_i8(const int8_t* p) {
-    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
-}
-inline vf vload_u8(const uint8_t* p) {
-    return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
-}
+inline vf vload_i8(const int8_t* p) { return {i8x8(p), i8x8(p + 8)}; }
+inline __m256i u8x8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline vf vload_u8(const uint8_t* p) { return {_mm256_cvtepi32_ps(u8x8(p)), _mm256_cvtepi32_ps(u8x8(p + 8))}; }
 inline vf vlookup(const float* table, const uint8_t* p) {
-    __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    return {_mm256_i32gather_ps(table, idx, 4)};
+    return {_mm256_i32gather_ps(table, u8x8(p), 4), _mm256_i32gather_ps(table, u8x8(p + 8), 4)};
 }
 #else
 constexpr int W = 1;
+constexpr int VF_BUDGET = 16;
 struct vf { float v; };
 inline vf vzero() { return {0.0f}; }
 inline vf vset1(float x) { return {x}; }

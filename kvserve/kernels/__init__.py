@@ -2,8 +2,9 @@
 (scalar, AVX2+FMA+F16C, AVX-512 with VNNI/BF16), loaded with ctypes and picked at run time.
 
 `KVSERVE_KERNELS=off` forces the pure-torch path; `KVSERVE_KERNELS_ISA=scalar|avx2|avx512` forces one
-instruction set (an error if this CPU cannot run it). `library()` is None whenever the kernels cannot
-be used, and every caller then takes the torch path, which stays the reference."""
+instruction set (an error if this CPU cannot run it); else a model's start-up calibration picks the faster
+SIMD build where the CPU runs two (kernels/tuning.py), else the best it runs. `library()` is None whenever
+the kernels cannot be used, and every caller then takes the torch path, which stays the reference."""
 
 from __future__ import annotations
 
@@ -74,17 +75,43 @@ def enabled() -> bool:
     return os.environ.get("KVSERVE_KERNELS", "on").lower() not in ("off", "0", "false", "no")
 
 
-def selected_isa() -> str:
-    """KVSERVE_KERNELS_ISA if set (checked against this CPU), else the best this CPU runs."""
+_chosen_isa: str | None = None  # the start-up calibration's choice (kernels/tuning.py choose_isa)
+
+
+def use_isa(isa: str | None) -> None:
+    """Makes `isa` this process's instruction set where KVSERVE_KERNELS_ISA forces none (None: the best
+    this CPU runs). The SIMD builds give the same bits (tests/kernels/test_isa_identity.py), so the
+    choice is only one of speed."""
+    global _chosen_isa
+    _chosen_isa = isa
+
+
+def forced_isa() -> str | None:
+    """KVSERVE_KERNELS_ISA if set (checked against this CPU), else None."""
     forced = os.environ.get("KVSERVE_KERNELS_ISA", "").lower()
+    if not forced:
+        return None
+    if forced not in ISAS:
+        raise ConfigError(f"KVSERVE_KERNELS_ISA must be one of {', '.join(ISAS)}, got {forced!r}")
     available = host_isas()
+    if forced not in available:
+        raise ConfigError(f"KVSERVE_KERNELS_ISA={forced}: this CPU runs only {', '.join(available)}")
+    return forced
+
+
+def selected_isa() -> str:
+    """KVSERVE_KERNELS_ISA if set, else the calibration's choice if one was made, else the best this CPU
+    runs."""
+    forced = forced_isa()
     if forced:
-        if forced not in ISAS:
-            raise ConfigError(f"KVSERVE_KERNELS_ISA must be one of {', '.join(ISAS)}, got {forced!r}")
-        if forced not in available:
-            raise ConfigError(f"KVSERVE_KERNELS_ISA={forced}: this CPU runs only {', '.join(available)}")
         return forced
-    return available[-1]
+    available = host_isas()
+    return _chosen_isa if _chosen_isa in available else available[-1]
+
+
+def simd_libraries() -> list[KernelLibrary]:
+    """The loaded library of each SIMD instruction set this CPU runs (the calibration's candidates)."""
+    return [kl for isa in host_isas() if isa != "scalar" for kl in [_load(isa)] if kl is not None]
 
 
 @dataclass(frozen=True)

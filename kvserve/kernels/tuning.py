@@ -1,7 +1,10 @@
-"""The kernels' per-host tuning: where and how far ahead the decode rows prefetch the weights, and where
-attention prefetches the KV rows (src/kvs_api.h KvsTuning). No choice changes a bit of any result, only
-speed, and the right one differs by CPU (Zen 5 wants L1, Zen 4 L2), so it is measured on the host: a
-calibration of a few hundred ms on the model's own weights, cached per CPU model in ~/.cache/kvserve.
+"""The kernels' per-host tuning: the instruction set where the CPU runs two SIMD builds (AVX2 and AVX-512:
+on Zen 4's 256-bit units the wider build is not always the faster), where and how far ahead the decode rows
+prefetch the weights, and where attention prefetches the KV rows (src/kvs_api.h KvsTuning). No choice
+changes a bit of any result, only speed, and the right one differs by CPU (Zen 5 wants L1, Zen 4 L2), so
+it is measured on the host: a calibration of a few hundred ms on the model's own weights, cached per CPU
+model in ~/.cache/kvserve. The instruction set is calibrated only under `auto`; KVSERVE_KERNELS_ISA
+forces one.
 
 `KVSERVE_KERNELS_TUNE`: unset or `auto` calibrates (or reads the cache), `off` keeps the built-in defaults,
 `WEIGHTS/KV` forces one choice: WEIGHTS a level, then `+BYTES` ahead in one burst a group or `~BYTES` spread
@@ -14,14 +17,17 @@ import json
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvserve.errors import ConfigError
+from kvserve import kernels
 from kvserve.kernels import KernelLibrary, cpu_flags, cpu_info
 from kvserve.kernels.api import KvsTuning, Prefetch
 
-CACHE_VERSION = 3  # 2: prefetches really issued (GCC had deleted them all in 1); 3: timed on the thread team
+# 2: prefetches really issued (GCC had deleted them all in 1); 3: timed on the thread team; 4: the distance
+# counted past the group's end, and the instruction set chosen
+CACHE_VERSION = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +37,8 @@ class Tuning:
     kv_prefetch: Prefetch
     weight_spread: bool = False  # the group's prefetch spread over its blocks (else one burst)
     source: str = "built-in"  # built-in, calibrated, cached or forced
+    isa: str = field(default="", compare=False)  # the instruction set the choice is installed in
+    isa_source: str = field(default="", compare=False)  # built-in, calibrated, cached or forced
 
     @property
     def weights(self) -> str:
@@ -40,15 +48,17 @@ class Tuning:
     def label(self) -> str:
         ahead = f"{self.weight_ahead // 1024} KiB ahead" if self.weight_ahead else "two groups ahead"
         how = f"{'spread' if self.weight_spread else 'burst'}, {ahead}" if self.weight_prefetch else ""
-        return (f"weights prefetch {self.weight_prefetch.name}{f' ({how})' if how else ''}, "
+        isa = f"{self.isa} [{self.isa_source}], " if self.isa else ""
+        return (f"{isa}weights prefetch {self.weight_prefetch.name}{f' ({how})' if how else ''}, "
                 f"KV prefetch {self.kv_prefetch.name} [{self.source}]")
 
     def as_dict(self) -> dict:
         return {"weights": self.weights, "kv": self.kv_prefetch.name.lower(), "source": self.source,
-                "label": self.label()}
+                "isa": self.isa, "isa_source": self.isa_source, "label": self.label()}
 
 
 BUILT_IN = Tuning(Prefetch.L1, 0, Prefetch.L1)
+ISA_ROUNDS = 7  # the builds are often within a few percent: more rounds than the prefetch choices get
 # what the calibration tries for the weights (KVSERVE_KERNELS_TUNE's spelling) and for the KV rows
 WEIGHT_CANDIDATES = ["l1+0", "l1~4096", "l1~8192", "l2~4096", "l2~8192", "l2~16384", "l2~32768", "l3~16384",
                      "none+0"]
@@ -85,11 +95,12 @@ def parse(spec: str, source: str = "forced") -> Tuning:
                           f"got {spec!r}") from None
 
 
-def host_key(kl: KernelLibrary, threads: int) -> str:
-    """The CPU model, instruction set and thread count a cached choice was measured with."""
+def host_key(isa: str, threads: int) -> str:
+    """The CPU model, instruction set (`any`: the choice of one) and thread count a cached choice was
+    measured with."""
     cpu = cpu_info()
     return (f"{cpu.get('model name', '?')} family {cpu.get('cpu family', '?')} model {cpu.get('model', '?')} "
-            f"{kl.isa} {threads} threads {len(cpu_flags())} flags")
+            f"{isa} {threads} threads {len(cpu_flags())} flags")
 
 
 def cache_path() -> Path:
@@ -104,9 +115,9 @@ def _read_cache() -> dict:
         return {"version": CACHE_VERSION}
 
 
-def _write_cache(key: str, shape_key: str, tuning: Tuning, timings: dict) -> None:
+def _write_cache(key: str, shape_key: str, row: dict, timings: dict) -> None:
     data = _read_cache()
-    data.setdefault("hosts", {}).setdefault(key, {})[shape_key] = {**tuning.as_dict(), "timings_ms": timings}
+    data.setdefault("hosts", {}).setdefault(key, {})[shape_key] = {**row, "timings_ms": timings}
     path = cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -117,8 +128,13 @@ def _write_cache(key: str, shape_key: str, tuning: Tuning, timings: dict) -> Non
         pass  # a read-only home: calibrate again next time
 
 
-def _cached(key: str, shape_key: str) -> Tuning | None:
+def _cached_row(key: str, shape_key: str) -> dict | None:
     row = _read_cache().get("hosts", {}).get(key, {}).get(shape_key)
+    return row if isinstance(row, dict) else None
+
+
+def _cached(key: str, shape_key: str) -> Tuning | None:
+    row = _cached_row(key, shape_key)
     try:
         return parse(f"{row['weights']}/{row['kv']}", "cached") if row else None
     except (KeyError, TypeError, ConfigError):
@@ -139,7 +155,7 @@ def choose(kl: KernelLibrary, make_decode_pass, make_attention_pass, shape_key: 
         return BUILT_IN
     if spec not in ("", "auto", "on"):
         return parse(spec)
-    key = host_key(kl, threads)
+    key = host_key(kl.isa, threads)
     cached = _cached(key, shape_key)
     if cached is not None:
         return cached
@@ -150,18 +166,58 @@ def choose(kl: KernelLibrary, make_decode_pass, make_attention_pass, shape_key: 
     timings = {**{f"weights {k}": round(v * 1e3, 3) for k, v in weights.items()},
                **{f"kv {k}": round(v * 1e3, 3) for k, v in kv.items()}}
     tuning = Tuning(level, ahead, Prefetch[_best(kv)], spread, "calibrated")
-    _write_cache(key, shape_key, tuning, timings)
+    _write_cache(key, shape_key, tuning.as_dict(), timings)
     return tuning
 
 
+def choose_isa(current: KernelLibrary, prefetch: Tuning, make_decode_pass, shape_key: str,
+               threads: int) -> tuple[KernelLibrary, str]:
+    """This process's instruction set and where the choice came from. Forced by KVSERVE_KERNELS_ISA; the
+    built-in (`current`, the best this CPU runs) unless the tuning is auto and the CPU runs two SIMD
+    builds; else cached, or measured now: `make_decode_pass(kl)` gives a function that runs the model's
+    decode-step matmuls on library kl, timed on each build alternated under the same prefetch choice.
+    The chosen build becomes the one `kernels.library()` gives from then on."""
+    if kernels.forced_isa():
+        return current, "forced"
+    spec = os.environ.get("KVSERVE_KERNELS_TUNE", "auto").strip().lower()
+    candidates = {kl.isa: kl for kl in kernels.simd_libraries()}
+    if spec not in ("", "auto", "on") or len(candidates) < 2:
+        return current, "built-in"
+    key = host_key("any", threads)
+    row = _cached_row(key, shape_key)
+    if row is not None and row.get("isa") in candidates:
+        chosen, source = candidates[row["isa"]], "cached"
+    else:
+        for kl in candidates.values():
+            install(kl, prefetch)
+        passes = {isa: make_decode_pass(kl) for isa, kl in candidates.items()}
+        timings = _time_runs(passes, rounds=ISA_ROUNDS)
+        chosen, source = candidates[_best(timings)], "calibrated"
+        _write_cache(key, shape_key, {"isa": chosen.isa}, {isa: round(t * 1e3, 3) for isa, t in timings.items()})
+    kernels.use_isa(chosen.isa)
+    return chosen, source
+
+
 def _time_each(candidates: dict[str, Tuning], kl: KernelLibrary, run, rounds: int = 3) -> dict[str, float]:
-    """Each candidate's median time of `run`, the candidates alternated round by round after one warm-up
-    (the host takes time away unannounced: alternation spreads it, the median resists it)."""
-    run()
-    samples: dict[str, list[float]] = {name: [] for name in candidates}
-    for _ in range(rounds):
-        for name, tuning in candidates.items():
+    """Each candidate's median time of `run`, installed in kl (see _time_runs)."""
+    def installed_then(tuning: Tuning):
+        def timed() -> None:
             install(kl, tuning)
+            run()
+        return timed
+    run()
+    return _time_runs({name: installed_then(tuning) for name, tuning in candidates.items()}, rounds, warm=False)
+
+
+def _time_runs(runs: dict[str, object], rounds: int = 3, warm: bool = True) -> dict[str, float]:
+    """Each run's median time, the runs alternated round by round after one warm-up each (the host takes
+    time away unannounced: alternation spreads it, the median resists it)."""
+    if warm:
+        for run in runs.values():
+            run()
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
             start = time.perf_counter()
             run()
             samples[name].append(time.perf_counter() - start)

@@ -1,8 +1,11 @@
 """The native kernels' tuning for this model on this host (kernels/tuning.py decides; this module hands it
 the model's own work to time): one decode step's matmuls over the model's weights, and one decode row's
-attention over a long bf16 context, each larger than the caches so they stream from memory as in serving."""
+attention over a long bf16 context, each larger than the caches so they stream from memory as in serving;
+the instruction set, where there is a choice, by the same matmuls on each build."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -16,15 +19,28 @@ KV_CONTEXT = 2048  # tokens of the attention pass, page_size 16
 
 
 def tune_kernels(model: torch.nn.Module, config: ModelConfig, threads: int) -> tuning.Tuning | None:
-    """Chooses and installs the kernels' tuning; None where the model does not run on them."""
+    """Chooses and installs the kernels' tuning, the instruction set first where the CPU runs two SIMD
+    builds (the model's linears are moved onto the chosen one); None where the model does not run on
+    them."""
     linears = [m for m in model.modules() if isinstance(m, NativeLinear)]
     lib = linears[0].library if linears else None
     if lib is None:
         return None
-    # the passes are built only if a calibration runs (a cached or forced choice costs nothing)
-    chosen = tuning.choose(lib, lambda: _decode_pass(lib, linears, threads),
-                           lambda: _attention_pass(lib, config, threads), _shape_key(config, linears), threads)
-    tuning.install(lib, chosen)
+    shape = _shape_key(config, linears)
+
+    def prefetch_for(kl: kernels.KernelLibrary) -> tuning.Tuning:
+        # the passes are built only if a calibration runs (a cached or forced choice costs nothing)
+        return tuning.choose(kl, lambda: _decode_pass(kl, linears, threads), lambda: _attention_pass(kl, config, threads),
+                             shape, threads)
+
+    chosen = prefetch_for(lib)
+    isa_lib, isa_source = tuning.choose_isa(lib, chosen, lambda kl: _decode_pass(kl, linears, threads), shape, threads)
+    if isa_lib is not lib:
+        for m in linears:
+            m.use_library(isa_lib)
+        chosen = prefetch_for(isa_lib)
+    chosen = dataclasses.replace(chosen, isa=isa_lib.isa, isa_source=isa_source)
+    tuning.install(isa_lib, chosen)
     return chosen
 
 

@@ -131,6 +131,10 @@ class NativeLinear(nn.Module):
     def blocks(self, i: int) -> torch.Tensor:
         return getattr(self, f"blocks{i}")
 
+    def use_library(self, library: kernels.KernelLibrary) -> None:
+        """Runs on another build of the kernels from now on (the instruction set's calibration)."""
+        self.library, self._calls = library, None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()

@@ -131,3 +131,82 @@ def test_the_engine_installs_its_choice_and_greedy_tokens_do_not_depend_on_it(li
         out = llm.generate("The capital of France is", SamplingParams(max_tokens=12, temperature=0.0))
         tokens.add(tuple(out[0].outputs[0].token_ids))
     assert len(tokens) == 1
+
+
+both_simd = pytest.mark.skipif(not {"avx2", "avx512"} <= set(kernels.host_isas()),
+                               reason="needs a host that runs both AVX2 and AVX-512")
+
+
+@pytest.fixture
+def isa_unchosen(monkeypatch, tmp_path):
+    """A fresh tuning cache and no instruction set chosen, before and after (the choice is per process)."""
+    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("KVSERVE_KERNELS_TUNE", "auto")
+    monkeypatch.delenv("KVSERVE_KERNELS_ISA", raising=False)
+    kernels.use_isa(None)
+    yield tmp_path
+    kernels.use_isa(None)
+
+
+def _slower_unless(winner: str):
+    """make_decode_pass for choose_isa: every build but `winner` takes 3 ms longer."""
+    def make(kl):
+        def run():
+            if kl.isa != winner:
+                import time
+                time.sleep(0.003)
+        return run
+    return make
+
+
+@both_simd
+@pytest.mark.parametrize("winner", ["avx2", "avx512"])
+def test_the_faster_instruction_set_is_chosen_cached_and_used_by_the_process(lib, isa_unchosen, winner):
+    chosen, source = tuning.choose_isa(lib, tuning.BUILT_IN, _slower_unless(winner), "shape B", 2)
+    assert (chosen.isa, source) == (winner, "calibrated")
+    assert kernels.library().isa == winner  # every later caller gets it
+    kernels.use_isa(None)
+    again, source = tuning.choose_isa(lib, tuning.BUILT_IN, _slower_unless("neither"), "shape B", 2)
+    assert (again.isa, source) == (winner, "cached")  # nothing timed: the slower-unless pass would pick avx2
+    cached = json.loads((isa_unchosen / "kernel-tuning.json").read_text())
+    assert any(" any 2 threads " in host and cached["hosts"][host]["shape B"]["isa"] == winner
+               for host in cached["hosts"])
+
+
+@both_simd
+def test_a_forced_instruction_set_or_tuning_skips_the_choice(lib, isa_unchosen, monkeypatch):
+    def never(kl):
+        raise AssertionError("nothing is timed when the choice is forced")
+    monkeypatch.setenv("KVSERVE_KERNELS_ISA", "avx2")
+    assert tuning.choose_isa(lib, tuning.BUILT_IN, never, "shape C", 2)[1] == "forced"
+    monkeypatch.delenv("KVSERVE_KERNELS_ISA")
+    for spec in ("off", "l2~8192/l3"):
+        monkeypatch.setenv("KVSERVE_KERNELS_TUNE", spec)
+        assert tuning.choose_isa(lib, tuning.BUILT_IN, never, "shape C", 2) == (lib, "built-in")
+
+
+@both_simd
+def test_the_engine_runs_on_the_chosen_instruction_set_with_the_same_greedy_tokens(lib, isa_unchosen, monkeypatch):
+    """Each build made to win the engine's calibration in turn: the model's linears, kernels.library()
+    and the start-up label follow it, and greedy tokens and their logprobs are the same on both."""
+    from kvserve import SamplingParams
+    from kvserve.model import runner
+    from tests.conftest import make_llm
+
+    answers = {}
+    for winner in ("avx2", "avx512"):
+        kernels.use_isa(None)
+        monkeypatch.setenv("KVSERVE_CACHE", str(isa_unchosen / winner))
+        monkeypatch.setattr(tuning, "_time_runs", lambda runs, *a, w=winner, **k: {
+            name: (1.0 if name == w else 2.0) if name in ("avx2", "avx512") else 1.0 for name in runs})
+        runner.build_model.cache_clear()
+        llm = make_llm(dtype="native")
+        assert llm.engine.runner.kernel_tuning.isa == winner and f"{winner} [calibrated]" in \
+            llm.engine.runner.kernel_tuning.label()
+        assert kernels.library().isa == winner
+        assert all(m.library.isa == winner for m in llm.engine.runner.model.modules() if hasattr(m, "library"))
+        out = llm.generate(["The capital of France is", "1, 1, 2, 3, 5,"],
+                           SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2))
+        answers[winner] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in out]
+    runner.build_model.cache_clear()
+    assert answers["avx2"] == answers["avx512"]

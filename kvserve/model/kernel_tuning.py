@@ -1,7 +1,8 @@
 """The native kernels' tuning for this model on this host (kernels/tuning.py decides; this module hands it
 the model's own work to time): one decode step's matmuls over the model's weights, and one decode row's
 attention over a long bf16 context, each larger than the caches so they stream from memory as in serving;
-the instruction set, where there is a choice, by the same matmuls on each build."""
+the instruction set, where there is a choice, by the same matmuls on each build, for one row and for a
+prefill chunk."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from kvserve.model.linear import NativeLinear
 
 STREAM_BYTES = 48 << 20  # more than a last-level cache (32 MB on Zen 4 and Zen 5 CCDs): weights come from DRAM
 KV_CONTEXT = 2048  # tokens of the attention pass, page_size 16
+PREFILL_ROWS, PREFILL_BYTES = 64, 4 << 20  # the prefill pass: a chunk's rows through ~4 MB of weights
 
 
 def tune_kernels(model: torch.nn.Module, config: ModelConfig, threads: int) -> tuning.Tuning | None:
@@ -34,7 +36,8 @@ def tune_kernels(model: torch.nn.Module, config: ModelConfig, threads: int) -> t
                              shape, threads)
 
     chosen = prefetch_for(lib)
-    isa_lib, isa_source = tuning.choose_isa(lib, chosen, lambda kl: _decode_pass(kl, linears, threads), shape, threads)
+    isa_lib, isa_source = tuning.choose_isa(lib, chosen, lambda kl: _decode_pass(kl, linears, threads),
+                                            lambda kl: _prefill_pass(kl, linears, threads), shape, threads)
     if isa_lib is not lib:
         for m in linears:
             m.use_library(isa_lib)
@@ -60,6 +63,28 @@ def _decode_pass(lib: kernels.KernelLibrary, linears: list[NativeLinear], thread
                           torch.randn(1, m.in_features), torch.empty(1, blocks.shape[0])))
             total += blocks.numel()
         if total >= STREAM_BYTES:
+            break
+
+    def run() -> None:
+        for call, x, y in calls:
+            call(x, y, threads)
+    return run
+
+
+def _prefill_pass(lib: kernels.KernelLibrary, linears: list[NativeLinear], threads: int):
+    """PREFILL_ROWS activation rows through the model's first layer matmuls, up to PREFILL_BYTES of
+    weights (prefill is bound by compute, not by reading the weights: a few matrices tell the builds
+    apart; the vocabulary's matrix, larger than that, is left out)."""
+    calls, total = [], 0
+    for m in linears:
+        for i, qtype in enumerate(m.qtypes):
+            blocks = m.blocks(i)
+            if blocks.numel() > PREFILL_BYTES:
+                continue
+            calls.append((native_matmul.PreparedMatmul(lib, qtype, blocks, m.in_features),
+                          torch.randn(PREFILL_ROWS, m.in_features), torch.empty(PREFILL_ROWS, blocks.shape[0])))
+            total += blocks.numel()
+        if total >= PREFILL_BYTES:
             break
 
     def run() -> None:

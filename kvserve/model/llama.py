@@ -21,13 +21,12 @@ from kvserve.model.gguf_loader import GGUFTensor
 from kvserve.model.kv_quant import PagedKV
 from kvserve.model.linear import NativeLinear, WeightBuilder
 
-# steps of up to this many rows (the default --max-num-batched-tokens) run every layer in one native call
-# (kernels/layers.py) when the model and its KV codec allow; longer prefill chunks run op by op. Both give
-# the same bits. The fused call's scratch is kept between steps (one step's activations, as the memory
-# line counts them); op by op, a chunk's intermediates over glibc's 32 MB mmap ceiling (a 1.5B model's
-# gate/up output for 1,547 rows: 111 MB) came from fresh pages in every layer: 1.4 s of page faults in
-# a 15 s prefill.
-FUSED_MAX_ROWS = 2048
+# steps of up to this many rows run every layer in one native call (kernels/layers.py) when the model
+# and its KV codec allow; longer prefill chunks run op by op. Both give the same bits. The fused call
+# for a whole 1,547-token chunk saved the op-by-op path's page faults (its >32 MB intermediates come
+# from fresh pages in every layer: ~1.4 s of system time in a 1.5B model's 15 s prefill) but was
+# slower overall (TTFT 19.5-20.4 s against 14.8-16.0 s, Zen 4, quiet), so long chunks stay op by op.
+FUSED_MAX_ROWS = 256
 
 
 class RMSNorm(nn.Module):

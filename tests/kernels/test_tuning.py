@@ -162,11 +162,13 @@ def _slower_unless(winner: str):
 @both_simd
 @pytest.mark.parametrize("winner", ["avx2", "avx512"])
 def test_the_faster_instruction_set_is_chosen_cached_and_used_by_the_process(lib, isa_unchosen, winner):
-    chosen, source = tuning.choose_isa(lib, tuning.BUILT_IN, _slower_unless(winner), "shape B", 2)
+    chosen, source = tuning.choose_isa(lib, tuning.BUILT_IN, _slower_unless(winner), _slower_unless(winner),
+                                       "shape B", 2)
     assert (chosen.isa, source) == (winner, "calibrated")
     assert kernels.library().isa == winner  # every later caller gets it
     kernels.use_isa(None)
-    again, source = tuning.choose_isa(lib, tuning.BUILT_IN, _slower_unless("neither"), "shape B", 2)
+    again, source = tuning.choose_isa(lib, tuning.BUILT_IN, _slower_unless("neither"), _slower_unless("neither"),
+                                      "shape B", 2)
     assert (again.isa, source) == (winner, "cached")  # nothing timed: the slower-unless pass would pick avx2
     cached = json.loads((isa_unchosen / "kernel-tuning.json").read_text())
     assert any(" any 2 threads " in host and cached["hosts"][host]["shape B"]["isa"] == winner
@@ -174,15 +176,28 @@ def test_the_faster_instruction_set_is_chosen_cached_and_used_by_the_process(lib
 
 
 @both_simd
+def test_a_build_ahead_in_decode_but_behind_in_prefill_is_not_chosen(lib, isa_unchosen):
+    def pass_taking(ms: dict[str, float]):
+        def make(kl):
+            def run():
+                import time
+                time.sleep(ms[kl.isa] / 1000)
+            return run
+        return make
+    decode, prefill = pass_taking({"avx2": 3.0, "avx512": 3.3}), pass_taking({"avx2": 6.0, "avx512": 3.0})
+    assert tuning.choose_isa(lib, tuning.BUILT_IN, decode, prefill, "shape D", 2)[0].isa == "avx512"
+
+
+@both_simd
 def test_a_forced_instruction_set_or_tuning_skips_the_choice(lib, isa_unchosen, monkeypatch):
     def never(kl):
         raise AssertionError("nothing is timed when the choice is forced")
     monkeypatch.setenv("KVSERVE_KERNELS_ISA", "avx2")
-    assert tuning.choose_isa(lib, tuning.BUILT_IN, never, "shape C", 2)[1] == "forced"
+    assert tuning.choose_isa(lib, tuning.BUILT_IN, never, never, "shape C", 2)[1] == "forced"
     monkeypatch.delenv("KVSERVE_KERNELS_ISA")
     for spec in ("off", "l2~8192/l3"):
         monkeypatch.setenv("KVSERVE_KERNELS_TUNE", spec)
-        assert tuning.choose_isa(lib, tuning.BUILT_IN, never, "shape C", 2) == (lib, "built-in")
+        assert tuning.choose_isa(lib, tuning.BUILT_IN, never, never, "shape C", 2) == (lib, "built-in")
 
 
 @both_simd

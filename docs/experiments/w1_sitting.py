@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--models", default="bundled,gemma-3-270m", help="comma list; bundled: the default model")
     args = parser.parse_args()
     models = args.models.split(",")
-    print(f"{cpu_kind()}; kernels: {os.environ.get('KVSERVE_KERNELS_ISA', 'the host best')}")
+    print(f"{cpu_kind()}; kernels: {os.environ.get('KVSERVE_KERNELS_ISA', 'chosen at start-up (the tuning)')}")
     runs: dict[str, list[dict]] = {m: [] for m in models}
     for round_ in range(args.rounds):
         for model in models:

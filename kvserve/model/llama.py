@@ -22,10 +22,10 @@ from kvserve.model.kv_quant import PagedKV
 from kvserve.model.linear import NativeLinear, WeightBuilder
 
 # steps of up to this many rows run every layer in one native call (kernels/layers.py) when the model
-# and its KV codec allow; longer prefill chunks run op by op. Both give the same bits. The fused call
-# for a whole 1,547-token chunk saved the op-by-op path's page faults (its >32 MB intermediates come
-# from fresh pages in every layer: ~1.4 s of system time in a 1.5B model's 15 s prefill) but was
-# slower overall (TTFT 19.5-20.4 s against 14.8-16.0 s, Zen 4, quiet), so long chunks stay op by op.
+# and its KV codec allow; longer prefill chunks run op by op. Both give the same bits. Op by op, a
+# chunk's intermediates over glibc's 32 MB mmap ceiling come from fresh pages in every layer (~1.4 s of
+# system time in a 1.5B model's 15 s prefill); the fused call for whole chunks avoids that (its scratch
+# is kept) but holds a chunk's activations for good and was not measured faster in a quiet sitting.
 FUSED_MAX_ROWS = 256
 
 

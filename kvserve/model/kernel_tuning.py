@@ -55,36 +55,30 @@ def _shape_key(config: ModelConfig, linears: list[NativeLinear]) -> str:
 
 def _decode_pass(lib: kernels.KernelLibrary, linears: list[NativeLinear], threads: int):
     """One activation row through the model's matmuls in order, up to STREAM_BYTES of weights."""
-    calls, total = [], 0
-    for m in linears:
-        for i, qtype in enumerate(m.qtypes):
-            blocks = m.blocks(i)
-            calls.append((native_matmul.PreparedMatmul(lib, qtype, blocks, m.in_features),
-                          torch.randn(1, m.in_features), torch.empty(1, blocks.shape[0])))
-            total += blocks.numel()
-        if total >= STREAM_BYTES:
-            break
-
-    def run() -> None:
-        for call, x, y in calls:
-            call(x, y, threads)
-    return run
+    return _matmul_pass(lib, linears, threads, 1, STREAM_BYTES, None)
 
 
 def _prefill_pass(lib: kernels.KernelLibrary, linears: list[NativeLinear], threads: int):
     """PREFILL_ROWS activation rows through the model's first layer matmuls, up to PREFILL_BYTES of
     weights (prefill is bound by compute, not by reading the weights: a few matrices tell the builds
     apart; the vocabulary's matrix, larger than that, is left out)."""
+    return _matmul_pass(lib, linears, threads, PREFILL_ROWS, PREFILL_BYTES, PREFILL_BYTES)
+
+
+def _matmul_pass(lib: kernels.KernelLibrary, linears: list[NativeLinear], threads: int, rows: int, up_to: int,
+                 largest: int | None):
+    """`rows` activation rows through the model's matmuls in order (those over `largest` bytes left out)
+    until `up_to` bytes of weights."""
     calls, total = [], 0
     for m in linears:
         for i, qtype in enumerate(m.qtypes):
             blocks = m.blocks(i)
-            if blocks.numel() > PREFILL_BYTES:
+            if largest is not None and blocks.numel() > largest:
                 continue
             calls.append((native_matmul.PreparedMatmul(lib, qtype, blocks, m.in_features),
-                          torch.randn(PREFILL_ROWS, m.in_features), torch.empty(PREFILL_ROWS, blocks.shape[0])))
+                          torch.randn(rows, m.in_features), torch.empty(rows, blocks.shape[0])))
             total += blocks.numel()
-        if total >= PREFILL_BYTES:
+        if total >= up_to:
             break
 
     def run() -> None:

@@ -141,6 +141,13 @@ def _cached(key: str, shape_key: str) -> Tuning | None:
         return None
 
 
+AUTO = ("", "auto", "on")  # KVSERVE_KERNELS_TUNE's spellings of a calibration
+
+
+def _tune_spec() -> str:
+    return os.environ.get("KVSERVE_KERNELS_TUNE", "auto").strip().lower()
+
+
 def _best(timings: dict[str, float]) -> str:
     return min(timings, key=timings.get)
 
@@ -150,10 +157,10 @@ def choose(kl: KernelLibrary, make_decode_pass, make_attention_pass, shape_key: 
     function that runs the model's decode-step matmuls once (one activation row), `make_attention_pass()`
     one that runs a decode row's attention over a long context; both only to be timed, and made only when
     a calibration runs."""
-    spec = os.environ.get("KVSERVE_KERNELS_TUNE", "auto").strip().lower()
+    spec = _tune_spec()
     if spec in ("off", "0", "no", "false"):
         return BUILT_IN
-    if spec not in ("", "auto", "on"):
+    if spec not in AUTO:
         return parse(spec)
     key = host_key(kl.isa, threads)
     cached = _cached(key, shape_key)
@@ -182,9 +189,8 @@ def choose_isa(current: KernelLibrary, prefetch: Tuning, make_decode_pass, make_
     `kernels.library()` gives from then on."""
     if kernels.forced_isa():
         return current, "forced"
-    spec = os.environ.get("KVSERVE_KERNELS_TUNE", "auto").strip().lower()
     candidates = {kl.isa: kl for kl in kernels.simd_libraries()}
-    if spec not in ("", "auto", "on") or len(candidates) < 2:
+    if _tune_spec() not in AUTO or len(candidates) < 2:
         return current, "built-in"
     key = host_key("any", threads)
     row = _cached_row(key, shape_key)

@@ -4,8 +4,12 @@ whose write the attention kernel does; and the steps they cover make no per-op k
 
 from __future__ import annotations
 
+import zlib
+
+import numpy as np
 import pytest
 import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kvserve import kernels
 from kvserve.config import KV_DTYPES
@@ -102,3 +106,50 @@ def test_other_layer_kinds_answer_as_op_by_op(kind, tmp_path, monkeypatch):
     monkeypatch.setattr(llama, "FUSED_MAX_ROWS", 0)
     assert answers() == fused
     assert calls
+
+
+K_FORMATS = {"attn_q": GGMLQuantizationType.Q4_K, "attn_k": GGMLQuantizationType.Q4_K,
+             "attn_v": GGMLQuantizationType.Q6_K, "ffn_gate": GGMLQuantizationType.Q4_K,
+             "ffn_up": GGMLQuantizationType.Q5_K, "ffn_down": GGMLQuantizationType.Q6_K}
+
+
+def random_k_blocks(name: str, w: np.ndarray) -> tuple[np.ndarray, GGMLQuantizationType] | None:
+    """Random blocks of a Q4_K_M-like mix for the layers' matrices (V and down in Q6_K, up in Q5_K), so a
+    fused QKV and gate+up hold parts of two formats; each fp16 scale a small normal value."""
+    qtype = next((q for key, q in K_FORMATS.items() if f".{key}." in name), None)
+    if qtype is None or w.ndim != 2:
+        return None
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    blocks = rng.integers(0, 256, (w.shape[0], w.shape[1] // block, block_bytes), dtype=np.uint8)
+    halves = rng.uniform(2e-4, 4e-4, blocks.shape[:2] + (2,)).astype(np.float16).view(np.uint8)
+    if qtype == GGMLQuantizationType.Q6_K:
+        blocks[..., 208:210] = halves[..., :2]  # d
+    else:
+        blocks[..., 0:4] = halves  # d, dmin
+    return blocks.reshape(w.shape[0], -1), qtype
+
+
+def test_parts_of_two_formats_answer_as_op_by_op(tmp_path, monkeypatch):
+    """A fused QKV of Q4_K and Q6_K parts and a gate+up of Q4_K and Q5_K run as one call over the parts'
+    rows side by side (matmul.cpp run_parts_direct): the same tokens and logprobs, bit for bit, as each
+    part's own kvs_matmul on the per-op path."""
+    from tests.conftest import make_llm
+    from tests.model.tiny_models import make_hf_model, write_gguf
+
+    from kvserve import SamplingParams
+
+    model = make_hf_model("llama3", hidden_size=256, intermediate_size=512, head_dim=64)
+    path = str(write_gguf(model, "llama3", tmp_path / "kmix.gguf", store=random_k_blocks))
+    prompts = [{"prompt_token_ids": [3 + (7 * i + 11 * j) % 2000 for j in range(n)]} for i, n in enumerate((30, 7))]
+    params = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2)
+
+    def answers():
+        llm = make_llm(model=path, dtype="native", page_size=PAGE, max_model_len=256, kv_cache_memory="16MiB")
+        layer = llm.engine.runner.model.layers[0]
+        assert len(layer.qkv.qtypes) == 2 and len(layer.gate_up.qtypes) == 2
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+
+    fused = answers()
+    monkeypatch.setattr(llama, "FUSED_MAX_ROWS", 0)
+    assert answers() == fused

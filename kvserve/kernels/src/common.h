@@ -15,6 +15,10 @@
 
 namespace kvs {
 
+// y [T, out_features] = x [T, in_features] @ W^T for a linear layer's parts, each filling its columns
+// (matmul.cpp; no bias): kvs_matmul's bits, part by part. KvsMatmulStatus.
+int matmul_linear(const KvsLinear& w, const float* x, int64_t T, float* y, int num_threads);
+
 // the tuning kvs_set_tuning installed (a copy per call: a kernel reads it once, at its start)
 KvsTuning current_tuning();
 

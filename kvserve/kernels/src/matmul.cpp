@@ -136,6 +136,47 @@ void run_quant_direct(const FormatKernels& f, const uint8_t* w, int64_t row_byte
 #endif
 
 #if KVS_SIMD
+// The parts of one linear layer (fused QKV, gate + up; block formats, up to DIRECT_ROWS rows) in one
+// team call over one activation rounding: their groups of eight rows side by side, shared out as one
+// row space, each chunk run by its part's decode rows. A decode step made a call (and a rounding) per
+// part, and each small part (K and V: 256 rows) paid a call's start and drain. Each output's chain is
+// its part's, whichever chunk holds it.
+bool run_parts_direct(const KvsLinear& w, const float* x, int64_t T, float* y, int nthreads) {
+    const int64_t P = w.num_parts, K = w.in_features, nb = K / 32;
+    const FormatKernels* f[KVS_MAX_PARTS];
+    int64_t first[KVS_MAX_PARTS + 1] = {0}, col[KVS_MAX_PARTS] = {0}, row_bytes[KVS_MAX_PARTS];
+    for (int64_t p = 0; p < P; ++p) {
+        f[p] = kernels_of(static_cast<int>(w.formats[p]));
+        if (f[p] == nullptr || f[p]->row->codes == Codes::Float || K % f[p]->row->block) return false;
+        row_bytes[p] = K / f[p]->row->block * f[p]->row->bytes;
+        first[p + 1] = first[p] + (w.rows[p] + DIRECT_GROUP - 1) / DIRECT_GROUP;
+        if (p + 1 < P) col[p + 1] = col[p] + w.rows[p];
+    }
+    thread_local XBlocks caller_blocks;
+    XBlocks& xb = caller_blocks;
+    xb.fit(T, K);
+    XRow xrows[DIRECT_ROWS];
+    for (int64_t t = 0; t < T; ++t) {
+        quantize_row(x + t * K, K, xb, t);
+        xrows[t] = xb.row(t, K);
+    }
+    const int64_t groups = first[P];
+    const int64_t chunk = std::max<int64_t>(1, CHUNK_BYTES / (DIRECT_GROUP * row_bytes[0]));
+    nthreads = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, groups)));
+    parallel_for_shares(nthreads, groups, 1, chunk, [&](int64_t g0, int64_t g1, int64_t share_end) {
+        thread_local std::vector<float> off;  // per-block offsets of the weight rows in flight
+        if (int64_t(off.size()) < DIRECT_GROUP * nb) off.resize(DIRECT_GROUP * nb);
+        for (int64_t p = 0; p < P; ++p) {
+            const int64_t lo = std::max(g0, first[p]), hi = std::min(g1, first[p + 1]);
+            if (lo >= hi) continue;
+            const auto rows = [&](int64_t g) { return std::min(w.rows[p], (g - first[p]) * DIRECT_GROUP); };
+            f[p]->decode_rows[T - 1](w.weights[p], row_bytes[p], rows(lo), rows(hi), rows(std::min(share_end, first[p + 1])),
+                                     nb, xrows, off.data(), y + col[p], w.out_features);
+        }
+    });
+    return true;
+}
+
 // y[j] += sum_b off[j][b] * s[b] for the nw decoded rows of a panel, eight rows a vector: offT holds
 // the panel's offsets transposed ([nb][ldo], rows past nw zero); offset_dots8 keeps offset_dot's
 // chain, so adding it to a tile's offset-free result is the tile's own result.
@@ -248,6 +289,24 @@ KVS_EXPORT int kvs_matmul(int format, const uint8_t* w, int64_t N, int64_t K, co
     run(*f, w, N, K, x, ldx, T, y, ldy, std::max(1, num_threads));
     return KVS_MATMUL_OK;
 }
+
+namespace kvs {
+
+int matmul_linear(const KvsLinear& w, const float* x, int64_t T, float* y, int num_threads) {
+#if KVS_SIMD
+    if (w.num_parts > 1 && T <= DIRECT_ROWS && run_parts_direct(w, x, T, y, std::max(1, num_threads))) return KVS_MATMUL_OK;
+#endif
+    int64_t col = 0;
+    for (int64_t p = 0; p < w.num_parts; ++p) {
+        const int rc = kvs_matmul(static_cast<int>(w.formats[p]), w.weights[p], w.rows[p], w.in_features, x,
+                                  w.in_features, T, y + col, w.out_features, num_threads);
+        if (rc) return rc;
+        col += w.rows[p];
+    }
+    return KVS_MATMUL_OK;
+}
+
+}  // namespace kvs
 
 KVS_EXPORT int kvs_dequantize_rows(int format, const uint8_t* w, int64_t K, const int64_t* rows, int64_t n,
                                    float* out) {

@@ -10,13 +10,7 @@
 namespace {
 
 int linear(const KvsLinear& w, const float* x, int64_t rows, float* y, int num_threads) {
-    int64_t col = 0;
-    for (int64_t p = 0; p < w.num_parts; ++p) {
-        const int rc = kvs_matmul(static_cast<int>(w.formats[p]), w.weights[p], w.rows[p], w.in_features, x,
-                                  w.in_features, rows, y + col, w.out_features, num_threads);
-        if (rc) return rc;
-        col += w.rows[p];
-    }
+    if (const int rc = kvs::matmul_linear(w, x, rows, y, num_threads)) return rc;
     if (w.bias) {  // y + bias, as the per-op path adds it after the matmul
         for (int64_t t = 0; t < rows; ++t)
             for (int64_t n = 0; n < w.out_features; ++n) y[t * w.out_features + n] += w.bias[n];

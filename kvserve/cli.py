@@ -43,7 +43,9 @@ def _mode_line(engine) -> str:
     from kvserve import kernels
 
     library = kernels.library() if engine.config.dtype == "native" else None
-    weights = (f"the file's own formats on kvserve's native kernels ({library.isa})" if library is not None
+    rows = kernels.library(1) if library is not None else None
+    isa = library.isa if rows is None or rows.isa == library.isa else f"{library.isa}, decode rows {rows.isa}"
+    weights = (f"the file's own formats on kvserve's native kernels ({isa})" if library is not None
                else f"{engine.config.dtype} (torch)")
     return f"kvserve: weights: {weights}; KV cache: {engine.cache_config.kv_dtype.name}"
 

@@ -61,6 +61,7 @@ def cpu_info() -> dict[str, str]:
     return info
 
 
+@functools.lru_cache(maxsize=1)  # (kernels.library() asks on every forward: ~20 us a step rebuilt)
 def cpu_flags() -> frozenset[str]:
     return frozenset(cpu_info().get("flags", "").split())
 
@@ -75,15 +76,17 @@ def enabled() -> bool:
     return os.environ.get("KVSERVE_KERNELS", "on").lower() not in ("off", "0", "false", "no")
 
 
-_chosen_isa: str | None = None  # the start-up calibration's choice (kernels/tuning.py choose_isa)
+_chosen_isas: dict[str, str] = {}  # the start-up calibration's choice per kind of call (kernels/tuning.py choose_isa)
 
 
-def use_isa(isa: str | None) -> None:
+def use_isa(isa: str | None, decode_isa: str | None = None) -> None:
     """Makes `isa` this process's instruction set where KVSERVE_KERNELS_ISA forces none (None: the best
-    this CPU runs). The SIMD builds give the same bits (tests/kernels/test_isa_identity.py), so the
-    choice is only one of speed."""
-    global _chosen_isa
-    _chosen_isa = isa
+    this CPU runs), and `decode_isa` (default: `isa`) that of calls of at most api.DECODE_ROWS rows. The
+    SIMD builds give the same bits (tests/kernels/test_isa_identity.py), so the choice is only one of
+    speed, and a step may run on either."""
+    _chosen_isas.clear()
+    if isa is not None:
+        _chosen_isas.update(prefill=isa, decode=decode_isa or isa)
 
 
 def forced_isa() -> str | None:
@@ -99,14 +102,15 @@ def forced_isa() -> str | None:
     return forced
 
 
-def selected_isa() -> str:
-    """KVSERVE_KERNELS_ISA if set, else the calibration's choice if one was made, else the best this CPU
-    runs."""
+def selected_isa(rows: int | None = None) -> str:
+    """KVSERVE_KERNELS_ISA if set, else the calibration's choice if one was made (for a call of `rows`
+    activation rows: up to api.DECODE_ROWS, the decode rows' choice), else the best this CPU runs."""
     forced = forced_isa()
     if forced:
         return forced
     available = host_isas()
-    return _chosen_isa if _chosen_isa in available else available[-1]
+    chosen = _chosen_isas.get("decode" if rows is not None and rows <= api.DECODE_ROWS else "prefill")
+    return chosen if chosen in available else available[-1]
 
 
 def simd_libraries() -> list[KernelLibrary]:
@@ -213,9 +217,10 @@ def built_digest(isa: str) -> str | None:
         return None
 
 
-def library() -> KernelLibrary | None:
-    """The kernels for this process (KVSERVE_KERNELS / KVSERVE_KERNELS_ISA read on each call, so a
-    test can switch them), or None: use the torch path."""
+def library(rows: int | None = None) -> KernelLibrary | None:
+    """The kernels for this process, for a call of `rows` activation rows if given (selected_isa;
+    KVSERVE_KERNELS / KVSERVE_KERNELS_ISA read on each call, so a test can switch them), or None: use
+    the torch path."""
     if not enabled():
         return None
-    return _load(selected_isa())
+    return _load(selected_isa(rows))

@@ -72,6 +72,7 @@ class Prefetch(IntEnum):
 
 
 MAX_PARTS = 4  # KVS_MAX_PARTS
+DECODE_ROWS = 8  # KVS_DECODE_ROWS: up to this many rows a matmul runs the decode rows, more the prefill tiles
 
 # the header's enum names for each mirrored value
 ENUM_VALUES: dict[str, int] = {
@@ -81,6 +82,7 @@ ENUM_VALUES: dict[str, int] = {
     **{f"KVS_ACT_{m.name}": m.value for m in Activation},
     **{f"KVS_MATMUL_{m.name}": m.value for m in MatmulStatus},
     "KVS_MAX_PARTS": MAX_PARTS,
+    "KVS_DECODE_ROWS": DECODE_ROWS,
     **{f"KVS_PREFETCH_{m.name}": m.value for m in Prefetch},
 }
 

@@ -26,8 +26,9 @@ from kvserve.kernels import KernelLibrary, cpu_flags, cpu_info
 from kvserve.kernels.api import KvsTuning, Prefetch
 
 # 2: prefetches really issued (GCC had deleted them all in 1); 3: timed on the thread team; 4: the distance
-# counted past the group's end, and the instruction set chosen; 5: chosen on prefill too
-CACHE_VERSION = 5
+# counted past the group's end, and the instruction set chosen; 5: chosen on prefill too; 6: chosen for the
+# decode rows and for the prefill tiles apart
+CACHE_VERSION = 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,8 +38,9 @@ class Tuning:
     kv_prefetch: Prefetch
     weight_spread: bool = False  # the group's prefetch spread over its blocks (else one burst)
     source: str = "built-in"  # built-in, calibrated, cached or forced
-    isa: str = field(default="", compare=False)  # the instruction set the choice is installed in
+    isa: str = field(default="", compare=False)  # the instruction set of calls of more than DECODE_ROWS rows
     isa_source: str = field(default="", compare=False)  # built-in, calibrated, cached or forced
+    decode_isa: str = field(default="", compare=False)  # that of the decode rows (up to DECODE_ROWS), if another
 
     @property
     def weights(self) -> str:
@@ -48,13 +50,15 @@ class Tuning:
     def label(self) -> str:
         ahead = f"{self.weight_ahead // 1024} KiB ahead" if self.weight_ahead else "two groups ahead"
         how = f"{'spread' if self.weight_spread else 'burst'}, {ahead}" if self.weight_prefetch else ""
-        isa = f"{self.isa} [{self.isa_source}], " if self.isa else ""
+        rows = f", decode rows {self.decode_isa}" if self.decode_isa and self.decode_isa != self.isa else ""
+        isa = f"{self.isa}{rows} [{self.isa_source}], " if self.isa else ""
         return (f"{isa}weights prefetch {self.weight_prefetch.name}{f' ({how})' if how else ''}, "
                 f"KV prefetch {self.kv_prefetch.name} [{self.source}]")
 
     def as_dict(self) -> dict:
         return {"weights": self.weights, "kv": self.kv_prefetch.name.lower(), "source": self.source,
-                "isa": self.isa, "isa_source": self.isa_source, "label": self.label()}
+                "isa": self.isa, "decode_isa": self.decode_isa or self.isa, "isa_source": self.isa_source,
+                "label": self.label()}
 
 
 BUILT_IN = Tuning(Prefetch.L1, 0, Prefetch.L1)
@@ -178,37 +182,35 @@ def choose(kl: KernelLibrary, make_decode_pass, make_attention_pass, shape_key: 
 
 
 def choose_isa(current: KernelLibrary, prefetch: Tuning, make_decode_pass, make_prefill_pass, shape_key: str,
-               threads: int) -> tuple[KernelLibrary, str]:
-    """This process's instruction set and where the choice came from. Forced by KVSERVE_KERNELS_ISA; the
-    built-in (`current`, the best this CPU runs) unless the tuning is auto and the CPU runs two SIMD
-    builds; else cached, or measured now: `make_decode_pass(kl)` and `make_prefill_pass(kl)` give
-    functions that run the model's matmuls for one row and for a prefill chunk on library kl, each timed
-    on each build alternated under the same prefetch choice. The chosen build is the one whose worse
-    ratio to the faster build, over the two, is smaller (a build a few percent ahead in decode but a third
-    behind in prefill, as AVX2 against AVX-512's VNNI tiles on Zen 4, is not chosen). It becomes the one
-    `kernels.library()` gives from then on."""
+               threads: int) -> tuple[KernelLibrary, KernelLibrary, str]:
+    """This process's instruction sets, (for calls of more than DECODE_ROWS rows, for the decode rows), and
+    where the choice came from. Forced by KVSERVE_KERNELS_ISA; the built-in (`current`, the best this CPU
+    runs) unless the tuning is auto and the CPU runs two SIMD builds; else cached, or measured now:
+    `make_decode_pass(kl)` and `make_prefill_pass(kl)` give functions that run the model's matmuls for one
+    row and for a prefill chunk on library kl, each timed on each build alternated under the same
+    prefetch choice. Each kind of call gets the build that ran its pass faster (on Zen 4, AVX2's decode
+    rows and AVX-512's VNNI tiles): the builds give the same bits, so a step may run on either. They
+    become what `kernels.library(rows)` gives from then on."""
     if kernels.forced_isa():
-        return current, "forced"
+        return current, current, "forced"
     candidates = {kl.isa: kl for kl in kernels.simd_libraries()}
     if _tune_spec() not in AUTO or len(candidates) < 2:
-        return current, "built-in"
+        return current, current, "built-in"
     key = host_key("any", threads)
     row = _cached_row(key, shape_key)
-    if row is not None and row.get("isa") in candidates:
-        chosen, source = candidates[row["isa"]], "cached"
+    if row is not None and row.get("isa") in candidates and row.get("decode_isa") in candidates:
+        chosen, decode_chosen, source = candidates[row["isa"]], candidates[row["decode_isa"]], "cached"
     else:
         for kl in candidates.values():
             install(kl, prefetch)
         decode = _time_runs({isa: make_decode_pass(kl) for isa, kl in candidates.items()}, rounds=ISA_ROUNDS)
         prefill = _time_runs({isa: make_prefill_pass(kl) for isa, kl in candidates.items()}, rounds=ISA_ROUNDS)
-        worse = {isa: max(decode[isa] / min(decode.values()), prefill[isa] / min(prefill.values()))
-                 for isa in candidates}
-        chosen, source = candidates[_best(worse)], "calibrated"
-        _write_cache(key, shape_key, {"isa": chosen.isa},
+        chosen, decode_chosen, source = candidates[_best(prefill)], candidates[_best(decode)], "calibrated"
+        _write_cache(key, shape_key, {"isa": chosen.isa, "decode_isa": decode_chosen.isa},
                      {f"{part} {isa}": round(t * 1e3, 3) for part, times in (("decode", decode), ("prefill", prefill))
                       for isa, t in times.items()})
-    kernels.use_isa(chosen.isa)
-    return chosen, source
+    kernels.use_isa(chosen.isa, decode_chosen.isa)
+    return chosen, decode_chosen, source
 
 
 def _time_each(candidates: dict[str, Tuning], kl: KernelLibrary, run, rounds: int = 3) -> dict[str, float]:

@@ -21,9 +21,10 @@ PREFILL_ROWS, PREFILL_BYTES = 64, 4 << 20  # the prefill pass: a chunk's rows th
 
 
 def tune_kernels(model: torch.nn.Module, config: ModelConfig, threads: int) -> tuning.Tuning | None:
-    """Chooses and installs the kernels' tuning, the instruction set first where the CPU runs two SIMD
-    builds (the model's linears are moved onto the chosen one); None where the model does not run on
-    them."""
+    """Chooses and installs the kernels' tuning, the instruction sets first where the CPU runs two SIMD
+    builds (the model's linears are moved onto the chosen ones: one for the decode rows, one for more
+    rows); the decode rows' build's prefetch choice, with both builds named; None where the model does
+    not run on them."""
     linears = [m for m in model.modules() if isinstance(m, NativeLinear)]
     lib = linears[0].library if linears else None
     if lib is None:
@@ -36,15 +37,15 @@ def tune_kernels(model: torch.nn.Module, config: ModelConfig, threads: int) -> t
                              shape, threads)
 
     chosen = prefetch_for(lib)
-    isa_lib, isa_source = tuning.choose_isa(lib, chosen, lambda kl: _decode_pass(kl, linears, threads),
-                                            lambda kl: _prefill_pass(kl, linears, threads), shape, threads)
-    if isa_lib is not lib:
-        for m in linears:
-            m.use_library(isa_lib)
-        chosen = prefetch_for(isa_lib)
-    chosen = dataclasses.replace(chosen, isa=isa_lib.isa, isa_source=isa_source)
-    tuning.install(isa_lib, chosen)
-    return chosen
+    isa_lib, row_lib, isa_source = tuning.choose_isa(lib, chosen, lambda kl: _decode_pass(kl, linears, threads),
+                                                     lambda kl: _prefill_pass(kl, linears, threads), shape, threads)
+    for m in linears:
+        m.use_library(isa_lib, row_lib)
+    # each build its own prefetch choice (cached per build); the decode rows' is the one that matters
+    installed = {kl: chosen if kl is lib else prefetch_for(kl) for kl in (isa_lib, row_lib)}
+    for kl, choice in installed.items():
+        tuning.install(kl, choice)
+    return dataclasses.replace(installed[row_lib], isa=isa_lib.isa, decode_isa=row_lib.isa, isa_source=isa_source)
 
 
 def _shape_key(config: ModelConfig, linears: list[NativeLinear]) -> str:

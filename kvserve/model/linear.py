@@ -14,6 +14,7 @@ from kvserve import kernels
 from kvserve.kernels import cuda as gpu
 from kvserve.config import ConfigError
 from kvserve.kernels import matmul as native_matmul
+from kvserve.kernels.api import DECODE_ROWS
 from kvserve.model.loaded import FloatTensor, GGUFTensor, unpermute_rope_rows
 from kvserve.model.native_fallback import NativeFallback
 
@@ -126,28 +127,36 @@ class NativeLinear(nn.Module):
         for i, (_, blocks) in enumerate(parts):
             self.register_buffer(f"blocks{i}", blocks)  # [rows, row bytes] uint8, the file's layout
         self.register_buffer("bias", None if bias is None else bias.float())
-        self._calls: list[native_matmul.PreparedMatmul] | None = None
+        self.row_library = library  # the build that runs calls of up to DECODE_ROWS rows
+        self._calls: dict[kernels.KernelLibrary, list[native_matmul.PreparedMatmul]] = {}
 
     def blocks(self, i: int) -> torch.Tensor:
         return getattr(self, f"blocks{i}")
 
-    def use_library(self, library: kernels.KernelLibrary) -> None:
-        """Runs on another build of the kernels from now on (the instruction set's calibration)."""
-        self.library, self._calls = library, None
+    @property
+    def libraries(self) -> tuple[kernels.KernelLibrary, ...]:
+        return (self.library, self.row_library)
+
+    def use_library(self, library: kernels.KernelLibrary, row_library: kernels.KernelLibrary | None = None) -> None:
+        """Runs on another build of the kernels from now on (the instruction set's calibration), calls of
+        up to DECODE_ROWS rows on `row_library` if given (the same bits on either)."""
+        self.library, self.row_library, self._calls = library, row_library or library, {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()
-        if self._calls is None:  # made on first use: the buffers' storage is final by then
-            self._calls = [native_matmul.PreparedMatmul(self.library, q, self.blocks(i), self.in_features)
-                           for i, q in enumerate(self.qtypes)]
+        library = self.row_library if x.shape[0] <= DECODE_ROWS else self.library
+        calls = self._calls.get(library)
+        if calls is None:  # made on first use: the buffers' storage is final by then
+            calls = self._calls[library] = [native_matmul.PreparedMatmul(library, q, self.blocks(i), self.in_features)
+                                            for i, q in enumerate(self.qtypes)]
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         threads = torch.get_num_threads()
-        if len(self._calls) == 1:
-            self._calls[0](x, y, threads)
+        if len(calls) == 1:
+            calls[0](x, y, threads)
         else:
             col = 0
-            for call, width in zip(self._calls, self.widths):
+            for call, width in zip(calls, self.widths):
                 call(x, y[:, col:col + width], threads)
                 col += width
         return y if self.bias is None else y + self.bias

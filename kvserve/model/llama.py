@@ -204,8 +204,8 @@ class LlamaModel(nn.Module):
         x = self.embed(input_ids)  # [T, hidden]
         if self.config.embedding_scale != 1.0:  # HF multiplies by the scale cast to the model dtype
             x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
-        lib = kernels.library() if (x.dtype == torch.float32 and x.device.type == "cpu"
-                                    and not isinstance(meta, GpuAttentionMetadata)) else None
+        lib = kernels.library(x.shape[0]) if (x.dtype == torch.float32 and x.device.type == "cpu"
+                                              and not isinstance(meta, GpuAttentionMetadata)) else None
         fused = self._fused_layers(lib, kv_caches, x) if lib is not None else None
         windowed = {w: (window_meta or meta).with_window(w) for w in set(self.windows) if w is not None}
         if fused is not None:  # x is the embedding's own fresh tensor: the call may overwrite it
@@ -238,7 +238,7 @@ class LlamaModel(nn.Module):
 
     def _build_fused(self, lib: kernels.KernelLibrary) -> native_layers.DecoderLayers | None:
         def weights(m: nn.Module) -> native_layers.LinearWeights | None:
-            if not isinstance(m, NativeLinear) or m.library is not lib or len(m.qtypes) > native_layers.MAX_PARTS:
+            if not isinstance(m, NativeLinear) or lib not in m.libraries or len(m.qtypes) > native_layers.MAX_PARTS:
                 return None
             return native_layers.LinearWeights([(q, m.blocks(i)) for i, q in enumerate(m.qtypes)], m.in_features,
                                                m.bias)

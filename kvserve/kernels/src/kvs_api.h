@@ -39,6 +39,9 @@ enum KvsActivation : int { KVS_ACT_SILU = 0, KVS_ACT_GELU_TANH = 1 };
 enum KvsMatmulStatus : int { KVS_MATMUL_OK = 0, KVS_MATMUL_NO_FORMAT = -1, KVS_MATMUL_BAD_ROW_LENGTH = -2 };
 
 enum : int { KVS_MAX_PARTS = 4 };  // formats stacked by rows in one KvsLinear
+// kvs_matmul with up to this many activation rows (decode, a speculative verify) streams the weights
+// through registers (the decode rows); more rows run the prefill tiles
+enum : int { KVS_DECODE_ROWS = 8 };
 
 // Which cache level a software prefetch fills (_MM_HINT_T0 / T1 / T2), or none
 enum KvsPrefetch : int { KVS_PREFETCH_NONE = 0, KVS_PREFETCH_L1 = 1, KVS_PREFETCH_L2 = 2, KVS_PREFETCH_L3 = 3 };
@@ -215,4 +218,4 @@ int kvs_decoder_layers(const KvsLayer* layers, const KvsStep* step);
     X(KVS_Q6_K) X(KVS_BF16) X(KVS_CODEC_FP32) X(KVS_CODEC_BF16) X(KVS_CODEC_FP16) X(KVS_CODEC_FP8)            \
     X(KVS_CODEC_INT8) X(KVS_CODEC_INT4) X(KVS_SCHEDULE_AUTO) X(KVS_SCHEDULE_TILE) X(KVS_SCHEDULE_SEGMENT)     \
     X(KVS_ACT_SILU) X(KVS_ACT_GELU_TANH) X(KVS_MATMUL_OK) X(KVS_MATMUL_NO_FORMAT) X(KVS_MATMUL_BAD_ROW_LENGTH) \
-    X(KVS_MAX_PARTS) X(KVS_PREFETCH_NONE) X(KVS_PREFETCH_L1) X(KVS_PREFETCH_L2) X(KVS_PREFETCH_L3)
+    X(KVS_MAX_PARTS) X(KVS_DECODE_ROWS) X(KVS_PREFETCH_NONE) X(KVS_PREFETCH_L1) X(KVS_PREFETCH_L2) X(KVS_PREFETCH_L3)

@@ -23,7 +23,7 @@ namespace kvs {
 namespace {
 
 constexpr int TILE_ROWS = 4;              // activation rows sharing each decoded weight row in registers
-constexpr int64_t DIRECT_ROWS = 8;        // up to this many rows: weights decoded in registers, no scratch
+constexpr int64_t DIRECT_ROWS = KVS_DECODE_ROWS;  // up to this many rows: weights decoded in registers, no scratch
 constexpr int64_t L1_BYTES = 24 * 1024;  // decoded rows for a few activation rows: stay in L1
 constexpr int64_t L2_BYTES = 96 * 1024;  // decoded rows reread by every tile of a prefill chunk: in L2
 constexpr int64_t PANELS_PER_THREAD = 4;  // prefill: weight panels a thread takes at least (dynamically)

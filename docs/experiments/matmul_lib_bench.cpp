@@ -6,8 +6,6 @@
 // Prints the best call's time and a checksum of the output: two libraries built from different sources
 // that keep the chain print the same checksum. Random codes, fp16 scales set to small normal values;
 // timing only. N large enough (e.g. 103680 x 576) reads the weights from DRAM, not the caches.
-#include <dlfcn.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -24,12 +22,7 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "usage: %s LIB TYPE N K T REPS [THREADS]\n", argv[0]);
         return 2;
     }
-    void* lib = dlopen(argv[1], RTLD_NOW);
-    if (!lib) {
-        std::fprintf(stderr, "%s\n", dlerror());
-        return 1;
-    }
-    const auto matmul = reinterpret_cast<MatmulFn>(dlsym(lib, "kvs_matmul"));
+    const MatmulFn matmul = load_matmul(argv[1]);
     const int type = std::atoi(argv[2]), reps = std::atoi(argv[6]), threads = argc > 7 ? std::atoi(argv[7]) : 1;
     const int64_t N = std::atol(argv[3]), K = std::atol(argv[4]), T = std::atol(argv[5]);
     std::vector<uint8_t> w;

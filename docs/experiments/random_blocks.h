@@ -1,6 +1,8 @@
 // Random weight rows in a GGUF format and a random activation, for the kvs_matmul experiments
 // (matmul_lib_bench.cpp, matmul_ab_in_process.cpp): random codes, every fp16 scale a small normal value.
 #pragma once
+#include <dlfcn.h>
+
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -9,6 +11,18 @@
 #include <vector>
 
 using MatmulFn = int (*)(int, const uint8_t*, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t, int);
+
+// the library at `path` (its handle in *lib if asked) and its kvs_matmul; exits with dlerror's message if it
+// does not load
+inline MatmulFn load_matmul(const char* path, void** lib = nullptr) {
+    void* handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!handle) {
+        std::fprintf(stderr, "%s\n", dlerror());
+        std::exit(1);
+    }
+    if (lib) *lib = handle;
+    return reinterpret_cast<MatmulFn>(dlsym(handle, "kvs_matmul"));
+}
 
 struct Format {
     int bytes, elems;  // a block's bytes and elements

@@ -183,8 +183,8 @@ def choose(kl: KernelLibrary, make_decode_pass, make_attention_pass, shape_key: 
 
 def choose_isa(current: KernelLibrary, prefetch: Tuning, make_decode_pass, make_prefill_pass, shape_key: str,
                threads: int) -> tuple[KernelLibrary, KernelLibrary, str]:
-    """This process's instruction sets, (for calls of more than DECODE_ROWS rows, for the decode rows), and
-    where the choice came from. Forced by KVSERVE_KERNELS_ISA; the built-in (`current`, the best this CPU
+    """This process's instruction sets (that of calls of more than DECODE_ROWS rows, that of the decode
+    rows) and where the choice came from. Forced by KVSERVE_KERNELS_ISA; the built-in (`current`, the best this CPU
     runs) unless the tuning is auto and the CPU runs two SIMD builds; else cached, or measured now:
     `make_decode_pass(kl)` and `make_prefill_pass(kl)` give functions that run the model's matmuls for one
     row and for a prefill chunk on library kl, each timed on each build alternated under the same
@@ -206,9 +206,8 @@ def choose_isa(current: KernelLibrary, prefetch: Tuning, make_decode_pass, make_
         # each build's best round: the builds differ by 5-20% and another process's load only ever adds
         # time (medians of 7 taken beside another session's tests once put AVX2's decode at 15.9 ms against
         # AVX-512's 8.2, and its prefill the other way round)
-        decode = _time_runs({isa: make_decode_pass(kl) for isa, kl in candidates.items()}, rounds=ISA_ROUNDS, best=True)
-        prefill = _time_runs({isa: make_prefill_pass(kl) for isa, kl in candidates.items()}, rounds=ISA_ROUNDS,
-                             best=True)
+        decode, prefill = (_time_runs({isa: make(kl) for isa, kl in candidates.items()}, ISA_ROUNDS, best=True)
+                           for make in (make_decode_pass, make_prefill_pass))
         chosen, decode_chosen, source = candidates[_best(prefill)], candidates[_best(decode)], "calibrated"
         _write_cache(key, shape_key, {"isa": chosen.isa, "decode_isa": decode_chosen.isa},
                      {f"{part} {isa}": round(t * 1e3, 3) for part, times in (("decode", decode), ("prefill", prefill))

@@ -170,8 +170,9 @@ bool run_parts_direct(const KvsLinear& w, const float* x, int64_t T, float* y, i
             const int64_t lo = std::max(g0, first[p]), hi = std::min(g1, first[p + 1]);
             if (lo >= hi) continue;
             const auto rows = [&](int64_t g) { return std::min(w.rows[p], (g - first[p]) * DIRECT_GROUP); };
-            f[p]->decode_rows[T - 1](w.weights[p], row_bytes[p], rows(lo), rows(hi), rows(std::min(share_end, first[p + 1])),
-                                     nb, xrows, off.data(), y + col[p], w.out_features);
+            const int64_t prefetch_hi = rows(std::min(share_end, first[p + 1]));
+            f[p]->decode_rows[T - 1](w.weights[p], row_bytes[p], rows(lo), rows(hi), prefetch_hi, nb, xrows,
+                                     off.data(), y + col[p], w.out_features);
         }
     });
     return true;
@@ -294,7 +295,8 @@ namespace kvs {
 
 int matmul_linear(const KvsLinear& w, const float* x, int64_t T, float* y, int num_threads) {
 #if KVS_SIMD
-    if (w.num_parts > 1 && T <= DIRECT_ROWS && run_parts_direct(w, x, T, y, std::max(1, num_threads))) return KVS_MATMUL_OK;
+    if (w.num_parts > 1 && T <= DIRECT_ROWS && run_parts_direct(w, x, T, y, std::max(1, num_threads)))
+        return KVS_MATMUL_OK;
 #endif
     int64_t col = 0;
     for (int64_t p = 0; p < w.num_parts; ++p) {

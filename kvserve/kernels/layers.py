@@ -15,6 +15,8 @@ from kvserve.kernels import KernelLibrary
 from kvserve.kernels.api import MAX_PARTS, STEP_SCRATCH, Activation, KvsLayer, KvsLinear, KvsStep
 from kvserve.kernels.attention import CODECS, AttentionRows
 
+KEPT_ROWS = 256  # a step's scratch is kept for the next up to this many rows (a prefill chunk's is not)
+
 
 @dataclass(frozen=True, slots=True)
 class LinearWeights:
@@ -104,9 +106,10 @@ class DecoderLayers:
                   "cos": 2 * s.head_dim, "sin": 2 * s.head_dim}
         self.widths = [widths[n] for n in STEP_SCRATCH]
         self.row_floats = sum(self.widths)
-        # kept from step to step and only grown, as llama.cpp keeps its compute buffers: a prefill chunk's
-        # (hundreds of MB at 1-8B shapes) allocated afresh each step came from new pages, and faulting them
-        # in cost ~10% of the chunk's time
+        # kept from step to step up to KEPT_ROWS rows, as llama.cpp keeps its compute buffers (a decode step's
+        # activations allocated afresh each step came from new pages); a longer chunk's (hundreds of MB at
+        # 1-8B shapes) is made for its step and freed after: one allocation a step, on huge pages, where
+        # the op-by-op path made one an op and faulted in fresh pages in every layer
         self._scratch = torch.empty(0, dtype=torch.float32)
         self._lock = threading.Lock()  # engines that share a model (build_model's cache) share this step and scratch
 
@@ -123,10 +126,13 @@ class DecoderLayers:
              row_sets: list[tuple[AttentionRows, torch.Tensor, int | None]], num_threads: int) -> torch.Tensor:
         t = x.shape[0]
         assert x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == self.shapes.hidden
-        if self._scratch.numel() < t * self.row_floats:
-            self._scratch = torch.empty(0, dtype=torch.float32)  # (the old one freed before the new is made)
-            self._scratch = torch.empty(t * self.row_floats, dtype=torch.float32)
-        scratch = self._scratch
+        if t > KEPT_ROWS:
+            scratch = torch.empty(t * self.row_floats, dtype=torch.float32)
+        else:
+            if self._scratch.numel() < t * self.row_floats:
+                self._scratch = torch.empty(0, dtype=torch.float32)  # (the old one freed before the new is made)
+                self._scratch = torch.empty(t * self.row_floats, dtype=torch.float32)
+            scratch = self._scratch
         step = self.step
         step.rows, step.page_size, step.codec, step.num_threads = t, page_size, CODECS[codec], num_threads
         step.h = x.data_ptr()

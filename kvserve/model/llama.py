@@ -21,12 +21,13 @@ from kvserve.model.gguf_loader import GGUFTensor
 from kvserve.model.kv_quant import PagedKV
 from kvserve.model.linear import NativeLinear, WeightBuilder
 
-# steps of up to this many rows run every layer in one native call (kernels/layers.py) when the model
-# and its KV codec allow; longer prefill chunks run op by op. Both give the same bits. Op by op, a
-# chunk's intermediates over glibc's 32 MB mmap ceiling come from fresh pages in every layer (~1.4 s of
-# system time in a 1.5B model's 15 s prefill); the fused call for whole chunks avoids that (its scratch
-# is kept) but holds a chunk's activations for good and was not measured faster in a quiet sitting.
-FUSED_MAX_ROWS = 256
+# steps of up to this many rows (the default token budget's chunks) run every layer in one native call
+# (kernels/layers.py) when the model and its KV codec allow; longer prefill chunks run op by op. Both
+# give the same bits. Op by op, a chunk's intermediates over glibc's 32 MB mmap ceiling come from fresh
+# pages in every layer (a 1.5B model's 1,547-token prefill: 22-36k page faults, 1.3-2.0 s of system
+# time); the fused call makes one scratch a step (docs/performance.md, "the decode rows' own
+# instruction set").
+FUSED_MAX_ROWS = 2048
 
 
 class RMSNorm(nn.Module):

@@ -60,6 +60,19 @@ def test_fused_layers_equal_the_per_op_path_bitwise(loaded, kv_dtype, monkeypatc
         assert torch.equal(a, b)
 
 
+def test_chunks_past_the_kept_scratch_run_on_their_own(loaded, monkeypatch):
+    """Chunks longer than KEPT_ROWS get a scratch of their own for the step (the kept one stays at the
+    decode steps' size), steps within it the kept one: the same bits as op by op."""
+    from kvserve.kernels import layers as native_layers
+
+    monkeypatch.setattr(native_layers, "KEPT_ROWS", 10)  # the 37-, 20- and 24-row steps are past it
+    fused = hidden_states(loaded, "bf16")
+    monkeypatch.setattr(llama, "FUSED_MAX_ROWS", 0)
+    per_op = hidden_states(loaded, "bf16")
+    for a, b in zip(fused, per_op, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_covered_steps_make_no_per_op_kernel_call(loaded, monkeypatch):
     def per_op(*args, **kwargs):
         raise AssertionError("a per-op kernel ran")

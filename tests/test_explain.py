@@ -109,16 +109,18 @@ def test_the_cache_report_finds_a_shared_span_placed_mid_prompt():
 def hit_rate_of_a_under_b_flood(share: str) -> float:
     llm = make_llm(dtype="float32", kv_cache_memory=pool_memory(48), max_model_len=256, swap_space=0,
                    tenant_kv_share=share)
-    working_set = [prompt(300 + i, 96) for i in range(3)]  # 21 of the 47 pages: tenant A (the default)
+    working_set = [prompt(300 + i, 96) for i in range(3)]  # 18 of the 47 pages: tenant A (the default)
+    one_token = SamplingParams(max_tokens=1)  # the prompt's pages are what is shared: no decode step
     hits = queries = 0
     for round_ in range(3):
         for i, tokens in enumerate(working_set):
-            result = explained(llm, tokens)
+            result = explained(llm, tokens, params=one_token)
             if round_:  # the first round is cold
                 hits += result["cached_tokens"]
                 queries += len(tokens) - 1
             for j in range(3):  # tenant B floods unique prompts: 30 pages between two A requests
-                explained(llm, prompt(1000 + round_ * 100 + i * 10 + j, 150), tenant="key:b")
+                explained(llm, prompt(1000 + round_ * 100 + i * 10 + j, 150), tenant="key:b",
+                          params=one_token)
     return hits / queries
 
 
@@ -128,11 +130,13 @@ def test_fair_shares_keep_a_tenants_working_set_through_anothers_flood():
 
 
 def test_a_preemption_loop_ends_with_every_request_complete():
-    llm = make_llm(dtype="float32", kv_cache_memory=pool_memory(12), max_model_len=112, swap_space=0,
-                   page_size=16, prefix_cache="off")
+    # 6 requests of 2.5 + 3.75 pages in an 11-page pool, on pages of 8 (the run on pages of 16 with
+    # every length doubled has the same page counts, preemptions (6) and guards (2) in twice the steps)
+    llm = make_llm(dtype="float32", kv_cache_memory=pool_memory(12, 8), max_model_len=56, swap_space=0,
+                   page_size=8, prefix_cache="off")
     llm.engine.scheduler.max_preemptions = 1  # (3 by default) so that this small run crosses it
-    prompts = [{"prompt_token_ids": prompt(400 + i, 40)} for i in range(6)]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=60, ignore_eos=True))
-    assert all(len(o.outputs[0].token_ids) == 60 for o in outs)
+    prompts = [{"prompt_token_ids": prompt(400 + i, 20)} for i in range(6)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 30 for o in outs)
     stats = llm.stats()
     assert stats["num_preemptions"] > 0 and stats["num_preemption_loop_guards"] >= 1

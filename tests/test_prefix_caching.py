@@ -92,7 +92,7 @@ def test_conversation_hits_previous_turns_and_matches_no_cache(policy, page_size
         outputs, cached = [], []
         for question in questions:
             history.append({"role": "user", "content": question})
-            out = llm.chat(history, SamplingParams(max_tokens=16, ignore_eos=True))[0]
+            out = llm.chat(history, SamplingParams(max_tokens=8, ignore_eos=True))[0]
             history.append({"role": "assistant", "content": out.outputs[0].text})
             outputs.append(out.outputs[0].token_ids)
             cached.append((out.num_cached_tokens, len(out.prompt_token_ids)))

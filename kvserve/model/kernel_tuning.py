@@ -37,8 +37,9 @@ def tune_kernels(model: torch.nn.Module, config: ModelConfig, threads: int) -> t
                              shape, threads)
 
     chosen = prefetch_for(lib)
-    isa_lib, row_lib, isa_source = tuning.choose_isa(lib, chosen, lambda kl: _decode_pass(kl, linears, threads),
-                                                     lambda kl: _prefill_pass(kl, linears, threads), shape, threads)
+    isa_lib, row_lib, isa_source = tuning.choose_isa(
+        lib, chosen, lambda kl: _step_pass(kl, linears, config, threads), lambda kl: _prefill_pass(kl, linears, threads),
+        shape, threads)
     for m in linears:
         m.use_library(isa_lib, row_lib)
     # each build its own prefetch choice (cached per build); the decode rows' is the one that matters
@@ -57,6 +58,18 @@ def _shape_key(config: ModelConfig, linears: list[NativeLinear]) -> str:
 def _decode_pass(lib: kernels.KernelLibrary, linears: list[NativeLinear], threads: int):
     """One activation row through the model's matmuls in order, up to STREAM_BYTES of weights."""
     return _matmul_pass(lib, linears, threads, 1, STREAM_BYTES, None)
+
+
+def _step_pass(lib: kernels.KernelLibrary, linears: list[NativeLinear], config: ModelConfig, threads: int):
+    """The decode pass, then the attention pass: the decode rows' build runs the whole fused step, its
+    attention too (on Zen 4, Gemma-3-270m's decode matmuls timed 4% faster on AVX2, its decode step ran
+    10-15% slower there: docs/performance.md)."""
+    matmuls, attention = _decode_pass(lib, linears, threads), _attention_pass(lib, config, threads)
+
+    def run() -> None:
+        matmuls()
+        attention()
+    return run
 
 
 def _prefill_pass(lib: kernels.KernelLibrary, linears: list[NativeLinear], threads: int):

@@ -184,12 +184,14 @@ class ModelRunner:
             ends = list(itertools.accumulate(query_lens))
             counts = [1 + len(seqs[i].draft_token_ids) for i in rows]
             picked = [r for i, n in zip(rows, counts) for r in range(ends[i] - n, ends[i])]
-            logits = self.model.compute_logits(
-                hidden.index_select(0, torch.tensor(picked, device=self.device)))  # [sum(counts), vocab]
+            # (each row picked, one step's decode: the rows as they are, no gather, no copy of the logits)
+            logits = self.model.compute_logits(hidden if len(picked) == hidden.shape[0] else hidden.index_select(
+                0, torch.tensor(picked, device=self.device)))  # [sum(counts), vocab]
             offsets = list(itertools.accumulate(counts, initial=0))
             plain = [r for r, i in enumerate(rows) if counts[r] == 1]
             if plain:
-                tokens = sample(logits[torch.tensor([offsets[r] for r in plain], device=self.device)],
+                tokens = sample(logits if len(plain) == logits.shape[0] else
+                                logits[torch.tensor([offsets[r] for r in plain], device=self.device)],
                                 [seqs[rows[r]] for r in plain])
                 for r, token in zip(plain, tokens):
                     result[rows[r]] = token

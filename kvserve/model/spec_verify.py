@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.batch import SampledToken, ScheduledSeq
-from kvserve.model.sampler import add_logprobs, race, seeded_noise, target_probs
+from kvserve.model.sampler import add_logprobs, greedy, race, seeded_noise, target_probs
 
 
 def verify(logits: torch.Tensor, seq: ScheduledSeq) -> list[SampledToken]:
@@ -19,7 +19,7 @@ def verify(logits: torch.Tensor, seq: ScheduledSeq) -> list[SampledToken]:
     drafts, params = seq.draft_token_ids, seq.sampling_params
     k = len(drafts)
     if params.temperature == 0:
-        chosen = logits.argmax(dim=-1)  # [k + 1], as sampler.sample picks a greedy row
+        chosen = greedy(logits)  # [k + 1], as sampler.sample picks a greedy row
         picks = chosen.tolist()
         n = 0
         while n < k and picks[n] == drafts[n]:

@@ -6,9 +6,11 @@ from __future__ import annotations
 import math
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvserve.batch import ScheduledSeq
-from kvserve.model.sampler import sample
+from kvserve.model.sampler import greedy, sample
 from kvserve.request import SamplingParams
 
 
@@ -25,6 +27,21 @@ def test_greedy_is_argmax():
     got = [t.token_id for t in sample(logits, [seq() for _ in range(4)])]
     assert got == logits.argmax(-1).tolist()
     assert all(t.logprob is None and t.top_logprobs is None for t in sample(logits, [seq()] * 4))
+
+
+# logits where the first-of-ties and NaN rules decide: few distinct values, infinities, NaNs, signed zeros
+special_logits = st.lists(st.lists(st.sampled_from([0.0, -0.0, 1.5, -2.0, float("inf"), float("-inf"), float("nan")]),
+                                   min_size=1, max_size=40), min_size=1, max_size=4).filter(
+    lambda rows: len({len(r) for r in rows}) == 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(special_logits)
+def test_greedy_picks_what_torchs_argmax_picks(rows):
+    """The CPU's numpy argmax is torch's to the index: the first of ties, a NaN as the largest."""
+    logits = torch.tensor(rows, dtype=torch.float32)
+    assert greedy(logits).tolist() == logits.argmax(-1).tolist()
+    assert greedy(logits[:, ::2]).tolist() == logits[:, ::2].argmax(-1).tolist()  # a strided view too
 
 
 def test_seeded_sampling_is_reproducible_and_stateless():

@@ -27,8 +27,9 @@ from kvserve.kernels.api import KvsTuning, Prefetch
 
 # 2: prefetches really issued (GCC had deleted them all in 1); 3: timed on the thread team; 4: the distance
 # counted past the group's end, and the instruction set chosen; 5: chosen on prefill too; 6: chosen for the
-# decode rows and for the prefill tiles apart
-CACHE_VERSION = 6
+# decode rows and for the prefill tiles apart; 7: the decode pass reads the layers and the vocabulary's matrix
+# in a step's shares (it had timed the vocabulary's matrix alone where that came first and filled the pass)
+CACHE_VERSION = 7
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,8 @@
 """The native kernels' tuning for this model on this host (kernels/tuning.py decides; this module hands it
-the model's own work to time): one decode step's matmuls over the model's weights, and one decode row's
-attention over a long bf16 context, each larger than the caches so they stream from memory as in serving;
-the instruction set, where there is a choice, by the same matmuls on each build, for one row and for a
-prefill chunk."""
+the model's own work to time): one decode step's matmuls over the model's weights, the layers' and the
+vocabulary's matrix in the shares a step reads them, and one decode row's attention over a long bf16
+context, each larger than the caches so they stream from memory as in serving; the instruction set, where
+there is a choice, by the same matmuls on each build, for one row and for a prefill chunk."""
 
 from __future__ import annotations
 
@@ -31,14 +31,17 @@ def tune_kernels(model: torch.nn.Module, config: ModelConfig, threads: int) -> t
         return None
     shape = _shape_key(config, linears)
 
+    head = getattr(model, "lm_head", None)
+    layers, head = [m for m in linears if m is not head], head if isinstance(head, NativeLinear) else None
+
     def prefetch_for(kl: kernels.KernelLibrary) -> tuning.Tuning:
         # the passes are built only if a calibration runs (a cached or forced choice costs nothing)
-        return tuning.choose(kl, lambda: _decode_pass(kl, linears, threads), lambda: _attention_pass(kl, config, threads),
-                             shape, threads)
+        return tuning.choose(kl, lambda: _decode_pass(kl, layers, head, threads),
+                             lambda: _attention_pass(kl, config, threads), shape, threads)
 
     chosen = prefetch_for(lib)
     isa_lib, row_lib, isa_source = tuning.choose_isa(
-        lib, chosen, lambda kl: _step_pass(kl, linears, config, threads), lambda kl: _prefill_pass(kl, linears, threads),
+        lib, chosen, lambda kl: _step_pass(kl, layers, head, config, threads), lambda kl: _prefill_pass(kl, layers, threads),
         shape, threads)
     for m in linears:
         m.use_library(isa_lib, row_lib)
@@ -55,16 +58,44 @@ def _shape_key(config: ModelConfig, linears: list[NativeLinear]) -> str:
             f"formats {formats}")
 
 
-def _decode_pass(lib: kernels.KernelLibrary, linears: list[NativeLinear], threads: int):
-    """One activation row through the model's matmuls in order, up to STREAM_BYTES of weights."""
-    return _matmul_pass(lib, linears, threads, 1, STREAM_BYTES, None)
+def decode_calls(layers: list[NativeLinear], head: NativeLinear | None, up_to: int = STREAM_BYTES,
+                 ) -> list[tuple[int, torch.Tensor, int]]:
+    """The decode pass's matmuls as (format, weight rows, in_features): `up_to` bytes in the shares a step
+    reads them, the layers' matmuls in order, then the first rows of the vocabulary's matrix (`head`).
+    The vocabulary's matrix is a fifth of a step's bytes on Qwen2.5-1.5B and over two thirds on
+    Gemma-3-270m; a pass of the first matrices in module order, that matrix first, timed it alone."""
+    layer_bytes = sum(m.blocks(i).numel() for m in layers for i in range(len(m.qtypes)))
+    head_bytes = 0 if head is None else sum(head.blocks(i).numel() for i in range(len(head.qtypes)))
+    total = layer_bytes + head_bytes
+    if total == 0:
+        return []
+    calls, read, for_layers = [], 0, up_to * layer_bytes // total
+    for m in layers:
+        if read >= for_layers:
+            break
+        for i, qtype in enumerate(m.qtypes):
+            calls.append((qtype, m.blocks(i), m.in_features))
+            read += m.blocks(i).numel()
+    if head is not None:
+        for_head = up_to * head_bytes // total
+        for i, qtype in enumerate(head.qtypes):  # (a vocabulary's matrix has one part)
+            blocks = head.blocks(i)
+            rows = max(1, min(blocks.shape[0], for_head // max(1, blocks.shape[1])))
+            calls.append((qtype, blocks[:rows], head.in_features))
+    return calls
 
 
-def _step_pass(lib: kernels.KernelLibrary, linears: list[NativeLinear], config: ModelConfig, threads: int):
+def _decode_pass(lib: kernels.KernelLibrary, layers: list[NativeLinear], head: NativeLinear | None, threads: int):
+    """One activation row through decode_calls' matmuls."""
+    return _run_calls(lib, decode_calls(layers, head), threads, 1)
+
+
+def _step_pass(lib: kernels.KernelLibrary, layers: list[NativeLinear], head: NativeLinear | None,
+               config: ModelConfig, threads: int):
     """The decode pass, then the attention pass: the decode rows' build runs the whole fused step, its
     attention too (on Zen 4, Gemma-3-270m's decode matmuls timed 4% faster on AVX2, its decode step ran
     10-15% slower there: docs/performance.md)."""
-    matmuls, attention = _decode_pass(lib, linears, threads), _attention_pass(lib, config, threads)
+    matmuls, attention = _decode_pass(lib, layers, head, threads), _attention_pass(lib, config, threads)
 
     def run() -> None:
         matmuls()
@@ -72,31 +103,28 @@ def _step_pass(lib: kernels.KernelLibrary, linears: list[NativeLinear], config: 
     return run
 
 
-def _prefill_pass(lib: kernels.KernelLibrary, linears: list[NativeLinear], threads: int):
+def _prefill_pass(lib: kernels.KernelLibrary, layers: list[NativeLinear], threads: int):
     """PREFILL_ROWS activation rows through the model's first layer matmuls, up to PREFILL_BYTES of
     weights (prefill is bound by compute, not by reading the weights: a few matrices tell the builds
-    apart; the vocabulary's matrix, larger than that, is left out)."""
-    return _matmul_pass(lib, linears, threads, PREFILL_ROWS, PREFILL_BYTES, PREFILL_BYTES)
-
-
-def _matmul_pass(lib: kernels.KernelLibrary, linears: list[NativeLinear], threads: int, rows: int, up_to: int,
-                 largest: int | None):
-    """`rows` activation rows through the model's matmuls in order (those over `largest` bytes left out)
-    until `up_to` bytes of weights."""
+    apart; the vocabulary's matrix is left out)."""
     calls, total = [], 0
-    for m in linears:
+    for m in layers:
         for i, qtype in enumerate(m.qtypes):
-            blocks = m.blocks(i)
-            if largest is not None and blocks.numel() > largest:
-                continue
-            calls.append((native_matmul.PreparedMatmul(lib, qtype, blocks, m.in_features),
-                          torch.randn(rows, m.in_features), torch.empty(rows, blocks.shape[0])))
-            total += blocks.numel()
-        if total >= up_to:
+            if m.blocks(i).numel() <= PREFILL_BYTES:
+                calls.append((qtype, m.blocks(i), m.in_features))
+                total += m.blocks(i).numel()
+        if total >= PREFILL_BYTES:
             break
+    return _run_calls(lib, calls, threads, PREFILL_ROWS)
+
+
+def _run_calls(lib: kernels.KernelLibrary, calls: list[tuple[int, torch.Tensor, int]], threads: int, rows: int):
+    """`rows` activation rows through each (format, weight rows, in_features) matmul in turn."""
+    prepared = [(native_matmul.PreparedMatmul(lib, qtype, blocks, in_features), torch.randn(rows, in_features),
+                 torch.empty(rows, blocks.shape[0])) for qtype, blocks, in_features in calls]
 
     def run() -> None:
-        for call, x, y in calls:
+        for call, x, y in prepared:
             call(x, y, threads)
     return run
 

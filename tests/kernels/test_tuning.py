@@ -244,3 +244,28 @@ def test_the_engine_runs_on_the_chosen_instruction_set_with_the_same_greedy_toke
         answers[prefill_winner, decode_winner] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in out]
     runner.build_model.cache_clear()
     assert len({repr(a) for a in answers.values()}) == 1
+
+
+def test_the_decode_pass_reads_the_layers_and_the_vocabulary_in_a_steps_shares():
+    """A step reads every layer's matrices and the vocabulary's; the pass reads both in those shares. The
+    vocabulary's matrix comes first in module order (the tied embedding), and a pass of the first matrices
+    up to its size had timed it alone: Gemma-3-270m's and Qwen2.5-1.5B's calibration never saw a layer."""
+    from kvserve.model.kernel_tuning import decode_calls
+    from kvserve.model.linear import NativeLinear
+
+    def linear(qtype: Q, rows: int, row_bytes: int) -> NativeLinear:
+        return NativeLinear([(int(qtype), torch.zeros(rows, row_bytes, dtype=torch.uint8))], 256, None, None)
+
+    layers = [linear(Q.Q4_K, 256, 144) for _ in range(40)]  # 36,864 bytes each, 1,474,560 in all
+    head = linear(Q.Q6_K, 4096, 210)  # 860,160 bytes: 36.8% of the step
+    calls = decode_calls(layers, head, up_to=400_000)
+    *from_layers, (qtype, head_rows, k) = calls
+    assert [blocks.data_ptr() for _, blocks, _ in from_layers] == [m.blocks(0).data_ptr() for m in layers[:7]]
+    assert (qtype, k, head_rows.data_ptr()) == (int(Q.Q6_K), 256, head.blocks(0).data_ptr())
+    layer_bytes, head_bytes = sum(b.numel() for _, b, _ in from_layers), head_rows.numel()
+    assert 400_000 * 0.632 <= layer_bytes < 400_000 * 0.632 + 36_864  # whole matrices, in order
+    assert head_bytes == 400_000 * 860_160 // 2_334_720 // 210 * 210  # the head's first rows
+    # a vocabulary's matrix a hundred times the layers': they still get their share, a matrix at least
+    big = decode_calls(layers[:4], linear(Q.Q6_K, 65536, 210), up_to=400_000)
+    assert [b.shape[0] for _, b, _ in big] == [256, (400_000 * 13_762_560 // 13_910_016) // 210]
+    assert decode_calls(layers, None, up_to=400_000)[-1][1] is layers[10].blocks(0)  # no head: layers only

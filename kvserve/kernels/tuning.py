@@ -64,6 +64,7 @@ class Tuning:
 
 BUILT_IN = Tuning(Prefetch.L1, 0, Prefetch.L1)
 ISA_ROUNDS = 7  # the builds are often within a few percent: more rounds than the prefetch choices get
+PREFETCH_ROUNDS = 5
 # what the calibration tries for the weights (KVSERVE_KERNELS_TUNE's spelling) and for the KV rows
 WEIGHT_CANDIDATES = ["l1+0", "l1~4096", "l1~8192", "l2~4096", "l2~8192", "l2~16384", "l2~32768", "l3~16384",
                      "none+0"]
@@ -217,15 +218,18 @@ def choose_isa(current: KernelLibrary, prefetch: Tuning, make_decode_pass, make_
     return chosen, decode_chosen, source
 
 
-def _time_each(candidates: dict[str, Tuning], kl: KernelLibrary, run, rounds: int = 3) -> dict[str, float]:
-    """Each candidate's median time of `run`, installed in kl (see _time_runs)."""
+def _time_each(candidates: dict[str, Tuning], kl: KernelLibrary, run,
+               rounds: int = PREFETCH_ROUNDS) -> dict[str, float]:
+    """Each candidate's best time of `run`, installed in kl (see _time_runs: another process's load only
+    adds time, so the fastest round is the candidate's own speed)."""
     def installed_then(tuning: Tuning):
         def timed() -> None:
             install(kl, tuning)
             run()
         return timed
     run()
-    return _time_runs({name: installed_then(tuning) for name, tuning in candidates.items()}, rounds, warm=False)
+    return _time_runs({name: installed_then(tuning) for name, tuning in candidates.items()}, rounds, warm=False,
+                      best=True)
 
 
 def _time_runs(runs: dict[str, object], rounds: int = 3, warm: bool = True, best: bool = False) -> dict[str, float]:

@@ -41,8 +41,8 @@ def tune_kernels(model: torch.nn.Module, config: ModelConfig, threads: int) -> t
 
     chosen = prefetch_for(lib)
     isa_lib, row_lib, isa_source = tuning.choose_isa(
-        lib, chosen, lambda kl: _step_pass(kl, layers, head, config, threads), lambda kl: _prefill_pass(kl, layers, threads),
-        shape, threads)
+        lib, chosen, lambda kl: _step_pass(kl, layers, head, config, threads),
+        lambda kl: _prefill_pass(kl, layers, threads), shape, threads)
     for m in linears:
         m.use_library(isa_lib, row_lib)
     # each build its own prefetch choice (cached per build); the decode rows' is the one that matters

@@ -64,8 +64,8 @@ def decode_calls(layers: list[NativeLinear], head: NativeLinear | None, up_to: i
     reads them, the layers' matmuls in order, then the first rows of the vocabulary's matrix (`head`).
     The vocabulary's matrix is a fifth of a step's bytes on Qwen2.5-1.5B and over two thirds on
     Gemma-3-270m; a pass of the first matrices in module order, that matrix first, timed it alone."""
-    layer_bytes = sum(m.blocks(i).numel() for m in layers for i in range(len(m.qtypes)))
-    head_bytes = 0 if head is None else sum(head.blocks(i).numel() for i in range(len(head.qtypes)))
+    layer_bytes = sum(_weight_bytes(m) for m in layers)
+    head_bytes = 0 if head is None else _weight_bytes(head)
     total = layer_bytes + head_bytes
     if total == 0:
         return []
@@ -73,16 +73,17 @@ def decode_calls(layers: list[NativeLinear], head: NativeLinear | None, up_to: i
     for m in layers:
         if read >= for_layers:
             break
-        for i, qtype in enumerate(m.qtypes):
-            calls.append((qtype, m.blocks(i), m.in_features))
-            read += m.blocks(i).numel()
-    if head is not None:
-        for_head = up_to * head_bytes // total
-        for i, qtype in enumerate(head.qtypes):  # (a vocabulary's matrix has one part)
-            blocks = head.blocks(i)
-            rows = max(1, min(blocks.shape[0], for_head // max(1, blocks.shape[1])))
-            calls.append((qtype, blocks[:rows], head.in_features))
+        calls += [(qtype, m.blocks(i), m.in_features) for i, qtype in enumerate(m.qtypes)]
+        read += _weight_bytes(m)
+    if head is not None:  # one part: the vocabulary's matrix is one weight of the file
+        blocks = head.blocks(0)
+        rows = max(1, min(blocks.shape[0], up_to * head_bytes // total // blocks.shape[1]))
+        calls.append((head.qtypes[0], blocks[:rows], head.in_features))
     return calls
+
+
+def _weight_bytes(m: NativeLinear) -> int:
+    return sum(m.blocks(i).numel() for i in range(len(m.qtypes)))
 
 
 def _decode_pass(lib: kernels.KernelLibrary, layers: list[NativeLinear], head: NativeLinear | None, threads: int):

@@ -30,6 +30,7 @@ struct XRow {  // an activation row as the block formats see it: x[k] ~ q[k] * m
     const int32_t* sum;   // block b's sum of q * m
     const int32_t* half;  // the same over its first 16 elements
     const int16_t* mult;  // [16 per block] m of each pair of elements (a sub-block of 8 is four pairs)
+    const int32_t* lg;    // [4 per block] log2 m of each sub-block (AVX-512's tile shifts by it)
 };
 
 // the arrays an XRow points into, for T rows of K; `fit` only grows them, so a thread's one
@@ -41,6 +42,7 @@ struct XBlocks {
     std::vector<float> d, s;
     std::vector<int32_t> sum, half;
     std::vector<int16_t> mult;
+    std::vector<int32_t> lg;
     XBlocks() = default;
     XBlocks(int64_t T, int64_t K) { fit(T, K); }
     void fit(int64_t T, int64_t K) {
@@ -50,10 +52,11 @@ struct XBlocks {
         for (auto* v : {&d, &s}) v->resize(n / 32);
         for (auto* v : {&sum, &half}) v->resize(n / 32);
         mult.resize(n / 2);
+        lg.resize(n / 8);
     }
     XRow row(int64_t t, int64_t K) {
         const int64_t b = t * (K / 32);
-        return XRow{&q[t * K], &d[b], &s[b], &sum[b], &half[b], &mult[16 * b]};
+        return XRow{&q[t * K], &d[b], &s[b], &sum[b], &half[b], &mult[16 * b], &lg[4 * b]};
     }
 };
 
@@ -106,6 +109,7 @@ inline void quantize_row(const float* x, int64_t K, XBlocks& xb, int64_t t) {
     float *d = &xb.d[t * (K / 32)], *s = &xb.s[t * (K / 32)];
     int32_t *sums = &xb.sum[t * (K / 32)], *halves = &xb.half[t * (K / 32)];
     int16_t* mult = &xb.mult[t * K / 2];
+    int32_t* lg = &xb.lg[t * K / 8];
     for (int64_t b = 0; b < K / 32; ++b) {
         const float* xb = x + 32 * b;
         float amax8[4];
@@ -152,6 +156,7 @@ inline void quantize_row(const float* x, int64_t K, XBlocks& xb, int64_t t) {
             if (i < 2) half += m * part;
             const uint64_t m4 = uint64_t(uint16_t(m)) * 0x0001000100010001ull;  // m in each of four int16
             std::memcpy(mult + 16 * b + 4 * i, &m4, 8);
+            lg[4 * b + i] = 3 - shift;
         }
         d[b] = step * 0.125f;
         s[b] = d[b] * float(sum);

@@ -120,21 +120,24 @@ inline vtot tot_add(vtot a, vtot b) { return _mm256_add_epi32(a, b); }
 // sum over sub-blocks lo .. hi - 1 (8 elements, two k-groups each) of the group's u8 codes times x's
 // bytes times the sub-block's multiplier, per row (int32 lanes). AVX2: the two k-groups' vpmaddubsw
 // pairs added as int16 (4 products of codes up to 63: below 2^15), widened by vpmaddwd with the
-// multiplier; AVX-512: vpdpbusd to int32, shifted by the multiplier's exponent
+// multiplier; AVX-512: vpdpbusd to int32, shifted by the multiplier's exponent (vpsllvd with the
+// exponent broadcast from memory: on Zen 4 the whole Q4_K tile ran ~6% slower shifting by a count
+// moved from a general register, and no faster by a count in a vector's low quadword)
 template <int Q>
 inline vtot subblock_sums(const uint8_t* wb, const XRow& x, int64_t b, int lo, int hi) {
     const int8_t* xb = x.q + 32 * b;
-    const int16_t* m = x.mult + 16 * b;
 #if defined(KVS_ISA_AVX512)
+    const int32_t* lg = x.lg + 4 * b;
     __m512i t = _mm512_setzero_si512();
     for (int i = lo; i < hi; ++i) {
         __m512i u = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(wb + 128 * i),
                                         _mm512_set1_epi32(load_i32(xb + 8 * i)));
         u = _mm512_dpbusd_epi32(u, _mm512_loadu_si512(wb + 128 * i + 64), _mm512_set1_epi32(load_i32(xb + 8 * i + 4)));
-        t = _mm512_add_epi32(t, _mm512_sll_epi32(u, _mm_cvtsi32_si128(__builtin_ctz(unsigned(m[4 * i]))))); 
+        t = _mm512_add_epi32(t, _mm512_sllv_epi32(u, _mm512_set1_epi32(lg[i])));
     }
     return t;
 #else
+    const int16_t* m = x.mult + 16 * b;
     __m256i t = _mm256_setzero_si256();
     for (int i = lo; i < hi; ++i) {
         const __m256i s16 = _mm256_add_epi16(
@@ -177,11 +180,13 @@ inline vtot group_totals(const QGroup& g, int64_t b, const XRow& x) {
 
 // Whether the tile's loop over activation rows is unrolled: GCC keeps the accumulators in registers
 // only then, but unrolled the lighter formats' bodies run out of registers instead (measured on Zen
-// 5, 1 thread: either way is up to 1.3x slower for some formats)
+// 5, 1 thread: either way is up to 1.3x slower for some formats). AVX-512 unrolls every format since
+// its shifts take the exponent from memory: Q6_K's rolled loop then kept its accumulators on the stack
+// (Zen 4, 1 thread, 4096 x 1536, 512 rows: rolled 12% slower than before, unrolled 6% faster).
 template <int Q>
 constexpr bool unroll_rows() {
 #if defined(KVS_ISA_AVX512)
-    return Q != KVS_Q6_K;
+    return true;
 #else
     return Q == KVS_Q6_K || Q == KVS_Q8_0;
 #endif

@@ -102,11 +102,11 @@ def parse(spec: str, source: str = "forced") -> Tuning:
 
 
 def host_key(isa: str, threads: int) -> str:
-    """The CPU model, instruction set (`any`: the choice of one) and thread count a cached choice was
-    measured with."""
+    """The CPU model, instruction set (`any`: the choice of one), thread count and kernel sources a cached
+    choice was measured with (kernels that changed may rank the candidates otherwise)."""
     cpu = cpu_info()
     return (f"{cpu.get('model name', '?')} family {cpu.get('cpu family', '?')} model {cpu.get('model', '?')} "
-            f"{isa} {threads} threads {len(cpu_flags())} flags")
+            f"{isa} {threads} threads {len(cpu_flags())} flags kernels {kernels.source_digest()}")
 
 
 def cache_path() -> Path:

@@ -131,8 +131,9 @@ inline void quantize_row(const float* x, int64_t K, XBlocks& xb, int64_t t) {
         int8_t* qb = q + 32 * b;
         int sum = 0, half = 0;
         for (int i = 0; i < 4; ++i) {
-            int shift = 0;  // the largest s <= 3 with amax8 * 2^s <= amax (powers of two: exact)
-            while (shift < 3 && amax8[i] * float(2 << shift) <= amax) ++shift;
+            // the largest s <= 3 with amax8 * 2^s <= amax (powers of two: exact), without a branch: the
+            // conditions hold for s = 1 .. shift and no further (a loop mispredicted about once a sub-block)
+            const int shift = int(amax8[i] * 2.0f <= amax) + int(amax8[i] * 4.0f <= amax) + int(amax8[i] * 8.0f <= amax);
             const float scale = id * float(1 << shift);
 #if KVS_SIMD
             __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xb + 8 * i), _mm256_set1_ps(scale));

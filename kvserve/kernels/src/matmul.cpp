@@ -178,18 +178,92 @@ bool run_parts_direct(const KvsLinear& w, const float* x, int64_t T, float* y, i
     return true;
 }
 
-// y[j] += sum_b off[j][b] * s[b] for the nw decoded rows of a panel, eight rows a vector: offT holds
-// the panel's offsets transposed ([nb][ldo], rows past nw zero); offset_dots8 keeps offset_dot's
-// chain, so adding it to a tile's offset-free result is the tile's own result.
-inline void add_offsets(const float* offT, int64_t ldo, int64_t nw, int64_t nb, const float* s, float* y) {
-    for (int64_t j = 0; j < nw; j += 8) {
-        const __m256 v = offset_dots8(offT + j, ldo, nb, s);
-        if (j + 8 <= nw) {
-            _mm256_storeu_ps(y + j, _mm256_add_ps(_mm256_loadu_ps(y + j), v));
-        } else {
-            alignas(32) float tail[8];
-            _mm256_store_ps(tail, v);
-            for (int64_t c = 0; c < nw - j; ++c) y[j + c] = y[j + c] + tail[c];
+// The offsets' vector: sixteen weight rows a vector on AVX-512, eight on AVX2, each lane running
+// offset_dot's chain (offset_dots8's arithmetic on wider or narrower vectors: the same bits)
+#if defined(KVS_ISA_AVX512)
+struct OffLanes {
+    using V = __m512;
+    static constexpr int N = 16, ROWS = 4;  // ROWS activation rows at once: 4 x 4 accumulators
+    static V zero() { return _mm512_setzero_ps(); }
+    static V load(const float* p) { return _mm512_loadu_ps(p); }
+    static V set1(float v) { return _mm512_set1_ps(v); }
+    static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+    static V add(V a, V b) { return _mm512_add_ps(a, b); }
+    static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+    static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+};
+#else
+struct OffLanes {
+    using V = __m256;
+    static constexpr int N = 8, ROWS = 2;  // sixteen vector registers
+    static V zero() { return _mm256_setzero_ps(); }
+    static V load(const float* p) { return _mm256_loadu_ps(p); }
+    static V set1(float v) { return _mm256_set1_ps(v); }
+    static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+    static V add(V a, V b) { return _mm256_add_ps(a, b); }
+    static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+    static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+};
+#endif
+
+// offset_dot of OffLanes::N weight rows (offT transposed: block b's at offT[b * ldo ..]) against R activation
+// rows' s: lane l of the 8-block chunks as one fma chain, the chains 0-3 then 4-7 (each load of offT
+// feeds R rows; eight chains for each of R rows would not fit the registers), hsum8's tree over them, the
+// tail's multiply-adds in order
+template <int R>
+inline void offset_rows(const float* offT, int64_t ldo, int64_t nb, const float* const* s, OffLanes::V* out) {
+    using L = OffLanes;
+    L::V first[R][4], a[R][4];
+    for (int h = 0; h < 2; ++h) {
+        for (int r = 0; r < R; ++r)
+            for (int l = 0; l < 4; ++l) a[r][l] = L::zero();
+        for (int64_t b = 0; b + 8 <= nb; b += 8)
+            for (int l = 0; l < 4; ++l) {
+                const L::V w = L::load(offT + (b + 4 * h + l) * ldo);
+                for (int r = 0; r < R; ++r) a[r][l] = L::fma(w, L::set1(s[r][b + 4 * h + l]), a[r][l]);
+            }
+        if (h == 0)
+            for (int r = 0; r < R; ++r)
+                for (int l = 0; l < 4; ++l) first[r][l] = a[r][l];
+    }
+    for (int r = 0; r < R; ++r) {
+        L::V v = L::add(L::add(L::add(first[r][0], a[r][0]), L::add(first[r][2], a[r][2])),
+                        L::add(L::add(first[r][1], a[r][1]), L::add(first[r][3], a[r][3])));
+        for (int64_t b = nb / 8 * 8; b < nb; ++b) v = L::add(v, L::mul(L::load(offT + b * ldo), L::set1(s[r][b])));
+        out[r] = v;
+    }
+}
+
+// y[r][j] += sum_b off[j][b] * s_r[b] for nr activation rows and the nw decoded rows of a panel: offT
+// holds the panel's offsets transposed ([nb][ldo], ldo a multiple of the vector, rows past nw zero);
+// offset_rows keeps offset_dot's chain, so adding it to a tile's offset-free result is the tile's own result
+inline void add_offsets(const float* offT, int64_t ldo, int64_t nw, int64_t nb, const XRow* xr, int64_t nr, float* y,
+                        int64_t ldy) {
+    using L = OffLanes;
+    for (int64_t r0 = 0; r0 < nr; r0 += L::ROWS) {
+        const int rows = int(std::min<int64_t>(L::ROWS, nr - r0));
+        const float* s[L::ROWS];
+        for (int r = 0; r < rows; ++r) s[r] = xr[r0 + r].s;
+        for (int64_t j = 0; j < nw; j += L::N) {
+            L::V v[L::ROWS];
+            switch (rows) {
+                case 1: offset_rows<1>(offT + j, ldo, nb, s, v); break;
+                case 2: offset_rows<2>(offT + j, ldo, nb, s, v); break;
+#if defined(KVS_ISA_AVX512)
+                case 3: offset_rows<3>(offT + j, ldo, nb, s, v); break;
+                case 4: offset_rows<4>(offT + j, ldo, nb, s, v); break;
+#endif
+            }
+            for (int r = 0; r < rows; ++r) {
+                float* yr = y + (r0 + r) * ldy + j;
+                if (j + L::N <= nw) {
+                    L::store(yr, L::add(L::load(yr), v[r]));
+                    continue;
+                }
+                alignas(64) float tail[L::N];
+                L::store(tail, v[r]);
+                for (int64_t c = 0; c < nw - j; ++c) yr[c] = yr[c] + tail[c];
+            }
         }
     }
 }
@@ -249,8 +323,7 @@ void run_quant(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, c
                     f.tile[nr - 1](xr, qgroup_at(&scratch[gi * gbytes], K), int(std::min<int64_t>(TILE_GROUP, nw - TILE_GROUP * gi)),
                                      nb, yt + TILE_GROUP * gi, ldy);
 #if KVS_SIMD
-                if (split_offsets)
-                    for (int64_t r = 0; r < nr; ++r) add_offsets(offT.data(), ldo, nw, nb, xr[r].s, yt + r * ldy);
+                if (split_offsets) add_offsets(offT.data(), ldo, nw, nb, xr, nr, yt, ldy);
 #endif
             }
         });

@@ -114,9 +114,10 @@ def batch_invariance(lib, qtype: Q, n: int, k: int, counts: list[tuple[int, int]
 
 @pytest.mark.parametrize("qtype", BLOCK_TYPES + FLOAT_TYPES, ids=lambda q: q.name)
 def test_each_row_is_bitwise_the_same_in_any_batch_and_thread_count(lib, qtype):
-    # 70 weight rows: every tile width's edge (8, 4 and 3 weight rows per tile); 1-9 rows: every tile
-    # height's edge and both decoded-block sizes (up to 4 rows and more)
-    counts = [(r, th) for r in range(1, 10) for th in (1, 2)] + [(17, 2), (64, 1), (300, 2), (300, 3)]
+    # 70 weight rows: every tile width's edge (8, 4 and 3 weight rows per tile); 1-11 rows: every tile
+    # height's edge and both decoded-block sizes (up to 4 rows and more); past the decode rows (8), a last
+    # tile of 1, 2 or 3 rows (9, 10, 11: the offset pass takes the tile's rows together)
+    counts = [(r, th) for r in range(1, 12) for th in (1, 2)] + [(17, 2), (64, 1), (300, 2), (300, 3)]
     batch_invariance(lib, qtype, 70, 256, counts, 300)
 
 
@@ -126,7 +127,7 @@ def test_rows_spanning_several_decoded_blocks_and_ragged_float_rows(lib, qtype, 
     # k = 2048: a thread's weight rows are decoded in several blocks; float rows off the 8/16 lanes
     # take the scalar tail; 576, 608, 96: rows whose last blocks are not a group of eight (decode rows
     # take them one by one)
-    batch_invariance(lib, qtype, 37, k, [(1, 2), (4, 1), (5, 2), (13, 1), (40, 2)], 40)
+    batch_invariance(lib, qtype, 37, k, [(1, 2), (4, 1), (5, 2), (13, 1), (14, 2), (15, 1), (40, 2)], 40)
 
 
 def test_more_threads_than_weight_rows(lib):

@@ -18,7 +18,6 @@
 
 #include "matmul_direct.h"
 #include "matmul_tile.h"
-#include "ops_simd.h"
 
 namespace kvs {
 namespace {
@@ -179,43 +178,60 @@ bool run_parts_direct(const KvsLinear& w, const float* x, int64_t T, float* y, i
     return true;
 }
 
-// Activation rows the offsets' pass takes at once: four chains of each in flight, beside one vector of
-// offsets and one broadcast (AVX2's vector is two registers of its sixteen)
-constexpr int OFFSET_ROWS = simd::VF_BUDGET >= 16 ? 4 : 1;
+// The offsets' vector: sixteen weight rows a vector on AVX-512, eight on AVX2, each lane running
+// offset_dot's chain (offset_dots8's arithmetic on wider or narrower vectors: the same bits)
+#if defined(KVS_ISA_AVX512)
+struct OffLanes {
+    using V = __m512;
+    static constexpr int N = 16, ROWS = 4;  // ROWS activation rows at once: 4 x 4 accumulators
+    static V zero() { return _mm512_setzero_ps(); }
+    static V load(const float* p) { return _mm512_loadu_ps(p); }
+    static V set1(float v) { return _mm512_set1_ps(v); }
+    static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+    static V add(V a, V b) { return _mm512_add_ps(a, b); }
+    static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+    static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+};
+#else
+struct OffLanes {
+    using V = __m256;
+    static constexpr int N = 8, ROWS = 2;  // sixteen vector registers
+    static V zero() { return _mm256_setzero_ps(); }
+    static V load(const float* p) { return _mm256_loadu_ps(p); }
+    static V set1(float v) { return _mm256_set1_ps(v); }
+    static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+    static V add(V a, V b) { return _mm256_add_ps(a, b); }
+    static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+    static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+};
+#endif
 
-// offset_dot of simd::W weight rows (offT transposed: block b's at offT[b * ldo ..]) against R activation
+// offset_dot of OffLanes::N weight rows (offT transposed: block b's at offT[b * ldo ..]) against R activation
 // rows' s: lane l of the 8-block chunks as one fma chain, the chains 0-3 then 4-7 (each load of offT
 // feeds R rows; eight chains for each of R rows would not fit the registers), hsum8's tree over them, the
-// tail's multiply-adds in order (offset_dots8's arithmetic, so the same bits)
+// tail's multiply-adds in order
 template <int R>
-inline void offset_rows(const float* offT, int64_t ldo, int64_t nb, const float* const* s, simd::vf* out) {
-    using namespace simd;
-    vf first[R][4], a[R][4];
+inline void offset_rows(const float* offT, int64_t ldo, int64_t nb, const float* const* s, OffLanes::V* out) {
+    using L = OffLanes;
+    L::V first[R][4], a[R][4];
     for (int h = 0; h < 2; ++h) {
         for (int r = 0; r < R; ++r)
-            for (int l = 0; l < 4; ++l) a[r][l] = vzero();
+            for (int l = 0; l < 4; ++l) a[r][l] = L::zero();
         for (int64_t b = 0; b + 8 <= nb; b += 8)
             for (int l = 0; l < 4; ++l) {
-                const vf w = vload(offT + (b + 4 * h + l) * ldo);
-                for (int r = 0; r < R; ++r) a[r][l] = vfma(w, vset1(s[r][b + 4 * h + l]), a[r][l]);
+                const L::V w = L::load(offT + (b + 4 * h + l) * ldo);
+                for (int r = 0; r < R; ++r) a[r][l] = L::fma(w, L::set1(s[r][b + 4 * h + l]), a[r][l]);
             }
         if (h == 0)
             for (int r = 0; r < R; ++r)
                 for (int l = 0; l < 4; ++l) first[r][l] = a[r][l];
     }
     for (int r = 0; r < R; ++r) {
-        vf v = vadd(vadd(vadd(first[r][0], a[r][0]), vadd(first[r][2], a[r][2])),
-                    vadd(vadd(first[r][1], a[r][1]), vadd(first[r][3], a[r][3])));
-        for (int64_t b = nb / 8 * 8; b < nb; ++b) v = vadd(v, vmul(vload(offT + b * ldo), vset1(s[r][b])));
+        L::V v = L::add(L::add(L::add(first[r][0], a[r][0]), L::add(first[r][2], a[r][2])),
+                        L::add(L::add(first[r][1], a[r][1]), L::add(first[r][3], a[r][3])));
+        for (int64_t b = nb / 8 * 8; b < nb; ++b) v = L::add(v, L::mul(L::load(offT + b * ldo), L::set1(s[r][b])));
         out[r] = v;
     }
-}
-
-// offset_rows<rows> for a run-time rows <= R
-template <int R>
-inline void offset_rows_upto(int rows, const float* offT, int64_t ldo, int64_t nb, const float* const* s, simd::vf* out) {
-    if (rows == R) return offset_rows<R>(offT, ldo, nb, s, out);
-    if constexpr (R > 1) offset_rows_upto<R - 1>(rows, offT, ldo, nb, s, out);
 }
 
 // y[r][j] += sum_b off[j][b] * s_r[b] for nr activation rows and the nw decoded rows of a panel: offT
@@ -223,22 +239,29 @@ inline void offset_rows_upto(int rows, const float* offT, int64_t ldo, int64_t n
 // offset_rows keeps offset_dot's chain, so adding it to a tile's offset-free result is the tile's own result
 inline void add_offsets(const float* offT, int64_t ldo, int64_t nw, int64_t nb, const XRow* xr, int64_t nr, float* y,
                         int64_t ldy) {
-    using simd::W;
-    for (int64_t r0 = 0; r0 < nr; r0 += OFFSET_ROWS) {
-        const int rows = int(std::min<int64_t>(OFFSET_ROWS, nr - r0));
-        const float* s[OFFSET_ROWS];
+    using L = OffLanes;
+    for (int64_t r0 = 0; r0 < nr; r0 += L::ROWS) {
+        const int rows = int(std::min<int64_t>(L::ROWS, nr - r0));
+        const float* s[L::ROWS];
         for (int r = 0; r < rows; ++r) s[r] = xr[r0 + r].s;
-        for (int64_t j = 0; j < nw; j += W) {
-            simd::vf v[OFFSET_ROWS];
-            offset_rows_upto<OFFSET_ROWS>(rows, offT + j, ldo, nb, s, v);
+        for (int64_t j = 0; j < nw; j += L::N) {
+            L::V v[L::ROWS];
+            switch (rows) {
+                case 1: offset_rows<1>(offT + j, ldo, nb, s, v); break;
+                case 2: offset_rows<2>(offT + j, ldo, nb, s, v); break;
+#if defined(KVS_ISA_AVX512)
+                case 3: offset_rows<3>(offT + j, ldo, nb, s, v); break;
+                case 4: offset_rows<4>(offT + j, ldo, nb, s, v); break;
+#endif
+            }
             for (int r = 0; r < rows; ++r) {
                 float* yr = y + (r0 + r) * ldy + j;
-                if (j + W <= nw) {
-                    simd::vstore(yr, simd::vadd(simd::vload(yr), v[r]));
+                if (j + L::N <= nw) {
+                    L::store(yr, L::add(L::load(yr), v[r]));
                     continue;
                 }
-                alignas(64) float tail[W];
-                simd::vstore(tail, v[r]);
+                alignas(64) float tail[L::N];
+                L::store(tail, v[r]);
                 for (int64_t c = 0; c < nw - j; ++c) yr[c] = yr[c] + tail[c];
             }
         }
@@ -279,7 +302,7 @@ void run_quant(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, c
         if (int64_t(scratch.size()) < rows_per_block / TILE_GROUP * gbytes) scratch.resize(rows_per_block / TILE_GROUP * gbytes);
         // the offsets' dot runs as its own pass over eight rows a vector (SIMD builds): the tiles skip it
         const bool split_offsets = KVS_SIMD && offsets;
-        const int64_t ldo = (rows_per_block + simd::W - 1) / simd::W * simd::W;  // whole vectors of the offsets' pass
+        const int64_t ldo = rows_per_block;
         thread_local std::vector<float> offT;  // [nb][ldo] the panel's offsets, transposed
         if (split_offsets && int64_t(offT.size()) < nb * ldo) offT.resize(nb * ldo);
         panels.each([&](int64_t panel) {
@@ -292,9 +315,6 @@ void run_quant(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, c
                 if (split_offsets)
                     for (int64_t b = 0; b < nb; ++b) offT[b * ldo + j] = j < nw ? g.off[(j % TILE_GROUP) * nb + b] : 0.0f;
             }
-            if (split_offsets)
-                for (int64_t j = groups * TILE_GROUP; j < ldo; ++j)
-                    for (int64_t b = 0; b < nb; ++b) offT[b * ldo + j] = 0.0f;
             for (int64_t t = 0; t < T; t += TILE_ROWS) {
                 const XRow* xr = &xrows[t];
                 float* yt = y + t * ldy + n0;

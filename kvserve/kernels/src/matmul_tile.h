@@ -117,11 +117,27 @@ inline vtot tot_mul(vtot a, vtot b) { return _mm256_mullo_epi32(a, b); }
 inline vtot tot_add(vtot a, vtot b) { return _mm256_add_epi32(a, b); }
 #endif
 
+#if defined(KVS_ISA_AVX512)
+// acc + the u8 x s8 products of u8's bytes and the four bytes at s8x4 (vpdpbusd), and x shifted left by the
+// count at `count` (vpsllvd), each with its 32-bit operand broadcast by the instruction itself ({1to16}):
+// from _mm512_set1_epi32 of a load GCC makes a vpbroadcastd of its own, which on Zen 4 takes a slot of
+// the vector ports as a 512-bit operation (the Q4_K and Q6_K tiles ran 8-9% slower with it: 4096 x 1536,
+// 512 rows, one thread; the AVX2 build's 256-bit broadcasts are plain loads, measured the same either way)
+inline __m512i dpbusd_bcast(__m512i acc, __m512i u8, const int8_t* s8x4) {
+    asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u8), "m"(*reinterpret_cast<const int32_t*>(s8x4)));
+    return acc;
+}
+inline __m512i sllv_bcast(__m512i x, const int32_t* count) {
+    asm("vpsllvd %1%{1to16%}, %0, %0" : "+v"(x) : "m"(*count));
+    return x;
+}
+#endif
+
 // sum over sub-blocks lo .. hi - 1 (8 elements, two k-groups each) of the group's u8 codes times x's
 // bytes times the sub-block's multiplier, per row (int32 lanes). AVX2: the two k-groups' vpmaddubsw
 // pairs added as int16 (4 products of codes up to 63: below 2^15), widened by vpmaddwd with the
 // multiplier; AVX-512: vpdpbusd to int32, shifted by the multiplier's exponent (vpsllvd with the
-// exponent broadcast from memory: on Zen 4 the whole Q4_K tile ran ~6% slower shifting by a count
+// exponent read from memory: on Zen 4 the whole Q4_K tile ran ~6% slower shifting by a count
 // moved from a general register, and no faster by a count in a vector's low quadword)
 template <int Q>
 inline vtot subblock_sums(const uint8_t* wb, const XRow& x, int64_t b, int lo, int hi) {
@@ -130,10 +146,9 @@ inline vtot subblock_sums(const uint8_t* wb, const XRow& x, int64_t b, int lo, i
     const int32_t* lg = x.lg + 4 * b;
     __m512i t = _mm512_setzero_si512();
     for (int i = lo; i < hi; ++i) {
-        __m512i u = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(wb + 128 * i),
-                                        _mm512_set1_epi32(load_i32(xb + 8 * i)));
-        u = _mm512_dpbusd_epi32(u, _mm512_loadu_si512(wb + 128 * i + 64), _mm512_set1_epi32(load_i32(xb + 8 * i + 4)));
-        t = _mm512_add_epi32(t, _mm512_sllv_epi32(u, _mm512_set1_epi32(lg[i])));
+        __m512i u = dpbusd_bcast(_mm512_setzero_si512(), _mm512_loadu_si512(wb + 128 * i), xb + 8 * i);
+        u = dpbusd_bcast(u, _mm512_loadu_si512(wb + 128 * i + 64), xb + 8 * i + 4);
+        t = _mm512_add_epi32(t, sllv_bcast(u, lg + i));
     }
     return t;
 #else

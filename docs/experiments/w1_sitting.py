@@ -28,8 +28,8 @@ def cpu_kind() -> str:
     return f"{name}, {'AVX-512' if ' avx512f ' in flags else 'AVX2 only'}"
 
 
-def one_run(model: str) -> dict:
-    args = BENCH + ([] if model == "bundled" else ["--model", model])
+def one_run(model: str, extra: list[str]) -> dict:
+    args = BENCH + ([] if model == "bundled" else ["--model", model]) + extra
     done = subprocess.run([sys.executable, *args], capture_output=True, text=True)
     if done.returncode:  # the bench's own message (the peers' start-up chatter is dropped otherwise)
         sys.exit(f"{model}: kvserve bench failed ({done.returncode}):\n{done.stderr[-2000:]}")
@@ -45,13 +45,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--models", default="bundled,gemma-3-270m", help="comma list; bundled: the default model")
+    parser.add_argument("--bench-args", default="", help="more `kvserve bench` arguments, e.g. '--max-model-len 4096' "
+                        "for the synthetic 8B (its 128k context does not fit the default KV pool)")
     args = parser.parse_args()
     models = args.models.split(",")
     print(f"{cpu_kind()}; kernels: {os.environ.get('KVSERVE_KERNELS_ISA', 'chosen at start-up (the tuning)')}")
     runs: dict[str, list[dict]] = {m: [] for m in models}
     for round_ in range(args.rounds):
         for model in models:
-            r = one_run(model)
+            r = one_run(model, args.bench_args.split())
             runs[model].append(r)
             print(f"{model:14s} round {round_ + 1}: prefill x{r['prefill']:.2f} (TTFT {r['ttft'][0]:.2f} s vs "
                   f"{r['ttft'][1]:.2f} s), decode x{r['decode']:.2f} (TPOT {r['tpot'][0] * 1e3:.2f} vs "

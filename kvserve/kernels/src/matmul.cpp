@@ -2,9 +2,9 @@
 // x and y float32. Block formats round each activation row to int8 blocks of 32 once; each thread
 // takes a contiguous share of the N weight rows (block formats' prefill: panels of them, handed out
 // dynamically), decodes them a few at a time (8-bit codes for block formats, float32 for float
-// formats; once per call, or once per pass over an L3's worth of activation rows: prefill_pass_rows), then
-// runs every tile of up to TILE_ROWS activation rows against them (matmul_quant.h's and matmul_tile.h's dot tiles; the block formats' offset terms as a pass of
-// their own).
+// formats; once per call, or once per pass over an L3's worth of activation rows: prefill_pass_rows),
+// then runs every tile of up to TILE_ROWS activation rows against them (matmul_quant.h's and
+// matmul_tile.h's dot tiles; the block formats' offset terms as a pass of their own).
 // Invariance: y[t, n] is one dot chain over row t of x and the decoded row n of W, in one order; threads
 // split N only, and T and N are tiled without changing any element's operations.
 #include "team.h"
@@ -332,7 +332,8 @@ void run_quant(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, c
         DynamicCounter panels(num_panels);
         team_run(nthreads, [&](int, int) {
             thread_local std::vector<uint8_t> scratch;  // the panel's decoded groups
-            if (int64_t(scratch.size()) < rows_per_block / TILE_GROUP * gbytes) scratch.resize(rows_per_block / TILE_GROUP * gbytes);
+            const int64_t scratch_bytes = rows_per_block / TILE_GROUP * gbytes;
+            if (int64_t(scratch.size()) < scratch_bytes) scratch.resize(scratch_bytes);
             // the offsets' dot runs as its own pass over eight rows a vector (SIMD builds): the tiles skip it
             const bool split_offsets = KVS_SIMD && offsets;
             const int64_t ldo = rows_per_block;
@@ -353,8 +354,9 @@ void run_quant(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, c
                     float* yt = y + t * ldy + n0;
                     const int64_t nr = std::min<int64_t>(TILE_ROWS, t_end - t);
                     for (int64_t gi = 0; gi < groups; ++gi)
-                        f.tile[nr - 1](xr, qgroup_at(&scratch[gi * gbytes], K), int(std::min<int64_t>(TILE_GROUP, nw - TILE_GROUP * gi)),
-                                         nb, yt + TILE_GROUP * gi, ldy);
+                        f.tile[nr - 1](xr, qgroup_at(&scratch[gi * gbytes], K),
+                                       int(std::min<int64_t>(TILE_GROUP, nw - TILE_GROUP * gi)), nb, yt + TILE_GROUP * gi,
+                                       ldy);
 #if KVS_SIMD
                     if (split_offsets) add_offsets(offT.data(), ldo, nw, nb, xr, nr, yt, ldy);
 #endif

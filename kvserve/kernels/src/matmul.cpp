@@ -277,7 +277,8 @@ inline void add_offsets(const float* offT, int64_t ldo, int64_t nw, int64_t nb, 
 // (cpuid's figure, which sysconf gives, can be the whole socket's inside a VM: 320 MiB against lscpu's 32
 // on this project's Zen 4 hosts)
 int64_t host_l3_bytes() {
-    if (const char* set = std::getenv("KVSERVE_KERNELS_L3_BYTES"); set && std::atoll(set) > 0) return std::atoll(set);
+    if (const char* set = std::getenv("KVSERVE_KERNELS_L3_BYTES"))
+        if (const long long bytes = std::atoll(set); bytes > 0) return bytes;
     static const int64_t sysfs = [] {
         FILE* f = std::fopen("/sys/devices/system/cpu/cpu0/cache/index3/size", "r");
         long kib = 0;
@@ -295,8 +296,8 @@ int64_t host_l3_bytes() {
 // 200-222 ms, passes of 8 MB 186-187, of 16 MB 193-197, of 4 MB 193-197, of 2 MB 211; 8B's 4,096 x 14,336:
 // 942-982 -> 824-825 ms; 14,336 x 4,096, whose 9.5 MB of rows took two passes of 8 MB: within the noise.)
 int64_t prefill_pass_rows(int64_t T, int64_t K) {
-    const int64_t row_bytes = K + K / 2;
-    return std::min(T, std::max<int64_t>(TILE_ROWS, host_l3_bytes() / 4 / row_bytes / TILE_ROWS * TILE_ROWS));
+    const int64_t rounded_row_bytes = K + K / 2;
+    return std::min(T, std::max<int64_t>(TILE_ROWS, host_l3_bytes() / 4 / rounded_row_bytes / TILE_ROWS * TILE_ROWS));
 }
 
 // Block formats: activations rounded to int8 blocks once, rows decoded to 8-bit codes

@@ -19,6 +19,8 @@ constexpr int ROWS_PER_VEC = 2;
 template <class F>
 inline wvec rows_of(int v, F f) { return _mm512_inserti64x4(_mm512_castsi256_si512(f(2 * v)), f(2 * v + 1), 1); }
 inline wvec both_halves(__m256i x) { return _mm512_broadcast_i64x4(x); }
+// the source of vector v of a group's codes (rows: the group's eight): its rows 2v and 2v + 1
+inline RowPair rows_source(const uint8_t* const* rows, int v) { return {rows[2 * v], rows[2 * v + 1]}; }
 inline wvec abs8(wvec w) { return _mm512_abs_epi8(w); }
 
 // block_lanes (below, the AVX2 build's) for two weight rows at once (AVX-512 has no vpsignb: x
@@ -63,6 +65,7 @@ constexpr int ROWS_PER_VEC = 1;
 template <class F>
 inline wvec rows_of(int v, F f) { return f(v); }
 inline wvec both_halves(__m256i x) { return x; }
+inline OneRow rows_source(const uint8_t* const* rows, int v) { return {rows[v]}; }
 inline wvec abs8(wvec w) { return _mm256_abs_epi8(w); }
 
 // Lanes of one block for one weight row (w: its codes as codes_of(Q) stores them, w_abs: |w| for
@@ -184,14 +187,14 @@ struct SpreadPrefetch {
     }
 };
 
-// block b of one row of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: its codes as codes_of(Q) stores them
+// the codes of vector v of a group at block b (rows: the group's eight) for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+// as codes_of(Q) stores them
 template <int Q>
-inline __m256i block32_codes(const uint8_t* row, int64_t b) {
+inline wvec block32_codes(const uint8_t* const* rows, int v, int64_t b) {
     constexpr int bytes = geometry(Q).bytes;
-    const uint8_t* blk = row + b * bytes;
-    if constexpr (Q == KVS_Q8_0) return load256(blk + 2);
-    if constexpr (Q == KVS_Q4_0 || Q == KVS_Q4_1) return nibbles32(blk + (Q == KVS_Q4_1 ? 4 : 2));
-    return q5_codes<Q>(blk);  // Q5_0, Q5_1
+    if constexpr (Q == KVS_Q8_0) return rows_source(rows, v).bytes32(b * bytes + 2);
+    if constexpr (Q == KVS_Q4_0 || Q == KVS_Q4_1) return nibbles32(rows_source(rows, v), b * bytes + (Q == KVS_Q4_1 ? 4 : 2));
+    return rows_of(v, [&](int c) { return q5_codes<Q>(rows[c] + b * bytes); });  // Q5_0, Q5_1
 }
 
 // Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: eight weight rows against R activation rows; per block the eight
@@ -205,7 +208,7 @@ inline void qdot_direct32(const uint8_t* const* rows, int64_t nb, const XRow* x,
         prefetch.step(b);
         wvec w[GROUP_VECS], w_abs[GROUP_VECS];
         for (int v = 0; v < GROUP_VECS; ++v) {
-            w[v] = rows_of(v, [&](int c) { return block32_codes<Q>(rows[c], b); });
+            w[v] = block32_codes<Q>(rows, v, b);
             if constexpr (codes_of(Q) == Codes::Signed) {
                 w_abs[v] = abs8(w[v]);
             } else {
@@ -314,7 +317,7 @@ inline void qdot_directk(const uint8_t* const* rows, int64_t nb, const XRow* x, 
         for (int j = 0; j < 8; ++j) {
             const int64_t b = sb * 8 + j;
             wvec w[GROUP_VECS];
-            for (int v = 0; v < GROUP_VECS; ++v) w[v] = rows_of(v, [&](int c) { return k_codes<Q>(blk[c], j); });
+            for (int v = 0; v < GROUP_VECS; ++v) w[v] = k_codes<Q>(rows_source(blk, v), j);
             for (int r = 0; r < R; ++r) {
                 const wvec xq = both_halves(load256(x[r].q + 32 * b)), mult = both_halves(load256(x[r].mult + 16 * b));
                 wvec p[GROUP_VECS];

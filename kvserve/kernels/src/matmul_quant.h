@@ -90,12 +90,55 @@ inline float dequant_one(const uint8_t* row, int64_t k) {
 #if KVS_SIMD
 // ---------------------------------------------------------------- AVX2 decoding (the AVX-512 build too)
 
-// 16 bytes of nibbles -> 32 codes: the low nibbles (elements 0..15), then the high ones (16..31)
-inline __m256i nibbles32(const uint8_t* p) {
-    // the 16 bytes in both halves (a load, no shuffle), the upper half shifted by 4
-    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(15));
+// One weight row's bytes as the decoders read them, at byte offsets from `row`: the walkers' and the
+// AVX2 decode rows' source (the AVX-512 decode rows read two rows at once into one 512-bit vector:
+// RowPair, matmul_direct.h). The codes below are written once on the vector type V the source gives.
+struct OneRow {
+    const uint8_t* row;
+    __m256i bytes32(int64_t at) const { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + at)); }
+    // the 16 bytes at `at` in both 128-bit halves (a load, no shuffle)
+    __m256i bytes16_twice(int64_t at) const {
+        return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + at)));
+    }
+};
+inline __m256i vand(__m256i a, __m256i b) { return _mm256_and_si256(a, b); }
+inline __m256i vor(__m256i a, __m256i b) { return _mm256_or_si256(a, b); }
+inline __m256i vsrl16(__m256i a, int n) { return _mm256_srli_epi16(a, n); }
+inline __m256i vsll16(__m256i a, int n) { return _mm256_slli_epi16(a, n); }
+inline __m256i splat8(__m256i, char c) { return _mm256_set1_epi8(c); }  // (the first argument picks the type)
+inline __m256i upper_halves_down4(__m256i a) { return _mm256_srlv_epi32(a, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)); }
+#if defined(KVS_ISA_AVX512)
+// Two weight rows' bytes in one 512-bit vector, row a's in the low half: the AVX-512 decode rows'
+// source. Row b's half comes in by a masked broadcast load, not an insert: on Zen 4 an insert takes a
+// slot on the two shuffle pipes that the decode rows' reductions keep busy (Q4_K and Q6_K rows ~8% faster).
+struct RowPair {
+    const uint8_t* a;
+    const uint8_t* b;
+    __m512i bytes32(int64_t at) const {
+        return _mm512_mask_broadcast_i64x4(_mm512_castsi256_si512(OneRow{a}.bytes32(at)), 0xF0, OneRow{b}.bytes32(at));
+    }
+    __m512i bytes16_twice(int64_t at) const {  // a's 16 bytes twice, then b's twice
+        const auto load16 = [at](const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + at)); };
+        return _mm512_mask_broadcast_i32x4(_mm512_broadcast_i32x4(load16(a)), 0xFF00, load16(b));
+    }
+};
+inline __m512i vand(__m512i a, __m512i b) { return _mm512_and_si512(a, b); }
+inline __m512i vor(__m512i a, __m512i b) { return _mm512_or_si512(a, b); }
+inline __m512i vsrl16(__m512i a, int n) { return _mm512_srli_epi16(a, n); }
+inline __m512i vsll16(__m512i a, int n) { return _mm512_slli_epi16(a, n); }
+inline __m512i splat8(__m512i, char c) { return _mm512_set1_epi8(c); }
+inline __m512i upper_halves_down4(__m512i a) {
+    return _mm512_srlv_epi32(a, _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4));
 }
+#endif
+
+// 16 bytes of nibbles at `at` -> 32 codes: the low nibbles (elements 0..15), then the high ones (16..31)
+template <class Src>
+inline auto nibbles32(const Src& src, int64_t at) {
+    const auto v = src.bytes16_twice(at);  // the upper half of each 256 bits shifted by 4
+    return vand(upper_halves_down4(v), splat8(v, 15));
+}
+inline __m256i nibbles32(const uint8_t* p) { return nibbles32(OneRow{p}, 0); }
 
 // byte i = 0x10 where bit i of `bits` is set (the fifth bit of Q5_0/Q5_1 codes)
 inline __m256i fifth_bits(uint32_t bits) {
@@ -109,29 +152,30 @@ inline __m256i fifth_bits(uint32_t bits) {
 
 inline __m256i load256(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-// the codes of sub-block j of a Q4_K, Q5_K or Q6_K superblock as stored (Q4_K 0..15, Q5_K 0..31, Q6_K
-// 0..63: the value plus 32), as the walkers and the decode rows unpack them
-template <int Q>
-inline __m256i k_codes(const uint8_t* blk, int j) {
-    const __m256i m15 = _mm256_set1_epi8(15);
+// the codes of sub-block j of a Q4_K, Q5_K or Q6_K superblock (src: at the superblock) as stored (Q4_K
+// 0..15, Q5_K 0..31, Q6_K 0..63: the value plus 32), as the walkers and the decode rows unpack them
+template <int Q, class Src>
+inline auto k_codes(const Src& src, int j) {
+    using V = decltype(src.bytes32(0));
+    const V m15 = splat8(V{}, 15);
     if constexpr (Q == KVS_Q4_K || Q == KVS_Q5_K) {
-        const __m256i q = load256(blk + (Q == KVS_Q5_K ? 48 : 16) + 32 * (j / 2));
-        const __m256i c = j & 1 ? _mm256_and_si256(_mm256_srli_epi16(q, 4), m15) : _mm256_and_si256(q, m15);
+        const V q = src.bytes32((Q == KVS_Q5_K ? 48 : 16) + 32 * (j / 2));
+        const V c = j & 1 ? vand(vsrl16(q, 4), m15) : vand(q, m15);
         if constexpr (Q == KVS_Q4_K) return c;
         // Q5_K's fifth bit: bit j of each byte of qh, moved to bit 4 of the same byte
-        const __m256i qh = load256(blk + 16);
-        const __m256i fifth = _mm256_slli_epi16(_mm256_srli_epi16(qh, j), 4);
-        return _mm256_or_si256(c, _mm256_and_si256(fifth, _mm256_set1_epi8(0x10)));
+        const V fifth = vsll16(vsrl16(src.bytes32(16), j), 4);
+        return vor(c, vand(fifth, splat8(V{}, 0x10)));
     } else {  // walk_q6k's groups: half n = j / 4, group i = j % 4
         const int n = j / 4, i = j % 4;
-        const __m256i ql = load256(blk + 64 * n + 32 * (i & 1));
-        const __m256i qh = load256(blk + 128 + 32 * n);
-        const __m256i lo = i < 2 ? _mm256_and_si256(ql, m15) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), m15);
-        const __m256i hi = i == 0 ? _mm256_slli_epi16(qh, 4) : i == 1 ? _mm256_slli_epi16(qh, 2)
-                           : i == 2 ? qh : _mm256_srli_epi16(qh, 2);
-        return _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
+        const V ql = src.bytes32(64 * n + 32 * (i & 1));
+        const V qh = src.bytes32(128 + 32 * n);
+        const V lo = i < 2 ? vand(ql, m15) : vand(vsrl16(ql, 4), m15);
+        const V hi = i == 0 ? vsll16(qh, 4) : i == 1 ? vsll16(qh, 2) : i == 2 ? qh : vsrl16(qh, 2);
+        return vor(lo, vand(hi, splat8(V{}, 0x30)));
     }
 }
+template <int Q>
+inline __m256i k_codes(const uint8_t* blk, int j) { return k_codes<Q>(OneRow{blk}, j); }
 
 // a Q5_0 / Q5_1 block's 32 codes in element order as stored: the fifth bits over the nibbles (0..31;
 // Q5_0's value is the code minus 16)

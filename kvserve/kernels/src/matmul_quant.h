@@ -90,12 +90,14 @@ inline float dequant_one(const uint8_t* row, int64_t k) {
 #if KVS_SIMD
 // ---------------------------------------------------------------- AVX2 decoding (the AVX-512 build too)
 
+inline __m256i load256(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
 // One weight row's bytes as the decoders read them, at byte offsets from `row`: the walkers' and the
 // AVX2 decode rows' source (the AVX-512 decode rows read two rows at once into one 512-bit vector:
 // RowPair, matmul_direct.h). The codes below are written once on the vector type V the source gives.
 struct OneRow {
     const uint8_t* row;
-    __m256i bytes32(int64_t at) const { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + at)); }
+    __m256i bytes32(int64_t at) const { return load256(row + at); }
     // the 16 bytes at `at` in both 128-bit halves (a load, no shuffle)
     __m256i bytes16_twice(int64_t at) const {
         return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + at)));
@@ -149,8 +151,6 @@ inline __m256i fifth_bits(uint32_t bits) {
     const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(int(bits)), idx), sel);
     return _mm256_and_si256(_mm256_cmpeq_epi8(v, sel), _mm256_set1_epi8(0x10));
 }
-
-inline __m256i load256(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 // the codes of sub-block j of a Q4_K, Q5_K or Q6_K superblock (src: at the superblock) as stored (Q4_K
 // 0..15, Q5_K 0..31, Q6_K 0..63: the value plus 32), as the walkers and the decode rows unpack them

@@ -2,7 +2,7 @@
 // "Round 3, the decode rows"): build: g++ -O2 -std=c++17 matmul_lib_bench.cpp -o mmbench -ldl; run:
 // ./mmbench LIB TYPE N K T REPS [THREADS], e.g. ./mmbench kvserve/kernels/_lib/libkvserve_avx2.so 3
 // 3456 576 1 2000 (TYPE: the ggml type number, 1 F16, 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K,
-// 13 Q5_K, 14 Q6_K).
+// 13 Q5_K, 14 Q6_K; 1012, 1013, 1014: their interleaved twins, the rows rewritten by kvs_interleave_rows).
 // Prints the best call's time and a checksum of the output: two libraries built from different sources
 // that keep the chain print the same checksum. Random codes, fp16 scales set to small normal values;
 // timing only. N large enough (e.g. 103680 x 576) reads the weights from DRAM, not the caches.
@@ -27,7 +27,16 @@ int main(int argc, char** argv) {
     const int64_t N = std::atol(argv[3]), K = std::atol(argv[4]), T = std::atol(argv[5]);
     std::vector<uint8_t> w;
     std::vector<float> x, y(T * N);
-    random_problem(type, N, K, T, w, x);
+    random_problem(type > 1000 ? type - 1000 : type, N, K, T, w, x);
+    if (type > 1000) {  // an interleaved twin (1000 + a K format): the same random rows, rewritten in place
+        using InterleaveFn = int (*)(int, uint8_t*, int64_t, int64_t);
+        void* lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
+        const auto interleave = reinterpret_cast<InterleaveFn>(dlsym(lib, "kvs_interleave_rows"));
+        if (interleave == nullptr || interleave(type - 1000, w.data(), N, K) != 0) {
+            std::fprintf(stderr, "type %d: the library cannot interleave these rows\n", type);
+            return 1;
+        }
+    }
     double best = 1e9;
     for (int r = 0; r < reps; ++r) {
         const auto start = std::chrono::steady_clock::now();

@@ -76,6 +76,12 @@ def enabled() -> bool:
     return os.environ.get("KVSERVE_KERNELS", "on").lower() not in ("off", "0", "false", "no")
 
 
+def interleave_enabled() -> bool:
+    """Whether K-format weights are laid out for the decode rows at load (kernels/matmul.py interleave);
+    `KVSERVE_KERNELS_INTERLEAVE=off` keeps the file's layout (the same bits, slower decode rows)."""
+    return os.environ.get("KVSERVE_KERNELS_INTERLEAVE", "on").lower() not in ("off", "0", "false", "no")
+
+
 _chosen_isas: dict[str, str] = {}  # the start-up calibration's choice per kind of call (kernels/tuning.py choose_isa)
 
 

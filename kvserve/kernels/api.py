@@ -26,6 +26,10 @@ class Format(IntEnum):
     Q5_K = 13
     Q6_K = 14
     BF16 = 30
+    # kvserve's own: a K format's rows interleaved in groups of eight (kvs_interleave_rows), 1000 + its id
+    Q4_K_R8 = 1012
+    Q5_K_R8 = 1013
+    Q6_K_R8 = 1014
 
 
 class Codec(IntEnum):
@@ -89,7 +93,8 @@ ENUM_VALUES: dict[str, int] = {
 
 class KvsFormatInfo(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int32), ("block", ctypes.c_int32), ("bytes", ctypes.c_int32),
-                ("is_float", ctypes.c_int32), ("name", ctypes.c_char * 8)]
+                ("is_float", ctypes.c_int32), ("name", ctypes.c_char * 8), ("group_rows", ctypes.c_int32),
+                ("base", ctypes.c_int32)]
 
 
 class KvsTuning(ctypes.Structure):
@@ -148,6 +153,7 @@ ENTRY_POINTS: dict[str, tuple[type | None, list[type]]] = {
     "kvs_set_tuning": (None, [ctypes.POINTER(KvsTuning)]),
     "kvs_get_tuning": (None, [ctypes.POINTER(KvsTuning)]),
     "kvs_matmul": (_i32, [_i32, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i32]),
+    "kvs_interleave_rows": (_i32, [_i32, _ptr, _i64, _i64]),
     "kvs_dequantize_rows": (_i32, [_i32, _ptr, _i64, _ptr, _i64, _ptr]),
     "kvs_quantize_activations": (_i32, [_ptr, _i64, _i64, _ptr, _ptr, _ptr]),
     "kvs_rms_norm": (None, [_ptr, _i64, _i32, _i32, _i64, _ptr, _ptr, _ptr, _f32, _ptr, _i64, _i32]),
@@ -203,6 +209,8 @@ class FormatInfo:
     block: int  # elements per block
     bytes: int  # bytes per block
     is_float: bool  # float32 activations (else rounded to int8 blocks of 32)
+    group_rows: int  # 1, or 8: rows interleaved in groups of eight (matrices of whole groups)
+    base: int  # the file's format of the values: the format itself, or the one interleaved
 
     def row_bytes(self, k: int) -> int:
         return k // self.block * self.bytes
@@ -219,11 +227,11 @@ def read_formats(lib: ctypes.CDLL) -> dict[int, FormatInfo]:
         fmt = Format(row.type)
         if row.name.decode() != fmt.name:
             raise ValueError(f"format {row.type} is {row.name.decode()} in the library, {fmt.name} in api.py")
-        expected = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(row.type)]
+        expected = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(row.base)]
         if (row.block, row.bytes) != expected:
             raise ValueError(f"format {fmt.name}: the library's block is {row.block} elements in {row.bytes} "
                              f"bytes, GGUF's is {expected[0]} in {expected[1]}")
-        table[fmt.value] = FormatInfo(fmt, row.block, row.bytes, bool(row.is_float))
+        table[fmt.value] = FormatInfo(fmt, row.block, row.bytes, bool(row.is_float), row.group_rows, row.base)
     return table
 
 

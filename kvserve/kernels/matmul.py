@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from kvserve import kernels
 from kvserve.kernels import KernelLibrary
 from kvserve.kernels.api import MatmulStatus
 
@@ -18,11 +19,25 @@ def row_bytes(kl: KernelLibrary, qtype: int, k: int) -> int:
     return kl.formats[int(qtype)].row_bytes(k)
 
 
+def interleave(kl: KernelLibrary, qtype: int, weight: torch.Tensor, k: int) -> tuple[int, torch.Tensor]:
+    """(format, weight) as the decode rows read it fastest: a K format's matrix whose rows come in whole
+    groups of eight rewritten in place into its interleaved twin (the same values and the same bits out,
+    with no reduction across vector lanes in the decode rows: kvs_interleave_rows); anything else, or
+    with KVSERVE_KERNELS_INTERLEAVE=off, as it was. `weight`: [N, row bytes] uint8, owned by the caller."""
+    twin = next((f for f in kl.formats.values() if f.base == int(qtype) and f.group_rows > 1), None)
+    if twin is None or not kernels.interleave_enabled() or weight.shape[0] % twin.group_rows:
+        return int(qtype), weight
+    assert weight.dtype == torch.uint8 and weight.is_contiguous() and weight.shape[1] == row_bytes(kl, qtype, k)
+    _check(kl.lib.kvs_interleave_rows(int(qtype), weight.data_ptr(), weight.shape[0], k), qtype, k)
+    return int(twin.format), weight
+
+
 def _check(rc: int, qtype: int, k: int) -> None:
     if rc == MatmulStatus.NO_FORMAT:
         raise ValueError(f"ggml type {qtype} has no native kernel")
     if rc == MatmulStatus.BAD_ROW_LENGTH:
-        raise ValueError(f"row length {k} is not a multiple of ggml type {qtype}'s block")
+        raise ValueError(f"row length {k} is not a multiple of format {qtype}'s block, or the rows of an "
+                         "interleaved format are not whole groups of eight")
 
 
 def matmul(kl: KernelLibrary, qtype: int, weight: torch.Tensor, k: int, x: torch.Tensor,

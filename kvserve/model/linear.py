@@ -309,7 +309,8 @@ class WeightBuilder:
 
     def _native_part(self, t: GGUFTensor | FloatTensor) -> tuple[int, torch.Tensor]:
         if isinstance(t, FloatTensor) or native_matmul.supported(self.library, int(t.qtype)):
-            return native_blocks(t, self.library)
+            qtype, blocks = native_blocks(t, self.library)
+            return native_matmul.interleave(self.library, qtype, blocks, t.shape[1])
         return self.fallback.blocks(t)  # a format without a kernel: requantized, and said once
 
     def _bias(self, names: list[str], biases: list[str]) -> torch.Tensor | None:

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from kvserve import kernels
 from kvserve.config import CORPUS_PATH, KV_DTYPES, KVDtype, resolve_model_dtype
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.gguf_loader import LoadedModel
@@ -69,7 +70,9 @@ def build_model(loaded: LoadedModel, dtype: str, device: str, max_model_len: int
     """One model per (weights, weight mode, device, RoPE bucket) in a process: the model holds no
     per-request state. Its RoPE tables cover at least max_model_len positions (None: the model's context)."""
     context = loaded.config.max_position_embeddings
-    return _build_model(loaded, dtype, device, rope_positions(max_model_len or context, context))
+    # the weights' layout (kernels/matmul.py interleave) is part of what a built model holds
+    return _build_model(loaded, dtype, device, rope_positions(max_model_len or context, context),
+                        kernels.interleave_enabled())
 
 
 def rope_positions(max_model_len: int, context: int) -> int:
@@ -81,7 +84,7 @@ def rope_positions(max_model_len: int, context: int) -> int:
 
 
 @functools.lru_cache(maxsize=4)
-def _build_model(loaded: LoadedModel, dtype: str, device: str, max_positions: int) -> LlamaModel:
+def _build_model(loaded: LoadedModel, dtype: str, device: str, max_positions: int, interleaved: bool) -> LlamaModel:
     return LlamaModel(loaded.config, loaded.tensors, dtype, device, max_positions).eval()
 
 

@@ -35,8 +35,10 @@ def test_every_built_library_agrees_with_the_mirror_and_lists_every_format():
         formats = api.bind(lib)
         assert set(formats) == {f.value for f in api.Format}
         for fmt in formats.values():
-            assert (fmt.block, fmt.bytes) == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(fmt.format.value)]
+            assert (fmt.block, fmt.bytes) == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(fmt.base)]
             assert fmt.is_float == (fmt.format in (api.Format.F32, api.Format.F16, api.Format.BF16))
+            interleaved = fmt.format.name.endswith("_R8")  # kvserve's own twins of the K formats
+            assert (fmt.group_rows, fmt.base) == ((8, fmt.format - 1000) if interleaved else (1, fmt.format))
 
 
 def test_the_manifest_names_every_entry_struct_and_enum_the_mirror_declares():

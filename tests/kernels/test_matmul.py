@@ -11,8 +11,12 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from kvserve import kernels
 from kvserve.kernels import matmul as km
+from kvserve.kernels.api import MatmulStatus
 
 BLOCK_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 FLOAT_TYPES = [Q.F32, Q.F16, Q.BF16]
@@ -158,6 +162,56 @@ def test_a_row_length_off_the_block_is_refused(lib):
     w = torch.zeros(2, 18 * 3, dtype=torch.uint8)
     with pytest.raises(ValueError, match="not a multiple"):
         km.dequantize_rows(lib, Q.Q4_K, w, 96, torch.tensor([0]))
+
+
+K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
+
+
+def interleaved_products_match(lib, qtype: Q, n: int, k: int, counts: list[tuple[int, int]], seed: int) -> None:
+    """The K format's rows interleaved in groups of eight (kvs_interleave_rows) hold the same bytes in
+    another order, decode to the same weights and give the file layout's products bit for bit, for each
+    (activation rows, threads) in counts: the decode rows up to 8 rows, the prefill tiles past them."""
+    w = random_weight(qtype, n, k, seed=seed)
+    twin, wi = km.interleave(lib, qtype, torch.from_numpy(w.copy()), k)
+    assert twin == int(qtype) + 1000 and lib.formats[twin].group_rows == 8
+    flat = wi.numpy().reshape(-1)
+    assert not np.array_equal(flat, w.reshape(-1)) and np.array_equal(np.sort(flat), np.sort(w.reshape(-1)))
+    as_filed = torch.from_numpy(w)
+    rows = torch.tensor([0, n - 1, 8 % n, n // 2, 7])
+    assert torch.equal(km.dequantize_rows(lib, twin, wi, k, rows), km.dequantize_rows(lib, qtype, as_filed, k, rows))
+    x = torch.randn(max(t for t, _ in counts), k, generator=torch.Generator().manual_seed(seed)) * 3
+    for t, threads in counts:
+        got = km.matmul(lib, twin, wi, k, x[:t], num_threads=threads)
+        assert torch.equal(got, km.matmul(lib, qtype, as_filed, k, x[:t], num_threads=threads)), (t, threads)
+
+
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
+def test_interleaved_rows_give_the_file_layouts_bits(lib, qtype):
+    counts = [(t, th) for t in (1, 2, 3, 5, 8, 9, 20) for th in (1, 2)]
+    interleaved_products_match(lib, qtype, 40, 512, counts, seed=7)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(qtype=st.sampled_from(K_TYPES), groups=st.integers(1, 9), superblocks=st.integers(1, 6),
+       rows=st.integers(1, 12), threads=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_interleaved_rows_give_the_file_layouts_bits_for_any_shape(lib, qtype, groups, superblocks, rows, threads,
+                                                                   seed):
+    interleaved_products_match(lib, qtype, 8 * groups, 256 * superblocks, [(rows, threads)], seed)
+
+
+def test_only_whole_groups_of_a_k_format_are_interleaved(lib, monkeypatch):
+    ragged = torch.from_numpy(random_weight(Q.Q4_K, 12, 256))
+    assert km.interleave(lib, Q.Q4_K, ragged, 256) == (int(Q.Q4_K), ragged)  # 12 rows: kept as filed
+    with pytest.raises(ValueError, match="whole groups of eight"):
+        km.matmul(lib, int(Q.Q4_K) + 1000, ragged, 256, torch.randn(1, 256))
+    q4 = torch.from_numpy(random_weight(Q.Q4_1, 16, 256))
+    assert km.interleave(lib, Q.Q4_1, q4, 256) == (int(Q.Q4_1), q4)  # no twin
+    assert lib.lib.kvs_interleave_rows(int(Q.Q4_1), q4.data_ptr(), 16, 256) == MatmulStatus.NO_FORMAT
+    assert lib.lib.kvs_interleave_rows(int(Q.Q6_K), q4.data_ptr(), 12, 256) == MatmulStatus.BAD_ROW_LENGTH
+    monkeypatch.setenv("KVSERVE_KERNELS_INTERLEAVE", "off")
+    whole = torch.from_numpy(random_weight(Q.Q6_K, 16, 256))
+    before = whole.clone()
+    assert km.interleave(lib, Q.Q6_K, whole, 256) == (int(Q.Q6_K), whole) and torch.equal(whole, before)
 
 
 def on_every_isa(monkeypatch, fn) -> list:

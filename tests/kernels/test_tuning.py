@@ -265,8 +265,8 @@ def test_the_decode_pass_reads_the_layers_and_the_vocabulary_in_a_steps_shares()
     assert (qtype, k, head_rows.data_ptr()) == (int(Q.Q6_K), 256, head.blocks(0).data_ptr())
     layer_bytes, head_bytes = sum(b.numel() for _, b, _ in from_layers), head_rows.numel()
     assert 400_000 * 0.632 <= layer_bytes < 400_000 * 0.632 + 36_864  # whole matrices, in order
-    assert head_bytes == 400_000 * 860_160 // 2_334_720 // 210 * 210  # the head's first rows
+    assert head_bytes == 400_000 * 860_160 // 2_334_720 // 210 // 8 * 8 * 210  # the head's first rows, whole groups
     # a vocabulary's matrix a hundred times the layers': they still get their share, a matrix at least
     big = decode_calls(layers[:4], linear(Q.Q6_K, 65536, 210), up_to=400_000)
-    assert [b.shape[0] for _, b, _ in big] == [256, (400_000 * 13_762_560 // 13_910_016) // 210]
+    assert [b.shape[0] for _, b, _ in big] == [256, (400_000 * 13_762_560 // 13_910_016) // 210 // 8 * 8]
     assert decode_calls(layers, None, up_to=400_000)[-1][1] is layers[10].blocks(0)  # no head: layers only

@@ -143,10 +143,9 @@ def random_k_blocks(name: str, w: np.ndarray) -> tuple[np.ndarray, GGMLQuantizat
     return blocks.reshape(w.shape[0], -1), qtype
 
 
-def test_parts_of_two_formats_answer_as_op_by_op(tmp_path, monkeypatch):
-    """A fused QKV of Q4_K and Q6_K parts and a gate+up of Q4_K and Q5_K run as one call over the parts'
-    rows side by side (matmul.cpp run_parts_direct): the same tokens and logprobs, bit for bit, as each
-    part's own kvs_matmul on the per-op path."""
+def kmix_answers(tmp_path):
+    """A function answering two prompts (tokens and logprobs) on a tiny Llama whose layers hold random
+    blocks of K_FORMATS' mix, and the loaded layers' formats (qkv's, gate_up's)."""
     from tests.conftest import make_llm
     from tests.model.tiny_models import make_hf_model, write_gguf
 
@@ -160,9 +159,31 @@ def test_parts_of_two_formats_answer_as_op_by_op(tmp_path, monkeypatch):
     def answers():
         llm = make_llm(model=path, dtype="native", page_size=PAGE, max_model_len=256, kv_cache_memory="16MiB")
         layer = llm.engine.runner.model.layers[0]
-        assert len(layer.qkv.qtypes) == 2 and len(layer.gate_up.qtypes) == 2
-        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+        formats = (layer.qkv.qtypes, layer.gate_up.qtypes)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)], formats
+    return answers
 
-    fused = answers()
+
+def test_parts_of_two_formats_answer_as_op_by_op(tmp_path, monkeypatch):
+    """A fused QKV of Q4_K and Q6_K parts and a gate+up of Q4_K and Q5_K run as one call over the parts'
+    rows side by side (matmul.cpp run_parts_direct): the same tokens and logprobs, bit for bit, as each
+    part's own kvs_matmul on the per-op path."""
+    answers = kmix_answers(tmp_path)
+    fused, formats = answers()
+    assert [len(f) for f in formats] == [2, 2]
     monkeypatch.setattr(llama, "FUSED_MAX_ROWS", 0)
-    assert answers() == fused
+    assert answers()[0] == fused
+
+
+def test_interleaved_k_formats_answer_as_the_files_layout(tmp_path, monkeypatch):
+    """The K formats' rows interleaved at load for the decode rows (kernels/matmul.py interleave) give the
+    file layout's tokens and logprobs, bit for bit, fused and op by op."""
+    answers = kmix_answers(tmp_path)
+    interleaved, formats = answers()
+    assert formats == ([1012, 1014], [1012, 1013])  # Q4_K, Q6_K / Q4_K, Q5_K, each part's twin
+    monkeypatch.setenv("KVSERVE_KERNELS_INTERLEAVE", "off")
+    as_filed, formats = answers()
+    assert formats == ([12, 14], [12, 13])
+    assert as_filed == interleaved
+    monkeypatch.setattr(llama, "FUSED_MAX_ROWS", 0)
+    assert answers()[0] == interleaved

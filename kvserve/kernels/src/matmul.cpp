@@ -39,7 +39,10 @@ constexpr int64_t CHUNK_BYTES = 16384;    // decode: weight bytes a thread takes
 //   to_group     one weight row -> a row of a prefill tile group (matmul_tile.h decode_row_q)
 //   tile[R-1]    R activation rows x one decoded group (matmul_tile.h qdot_group)
 //   decode_rows  R <= DIRECT_ROWS activation rows x weight rows lo..hi decoded in registers (matmul_direct.h
-//                qdot_direct_rows: qdot_direct32 for the 32-element formats, qdot_directk for the K formats)
+//                qdot_direct_rows: qdot_direct32 for the 32-element formats, qdot_directk for the K formats,
+//                qdot_interleaved for their interleaved twins)
+// An interleaved twin has its decode rows only: everything else runs its base format's kernels on rows
+// put back in the file's order (interleave.h file_row).
 
 using ToFloatFn = void (*)(const uint8_t*, int64_t, float*);
 using ToGroupFn = void (*)(const uint8_t*, int64_t, const QGroup&, int);
@@ -60,6 +63,12 @@ constexpr FormatKernels kernels_row(std::index_sequence<R...>) {
     static_assert(sizeof...(R) == DIRECT_ROWS && TILE_ROWS <= DIRECT_ROWS);
     if constexpr (is_float_type(Q)) {
         return {&format_row(Q), decode_row<Q>, nullptr, {}, {}};
+    } else if constexpr (format_row(Q).group_rows > 1) {
+        FormatKernels row{&format_row(Q), nullptr, nullptr, {}, {}};
+#if KVS_SIMD
+        ((row.decode_rows[R] = qdot_direct_rows<Q, int(R) + 1>), ...);
+#endif
+        return row;
     } else {
         FormatKernels row{&format_row(Q), decode_row<Q>, decode_row_q<Q>,
                           {qdot_group<Q, 1>, qdot_group<Q, 2>, qdot_group<Q, 3>, qdot_group<Q, 4>}, {}};
@@ -84,6 +93,9 @@ const FormatKernels* kernels_of(int type) {
         if (f.row->type == type) return &f;
     return nullptr;
 }
+
+// the kernels that run f's rows once put back in the file's order: its base format's
+const FormatKernels& row_kernels(const FormatKernels& f) { return *kernels_of(f.row->base); }
 
 // Float formats: rows decoded to float32 (F32 read in place), float activations
 void run_float(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t ldx, int64_t T,
@@ -150,7 +162,9 @@ bool run_parts_direct(const KvsLinear& w, const float* x, int64_t T, float* y, i
     int64_t first[KVS_MAX_PARTS + 1] = {0}, col[KVS_MAX_PARTS] = {0}, row_bytes[KVS_MAX_PARTS];
     for (int64_t p = 0; p < P; ++p) {
         f[p] = kernels_of(static_cast<int>(w.formats[p]));
-        if (f[p] == nullptr || f[p]->row->codes == Codes::Float || K % f[p]->row->block) return false;
+        if (f[p] == nullptr || f[p]->row->codes == Codes::Float || K % f[p]->row->block ||
+            w.rows[p] % f[p]->row->group_rows)
+            return false;
         row_bytes[p] = K / f[p]->row->block * f[p]->row->bytes;
         first[p + 1] = first[p] + (w.rows[p] + DIRECT_GROUP - 1) / DIRECT_GROUP;
         if (p + 1 < P) col[p + 1] = col[p] + w.rows[p];
@@ -320,6 +334,7 @@ void run_quant(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, c
     }
 #endif
     const int64_t gbytes = qgroup_bytes(K);
+    const FormatKernels& tiles = row_kernels(f);
     // panels of weight rows (whole groups) handed out one at a time, at least PANELS_PER_THREAD a
     // thread: on a shared host a thread that loses its core leaves the rest of its panels to the other
     const int64_t per_thread = (N + PANELS_PER_THREAD * nthreads - 1) / (PANELS_PER_THREAD * nthreads);
@@ -335,6 +350,8 @@ void run_quant(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, c
             thread_local std::vector<uint8_t> scratch;  // the panel's decoded groups
             const int64_t scratch_bytes = rows_per_block / TILE_GROUP * gbytes;
             if (int64_t(scratch.size()) < scratch_bytes) scratch.resize(scratch_bytes);
+            thread_local std::vector<uint8_t> file_order;  // an interleaved row put back in order
+            if (int64_t(file_order.size()) < row_bytes) file_order.resize(row_bytes);
             // the offsets' dot runs as its own pass over eight rows a vector (SIMD builds): the tiles skip it
             const bool split_offsets = KVS_SIMD && offsets;
             const int64_t ldo = rows_per_block;
@@ -346,7 +363,8 @@ void run_quant(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, c
                 // a last group short of rows repeats the panel's last row (its outputs are not kept)
                 for (int64_t j = 0; j < groups * TILE_GROUP; ++j) {
                     const QGroup g = qgroup_at(&scratch[j / TILE_GROUP * gbytes], K);
-                    f.to_group(w + (n0 + std::min(j, nw - 1)) * row_bytes, K, g, int(j % TILE_GROUP));
+                    tiles.to_group(file_row(f.row->type, w, row_bytes, n0 + std::min(j, nw - 1), file_order.data()), K, g,
+                                   int(j % TILE_GROUP));
                     if (split_offsets)
                         for (int64_t b = 0; b < nb; ++b) offT[b * ldo + j] = j < nw ? g.off[(j % TILE_GROUP) * nb + b] : 0.0f;
                 }
@@ -355,7 +373,7 @@ void run_quant(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, c
                     float* yt = y + t * ldy + n0;
                     const int64_t nr = std::min<int64_t>(TILE_ROWS, t_end - t);
                     for (int64_t gi = 0; gi < groups; ++gi)
-                        f.tile[nr - 1](xr, qgroup_at(&scratch[gi * gbytes], K),
+                        tiles.tile[nr - 1](xr, qgroup_at(&scratch[gi * gbytes], K),
                                        int(std::min<int64_t>(TILE_GROUP, nw - TILE_GROUP * gi)), nb, yt + TILE_GROUP * gi,
                                        ldy);
 #if KVS_SIMD
@@ -385,7 +403,7 @@ using namespace kvs;
 KVS_EXPORT int kvs_formats(KvsFormatInfo* out, int capacity) {
     for (int i = 0; i < kNumFormats && i < capacity; ++i) {
         const FormatRow& row = kFormatRows[i];
-        out[i] = KvsFormatInfo{row.type, row.block, row.bytes, row.codes == Codes::Float, {}};
+        out[i] = KvsFormatInfo{row.type, row.block, row.bytes, row.codes == Codes::Float, {}, row.group_rows, row.base};
         std::strncpy(out[i].name, row.name, sizeof(out[i].name) - 1);
     }
     return kNumFormats;
@@ -395,7 +413,7 @@ KVS_EXPORT int kvs_matmul(int format, const uint8_t* w, int64_t N, int64_t K, co
                           float* y, int64_t ldy, int num_threads) {
     const FormatKernels* f = kernels_of(format);
     if (f == nullptr) return KVS_MATMUL_NO_FORMAT;
-    if (K % f->row->block != 0) return KVS_MATMUL_BAD_ROW_LENGTH;
+    if (K % f->row->block != 0 || N % f->row->group_rows != 0) return KVS_MATMUL_BAD_ROW_LENGTH;
     if (T <= 0 || N <= 0) return KVS_MATMUL_OK;
     run(*f, w, N, K, x, ldx, T, y, ldy, std::max(1, num_threads));
     return KVS_MATMUL_OK;
@@ -426,7 +444,23 @@ KVS_EXPORT int kvs_dequantize_rows(int format, const uint8_t* w, int64_t K, cons
     if (f == nullptr) return KVS_MATMUL_NO_FORMAT;
     if (K % f->row->block != 0) return KVS_MATMUL_BAD_ROW_LENGTH;
     const int64_t row_bytes = K / f->row->block * f->row->bytes;
-    for (int64_t i = 0; i < n; ++i) f->to_float(w + rows[i] * row_bytes, K, out + i * K);
+    std::vector<uint8_t> file_order(f->row->group_rows > 1 ? row_bytes : 0);
+    for (int64_t i = 0; i < n; ++i)
+        row_kernels(*f).to_float(file_row(f->row->type, w, row_bytes, rows[i], file_order.data()), K, out + i * K);
+    return KVS_MATMUL_OK;
+}
+
+KVS_EXPORT int kvs_interleave_rows(int format, uint8_t* w, int64_t N, int64_t K) {
+    const FormatRow* twin = nullptr;
+    for (const FormatRow& row : kFormatRows)
+        if (row.base == format && row.group_rows > 1) twin = &row;
+    if (twin == nullptr) return KVS_MATMUL_NO_FORMAT;
+    if (K % twin->block != 0 || N % twin->group_rows != 0) return KVS_MATMUL_BAD_ROW_LENGTH;
+    switch (format) {
+        case KVS_Q4_K: interleave_rows<KVS_Q4_K>(w, N, K); break;
+        case KVS_Q5_K: interleave_rows<KVS_Q5_K>(w, N, K); break;
+        default: interleave_rows<KVS_Q6_K>(w, N, K); break;
+    }
     return KVS_MATMUL_OK;
 }
 

@@ -1,6 +1,7 @@
 // The decode path of the block formats: up to a few activation rows (decode, a speculative verify)
 // against weight rows decoded in registers as they stream in, with the same chain as the tiles.
 #pragma once
+#include "interleave.h"
 #include "matmul_int8.h"
 
 namespace kvs {
@@ -103,13 +104,17 @@ constexpr int GROUP_VECS = DIRECT_GROUP / ROWS_PER_VEC;
 // over the first 16 elements and `sum` over all 32. p: block_lanes of the codes as stored, the values
 // plus 32, so 32 * (the half's sum) comes off each half's lanes before its sub-scale multiplies them
 // (scales: the rows' int8 sub-scales of the two halves, bytes 0..7 and 8..15).
-inline __m256i q6_block_totals(const wvec* p, __m128i scales, int32_t half, int32_t sum) {
-    __m256i first, second;
-    half_totals8(p, first, second);
+// (q6_scaled: the same from the halves' sums, first and second, one row a lane)
+inline __m256i q6_scaled(__m256i first, __m256i second, __m128i scales, int32_t half, int32_t sum) {
     first = _mm256_sub_epi32(first, _mm256_set1_epi32(32 * half));
     second = _mm256_sub_epi32(second, _mm256_set1_epi32(32 * (sum - half)));
     return _mm256_add_epi32(_mm256_mullo_epi32(first, _mm256_cvtepi8_epi32(scales)),
                             _mm256_mullo_epi32(second, _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(scales, scales))));
+}
+inline __m256i q6_block_totals(const wvec* p, __m128i scales, int32_t half, int32_t sum) {
+    __m256i first, second;
+    half_totals8(p, first, second);
+    return q6_scaled(first, second, scales, half, sum);
 }
 
 // Eight weight rows' totals of one block against one activation row (its block sum of q * m: xsum):
@@ -234,11 +239,11 @@ inline void qdot_direct32(const uint8_t* const* rows, int64_t nb, const XRow* x,
     store_direct<Q, R>(acc, x, offT, nb, y, ldy);
 }
 
-// Q6_K: the int8 sub-scales of eight rows' superblocks (blk[c]) regrouped: out[j] holds the rows'
-// scales of sub-blocks 2 j (bytes 0..7, row order) and 2 j + 1 (bytes 8..15), a three-step unpack
-inline void q6_scales_by_subblock(const uint8_t* const* blk, __m128i* out) {
+// Q6_K: the int8 sub-scales of eight rows' superblocks (at byte `at` of blk[c]) regrouped: out[j] holds
+// the rows' scales of sub-blocks 2 j (bytes 0..7, row order) and 2 j + 1 (bytes 8..15), a three-step unpack
+inline void q6_scales_by_subblock(const uint8_t* const* blk, int at, __m128i* out) {
     __m128i r[DIRECT_GROUP], pairs[8], quads[8];
-    for (int c = 0; c < DIRECT_GROUP; ++c) r[c] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[c] + 192));
+    for (int c = 0; c < DIRECT_GROUP; ++c) r[c] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[c] + at));
     for (int i = 0; i < 4; ++i) {  // word k of pairs[i]: rows 2 i, 2 i + 1 at sub-block k (pairs[4 + i]: k + 8)
         pairs[i] = _mm_unpacklo_epi8(r[2 * i], r[2 * i + 1]);
         pairs[4 + i] = _mm_unpackhi_epi8(r[2 * i], r[2 * i + 1]);
@@ -284,6 +289,21 @@ inline __m256i subblock_lanes(const __m256i* v, int j) {
     return _mm256_and_si256(_mm256_srli_epi32(v[j / 4], 8 * (j % 4)), _mm256_set1_epi32(0xff));
 }
 
+// Q4_K, Q5_K: eight rows' d (as floats, row order) and sub-scales (k4_scales_mins8's sc) of the superblocks at
+// byte `at` of blk[c]; their offsets -(dmin * m) stored, sub-block j's eight at offT[8 j ..]
+template <int Q>
+KVS_ALWAYS_INLINE void k4_superblock_fields(const uint8_t* const* blk, int at, float* offT, __m256& dw, __m256i* sc) {
+    const uint8_t* fields[DIRECT_GROUP];
+    for (int c = 0; c < DIRECT_GROUP; ++c) fields[c] = blk[c] + at;
+    __m256 dmin;
+    __m256i mn[2];
+    group_half_pairs<Q>(fields, 0, dw, dmin);
+    k4_scales_mins8(fields, sc, mn);
+    const __m256 neg_dmin = _mm256_xor_ps(dmin, _mm256_set1_ps(-0.0f));
+    for (int j = 0; j < 8; ++j)
+        _mm256_storeu_ps(offT + DIRECT_GROUP * j, _mm256_mul_ps(neg_dmin, _mm256_cvtepi32_ps(subblock_lanes(mn, j))));
+}
+
 // Q4_K, Q5_K and Q6_K: eight weight rows against R activation rows, each superblock's codes unpacked in
 // registers, then qdot_direct32's steps per sub-block of 32
 template <int Q, int R>
@@ -299,19 +319,12 @@ inline void qdot_directk(const uint8_t* const* rows, int64_t nb, const XRow* x, 
         for (int c = 0; c < DIRECT_GROUP; ++c) blk[c] = rows[c] + sb * bytes;
         __m256 dw;
         __m128i q6_scales[8];     // Q6_K: q6_scales_by_subblock's
-        __m256i sc[2], mn[2];     // Q4_K, Q5_K: k4_scales_mins8's
+        __m256i sc[2];            // Q4_K, Q5_K: k4_scales_mins8's
         if constexpr (Q == KVS_Q6_K) {
             dw = group_halves<Q>(rows, sb, 208);
-            q6_scales_by_subblock(blk, q6_scales);
-        } else {  // the offsets -(dmin * m) of each sub-block, eight rows a vector (offT: [nb][8])
-            __m256 dmin;
-            group_half_pairs<Q>(rows, sb, dw, dmin);
-            k4_scales_mins8(blk, sc, mn);
-            const __m256 neg_dmin = _mm256_xor_ps(dmin, _mm256_set1_ps(-0.0f));
-            for (int j = 0; j < 8; ++j) {
-                const __m256 m = _mm256_cvtepi32_ps(subblock_lanes(mn, j));
-                _mm256_storeu_ps(offT + DIRECT_GROUP * (sb * 8 + j), _mm256_mul_ps(neg_dmin, m));
-            }
+            q6_scales_by_subblock(blk, 192, q6_scales);
+        } else {
+            k4_superblock_fields<Q>(blk, 0, offT + DIRECT_GROUP * sb * 8, dw, sc);
         }
 #pragma GCC unroll 8  // j constant in each copy: k_codes' choices of bytes and shifts made at compile time
         for (int j = 0; j < 8; ++j) {
@@ -333,6 +346,100 @@ inline void qdot_directk(const uint8_t* const* rows, int64_t nb, const XRow* x, 
         }
     }
     store_direct<Q, R>(acc, x, offT, nb, y, ldy);
+}
+
+// ---------------------------------------------------------------- the interleaved K formats
+//
+// A group of eight rows in interleave.h's layout: a 256-bit load holds code word w of all eight rows, so
+// each row keeps one int32 lane from the products to its block total, and no lanes are reduced. Word w of
+// unit u (0..3) carries elements 4w .. 4w + 3 of two sub-blocks, unit_lo(u) and unit_hi(u).
+template <int Base>
+constexpr int unit_lo(int u) { return Base == KVS_Q6_K ? 4 * (u / 2) + u % 2 : 2 * u; }
+template <int Base>
+constexpr int unit_hi(int u) { return Base == KVS_Q6_K ? unit_lo<Base>(u) + 2 : 2 * u + 1; }
+
+// the eight rows' codes of word w of unit u as stored (as k_codes unpacks them): lo of sub-block
+// unit_lo(u), hi of unit_hi(u); `codes`: the superblock's code words
+template <int Base>
+KVS_ALWAYS_INLINE void unit_codes(const uint8_t* codes, int u, int w, __m256i& lo, __m256i& hi) {
+    const __m256i m15 = _mm256_set1_epi8(15);
+    const auto word = [codes](int i) { return load256(codes + 32 * i); };
+    if constexpr (Base == KVS_Q6_K) {  // half n = u / 2, groups a and a + 2 (a = u % 2): ql's nibbles, qh's bit pairs
+        const int n = u / 2, a = u % 2;
+        const __m256i ql = word(16 * n + 8 * a + w), qh = word(32 + 8 * n + w), m30 = _mm256_set1_epi8(0x30);
+        lo = _mm256_or_si256(_mm256_and_si256(ql, m15),
+                             _mm256_and_si256(a ? _mm256_slli_epi16(qh, 2) : _mm256_slli_epi16(qh, 4), m30));
+        hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql, 4), m15),
+                             _mm256_and_si256(a ? _mm256_srli_epi16(qh, 2) : qh, m30));
+    } else {  // Q4_K, Q5_K: qs's nibbles of the pair u (Q5_K: after qh's 8 words, whose bit j tops sub-block j)
+        const __m256i qs = word((Base == KVS_Q5_K ? 8 : 0) + 8 * u + w);
+        lo = _mm256_and_si256(qs, m15);
+        hi = _mm256_and_si256(_mm256_srli_epi16(qs, 4), m15);
+        if constexpr (Base == KVS_Q5_K) {
+            const __m256i qh = word(w), m10 = _mm256_set1_epi8(0x10);
+            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * u), 4), m10));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * u + 1), 4), m10));
+        }
+    }
+}
+
+// The interleaved twin of K format Base: one group of eight rows against R activation rows. Each
+// sub-block's total is the exact integer qdot_directk's reduction gives (Q6_K: its halves'), then the
+// same fma chain in block order: qdot_directk's bits.
+template <int Base, int R>
+inline void qdot_interleaved(const uint8_t* group, int64_t nb, const XRow* x, float* offT, float* y, int64_t ldy,
+                             const SpreadPrefetch& prefetch) {
+    constexpr int bytes = geometry(Base).bytes;
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < nb / 8; ++sb) {
+        prefetch.step(sb);
+        const uint8_t* block = group + sb * INTERLEAVED_ROWS * bytes;
+        const uint8_t* header[DIRECT_GROUP];
+        for (int c = 0; c < DIRECT_GROUP; ++c) header[c] = group_header<Base>(block, c);
+        const uint8_t* codes = group_codes<Base>(block);
+        __m256 dw;
+        __m128i q6_scales[8];
+        __m256i sc[2];
+        if constexpr (Base == KVS_Q6_K) {  // the header: the 16 scales, then d
+            dw = group_halves<Base>(header, 0, 16);
+            q6_scales_by_subblock(header, 0, q6_scales);
+        } else {
+            k4_superblock_fields<Base>(header, 0, offT + DIRECT_GROUP * sb * 8, dw, sc);
+        }
+        __m256i total[R][8];
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) {
+            const int jl = unit_lo<Base>(u), jh = unit_hi<Base>(u);
+            const int64_t bl = sb * 8 + jl, bh = sb * 8 + jh;
+            __m256i lo_half[R][2], hi_half[R][2];  // each sub-block's sums over elements 0..15 and 16..31
+            for (int s = 0; s < 4; ++s) {  // the sub-blocks of 8: words 2s, 2s + 1
+                __m256i lo0, hi0, lo1, hi1;
+                unit_codes<Base>(codes, u, 2 * s, lo0, hi0);
+                unit_codes<Base>(codes, u, 2 * s + 1, lo1, hi1);
+                for (int r = 0; r < R; ++r) {
+                    const __m256i l = lanes_of_eight(lo0, lo1, x[r].q + 32 * bl + 8 * s, x[r].mult + 16 * bl + 4 * s);
+                    const __m256i h = lanes_of_eight(hi0, hi1, x[r].q + 32 * bh + 8 * s, x[r].mult + 16 * bh + 4 * s);
+                    lo_half[r][s / 2] = s % 2 ? _mm256_add_epi32(lo_half[r][s / 2], l) : l;
+                    hi_half[r][s / 2] = s % 2 ? _mm256_add_epi32(hi_half[r][s / 2], h) : h;
+                }
+            }
+            for (int r = 0; r < R; ++r) {
+                if constexpr (Base == KVS_Q6_K) {
+                    total[r][jl] = q6_scaled(lo_half[r][0], lo_half[r][1], q6_scales[jl], x[r].half[bl], x[r].sum[bl]);
+                    total[r][jh] = q6_scaled(hi_half[r][0], hi_half[r][1], q6_scales[jh], x[r].half[bh], x[r].sum[bh]);
+                } else {
+                    total[r][jl] = _mm256_mullo_epi32(_mm256_add_epi32(lo_half[r][0], lo_half[r][1]), subblock_lanes(sc, jl));
+                    total[r][jh] = _mm256_mullo_epi32(_mm256_add_epi32(hi_half[r][0], hi_half[r][1]), subblock_lanes(sc, jh));
+                }
+            }
+        }
+        for (int j = 0; j < 8; ++j)
+            for (int r = 0; r < R; ++r)
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[r][j]),
+                                         _mm256_mul_ps(dw, _mm256_broadcast_ss(x[r].d + sb * 8 + j)), acc[r]);
+    }
+    store_direct<Base, R>(acc, x, offT, nb, y, ldy);
 }
 
 // The decode rows of block format Q: y[r * ldy + j] = x[r] . W[lo + j] for R activation rows and the weight
@@ -357,7 +464,9 @@ inline void qdot_direct_rows(const uint8_t* w, int64_t row_bytes, int64_t lo, in
     SpreadPrefetch spread{nullptr, (group_bytes + steps - 1) / steps, end,
                           tuning.weight_prefetch_spread ? tuning.weight_prefetch : KVS_PREFETCH_NONE};
     auto dot = [&](float* out, int64_t ld) {  // the eight rows of `rows`: out[r * ld + c]
-        if constexpr (has_subscales(Q)) {
+        if constexpr (format_row(Q).group_rows > 1) {  // rows[0]: the group's start
+            qdot_interleaved<format_row(Q).base, R>(rows[0], nb, x, off, out, ld, spread);
+        } else if constexpr (has_subscales(Q)) {
             qdot_directk<Q, R>(rows, nb, x, off, out, ld, spread);
         } else {
             qdot_direct32<Q, R>(rows, nb, x, off, out, ld, spread);
@@ -374,7 +483,7 @@ inline void qdot_direct_rows(const uint8_t* w, int64_t row_bytes, int64_t lo, in
         dot(y + n, ldy);
     }
     spread.where = KVS_PREFETCH_NONE;  // the tail's rows were asked for with the last group
-    if (n < hi) {  // the last rows: a full group over repeats of the last row, only the real ones kept
+    if (format_row(Q).group_rows == 1 && n < hi) {  // (an interleaved matrix is whole groups)  // the last rows: a full group over repeats of the last row, only the real ones kept
         float tail[R * C];
         for (int c = 0; c < C; ++c) rows[c] = w + std::min(n + c, hi - 1) * row_bytes;
         dot(tail, C);

@@ -94,12 +94,6 @@ inline void decode_row_q(const uint8_t* row, int64_t K, const QGroup& g, int c) 
 }
 
 #if KVS_SIMD
-inline int32_t load_i32(const void* p) { int32_t v; std::memcpy(&v, p, 4); return v; }
-
-// the multiplier of x's pair at p (XRow::mult) broadcast as int16: read as the two equal multipliers
-// of one 32-bit word (a pure load into the vector, where a 16-bit broadcast also takes a shuffle)
-inline __m256i mult_pairs(const int16_t* p) { return _mm256_set1_epi32(load_i32(p)); }
-
 // vtot: the tile's int32 totals, one lane per row of a group (TILE_GROUP lanes), and its few operations
 #if defined(KVS_ISA_AVX512)
 using vtot = __m512i;
@@ -134,11 +128,10 @@ inline __m512i sllv_bcast(__m512i x, const int32_t* count) {
 #endif
 
 // sum over sub-blocks lo .. hi - 1 (8 elements, two k-groups each) of the group's u8 codes times x's
-// bytes times the sub-block's multiplier, per row (int32 lanes). AVX2: the two k-groups' vpmaddubsw
-// pairs added as int16 (4 products of codes up to 63: below 2^15), widened by vpmaddwd with the
-// multiplier; AVX-512: vpdpbusd to int32, shifted by the multiplier's exponent (vpsllvd with the
-// exponent read from memory: on Zen 4 the whole Q4_K tile ran ~6% slower shifting by a count
-// moved from a general register, and no faster by a count in a vector's low quadword)
+// bytes times the sub-block's multiplier, per row (int32 lanes). AVX2: lanes_of_eight; AVX-512:
+// vpdpbusd to int32, shifted by the multiplier's exponent (vpsllvd with the exponent read from memory:
+// on Zen 4 the whole Q4_K tile ran ~6% slower shifting by a count moved from a general register, and
+// no faster by a count in a vector's low quadword)
 template <int Q>
 inline vtot subblock_sums(const uint8_t* wb, const XRow& x, int64_t b, int lo, int hi) {
     const int8_t* xb = x.q + 32 * b;
@@ -154,12 +147,8 @@ inline vtot subblock_sums(const uint8_t* wb, const XRow& x, int64_t b, int lo, i
 #else
     const int16_t* m = x.mult + 16 * b;
     __m256i t = _mm256_setzero_si256();
-    for (int i = lo; i < hi; ++i) {
-        const __m256i s16 = _mm256_add_epi16(
-            _mm256_maddubs_epi16(load256(wb + 64 * i), _mm256_set1_epi32(load_i32(xb + 8 * i))),
-            _mm256_maddubs_epi16(load256(wb + 64 * i + 32), _mm256_set1_epi32(load_i32(xb + 8 * i + 4))));
-        t = _mm256_add_epi32(t, _mm256_madd_epi16(s16, mult_pairs(m + 4 * i)));
-    }
+    for (int i = lo; i < hi; ++i)
+        t = _mm256_add_epi32(t, lanes_of_eight(load256(wb + 64 * i), load256(wb + 64 * i + 32), xb + 8 * i, m + 4 * i));
     return t;
 #endif
 }

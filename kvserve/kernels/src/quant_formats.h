@@ -29,24 +29,29 @@ struct FormatRow {
     int code_bias;       // Biased: the bias stored codes carry
     bool has_subscales;  // integer sub-scales inside a superblock (the K formats)
     bool has_offset;     // w = d * sc * c + off: a per-block offset with its own dot (Q4_1, Q5_1, Q4_K, Q5_K)
+    int group_rows;      // 1: rows as the file stores them; 8: kvserve's interleaved groups (interleave.h)
+    int base;            // the file's format whose values these are (the type itself, or what was interleaved)
 };
 
 constexpr FormatRow kFormatRows[] = {
-    // type      name    block bytes codes            bias subscales offset
-    {KVS_F32,  "F32",  1,   4,   Codes::Float,    0,  false, false},
-    {KVS_F16,  "F16",  1,   2,   Codes::Float,    0,  false, false},
-    {KVS_BF16, "BF16", 1,   2,   Codes::Float,    0,  false, false},
-    {KVS_Q4_0, "Q4_0", 32,  18,  Codes::Biased,   8,  false, false},
-    {KVS_Q4_1, "Q4_1", 32,  20,  Codes::Unsigned, 0,  false, true},
-    {KVS_Q5_0, "Q5_0", 32,  22,  Codes::Biased,   16, false, false},
-    {KVS_Q5_1, "Q5_1", 32,  24,  Codes::Unsigned, 0,  false, true},
-    {KVS_Q8_0, "Q8_0", 32,  34,  Codes::Signed,   0,  false, false},
-    {KVS_Q4_K, "Q4_K", 256, 144, Codes::Unsigned, 0,  true,  true},
-    {KVS_Q5_K, "Q5_K", 256, 176, Codes::Unsigned, 0,  true,  true},
-    {KVS_Q6_K, "Q6_K", 256, 210, Codes::Biased,   32, true,  false},
+    // type         name       block bytes codes            bias subscales offset rows base
+    {KVS_F32,     "F32",     1,   4,   Codes::Float,    0,  false, false, 1, KVS_F32},
+    {KVS_F16,     "F16",     1,   2,   Codes::Float,    0,  false, false, 1, KVS_F16},
+    {KVS_BF16,    "BF16",    1,   2,   Codes::Float,    0,  false, false, 1, KVS_BF16},
+    {KVS_Q4_0,    "Q4_0",    32,  18,  Codes::Biased,   8,  false, false, 1, KVS_Q4_0},
+    {KVS_Q4_1,    "Q4_1",    32,  20,  Codes::Unsigned, 0,  false, true,  1, KVS_Q4_1},
+    {KVS_Q5_0,    "Q5_0",    32,  22,  Codes::Biased,   16, false, false, 1, KVS_Q5_0},
+    {KVS_Q5_1,    "Q5_1",    32,  24,  Codes::Unsigned, 0,  false, true,  1, KVS_Q5_1},
+    {KVS_Q8_0,    "Q8_0",    32,  34,  Codes::Signed,   0,  false, false, 1, KVS_Q8_0},
+    {KVS_Q4_K,    "Q4_K",    256, 144, Codes::Unsigned, 0,  true,  true,  1, KVS_Q4_K},
+    {KVS_Q5_K,    "Q5_K",    256, 176, Codes::Unsigned, 0,  true,  true,  1, KVS_Q5_K},
+    {KVS_Q6_K,    "Q6_K",    256, 210, Codes::Biased,   32, true,  false, 1, KVS_Q6_K},
+    {KVS_Q4_K_R8, "Q4_K_R8", 256, 144, Codes::Unsigned, 0,  true,  true,  8, KVS_Q4_K},
+    {KVS_Q5_K_R8, "Q5_K_R8", 256, 176, Codes::Unsigned, 0,  true,  true,  8, KVS_Q5_K},
+    {KVS_Q6_K_R8, "Q6_K_R8", 256, 210, Codes::Biased,   32, true,  false, 8, KVS_Q6_K},
 };
 constexpr int kNumFormats = int(sizeof(kFormatRows) / sizeof(kFormatRows[0]));
-constexpr FormatRow kNoFormat = {-1, "", 0, 0, Codes::Float, 0, false, false};
+constexpr FormatRow kNoFormat = {-1, "", 0, 0, Codes::Float, 0, false, false, 1, -1};
 
 // the row of ggml type `type`, kNoFormat for a type the kernels do not run
 constexpr const FormatRow& format_row(int type) {

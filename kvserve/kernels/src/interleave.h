@@ -34,7 +34,9 @@ inline uint8_t* group_header(uint8_t* sb, int r) { return sb + r * superblock_sp
 template <int Base>
 inline const uint8_t* group_header(const uint8_t* sb, int r) { return sb + r * superblock_span(Base).header_bytes; }
 template <int Base>
-inline const uint8_t* group_codes(const uint8_t* sb) { return sb + INTERLEAVED_ROWS * superblock_span(Base).header_bytes; }
+inline const uint8_t* group_codes(const uint8_t* sb) {
+    return sb + INTERLEAVED_ROWS * superblock_span(Base).header_bytes;
+}
 
 // eight rows in the file's layout (rows, contiguous) -> one interleaved group at out
 template <int Base>

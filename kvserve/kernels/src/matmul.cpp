@@ -363,8 +363,8 @@ void run_quant(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, c
                 // a last group short of rows repeats the panel's last row (its outputs are not kept)
                 for (int64_t j = 0; j < groups * TILE_GROUP; ++j) {
                     const QGroup g = qgroup_at(&scratch[j / TILE_GROUP * gbytes], K);
-                    tiles.to_group(file_row(f.row->type, w, row_bytes, n0 + std::min(j, nw - 1), file_order.data()), K, g,
-                                   int(j % TILE_GROUP));
+                    const uint8_t* row = file_row(f.row->type, w, row_bytes, n0 + std::min(j, nw - 1), file_order.data());
+                    tiles.to_group(row, K, g, int(j % TILE_GROUP));
                     if (split_offsets)
                         for (int64_t b = 0; b < nb; ++b) offT[b * ldo + j] = j < nw ? g.off[(j % TILE_GROUP) * nb + b] : 0.0f;
                 }
@@ -374,8 +374,8 @@ void run_quant(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, c
                     const int64_t nr = std::min<int64_t>(TILE_ROWS, t_end - t);
                     for (int64_t gi = 0; gi < groups; ++gi)
                         tiles.tile[nr - 1](xr, qgroup_at(&scratch[gi * gbytes], K),
-                                       int(std::min<int64_t>(TILE_GROUP, nw - TILE_GROUP * gi)), nb, yt + TILE_GROUP * gi,
-                                       ldy);
+                                           int(std::min<int64_t>(TILE_GROUP, nw - TILE_GROUP * gi)), nb,
+                                           yt + TILE_GROUP * gi, ldy);
 #if KVS_SIMD
                     if (split_offsets) add_offsets(offT.data(), ldo, nw, nb, xr, nr, yt, ldy);
 #endif

@@ -429,8 +429,10 @@ inline void qdot_interleaved(const uint8_t* group, int64_t nb, const XRow* x, fl
                     total[r][jl] = q6_scaled(lo_half[r][0], lo_half[r][1], q6_scales[jl], x[r].half[bl], x[r].sum[bl]);
                     total[r][jh] = q6_scaled(hi_half[r][0], hi_half[r][1], q6_scales[jh], x[r].half[bh], x[r].sum[bh]);
                 } else {
-                    total[r][jl] = _mm256_mullo_epi32(_mm256_add_epi32(lo_half[r][0], lo_half[r][1]), subblock_lanes(sc, jl));
-                    total[r][jh] = _mm256_mullo_epi32(_mm256_add_epi32(hi_half[r][0], hi_half[r][1]), subblock_lanes(sc, jh));
+                    const __m256i lo = _mm256_add_epi32(lo_half[r][0], lo_half[r][1]);
+                    const __m256i hi = _mm256_add_epi32(hi_half[r][0], hi_half[r][1]);
+                    total[r][jl] = _mm256_mullo_epi32(lo, subblock_lanes(sc, jl));
+                    total[r][jh] = _mm256_mullo_epi32(hi, subblock_lanes(sc, jh));
                 }
             }
         }
@@ -483,7 +485,9 @@ inline void qdot_direct_rows(const uint8_t* w, int64_t row_bytes, int64_t lo, in
         dot(y + n, ldy);
     }
     spread.where = KVS_PREFETCH_NONE;  // the tail's rows were asked for with the last group
-    if (format_row(Q).group_rows == 1 && n < hi) {  // (an interleaved matrix is whole groups)  // the last rows: a full group over repeats of the last row, only the real ones kept
+    // the last rows: a full group over repeats of the last row, only the real ones kept (an interleaved
+    // matrix is whole groups)
+    if (format_row(Q).group_rows == 1 && n < hi) {
         float tail[R * C];
         for (int c = 0; c < C; ++c) rows[c] = w + std::min(n + c, hi - 1) * row_bytes;
         dot(tail, C);

@@ -125,7 +125,7 @@ class NativeLinear(nn.Module):
         self.widths = [int(b.shape[0]) for _, b in parts]
         self.out_features = sum(self.widths)
         for i, (_, blocks) in enumerate(parts):
-            self.register_buffer(f"blocks{i}", blocks)  # [rows, row bytes] uint8, the file's layout
+            self.register_buffer(f"blocks{i}", blocks)  # [rows, row bytes] uint8: the file's layout or its twin's
         self.register_buffer("bias", None if bias is None else bias.float())
         self.row_library = library  # the build that runs calls of up to DECODE_ROWS rows
         self._calls: dict[kernels.KernelLibrary, list[native_matmul.PreparedMatmul]] = {}

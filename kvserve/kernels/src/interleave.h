@@ -12,6 +12,8 @@
 namespace kvs {
 
 constexpr int INTERLEAVED_ROWS = 8;  // one int32 lane of a 256-bit vector per row
+static_assert(format_row(KVS_Q4_K_R8).group_rows == INTERLEAVED_ROWS && format_row(KVS_Q5_K_R8).group_rows ==
+              INTERLEAVED_ROWS && format_row(KVS_Q6_K_R8).group_rows == INTERLEAVED_ROWS, "the table's groups");
 
 // Where a superblock of a K format keeps its codes (a run of 32-bit words, interleaved) and the rest
 // (the header: scales and fp16 fields, kept whole per row)

@@ -386,6 +386,7 @@ KVS_ALWAYS_INLINE void unit_codes(const uint8_t* codes, int u, int w, __m256i& l
 // The interleaved twin of K format Base: one group of eight rows against R activation rows. Each
 // sub-block's total is the exact integer qdot_directk's reduction gives (Q6_K: its halves'), then the
 // same fma chain in block order: qdot_directk's bits.
+static_assert(INTERLEAVED_ROWS == DIRECT_GROUP, "an interleaved group is a group of the decode rows");
 template <int Base, int R>
 inline void qdot_interleaved(const uint8_t* group, int64_t nb, const XRow* x, float* offT, float* y, int64_t ldy,
                              const SpreadPrefetch& prefetch) {

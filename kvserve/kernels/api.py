@@ -26,7 +26,10 @@ class Format(IntEnum):
     Q5_K = 13
     Q6_K = 14
     BF16 = 30
-    # kvserve's own: a K format's rows interleaved in groups of eight (kvs_interleave_rows), 1000 + its id
+    # kvserve's own: a format's rows interleaved in groups of eight (kvs_interleave_rows), 1000 + its id
+    Q4_0_R8 = 1002
+    Q4_1_R8 = 1003
+    Q8_0_R8 = 1008
     Q4_K_R8 = 1012
     Q5_K_R8 = 1013
     Q6_K_R8 = 1014

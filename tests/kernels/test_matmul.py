@@ -164,11 +164,11 @@ def test_a_row_length_off_the_block_is_refused(lib):
         km.dequantize_rows(lib, Q.Q4_K, w, 96, torch.tensor([0]))
 
 
-K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
+INTERLEAVED_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]  # each has a twin, its id + 1000
 
 
 def interleaved_products_match(lib, qtype: Q, n: int, k: int, counts: list[tuple[int, int]], seed: int) -> None:
-    """The K format's rows interleaved in groups of eight (kvs_interleave_rows) hold the same bytes in
+    """The format's rows interleaved in groups of eight (kvs_interleave_rows) hold the same bytes in
     another order, decode to the same weights and give the file layout's products bit for bit, for each
     (activation rows, threads) in counts: the decode rows up to 8 rows, the prefill tiles past them."""
     w = random_weight(qtype, n, k, seed=seed)
@@ -185,29 +185,29 @@ def interleaved_products_match(lib, qtype: Q, n: int, k: int, counts: list[tuple
         assert torch.equal(got, km.matmul(lib, qtype, as_filed, k, x[:t], num_threads=threads)), (t, threads)
 
 
-@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", INTERLEAVED_TYPES, ids=lambda q: q.name)
 def test_interleaved_rows_give_the_file_layouts_bits(lib, qtype):
     counts = [(t, th) for t in (1, 2, 3, 5, 8, 9, 20) for th in (1, 2)]
     interleaved_products_match(lib, qtype, 40, 512, counts, seed=7)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(qtype=st.sampled_from(K_TYPES), groups=st.integers(1, 9), superblocks=st.integers(1, 6),
+@given(qtype=st.sampled_from(INTERLEAVED_TYPES), groups=st.integers(1, 9), superblocks=st.integers(1, 6),
        rows=st.integers(1, 12), threads=st.integers(1, 3), seed=st.integers(0, 2**16))
 def test_interleaved_rows_give_the_file_layouts_bits_for_any_shape(lib, qtype, groups, superblocks, rows, threads,
                                                                    seed):
     interleaved_products_match(lib, qtype, 8 * groups, 256 * superblocks, [(rows, threads)], seed)
 
 
-def test_only_whole_groups_of_a_k_format_are_interleaved(lib, monkeypatch):
+def test_only_whole_groups_of_a_format_with_a_twin_are_interleaved(lib, monkeypatch):
     ragged = torch.from_numpy(random_weight(Q.Q4_K, 12, 256))
     assert km.interleave(lib, Q.Q4_K, ragged, 256) == (int(Q.Q4_K), ragged)  # 12 rows: kept as filed
     with pytest.raises(ValueError, match="whole groups of eight"):
         km.matmul(lib, int(Q.Q4_K) + 1000, ragged, 256, torch.randn(1, 256))
-    q4 = torch.from_numpy(random_weight(Q.Q4_1, 16, 256))
-    assert km.interleave(lib, Q.Q4_1, q4, 256) == (int(Q.Q4_1), q4)  # no twin
-    assert lib.lib.kvs_interleave_rows(int(Q.Q4_1), q4.data_ptr(), 16, 256) == MatmulStatus.NO_FORMAT
-    assert lib.lib.kvs_interleave_rows(int(Q.Q6_K), q4.data_ptr(), 12, 256) == MatmulStatus.BAD_ROW_LENGTH
+    q5 = torch.from_numpy(random_weight(Q.Q5_0, 16, 256))
+    assert km.interleave(lib, Q.Q5_0, q5, 256) == (int(Q.Q5_0), q5)  # no twin
+    assert lib.lib.kvs_interleave_rows(int(Q.Q5_0), q5.data_ptr(), 16, 256) == MatmulStatus.NO_FORMAT
+    assert lib.lib.kvs_interleave_rows(int(Q.Q6_K), q5.data_ptr(), 12, 256) == MatmulStatus.BAD_ROW_LENGTH
     monkeypatch.setenv("KVSERVE_KERNELS_INTERLEAVE", "off")
     whole = torch.from_numpy(random_weight(Q.Q6_K, 16, 256))
     before = whole.clone()

@@ -60,6 +60,15 @@ def test_fused_layers_equal_the_per_op_path_bitwise(loaded, kv_dtype, monkeypatc
         assert torch.equal(a, b)
 
 
+def test_the_bundled_models_interleaved_rows_give_the_files_bits(loaded, monkeypatch):
+    """The bundled model's Q4_1 and Q8_0 matrices interleaved at load (kernels/matmul.py interleave): the
+    hidden states of prefill chunks, decode rows and a mixed step equal the file layout's, bit for bit."""
+    interleaved = hidden_states(loaded, "fp32")
+    monkeypatch.setenv("KVSERVE_KERNELS_INTERLEAVE", "off")
+    as_filed = hidden_states(loaded, "fp32")
+    assert all(torch.equal(a, b) for a, b in zip(interleaved, as_filed))
+
+
 def test_chunks_past_the_kept_scratch_run_on_their_own(loaded, monkeypatch):
     """Chunks longer than KEPT_ROWS get a scratch of their own for the step (the kept one stays at the
     decode steps' size), steps within it the kept one: the same bits as op by op."""

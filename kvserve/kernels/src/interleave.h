@@ -1,10 +1,11 @@
-// kvserve's own layout of a K format's weight rows: eight rows interleaved, so the decode rows read one
-// 32-bit word of each row in one 256-bit load and keep a lane per row from the products to the block's
-// total (matmul_direct.h qdot_interleaved), with no reduction across lanes. The bytes and the values
-// are the file's; only their order changes: kvs_interleave_rows rewrites a matrix in place, and
+// kvserve's own layout of a block format's weight rows: eight rows interleaved, so the decode rows read
+// one 32-bit word of each row in one 256-bit load and keep a lane per row from the products to the
+// block's total (matmul_direct.h qdot_interleaved), with no reduction across lanes. The bytes and the
+// values are the file's; only their order changes: kvs_interleave_rows rewrites a matrix in place, and
 // deinterleave_row gives any row back as the file had it (embeddings, the prefill tiles).
 #pragma once
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "quant_formats.h"
@@ -12,46 +13,50 @@
 namespace kvs {
 
 constexpr int INTERLEAVED_ROWS = 8;  // one int32 lane of a 256-bit vector per row
-static_assert(format_row(KVS_Q4_K_R8).group_rows == INTERLEAVED_ROWS && format_row(KVS_Q5_K_R8).group_rows ==
-              INTERLEAVED_ROWS && format_row(KVS_Q6_K_R8).group_rows == INTERLEAVED_ROWS, "the table's groups");
+static_assert(format_row(KVS_Q4_K_R8).group_rows == INTERLEAVED_ROWS, "the table's groups");
 
-// Where a superblock of a K format keeps its codes (a run of 32-bit words, interleaved) and the rest
-// (the header: scales and fp16 fields, kept whole per row)
-struct SuperblockSpan {
+// Where a block of an interleaved format's base (a K format's superblock of 256, or a block of 32) keeps its
+// codes (a run of 32-bit words, interleaved) and the rest (the header: scales and fp16 fields, whole per row)
+struct BlockSpan {
     int header_at, header_bytes;
     int code_at, code_bytes;
 };
 
-constexpr SuperblockSpan superblock_span(int base) {
-    if (base == KVS_Q6_K) return {192, 18, 0, 192};    // ql, qh | scales, d
-    if (base == KVS_Q5_K) return {0, 16, 16, 160};     // d, dmin, scales | qh, qs
-    return {0, 16, 16, 128};                           // Q4_K: d, dmin, scales | qs
+constexpr BlockSpan block_span(int base) {
+    switch (base) {
+        case KVS_Q6_K: return {192, 18, 0, 192};  // ql, qh | scales, d
+        case KVS_Q5_K: return {0, 16, 16, 160};   // d, dmin, scales | qh, qs
+        case KVS_Q4_K: return {0, 16, 16, 128};   // d, dmin, scales | qs
+        case KVS_Q4_1: return {0, 4, 4, 16};      // d, m | qs
+        case KVS_Q8_0: return {0, 2, 2, 32};      // d | qs
+        default: return {0, 2, 2, 16};            // Q4_0: d | qs
+    }
 }
 
-// Superblock s of a group of eight rows, interleaved: the eight headers one after another, then code word
-// i of row r at (8 i + r) * 4; the group's superblocks follow each other, so the group holds the bytes
-// its eight rows held (rows 8g .. 8g + 7 of the file's layout).
+// Block s of a group of eight rows, interleaved: the eight headers one after another, then code word i
+// of row r at (8 i + r) * 4; the group's blocks follow each other, so the group holds the bytes its eight
+// rows held (rows 8g .. 8g + 7 of the file's layout).
 template <int Base>
-inline uint8_t* group_header(uint8_t* sb, int r) { return sb + r * superblock_span(Base).header_bytes; }
+inline uint8_t* group_header(uint8_t* blk, int r) { return blk + r * block_span(Base).header_bytes; }
 template <int Base>
-inline const uint8_t* group_header(const uint8_t* sb, int r) { return sb + r * superblock_span(Base).header_bytes; }
+inline const uint8_t* group_header(const uint8_t* blk, int r) { return blk + r * block_span(Base).header_bytes; }
 template <int Base>
-inline const uint8_t* group_codes(const uint8_t* sb) {
-    return sb + INTERLEAVED_ROWS * superblock_span(Base).header_bytes;
+inline const uint8_t* group_codes(const uint8_t* blk) {
+    return blk + INTERLEAVED_ROWS * block_span(Base).header_bytes;
 }
 
 // eight rows in the file's layout (rows, contiguous) -> one interleaved group at out
 template <int Base>
-inline void interleave_group(const uint8_t* rows, int64_t superblocks, uint8_t* out) {
-    constexpr SuperblockSpan span = superblock_span(Base);
+inline void interleave_group(const uint8_t* rows, int64_t blocks, uint8_t* out) {
+    constexpr BlockSpan span = block_span(Base);
     constexpr int bytes = geometry(Base).bytes;
-    const int64_t row_bytes = superblocks * bytes;
-    for (int64_t s = 0; s < superblocks; ++s) {
-        uint8_t* sb = out + s * INTERLEAVED_ROWS * bytes;
-        uint8_t* codes = sb + INTERLEAVED_ROWS * span.header_bytes;
+    const int64_t row_bytes = blocks * bytes;
+    for (int64_t s = 0; s < blocks; ++s) {
+        uint8_t* blk = out + s * INTERLEAVED_ROWS * bytes;
+        uint8_t* codes = blk + INTERLEAVED_ROWS * span.header_bytes;
         for (int r = 0; r < INTERLEAVED_ROWS; ++r) {
             const uint8_t* src = rows + r * row_bytes + s * bytes;
-            std::memcpy(group_header<Base>(sb, r), src + span.header_at, span.header_bytes);
+            std::memcpy(group_header<Base>(blk, r), src + span.header_at, span.header_bytes);
             for (int i = 0; i < span.code_bytes / 4; ++i)
                 std::memcpy(codes + (INTERLEAVED_ROWS * i + r) * 4, src + span.code_at + 4 * i, 4);
         }
@@ -60,28 +65,41 @@ inline void interleave_group(const uint8_t* rows, int64_t superblocks, uint8_t* 
 
 // row r of an interleaved group -> the file's bytes of that row
 template <int Base>
-inline void deinterleave_row(const uint8_t* group, int64_t superblocks, int r, uint8_t* row) {
-    constexpr SuperblockSpan span = superblock_span(Base);
+inline void deinterleave_row(const uint8_t* group, int64_t blocks, int r, uint8_t* row) {
+    constexpr BlockSpan span = block_span(Base);
     constexpr int bytes = geometry(Base).bytes;
-    for (int64_t s = 0; s < superblocks; ++s) {
-        const uint8_t* sb = group + s * INTERLEAVED_ROWS * bytes;
-        const uint8_t* codes = group_codes<Base>(sb);
+    for (int64_t s = 0; s < blocks; ++s) {
+        const uint8_t* blk = group + s * INTERLEAVED_ROWS * bytes;
+        const uint8_t* codes = group_codes<Base>(blk);
         uint8_t* dst = row + s * bytes;
-        std::memcpy(dst + span.header_at, group_header<Base>(sb, r), span.header_bytes);
+        std::memcpy(dst + span.header_at, group_header<Base>(blk, r), span.header_bytes);
         for (int i = 0; i < span.code_bytes / 4; ++i)
             std::memcpy(dst + span.code_at + 4 * i, codes + (INTERLEAVED_ROWS * i + r) * 4, 4);
     }
 }
 
-// A matrix of N rows (N a multiple of eight) of K format Base rewritten in place, group by group
+// A matrix of N rows (N a multiple of eight) of format Base rewritten in place, group by group
 template <int Base>
 inline void interleave_rows(uint8_t* w, int64_t N, int64_t K) {
-    const int64_t superblocks = K / 256, group_bytes = INTERLEAVED_ROWS * superblocks * geometry(Base).bytes;
+    const int64_t blocks = K / geometry(Base).block, group_bytes = INTERLEAVED_ROWS * blocks * geometry(Base).bytes;
     std::vector<uint8_t> rows(group_bytes);
     for (int64_t g = 0; g < N / INTERLEAVED_ROWS; ++g) {
         uint8_t* group = w + g * group_bytes;
         std::memcpy(rows.data(), group, group_bytes);
-        interleave_group<Base>(rows.data(), superblocks, group);
+        interleave_group<Base>(rows.data(), blocks, group);
+    }
+}
+
+// f(std::integral_constant<int, Base>) for an interleaved format's base, the one switch over them
+template <class F>
+inline void with_interleaved_base(int base, F&& f) {
+    switch (base) {
+        case KVS_Q4_0: f(std::integral_constant<int, KVS_Q4_0>{}); break;
+        case KVS_Q4_1: f(std::integral_constant<int, KVS_Q4_1>{}); break;
+        case KVS_Q8_0: f(std::integral_constant<int, KVS_Q8_0>{}); break;
+        case KVS_Q4_K: f(std::integral_constant<int, KVS_Q4_K>{}); break;
+        case KVS_Q5_K: f(std::integral_constant<int, KVS_Q5_K>{}); break;
+        default: f(std::integral_constant<int, KVS_Q6_K>{}); break;
     }
 }
 
@@ -91,13 +109,9 @@ inline const uint8_t* file_row(int type, const uint8_t* w, int64_t row_bytes, in
     const FormatRow& f = format_row(type);
     if (f.group_rows == 1) return w + n * row_bytes;
     const uint8_t* group = w + n / INTERLEAVED_ROWS * INTERLEAVED_ROWS * row_bytes;
-    const int64_t superblocks = row_bytes / f.bytes;
-    const int r = int(n % INTERLEAVED_ROWS);
-    switch (f.base) {
-        case KVS_Q4_K: deinterleave_row<KVS_Q4_K>(group, superblocks, r, scratch); break;
-        case KVS_Q5_K: deinterleave_row<KVS_Q5_K>(group, superblocks, r, scratch); break;
-        default: deinterleave_row<KVS_Q6_K>(group, superblocks, r, scratch); break;
-    }
+    with_interleaved_base(f.base, [&](auto base) {
+        deinterleave_row<decltype(base)::value>(group, row_bytes / f.bytes, int(n % INTERLEAVED_ROWS), scratch);
+    });
     return scratch;
 }
 

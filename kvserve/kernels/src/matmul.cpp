@@ -456,11 +456,7 @@ KVS_EXPORT int kvs_interleave_rows(int format, uint8_t* w, int64_t N, int64_t K)
         if (row.base == format && row.group_rows > 1) twin = &row;
     if (twin == nullptr) return KVS_MATMUL_NO_FORMAT;
     if (K % twin->block != 0 || N % twin->group_rows != 0) return KVS_MATMUL_BAD_ROW_LENGTH;
-    switch (format) {
-        case KVS_Q4_K: interleave_rows<KVS_Q4_K>(w, N, K); break;
-        case KVS_Q5_K: interleave_rows<KVS_Q5_K>(w, N, K); break;
-        default: interleave_rows<KVS_Q6_K>(w, N, K); break;
-    }
+    with_interleaved_base(format, [&](auto base) { interleave_rows<decltype(base)::value>(w, N, K); });
     return KVS_MATMUL_OK;
 }
 

@@ -348,7 +348,7 @@ inline void qdot_directk(const uint8_t* const* rows, int64_t nb, const XRow* x, 
     store_direct<Q, R>(acc, x, offT, nb, y, ldy);
 }
 
-// ---------------------------------------------------------------- the interleaved K formats
+// ---------------------------------------------------------------- the interleaved formats
 //
 // A group of eight rows in interleave.h's layout: a 256-bit load holds code word w of all eight rows, so
 // each row keeps one int32 lane from the products to its block total, and no lanes are reduced. Word w of
@@ -445,6 +445,68 @@ inline void qdot_interleaved(const uint8_t* group, int64_t nb, const XRow* x, fl
     store_direct<Base, R>(acc, x, offT, nb, y, ldy);
 }
 
+// Q8_0's signed codes against a sub-block of 8 (lanes_of_eight's arguments): |c| times x with c's sign,
+// each word widened on its own (two words' pairs added as int16 could reach 4 * 128 * 127)
+KVS_ALWAYS_INLINE __m256i signed_lanes_of_eight(__m256i c0, __m256i c1, const int8_t* x8, const int16_t* m) {
+    const auto word = [m](__m256i c, const int8_t* x4) {
+        const __m256i x = _mm256_set1_epi32(load_i32(x4));
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(x, c)), mult_pairs(m));
+    };
+    return _mm256_add_epi32(word(c0, x8), word(c1, x8 + 4));
+}
+
+// The interleaved twin of Q4_0, Q4_1 or Q8_0: one group of eight rows against R activation rows, a block
+// of 32 at a time. Q4's code word w holds elements 4w .. 4w + 3 (low nibbles) and 16 + 4w .. (high); Q8_0's
+// elements 4w .. 4w + 3. The totals are qdot_direct32's (Q4_0: less 8 * the block's sum of q * m), then its
+// chain: its bits.
+template <int Base, int R>
+inline void qdot_interleaved32(const uint8_t* group, int64_t nb, const XRow* x, float* offT, float* y, int64_t ldy,
+                               const SpreadPrefetch& prefetch) {
+    constexpr int bytes = geometry(Base).bytes;
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        prefetch.step(b);
+        const uint8_t* block = group + b * INTERLEAVED_ROWS * bytes;
+        const uint8_t* header[DIRECT_GROUP];
+        for (int c = 0; c < DIRECT_GROUP; ++c) header[c] = group_header<Base>(block, c);
+        const uint8_t* codes = group_codes<Base>(block);
+        __m256 dw;
+        if constexpr (has_offset(Base)) {
+            __m256 m;
+            group_half_pairs<Base>(header, 0, dw, m);
+            _mm256_storeu_ps(offT + DIRECT_GROUP * b, m);
+        } else {
+            dw = group_halves<Base>(header, 0, 0);
+        }
+        __m256i c[8];  // sub-block s of 8 elements: words c[2 s], c[2 s + 1]
+        if constexpr (Base == KVS_Q8_0) {
+            for (int w = 0; w < 8; ++w) c[w] = load256(codes + 32 * w);
+        } else {
+            const __m256i m15 = _mm256_set1_epi8(15);
+            for (int w = 0; w < 4; ++w) {
+                const __m256i q = load256(codes + 32 * w);
+                c[w] = _mm256_and_si256(q, m15);
+                c[4 + w] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m15);
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            const int8_t* xq = x[r].q + 32 * b;
+            const int16_t* m = x[r].mult + 16 * b;
+            __m256i t = _mm256_setzero_si256();
+            for (int s = 0; s < 4; ++s) {
+                const __m256i c0 = c[2 * s], c1 = c[2 * s + 1];
+                t = _mm256_add_epi32(t, Base == KVS_Q8_0 ? signed_lanes_of_eight(c0, c1, xq + 8 * s, m + 4 * s)
+                                                         : lanes_of_eight(c0, c1, xq + 8 * s, m + 4 * s));
+            }
+            if constexpr (code_bias(Base) != 0)
+                t = _mm256_sub_epi32(t, _mm256_set1_epi32(code_bias(Base) * x[r].sum[b]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(dw, _mm256_broadcast_ss(x[r].d + b)), acc[r]);
+        }
+    }
+    store_direct<Base, R>(acc, x, offT, nb, y, ldy);
+}
+
 // The decode rows of block format Q: y[r * ldy + j] = x[r] . W[lo + j] for R activation rows and the weight
 // rows lo .. hi, eight weight rows at a time; `off` holds DIRECT_GROUP * K / 32 floats (a group's offsets
 // transposed, [nb][8]). Rows up to prefetch_hi (>= hi) are the caller's next: prefetching may run into them.
@@ -467,8 +529,10 @@ inline void qdot_direct_rows(const uint8_t* w, int64_t row_bytes, int64_t lo, in
     SpreadPrefetch spread{nullptr, (group_bytes + steps - 1) / steps, end,
                           tuning.weight_prefetch_spread ? tuning.weight_prefetch : KVS_PREFETCH_NONE};
     auto dot = [&](float* out, int64_t ld) {  // the eight rows of `rows`: out[r * ld + c]
-        if constexpr (format_row(Q).group_rows > 1) {  // rows[0]: the group's start
+        if constexpr (format_row(Q).group_rows > 1 && has_subscales(Q)) {  // rows[0]: the group's start
             qdot_interleaved<format_row(Q).base, R>(rows[0], nb, x, off, out, ld, spread);
+        } else if constexpr (format_row(Q).group_rows > 1) {
+            qdot_interleaved32<format_row(Q).base, R>(rows[0], nb, x, off, out, ld, spread);
         } else if constexpr (has_subscales(Q)) {
             qdot_directk<Q, R>(rows, nb, x, off, out, ld, spread);
         } else {

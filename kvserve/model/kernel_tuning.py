@@ -16,7 +16,7 @@ from kvserve.kernels import attention as native_attention, matmul as native_matm
 from kvserve.model.linear import NativeLinear
 
 STREAM_BYTES = 48 << 20  # more than a last-level cache (32 MB on Zen 4 and Zen 5 CCDs): weights come from DRAM
-HEAD_ROWS_STEP = 8  # the vocabulary matrix's rows taken in whole groups (an interleaved format's: FormatInfo.group_rows)
+HEAD_ROWS_STEP = 8  # the vocabulary matrix's rows in whole groups (an interleaved format's FormatInfo.group_rows)
 KV_CONTEXT = 2048  # tokens of the attention pass, page_size 16
 PREFILL_ROWS, PREFILL_BYTES = 64, 4 << 20  # the prefill pass: a chunk's rows through ~4 MB of weights
 

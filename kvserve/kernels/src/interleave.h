@@ -13,7 +13,12 @@
 namespace kvs {
 
 constexpr int INTERLEAVED_ROWS = 8;  // one int32 lane of a 256-bit vector per row
-static_assert(format_row(KVS_Q4_K_R8).group_rows == INTERLEAVED_ROWS, "the table's groups");
+constexpr bool table_groups_are_interleaved_rows() {
+    for (const FormatRow& row : kFormatRows)
+        if (row.group_rows != 1 && row.group_rows != INTERLEAVED_ROWS) return false;
+    return true;
+}
+static_assert(table_groups_are_interleaved_rows(), "every interleaved row of the format table is a group of eight");
 
 // Where a block of an interleaved format's base (a K format's superblock of 256, or a block of 32) keeps its
 // codes (a run of 32-bit words, interleaved) and the rest (the header: scales and fp16 fields, whole per row)
@@ -33,17 +38,20 @@ constexpr BlockSpan block_span(int base) {
     }
 }
 
-// Block s of a group of eight rows, interleaved: the eight headers one after another, then code word i
-// of row r at (8 i + r) * 4; the group's blocks follow each other, so the group holds the bytes its eight
-// rows held (rows 8g .. 8g + 7 of the file's layout).
-template <int Base>
-inline uint8_t* group_header(uint8_t* blk, int r) { return blk + r * block_span(Base).header_bytes; }
-template <int Base>
-inline const uint8_t* group_header(const uint8_t* blk, int r) { return blk + r * block_span(Base).header_bytes; }
-template <int Base>
-inline const uint8_t* group_codes(const uint8_t* blk) {
-    return blk + INTERLEAVED_ROWS * block_span(Base).header_bytes;
-}
+// Block i of a group of eight rows, interleaved: the eight headers one after another, then code word w
+// of row r at codes + (8 w + r) * 4; the group's blocks follow each other, so the group holds the bytes its
+// eight rows held (rows 8g .. 8g + 7 of the file's layout). P: const uint8_t* to read, uint8_t* to write.
+template <int Base, class P = const uint8_t*>
+struct GroupBlock {
+    P header[INTERLEAVED_ROWS];
+    P codes;
+    GroupBlock(P group, int64_t i) {
+        P blk = group + i * INTERLEAVED_ROWS * geometry(Base).bytes;
+        for (int r = 0; r < INTERLEAVED_ROWS; ++r) header[r] = blk + r * block_span(Base).header_bytes;
+        codes = blk + INTERLEAVED_ROWS * block_span(Base).header_bytes;
+    }
+    P word(int w, int r) const { return codes + (INTERLEAVED_ROWS * w + r) * 4; }
+};
 
 // eight rows in the file's layout (rows, contiguous) -> one interleaved group at out
 template <int Base>
@@ -52,13 +60,11 @@ inline void interleave_group(const uint8_t* rows, int64_t blocks, uint8_t* out) 
     constexpr int bytes = geometry(Base).bytes;
     const int64_t row_bytes = blocks * bytes;
     for (int64_t s = 0; s < blocks; ++s) {
-        uint8_t* blk = out + s * INTERLEAVED_ROWS * bytes;
-        uint8_t* codes = blk + INTERLEAVED_ROWS * span.header_bytes;
+        const GroupBlock<Base, uint8_t*> blk(out, s);
         for (int r = 0; r < INTERLEAVED_ROWS; ++r) {
             const uint8_t* src = rows + r * row_bytes + s * bytes;
-            std::memcpy(group_header<Base>(blk, r), src + span.header_at, span.header_bytes);
-            for (int i = 0; i < span.code_bytes / 4; ++i)
-                std::memcpy(codes + (INTERLEAVED_ROWS * i + r) * 4, src + span.code_at + 4 * i, 4);
+            std::memcpy(blk.header[r], src + span.header_at, span.header_bytes);
+            for (int w = 0; w < span.code_bytes / 4; ++w) std::memcpy(blk.word(w, r), src + span.code_at + 4 * w, 4);
         }
     }
 }
@@ -69,12 +75,10 @@ inline void deinterleave_row(const uint8_t* group, int64_t blocks, int r, uint8_
     constexpr BlockSpan span = block_span(Base);
     constexpr int bytes = geometry(Base).bytes;
     for (int64_t s = 0; s < blocks; ++s) {
-        const uint8_t* blk = group + s * INTERLEAVED_ROWS * bytes;
-        const uint8_t* codes = group_codes<Base>(blk);
+        const GroupBlock<Base> blk(group, s);
         uint8_t* dst = row + s * bytes;
-        std::memcpy(dst + span.header_at, group_header<Base>(blk, r), span.header_bytes);
-        for (int i = 0; i < span.code_bytes / 4; ++i)
-            std::memcpy(dst + span.code_at + 4 * i, codes + (INTERLEAVED_ROWS * i + r) * 4, 4);
+        std::memcpy(dst + span.header_at, blk.header[r], span.header_bytes);
+        for (int w = 0; w < span.code_bytes / 4; ++w) std::memcpy(dst + span.code_at + 4 * w, blk.word(w, r), 4);
     }
 }
 

@@ -289,16 +289,14 @@ inline __m256i subblock_lanes(const __m256i* v, int j) {
     return _mm256_and_si256(_mm256_srli_epi32(v[j / 4], 8 * (j % 4)), _mm256_set1_epi32(0xff));
 }
 
-// Q4_K, Q5_K: eight rows' d (as floats, row order) and sub-scales (k4_scales_mins8's sc) of the superblocks at
-// byte `at` of blk[c]; their offsets -(dmin * m) stored, sub-block j's eight at offT[8 j ..]
+// Q4_K, Q5_K: eight rows' d (as floats, row order) and sub-scales (k4_scales_mins8's sc) of the superblocks
+// at blk[c]; their offsets -(dmin * m) stored, sub-block j's eight at offT[8 j ..]
 template <int Q>
-KVS_ALWAYS_INLINE void k4_superblock_fields(const uint8_t* const* blk, int at, float* offT, __m256& dw, __m256i* sc) {
-    const uint8_t* fields[DIRECT_GROUP];
-    for (int c = 0; c < DIRECT_GROUP; ++c) fields[c] = blk[c] + at;
+KVS_ALWAYS_INLINE void k4_superblock_fields(const uint8_t* const* blk, float* offT, __m256& dw, __m256i* sc) {
     __m256 dmin;
     __m256i mn[2];
-    group_half_pairs<Q>(fields, 0, dw, dmin);
-    k4_scales_mins8(fields, sc, mn);
+    group_half_pairs<Q>(blk, 0, dw, dmin);
+    k4_scales_mins8(blk, sc, mn);
     const __m256 neg_dmin = _mm256_xor_ps(dmin, _mm256_set1_ps(-0.0f));
     for (int j = 0; j < 8; ++j)
         _mm256_storeu_ps(offT + DIRECT_GROUP * j, _mm256_mul_ps(neg_dmin, _mm256_cvtepi32_ps(subblock_lanes(mn, j))));
@@ -324,7 +322,7 @@ inline void qdot_directk(const uint8_t* const* rows, int64_t nb, const XRow* x, 
             dw = group_halves<Q>(rows, sb, 208);
             q6_scales_by_subblock(blk, 192, q6_scales);
         } else {
-            k4_superblock_fields<Q>(blk, 0, offT + DIRECT_GROUP * sb * 8, dw, sc);
+            k4_superblock_fields<Q>(blk, offT + DIRECT_GROUP * sb * 8, dw, sc);
         }
 #pragma GCC unroll 8  // j constant in each copy: k_codes' choices of bytes and shifts made at compile time
         for (int j = 0; j < 8; ++j) {
@@ -358,12 +356,12 @@ constexpr int unit_lo(int u) { return Base == KVS_Q6_K ? 4 * (u / 2) + u % 2 : 2
 template <int Base>
 constexpr int unit_hi(int u) { return Base == KVS_Q6_K ? unit_lo<Base>(u) + 2 : 2 * u + 1; }
 
-// the eight rows' codes of word w of unit u as stored (as k_codes unpacks them): lo of sub-block
-// unit_lo(u), hi of unit_hi(u); `codes`: the superblock's code words
+// the eight rows' codes of word w of unit u of a superblock as stored (as k_codes unpacks them): lo of
+// sub-block unit_lo(u), hi of unit_hi(u)
 template <int Base>
-KVS_ALWAYS_INLINE void unit_codes(const uint8_t* codes, int u, int w, __m256i& lo, __m256i& hi) {
+KVS_ALWAYS_INLINE void unit_codes(const GroupBlock<Base>& block, int u, int w, __m256i& lo, __m256i& hi) {
     const __m256i m15 = _mm256_set1_epi8(15);
-    const auto word = [codes](int i) { return load256(codes + 32 * i); };
+    const auto word = [&block](int i) { return load256(block.word(i, 0)); };
     if constexpr (Base == KVS_Q6_K) {  // half n = u / 2, groups a and a + 2 (a = u % 2): ql's nibbles, qh's bit pairs
         const int n = u / 2, a = u % 2;
         const __m256i ql = word(16 * n + 8 * a + w), qh = word(32 + 8 * n + w), m30 = _mm256_set1_epi8(0x30);
@@ -390,23 +388,19 @@ static_assert(INTERLEAVED_ROWS == DIRECT_GROUP, "an interleaved group is a group
 template <int Base, int R>
 inline void qdot_interleaved(const uint8_t* group, int64_t nb, const XRow* x, float* offT, float* y, int64_t ldy,
                              const SpreadPrefetch& prefetch) {
-    constexpr int bytes = geometry(Base).bytes;
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nb / 8; ++sb) {
         prefetch.step(sb);
-        const uint8_t* block = group + sb * INTERLEAVED_ROWS * bytes;
-        const uint8_t* header[DIRECT_GROUP];
-        for (int c = 0; c < DIRECT_GROUP; ++c) header[c] = group_header<Base>(block, c);
-        const uint8_t* codes = group_codes<Base>(block);
+        const GroupBlock<Base> block(group, sb);
         __m256 dw;
         __m128i q6_scales[8];
         __m256i sc[2];
         if constexpr (Base == KVS_Q6_K) {  // the header: the 16 scales, then d
-            dw = group_halves<Base>(header, 0, 16);
-            q6_scales_by_subblock(header, 0, q6_scales);
+            dw = group_halves<Base>(block.header, 0, 16);
+            q6_scales_by_subblock(block.header, 0, q6_scales);
         } else {
-            k4_superblock_fields<Base>(header, 0, offT + DIRECT_GROUP * sb * 8, dw, sc);
+            k4_superblock_fields<Base>(block.header, offT + DIRECT_GROUP * sb * 8, dw, sc);
         }
         __m256i total[R][8];
 #pragma GCC unroll 4
@@ -416,8 +410,8 @@ inline void qdot_interleaved(const uint8_t* group, int64_t nb, const XRow* x, fl
             __m256i lo_half[R][2], hi_half[R][2];  // each sub-block's sums over elements 0..15 and 16..31
             for (int s = 0; s < 4; ++s) {  // the sub-blocks of 8: words 2s, 2s + 1
                 __m256i lo0, hi0, lo1, hi1;
-                unit_codes<Base>(codes, u, 2 * s, lo0, hi0);
-                unit_codes<Base>(codes, u, 2 * s + 1, lo1, hi1);
+                unit_codes<Base>(block, u, 2 * s, lo0, hi0);
+                unit_codes<Base>(block, u, 2 * s + 1, lo1, hi1);
                 for (int r = 0; r < R; ++r) {
                     const __m256i l = lanes_of_eight(lo0, lo1, x[r].q + 32 * bl + 8 * s, x[r].mult + 16 * bl + 4 * s);
                     const __m256i h = lanes_of_eight(hi0, hi1, x[r].q + 32 * bh + 8 * s, x[r].mult + 16 * bh + 4 * s);
@@ -445,16 +439,6 @@ inline void qdot_interleaved(const uint8_t* group, int64_t nb, const XRow* x, fl
     store_direct<Base, R>(acc, x, offT, nb, y, ldy);
 }
 
-// Q8_0's signed codes against a sub-block of 8 (lanes_of_eight's arguments): |c| times x with c's sign,
-// each word widened on its own (two words' pairs added as int16 could reach 4 * 128 * 127)
-KVS_ALWAYS_INLINE __m256i signed_lanes_of_eight(__m256i c0, __m256i c1, const int8_t* x8, const int16_t* m) {
-    const auto word = [m](__m256i c, const int8_t* x4) {
-        const __m256i x = _mm256_set1_epi32(load_i32(x4));
-        return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(x, c)), mult_pairs(m));
-    };
-    return _mm256_add_epi32(word(c0, x8), word(c1, x8 + 4));
-}
-
 // The interleaved twin of Q4_0, Q4_1 or Q8_0: one group of eight rows against R activation rows, a block
 // of 32 at a time. Q4's code word w holds elements 4w .. 4w + 3 (low nibbles) and 16 + 4w .. (high); Q8_0's
 // elements 4w .. 4w + 3. The totals are qdot_direct32's (Q4_0: less 8 * the block's sum of q * m), then its
@@ -462,30 +446,26 @@ KVS_ALWAYS_INLINE __m256i signed_lanes_of_eight(__m256i c0, __m256i c1, const in
 template <int Base, int R>
 inline void qdot_interleaved32(const uint8_t* group, int64_t nb, const XRow* x, float* offT, float* y, int64_t ldy,
                                const SpreadPrefetch& prefetch) {
-    constexpr int bytes = geometry(Base).bytes;
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         prefetch.step(b);
-        const uint8_t* block = group + b * INTERLEAVED_ROWS * bytes;
-        const uint8_t* header[DIRECT_GROUP];
-        for (int c = 0; c < DIRECT_GROUP; ++c) header[c] = group_header<Base>(block, c);
-        const uint8_t* codes = group_codes<Base>(block);
+        const GroupBlock<Base> block(group, b);
         __m256 dw;
         if constexpr (has_offset(Base)) {
             __m256 m;
-            group_half_pairs<Base>(header, 0, dw, m);
+            group_half_pairs<Base>(block.header, 0, dw, m);
             _mm256_storeu_ps(offT + DIRECT_GROUP * b, m);
         } else {
-            dw = group_halves<Base>(header, 0, 0);
+            dw = group_halves<Base>(block.header, 0, 0);
         }
-        __m256i c[8];  // sub-block s of 8 elements: words c[2 s], c[2 s + 1]
+        __m256i c[8];  // code words: c[w] holds elements 4w .. 4w + 3 (sub-block w / 2 of 8)
         if constexpr (Base == KVS_Q8_0) {
-            for (int w = 0; w < 8; ++w) c[w] = load256(codes + 32 * w);
+            for (int w = 0; w < 8; ++w) c[w] = load256(block.word(w, 0));
         } else {
             const __m256i m15 = _mm256_set1_epi8(15);
             for (int w = 0; w < 4; ++w) {
-                const __m256i q = load256(codes + 32 * w);
+                const __m256i q = load256(block.word(w, 0));
                 c[w] = _mm256_and_si256(q, m15);
                 c[4 + w] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m15);
             }
@@ -494,10 +474,11 @@ inline void qdot_interleaved32(const uint8_t* group, int64_t nb, const XRow* x, 
             const int8_t* xq = x[r].q + 32 * b;
             const int16_t* m = x[r].mult + 16 * b;
             __m256i t = _mm256_setzero_si256();
-            for (int s = 0; s < 4; ++s) {
-                const __m256i c0 = c[2 * s], c1 = c[2 * s + 1];
-                t = _mm256_add_epi32(t, Base == KVS_Q8_0 ? signed_lanes_of_eight(c0, c1, xq + 8 * s, m + 4 * s)
-                                                         : lanes_of_eight(c0, c1, xq + 8 * s, m + 4 * s));
+            if constexpr (Base == KVS_Q8_0) {
+                for (int w = 0; w < 8; ++w) t = _mm256_add_epi32(t, signed_lanes_of_four(c[w], xq + 4 * w, m + 2 * w));
+            } else {
+                for (int s = 0; s < 4; ++s)
+                    t = _mm256_add_epi32(t, lanes_of_eight(c[2 * s], c[2 * s + 1], xq + 8 * s, m + 4 * s));
             }
             if constexpr (code_bias(Base) != 0)
                 t = _mm256_sub_epi32(t, _mm256_set1_epi32(code_bias(Base) * x[r].sum[b]));

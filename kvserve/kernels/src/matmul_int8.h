@@ -198,6 +198,14 @@ KVS_ALWAYS_INLINE __m256i lanes_of_eight(__m256i c0, __m256i c1, const int8_t* x
     return _mm256_madd_epi16(s16, mult_pairs(m));
 }
 
+// Signed int8 codes (Q8_0) against four elements (x4: the activation's int8s, m: their multiplier as
+// XRow::mult holds it), a lane per weight row: |c| times x with c's sign, widened by vpmaddwd at once (two
+// words' pairs added as int16 could reach 4 * 128 * 127)
+KVS_ALWAYS_INLINE __m256i signed_lanes_of_four(__m256i c, const int8_t* x4, const int16_t* m) {
+    const __m256i x = _mm256_set1_epi32(load_i32(x4));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(x, c)), mult_pairs(m));
+}
+
 // offset_dot of eight weight rows at once, bit for bit: offT holds their offsets transposed (block b's
 // eight at offT[b * ldo ..]); each lane runs offset_dot's chain (lane l of the 8-block chunks as one
 // fma chain, hsum8's tree over them, then the tail's multiply-adds in order)

@@ -167,11 +167,9 @@ inline vtot group_totals(const QGroup& g, int64_t b, const XRow& x) {
 #if !defined(KVS_ISA_AVX512)
     if constexpr (Q == KVS_Q8_0) {  // signed codes: |c| times x with c's sign, widened every k-group
         t = _mm256_setzero_si256();
-        for (int k = 0; k < 8; ++k) {
-            const __m256i w = load256(wb + 32 * k), xv = _mm256_set1_epi32(load_i32(x.q + 32 * b + 4 * k));
-            t = _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w)),
-                                                      mult_pairs(x.mult + 16 * b + 2 * k)));
-        }
+        for (int k = 0; k < 8; ++k)
+            t = _mm256_add_epi32(t, signed_lanes_of_four(load256(wb + 32 * k), x.q + 32 * b + 4 * k,
+                                                         x.mult + 16 * b + 2 * k));
         return t;
     }
 #endif

@@ -77,7 +77,7 @@ def enabled() -> bool:
 
 
 def interleave_enabled() -> bool:
-    """Whether Q4_0, Q4_1, Q8_0 and K-format weights are laid out for the decode rows at load
+    """Whether block-format weights (Q4_0 .. Q8_0, the K formats) are laid out for the decode rows at load
     (kernels/matmul.py interleave); `KVSERVE_KERNELS_INTERLEAVE=off` keeps the file's layout (the same
     bits, slower decode rows)."""
     return os.environ.get("KVSERVE_KERNELS_INTERLEAVE", "on").lower() not in ("off", "0", "false", "no")

@@ -29,6 +29,8 @@ class Format(IntEnum):
     # kvserve's own: a format's rows interleaved in groups of eight (kvs_interleave_rows), 1000 + its id
     Q4_0_R8 = 1002
     Q4_1_R8 = 1003
+    Q5_0_R8 = 1006
+    Q5_1_R8 = 1007
     Q8_0_R8 = 1008
     Q4_K_R8 = 1012
     Q5_K_R8 = 1013

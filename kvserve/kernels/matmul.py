@@ -21,9 +21,10 @@ def row_bytes(kl: KernelLibrary, qtype: int, k: int) -> int:
 
 def interleave(kl: KernelLibrary, qtype: int, weight: torch.Tensor, k: int) -> tuple[int, torch.Tensor]:
     """(format, weight) as the decode rows read it fastest: a matrix of a format with an interleaved twin
-    (Q4_0, Q4_1, Q8_0, the K formats) whose rows come in whole groups of eight, rewritten in place into the
-    twin's layout (the same values and the same bits out, with no reduction across vector lanes in the
-    decode rows: kvs_interleave_rows); anything else, or with KVSERVE_KERNELS_INTERLEAVE=off, as it was.
+    (every block format: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K formats) whose rows come in whole groups of
+    eight, rewritten in place into the twin's layout (the same values and the same bits out, with no
+    reduction across vector lanes in the decode rows: kvs_interleave_rows); anything else, or with
+    KVSERVE_KERNELS_INTERLEAVE=off, as it was.
     `weight`: [N, row bytes] uint8, owned by the caller."""
     twin = next((f for f in kl.formats.values() if f.base == int(qtype) and f.group_rows > 1), None)
     if twin is None or not kernels.interleave_enabled() or weight.shape[0] % twin.group_rows:

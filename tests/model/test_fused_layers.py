@@ -131,13 +131,15 @@ def test_other_layer_kinds_answer_as_op_by_op(kind, tmp_path, monkeypatch):
 
 
 K_FORMATS = {"attn_q": GGMLQuantizationType.Q4_K, "attn_k": GGMLQuantizationType.Q4_K,
-             "attn_v": GGMLQuantizationType.Q6_K, "ffn_gate": GGMLQuantizationType.Q4_K,
-             "ffn_up": GGMLQuantizationType.Q5_K, "ffn_down": GGMLQuantizationType.Q6_K}
+             "attn_v": GGMLQuantizationType.Q6_K, "attn_output": GGMLQuantizationType.Q5_0,
+             "ffn_gate": GGMLQuantizationType.Q4_K, "ffn_up": GGMLQuantizationType.Q5_K,
+             "ffn_down": GGMLQuantizationType.Q5_1}
 
 
 def random_k_blocks(name: str, w: np.ndarray) -> tuple[np.ndarray, GGMLQuantizationType] | None:
-    """Random blocks of a Q4_K_M-like mix for the layers' matrices (V and down in Q6_K, up in Q5_K), so a
-    fused QKV and gate+up hold parts of two formats; each fp16 scale a small normal value."""
+    """Random blocks of a Q4_K_M-like mix for the layers' matrices (V in Q6_K, up in Q5_K; the output
+    projection in Q5_0 and down in Q5_1, as llama.cpp falls back to for rows off the superblock), so a fused
+    QKV and gate+up hold parts of two formats; each fp16 scale a small normal value."""
     qtype = next((q for key, q in K_FORMATS.items() if f".{key}." in name), None)
     if qtype is None or w.ndim != 2:
         return None
@@ -148,13 +150,13 @@ def random_k_blocks(name: str, w: np.ndarray) -> tuple[np.ndarray, GGMLQuantizat
     if qtype == GGMLQuantizationType.Q6_K:
         blocks[..., 208:210] = halves[..., :2]  # d
     else:
-        blocks[..., 0:4] = halves  # d, dmin
+        blocks[..., 0:4] = halves  # d, dmin (Q5_0: d and half its qh; Q5_1: d, m)
     return blocks.reshape(w.shape[0], -1), qtype
 
 
 def kmix_answers(tmp_path):
     """A function answering two prompts (tokens and logprobs) on a tiny Llama whose layers hold random
-    blocks of K_FORMATS' mix, and the loaded layers' formats (qkv's, gate_up's)."""
+    blocks of K_FORMATS' mix, and the loaded layers' formats (qkv's, gate_up's, o_proj's and down's)."""
     from tests.conftest import make_llm
     from tests.model.tiny_models import make_hf_model, write_gguf
 
@@ -168,7 +170,7 @@ def kmix_answers(tmp_path):
     def answers():
         llm = make_llm(model=path, dtype="native", page_size=PAGE, max_model_len=256, kv_cache_memory="16MiB")
         layer = llm.engine.runner.model.layers[0]
-        formats = (layer.qkv.qtypes, layer.gate_up.qtypes)
+        formats = (layer.qkv.qtypes, layer.gate_up.qtypes, layer.o_proj.qtypes, layer.down.qtypes)
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)], formats
     return answers
 
@@ -179,20 +181,20 @@ def test_parts_of_two_formats_answer_as_op_by_op(tmp_path, monkeypatch):
     part's own kvs_matmul on the per-op path."""
     answers = kmix_answers(tmp_path)
     fused, formats = answers()
-    assert [len(f) for f in formats] == [2, 2]
+    assert [len(f) for f in formats] == [2, 2, 1, 1]
     monkeypatch.setattr(llama, "FUSED_MAX_ROWS", 0)
     assert answers()[0] == fused
 
 
 def test_interleaved_k_formats_answer_as_the_files_layout(tmp_path, monkeypatch):
-    """The K formats' rows interleaved at load for the decode rows (kernels/matmul.py interleave) give the
-    file layout's tokens and logprobs, bit for bit, fused and op by op."""
+    """The K formats' and Q5's rows interleaved at load for the decode rows (kernels/matmul.py interleave) give
+    the file layout's tokens and logprobs, bit for bit, fused and op by op."""
     answers = kmix_answers(tmp_path)
     interleaved, formats = answers()
-    assert formats == ([1012, 1014], [1012, 1013])  # Q4_K, Q6_K / Q4_K, Q5_K, each part's twin
+    assert formats == ([1012, 1014], [1012, 1013], [1006], [1007])  # Q4_K, Q6_K / Q4_K, Q5_K / Q5_0 / Q5_1: twins
     monkeypatch.setenv("KVSERVE_KERNELS_INTERLEAVE", "off")
     as_filed, formats = answers()
-    assert formats == ([12, 14], [12, 13])
+    assert formats == ([12, 14], [12, 13], [6], [7])
     assert as_filed == interleaved
     monkeypatch.setattr(llama, "FUSED_MAX_ROWS", 0)
     assert answers()[0] == interleaved

@@ -1,8 +1,9 @@
 // kvserve's own layout of a block format's weight rows: eight rows interleaved, so the decode rows read
 // one 32-bit word of each row in one 256-bit load and keep a lane per row from the products to the
 // block's total (matmul_direct.h qdot_interleaved), with no reduction across lanes. The bytes and the
-// values are the file's; only their order changes: kvs_interleave_rows rewrites a matrix in place, and
-// deinterleave_row gives any row back as the file had it (embeddings, the prefill tiles).
+// values are the file's; only their order changes (Q5's fifth bits: within their word): kvs_interleave_rows
+// rewrites a matrix in place, and deinterleave_row gives any row back as the file had it (embeddings, the
+// prefill tiles).
 #pragma once
 #include <cstring>
 #include <type_traits>
@@ -32,6 +33,8 @@ constexpr BlockSpan block_span(int base) {
         case KVS_Q6_K: return {192, 18, 0, 192};  // ql, qh | scales, d
         case KVS_Q5_K: return {0, 16, 16, 160};   // d, dmin, scales | qh, qs
         case KVS_Q4_K: return {0, 16, 16, 128};   // d, dmin, scales | qs
+        case KVS_Q5_1: return {0, 4, 4, 20};      // d, m | qh, qs (qh: the codes' fifth bits, one word)
+        case KVS_Q5_0: return {0, 2, 2, 20};      // d | qh, qs
         case KVS_Q4_1: return {0, 4, 4, 16};      // d, m | qs
         case KVS_Q8_0: return {0, 2, 2, 32};      // d | qs
         default: return {0, 2, 2, 16};            // Q4_0: d | qs
@@ -53,6 +56,26 @@ struct GroupBlock {
     P word(int w, int r) const { return codes + (INTERLEAVED_ROWS * w + r) * 4; }
 };
 
+// Q5_0's and Q5_1's twins keep a block's 32 fifth bits (its qh word) transposed: byte k holds, at bit w, the
+// bit of element 4w + k and, at bit 4 + w, that of element 16 + 4w + k (w, k < 4), so that the decode rows
+// take a code word's fifth bits with one shift and one mask. Bit i of the file's word goes to bit twin_bit(i).
+constexpr bool transposes_fifth_bits(int base) { return base == KVS_Q5_0 || base == KVS_Q5_1; }
+constexpr int twin_bit(int i) { return i < 16 ? 8 * (i % 4) + i / 4 : 8 * ((i - 16) % 4) + 4 + (i - 16) / 4; }
+
+// code word w of a block (4 bytes at `from`) to `to`, from the file's layout to the twin's or back
+template <int Base>
+inline void copy_word(int w, const uint8_t* from, uint8_t* to, bool to_twin) {
+    if (!transposes_fifth_bits(Base) || w != 0) {
+        std::memcpy(to, from, 4);
+        return;
+    }
+    uint32_t in, out = 0;
+    std::memcpy(&in, from, 4);
+    for (int i = 0; i < 32; ++i)
+        if (to_twin ? in >> i & 1 : in >> twin_bit(i) & 1) out |= 1u << (to_twin ? twin_bit(i) : i);
+    std::memcpy(to, &out, 4);
+}
+
 // eight rows in the file's layout (rows, contiguous) -> one interleaved group at out
 template <int Base>
 inline void interleave_group(const uint8_t* rows, int64_t blocks, uint8_t* out) {
@@ -64,7 +87,8 @@ inline void interleave_group(const uint8_t* rows, int64_t blocks, uint8_t* out) 
         for (int r = 0; r < INTERLEAVED_ROWS; ++r) {
             const uint8_t* src = rows + r * row_bytes + s * bytes;
             std::memcpy(blk.header[r], src + span.header_at, span.header_bytes);
-            for (int w = 0; w < span.code_bytes / 4; ++w) std::memcpy(blk.word(w, r), src + span.code_at + 4 * w, 4);
+            for (int w = 0; w < span.code_bytes / 4; ++w)
+                copy_word<Base>(w, src + span.code_at + 4 * w, blk.word(w, r), true);
         }
     }
 }
@@ -78,7 +102,8 @@ inline void deinterleave_row(const uint8_t* group, int64_t blocks, int r, uint8_
         const GroupBlock<Base> blk(group, s);
         uint8_t* dst = row + s * bytes;
         std::memcpy(dst + span.header_at, blk.header[r], span.header_bytes);
-        for (int w = 0; w < span.code_bytes / 4; ++w) std::memcpy(dst + span.code_at + 4 * w, blk.word(w, r), 4);
+        for (int w = 0; w < span.code_bytes / 4; ++w)
+            copy_word<Base>(w, blk.word(w, r), dst + span.code_at + 4 * w, false);
     }
 }
 
@@ -100,6 +125,8 @@ inline void with_interleaved_base(int base, F&& f) {
     switch (base) {
         case KVS_Q4_0: f(std::integral_constant<int, KVS_Q4_0>{}); break;
         case KVS_Q4_1: f(std::integral_constant<int, KVS_Q4_1>{}); break;
+        case KVS_Q5_0: f(std::integral_constant<int, KVS_Q5_0>{}); break;
+        case KVS_Q5_1: f(std::integral_constant<int, KVS_Q5_1>{}); break;
         case KVS_Q8_0: f(std::integral_constant<int, KVS_Q8_0>{}); break;
         case KVS_Q4_K: f(std::integral_constant<int, KVS_Q4_K>{}); break;
         case KVS_Q5_K: f(std::integral_constant<int, KVS_Q5_K>{}); break;

@@ -22,8 +22,8 @@ extern "C" {
 enum KvsFormat : int {
     KVS_F32 = 0, KVS_F16 = 1, KVS_Q4_0 = 2, KVS_Q4_1 = 3, KVS_Q5_0 = 6, KVS_Q5_1 = 7, KVS_Q8_0 = 8,
     KVS_Q4_K = 12, KVS_Q5_K = 13, KVS_Q6_K = 14, KVS_BF16 = 30,
-    KVS_Q4_0_R8 = 1002, KVS_Q4_1_R8 = 1003, KVS_Q8_0_R8 = 1008, KVS_Q4_K_R8 = 1012, KVS_Q5_K_R8 = 1013,
-    KVS_Q6_K_R8 = 1014,
+    KVS_Q4_0_R8 = 1002, KVS_Q4_1_R8 = 1003, KVS_Q5_0_R8 = 1006, KVS_Q5_1_R8 = 1007, KVS_Q8_0_R8 = 1008,
+    KVS_Q4_K_R8 = 1012, KVS_Q5_K_R8 = 1013, KVS_Q6_K_R8 = 1014,
 };
 
 // How a layer's KV pages are stored (model/kv_quant.py's codecs; fp8's two kinds read through a table)
@@ -183,7 +183,7 @@ void kvs_get_tuning(KvsTuning* out);
 int kvs_matmul(int format, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t ldx, int64_t T, float* y,
                int64_t ldy, int num_threads);
 // W (N rows of format `format`, the file's layout) rewritten in place in its interleaved twin's layout
-// (format + 1000: Q4_0, Q4_1, Q8_0 and the K formats); N a multiple of 8. KvsMatmulStatus (NO_FORMAT: no twin; BAD_ROW_LENGTH: K or N).
+// (format + 1000: every block format); N a multiple of 8. KvsMatmulStatus (NO_FORMAT: no twin; BAD_ROW_LENGTH: K or N).
 int kvs_interleave_rows(int format, uint8_t* w, int64_t N, int64_t K);
 // out[i, :] = W[rows[i], :] as float32, decoded as the matmul decodes (embedding lookups). KvsMatmulStatus.
 int kvs_dequantize_rows(int format, const uint8_t* w, int64_t K, const int64_t* rows, int64_t n, float* out);
@@ -223,8 +223,8 @@ int kvs_decoder_layers(const KvsLayer* layers, const KvsStep* step);
 
 #define KVS_ENUM_VALUES(X)                                                                                    \
     X(KVS_F32) X(KVS_F16) X(KVS_Q4_0) X(KVS_Q4_1) X(KVS_Q5_0) X(KVS_Q5_1) X(KVS_Q8_0) X(KVS_Q4_K) X(KVS_Q5_K) \
-    X(KVS_Q6_K) X(KVS_BF16) X(KVS_Q4_0_R8) X(KVS_Q4_1_R8) X(KVS_Q8_0_R8) X(KVS_Q4_K_R8) X(KVS_Q5_K_R8)        \
-    X(KVS_Q6_K_R8) X(KVS_CODEC_FP32) X(KVS_CODEC_BF16)                                                        \
+    X(KVS_Q6_K) X(KVS_BF16) X(KVS_Q4_0_R8) X(KVS_Q4_1_R8) X(KVS_Q5_0_R8) X(KVS_Q5_1_R8) X(KVS_Q8_0_R8)        \
+    X(KVS_Q4_K_R8) X(KVS_Q5_K_R8) X(KVS_Q6_K_R8) X(KVS_CODEC_FP32) X(KVS_CODEC_BF16)                          \
     X(KVS_CODEC_FP16) X(KVS_CODEC_FP8) X(KVS_CODEC_INT8) X(KVS_CODEC_INT4) X(KVS_SCHEDULE_AUTO)               \
     X(KVS_SCHEDULE_TILE) X(KVS_SCHEDULE_SEGMENT)                                                              \
     X(KVS_ACT_SILU) X(KVS_ACT_GELU_TANH) X(KVS_MATMUL_OK) X(KVS_MATMUL_NO_FORMAT) X(KVS_MATMUL_BAD_ROW_LENGTH) \

@@ -441,10 +441,11 @@ inline void qdot_interleaved(const uint8_t* group, int64_t nb, const XRow* x, fl
     store_direct<Base, R>(acc, x, offT, nb, y, ldy);
 }
 
-// The interleaved twin of Q4_0, Q4_1 or Q8_0: one group of eight rows against R activation rows, a block
-// of 32 at a time. Q4's code word w holds elements 4w .. 4w + 3 (low nibbles) and 16 + 4w .. (high); Q8_0's
-// elements 4w .. 4w + 3. The totals are qdot_direct32's (Q4_0: less 8 * the block's sum of q * m), then its
-// chain: its bits.
+// The interleaved twin of Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0: one group of eight rows against R activation rows, a
+// block of 32 at a time. Q4's and Q5's code word w holds elements 4w .. 4w + 3 (low nibbles) and 16 + 4w ..
+// (high), Q5's fifth bits in the word before them (transposed: interleave.h twin_bit); Q8_0's code word w
+// elements 4w .. 4w + 3. The totals are qdot_direct32's (Q4_0, Q5_0: less the bias * the block's sum of q * m),
+// then its chain: its bits.
 template <int Base, int R>
 inline void qdot_interleaved32(const uint8_t* group, int64_t nb, const XRow* x, float* offT, float* y, int64_t ldy,
                                const SpreadPrefetch& prefetch) {
@@ -465,11 +466,17 @@ inline void qdot_interleaved32(const uint8_t* group, int64_t nb, const XRow* x, 
         if constexpr (Base == KVS_Q8_0) {
             for (int w = 0; w < 8; ++w) c[w] = load256(block.word(w, 0));
         } else {
+            constexpr bool five = Base == KVS_Q5_0 || Base == KVS_Q5_1;
             const __m256i m15 = _mm256_set1_epi8(15);
             for (int w = 0; w < 4; ++w) {
-                const __m256i q = load256(block.word(w, 0));
+                const __m256i q = load256(block.word(five + w, 0));
                 c[w] = _mm256_and_si256(q, m15);
                 c[4 + w] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m15);
+                if constexpr (five) {  // bit w of each byte of the transposed qh tops c[w], bit 4 + w c[4 + w]
+                    const __m256i qh = load256(block.word(0, 0)), m10 = _mm256_set1_epi8(0x10);
+                    c[w] = _mm256_or_si256(c[w], _mm256_and_si256(_mm256_slli_epi32(qh, 4 - w), m10));
+                    c[4 + w] = _mm256_or_si256(c[4 + w], _mm256_and_si256(_mm256_srli_epi32(qh, w), m10));
+                }
             }
         }
         for (int r = 0; r < R; ++r) {

@@ -48,6 +48,8 @@ constexpr FormatRow kFormatRows[] = {
     {KVS_Q6_K,    "Q6_K",    256, 210, Codes::Biased,   32, true,  false, 1, KVS_Q6_K},
     {KVS_Q4_0_R8, "Q4_0_R8", 32,  18,  Codes::Biased,   8,  false, false, 8, KVS_Q4_0},
     {KVS_Q4_1_R8, "Q4_1_R8", 32,  20,  Codes::Unsigned, 0,  false, true,  8, KVS_Q4_1},
+    {KVS_Q5_0_R8, "Q5_0_R8", 32,  22,  Codes::Biased,   16, false, false, 8, KVS_Q5_0},
+    {KVS_Q5_1_R8, "Q5_1_R8", 32,  24,  Codes::Unsigned, 0,  false, true,  8, KVS_Q5_1},
     {KVS_Q8_0_R8, "Q8_0_R8", 32,  34,  Codes::Signed,   0,  false, false, 8, KVS_Q8_0},
     {KVS_Q4_K_R8, "Q4_K_R8", 256, 144, Codes::Unsigned, 0,  true,  true,  8, KVS_Q4_K},
     {KVS_Q5_K_R8, "Q5_K_R8", 256, 176, Codes::Unsigned, 0,  true,  true,  8, KVS_Q5_K},

@@ -197,6 +197,16 @@ def test_the_decode_rows_and_the_prefill_tiles_each_get_their_faster_build(lib, 
 
 
 @both_simd
+@pytest.mark.parametrize("avx2_ms, chosen", [(3.5, "avx512"), (3.1, "avx2")])
+def test_the_narrower_build_replaces_the_widest_only_by_the_margin(lib, isa_unchosen, avx2_ms, chosen):
+    """AVX2 ahead of AVX-512 by 3% (within ISA_MARGIN: a disturbed calibration, cached, would keep a slower build
+    for every later start) leaves AVX-512; ahead by 14%, it is chosen. Whatever the current library."""
+    passes = _pass_taking({"avx2": avx2_ms, "avx512": 3.6})
+    got, rows, source = tuning.choose_isa(lib, tuning.BUILT_IN, passes, passes, f"shape {avx2_ms}", 2)
+    assert (got.isa, rows.isa, source) == (chosen, chosen, "calibrated")
+
+
+@both_simd
 def test_a_forced_instruction_set_or_tuning_skips_the_choice(lib, isa_unchosen, monkeypatch):
     def never(kl):
         raise AssertionError("nothing is timed when the choice is forced")

@@ -167,7 +167,7 @@ def _best(timings: dict[str, float]) -> str:
 def _beats_built_in(timings: dict[str, float], built_in: str) -> str:
     """The build that ran its pass fastest if it beat the built-in one by ISA_MARGIN, else the built-in."""
     best = _best(timings)
-    return best if built_in not in timings or timings[best] < (1 - ISA_MARGIN) * timings[built_in] else built_in
+    return best if timings[best] < (1 - ISA_MARGIN) * timings[built_in] else built_in
 
 
 def choose(kl: KernelLibrary, make_decode_pass, make_attention_pass, shape_key: str, threads: int) -> Tuning:

@@ -71,8 +71,10 @@ inline void copy_word(int w, const uint8_t* from, uint8_t* to, bool to_twin) {
     }
     uint32_t in, out = 0;
     std::memcpy(&in, from, 4);
-    for (int i = 0; i < 32; ++i)
-        if (to_twin ? in >> i & 1 : in >> twin_bit(i) & 1) out |= 1u << (to_twin ? twin_bit(i) : i);
+    for (int i = 0; i < 32; ++i) {  // the file's bit i is the twin's bit twin_bit(i)
+        const int file = i, twin = twin_bit(i);
+        out |= (in >> (to_twin ? file : twin) & 1u) << (to_twin ? twin : file);
+    }
     std::memcpy(to, &out, 4);
 }
 

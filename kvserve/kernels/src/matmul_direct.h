@@ -466,14 +466,14 @@ inline void qdot_interleaved32(const uint8_t* group, int64_t nb, const XRow* x, 
         if constexpr (Base == KVS_Q8_0) {
             for (int w = 0; w < 8; ++w) c[w] = load256(block.word(w, 0));
         } else {
-            constexpr bool five = Base == KVS_Q5_0 || Base == KVS_Q5_1;
-            const __m256i m15 = _mm256_set1_epi8(15);
+            constexpr bool five = transposes_fifth_bits(Base);  // word 0: the fifth bits, as interleave.h laid them
+            const __m256i m15 = _mm256_set1_epi8(15), m10 = _mm256_set1_epi8(0x10);
+            const __m256i qh = five ? load256(block.word(0, 0)) : _mm256_setzero_si256();
             for (int w = 0; w < 4; ++w) {
                 const __m256i q = load256(block.word(five + w, 0));
                 c[w] = _mm256_and_si256(q, m15);
                 c[4 + w] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m15);
                 if constexpr (five) {  // bit w of each byte of the transposed qh tops c[w], bit 4 + w c[4 + w]
-                    const __m256i qh = load256(block.word(0, 0)), m10 = _mm256_set1_epi8(0x10);
                     c[w] = _mm256_or_si256(c[w], _mm256_and_si256(_mm256_slli_epi32(qh, 4 - w), m10));
                     c[4 + w] = _mm256_or_si256(c[4 + w], _mm256_and_si256(_mm256_srli_epi32(qh, w), m10));
                 }

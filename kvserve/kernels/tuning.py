@@ -3,8 +3,9 @@ on Zen 4's 256-bit units the wider build is not always the faster), where and ho
 prefetch the weights, and where attention prefetches the KV rows (src/kvs_api.h KvsTuning). No choice
 changes a bit of any result, only speed, and the right one differs by CPU (Zen 5 wants L1, Zen 4 L2), so
 it is measured on the host: a calibration of a few hundred ms on the model's own weights, cached per CPU
-model in ~/.cache/kvserve. The instruction set is calibrated only under `auto`; KVSERVE_KERNELS_ISA
-forces one.
+model in ~/.cache/kvserve. A choice settles after SETTLE_CALIBRATIONS starts, each candidate keeping its
+best time of them all, so that one start disturbed by another process's load is not cached for every
+later one. The instruction set is calibrated only under `auto`; KVSERVE_KERNELS_ISA forces one.
 
 `KVSERVE_KERNELS_TUNE`: unset or `auto` calibrates (or reads the cache), `off` keeps the built-in defaults,
 `WEIGHTS/KV` forces one choice: WEIGHTS a level, then `+BYTES` ahead in one burst a group or `~BYTES` spread
@@ -29,8 +30,9 @@ from kvserve.kernels.api import KvsTuning, Prefetch
 # counted past the group's end, and the instruction set chosen; 5: chosen on prefill too; 6: chosen for the
 # decode rows and for the prefill tiles apart; 7: the decode pass reads the layers and the vocabulary's matrix
 # in a step's shares (it had timed the vocabulary's matrix alone where that came first and filled the pass);
-# 8: a narrower build is chosen only by ISA_MARGIN (choices cached before could hold a disturbed calibration's)
-CACHE_VERSION = 8
+# 8: a narrower build is chosen only by ISA_MARGIN (choices cached before could hold a disturbed calibration's);
+# 9: a choice settles after SETTLE_CALIBRATIONS, merged by each candidate's best time
+CACHE_VERSION = 9
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +73,11 @@ ISA_ROUNDS = 7  # the builds are often within a few percent: more rounds than th
 # time for every later start (the cache kept 5.83 against 6.35 ms, AVX-512 being 3.4 ms on a quiet host)
 ISA_MARGIN = 0.10
 PREFETCH_ROUNDS = 5
+# starts that calibrate before a host and shape's choice is read from the cache alone: each adds its rounds to
+# the cached ones (a candidate keeps its best time), so a choice rests on passes minutes or days apart, not
+# on the seconds of one start that another process's load can fill (a few hundred ms each, the first starts
+# only)
+SETTLE_CALIBRATIONS = 3
 # what the calibration tries for the weights (KVSERVE_KERNELS_TUNE's spelling) and for the KV rows
 WEIGHT_CANDIDATES = ["l1+0", "l1~4096", "l1~8192", "l2~4096", "l2~8192", "l2~16384", "l2~32768", "l3~16384",
                      "none+0"]
@@ -127,9 +134,10 @@ def _read_cache() -> dict:
         return {"version": CACHE_VERSION}
 
 
-def _write_cache(key: str, shape_key: str, row: dict, timings: dict) -> None:
+def _write_cache(key: str, shape_key: str, row: dict, timings: dict, calibrations: int) -> None:
     data = _read_cache()
-    data.setdefault("hosts", {}).setdefault(key, {})[shape_key] = {**row, "timings_ms": timings}
+    data.setdefault("hosts", {}).setdefault(key, {})[shape_key] = {**row, "timings_ms": timings,
+                                                                   "calibrations": calibrations}
     path = cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -145,10 +153,23 @@ def _cached_row(key: str, shape_key: str) -> dict | None:
     return row if isinstance(row, dict) else None
 
 
-def _cached(key: str, shape_key: str) -> Tuning | None:
-    row = _cached_row(key, shape_key)
+def _settled(row: dict | None) -> bool:
+    return row is not None and int(row.get("calibrations", 0)) >= SETTLE_CALIBRATIONS
+
+
+def _merged(row: dict | None, timings_ms: dict[str, float]) -> tuple[dict[str, float], int]:
+    """(each candidate's best time over this calibration and the cached ones, how many calibrations that is).
+    Another process's load only ever adds time, so the best of passes taken at several starts is the
+    candidate's own speed."""
+    if row is None or not isinstance(row.get("timings_ms"), dict):
+        return timings_ms, 1
+    merged = {name: min(ms, float(row["timings_ms"].get(name, ms))) for name, ms in timings_ms.items()}
+    return merged, int(row.get("calibrations", 1)) + 1
+
+
+def _cached(row: dict | None) -> Tuning | None:
     try:
-        return parse(f"{row['weights']}/{row['kv']}", "cached") if row else None
+        return parse(f"{row['weights']}/{row['kv']}", "cached") if _settled(row) else None
     except (KeyError, TypeError, ConfigError):
         return None
 
@@ -181,17 +202,20 @@ def choose(kl: KernelLibrary, make_decode_pass, make_attention_pass, shape_key: 
     if spec not in AUTO:
         return parse(spec)
     key = host_key(kl.isa, threads)
-    cached = _cached(key, shape_key)
+    row = _cached_row(key, shape_key)
+    cached = _cached(row)
     if cached is not None:
         return cached
     built_in_kv = BUILT_IN.kv_prefetch.name
     weights = _time_each({w: parse(f"{w}/{built_in_kv}") for w in WEIGHT_CANDIDATES}, kl, make_decode_pass())
-    level, ahead, spread = parse_weights(_best(weights))
-    kv = _time_each({p.name: Tuning(level, ahead, p, spread) for p in KV_CANDIDATES}, kl, make_attention_pass())
-    timings = {**{f"weights {k}": round(v * 1e3, 3) for k, v in weights.items()},
-               **{f"kv {k}": round(v * 1e3, 3) for k, v in kv.items()}}
-    tuning = Tuning(level, ahead, Prefetch[_best(kv)], spread, "calibrated")
-    _write_cache(key, shape_key, tuning.as_dict(), timings)
+    kv = _time_each({p.name: parse(f"{_best(weights)}/{p.name}") for p in KV_CANDIDATES}, kl,
+                    make_attention_pass())  # (the attention pass reads no weights: any weights' choice will do)
+    timings, calibrations = _merged(row, {**{f"weights {k}": round(v * 1e3, 3) for k, v in weights.items()},
+                                          **{f"kv {k}": round(v * 1e3, 3) for k, v in kv.items()}})
+    best = {part: _best({name.split(" ", 1)[1]: ms for name, ms in timings.items() if name.startswith(part)})
+            for part in ("weights", "kv")}
+    tuning = parse(f"{best['weights']}/{best['kv']}", "calibrated")
+    _write_cache(key, shape_key, tuning.as_dict(), timings, calibrations)
     return tuning
 
 
@@ -212,7 +236,7 @@ def choose_isa(current: KernelLibrary, prefetch: Tuning, make_decode_pass, make_
         return current, current, "built-in"
     key = host_key("any", threads)
     row = _cached_row(key, shape_key)
-    if row is not None and row.get("isa") in candidates and row.get("decode_isa") in candidates:
+    if _settled(row) and row.get("isa") in candidates and row.get("decode_isa") in candidates:
         chosen, decode_chosen, source = candidates[row["isa"]], candidates[row["decode_isa"]], "cached"
     else:
         for kl in candidates.values():
@@ -222,12 +246,13 @@ def choose_isa(current: KernelLibrary, prefetch: Tuning, make_decode_pass, make_
         # AVX-512's 8.2, and its prefill the other way round)
         decode, prefill = (_time_runs({isa: make(kl) for isa, kl in candidates.items()}, ISA_ROUNDS, best=True)
                            for make in (make_decode_pass, make_prefill_pass))
+        timings, calibrations = _merged(row, {f"{part} {isa}": round(t * 1e3, 3) for part, times in
+                                              (("decode", decode), ("prefill", prefill)) for isa, t in times.items()})
         widest = list(candidates)[-1]  # the built-in: kernels.host_isas lists the slowest first
-        chosen, decode_chosen = (candidates[_beats_built_in(t, widest)] for t in (prefill, decode))
+        chosen, decode_chosen = (candidates[_beats_built_in({isa: timings[f"{part} {isa}"] for isa in candidates},
+                                                            widest)] for part in ("prefill", "decode"))
         source = "calibrated"
-        _write_cache(key, shape_key, {"isa": chosen.isa, "decode_isa": decode_chosen.isa},
-                     {f"{part} {isa}": round(t * 1e3, 3) for part, times in (("decode", decode), ("prefill", prefill))
-                      for isa, t in times.items()})
+        _write_cache(key, shape_key, {"isa": chosen.isa, "decode_isa": decode_chosen.isa}, timings, calibrations)
     kernels.use_isa(chosen.isa, decode_chosen.isa)
     return chosen, decode_chosen, source
 

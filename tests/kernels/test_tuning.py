@@ -96,7 +96,7 @@ def test_off_keeps_the_built_in_choice_and_a_forced_one_is_taken_as_given(lib, m
     assert tuning.choose(lib, never, never, "shape", 2) == tuning.parse("l3~16384/none")
 
 
-def test_a_calibration_is_measured_once_per_host_and_shape_then_read_from_the_cache(lib, monkeypatch, tmp_path):
+def test_a_calibration_settles_per_host_and_shape_then_is_read_from_the_cache(lib, monkeypatch, tmp_path):
     monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path))
     monkeypatch.setenv("KVSERVE_KERNELS_TUNE", "auto")
     runs = {"decode": 0, "attention": 0}
@@ -106,17 +106,42 @@ def test_a_calibration_is_measured_once_per_host_and_shape_then_read_from_the_ca
             runs[name] += 1
         return run
 
-    first = tuning.choose(lib, lambda: count("decode"), lambda: count("attention"), "shape A", 2)
     decode_runs = 1 + tuning.PREFETCH_ROUNDS * len(tuning.WEIGHT_CANDIDATES)  # a warm-up, then the rounds
-    assert first.source == "calibrated" and runs["decode"] == decode_runs
-    assert runs["attention"] == 1 + tuning.PREFETCH_ROUNDS * len(tuning.KV_CANDIDATES)
+    for start in range(1, tuning.SETTLE_CALIBRATIONS + 1):
+        first = tuning.choose(lib, lambda: count("decode"), lambda: count("attention"), "shape A", 2)
+        assert first.source == "calibrated" and runs["decode"] == start * decode_runs
+        assert runs["attention"] == start * (1 + tuning.PREFETCH_ROUNDS * len(tuning.KV_CANDIDATES))
     again = tuning.choose(lib, lambda: count("decode"), lambda: count("attention"), "shape A", 2)
     assert again.source == "cached" and tuning.parse(f"{again.weights}/{again.kv_prefetch.name}") == \
         tuning.parse(f"{first.weights}/{first.kv_prefetch.name}")
-    assert runs["decode"] == decode_runs  # nothing measured the second time
+    assert runs["decode"] == tuning.SETTLE_CALIBRATIONS * decode_runs  # nothing measured once settled
     cached = json.loads((tmp_path / "kernel-tuning.json").read_text())
     (host,) = cached["hosts"]
-    assert lib.isa in host and "timings_ms" in cached["hosts"][host]["shape A"]
+    row = cached["hosts"][host]["shape A"]
+    assert lib.isa in host and "timings_ms" in row and row["calibrations"] == tuning.SETTLE_CALIBRATIONS
+
+
+def test_a_start_disturbed_by_load_is_outvoted_by_each_candidates_best_time(lib, monkeypatch, tmp_path):
+    """l2~8192 lost the first start's pass to another process (9 ms against l1+0's 4); the next start runs it
+    in 3 ms: from then on it is chosen, and the cache keeps each candidate's best of both starts."""
+    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("KVSERVE_KERNELS_TUNE", "auto")
+    starts = [{"l2~8192": 9.0, "l1+0": 4.0}, {"l2~8192": 3.0, "l1+0": 5.0}, {"l2~8192": 6.0, "l1+0": 4.5}]
+    kv_ms = {"L1": 2.0, "L2": 1.0}
+    calls = []
+
+    def fake_time_each(candidates, kl, run, rounds=tuning.PREFETCH_ROUNDS):
+        calls.append(1)
+        table = kv_ms if set(candidates) & set(kv_ms) else starts[(len(calls) - 1) // 2]
+        return {name: table.get(name, 10.0) / 1e3 for name in candidates}
+    monkeypatch.setattr(tuning, "_time_each", fake_time_each)
+    chosen = [tuning.choose(lib, lambda: None, lambda: None, "shape E", 2) for _ in starts]
+    assert [c.weights for c in chosen] == ["l1+0", "l2~8192", "l2~8192"]
+    assert all(c.kv_prefetch == Prefetch.L2 for c in chosen)
+    settled = tuning.choose(lib, lambda: None, lambda: None, "shape E", 2)
+    assert (settled.weights, settled.source, len(calls)) == ("l2~8192", "cached", 6)
+    (row,) = json.loads((tmp_path / "kernel-tuning.json").read_text())["hosts"].values()
+    assert row["shape E"]["timings_ms"]["weights l2~8192"] == 3.0 and row["shape E"]["timings_ms"]["weights l1+0"] == 4.0
 
 
 def test_the_engine_installs_its_choice_and_greedy_tokens_do_not_depend_on_it(lib, monkeypatch):
@@ -163,11 +188,12 @@ def _slower_unless(winner: str):
 @both_simd
 @pytest.mark.parametrize("winner", ["avx2", "avx512"])
 def test_the_faster_instruction_set_is_chosen_cached_and_used_by_the_process(lib, isa_unchosen, winner):
-    chosen, rows, source = tuning.choose_isa(lib, tuning.BUILT_IN, _slower_unless(winner), _slower_unless(winner),
-                                             "shape B", 2)
-    assert (chosen.isa, rows.isa, source) == (winner, winner, "calibrated")
-    assert kernels.library().isa == kernels.library(1).isa == kernels.library(500).isa == winner  # every later caller
-    kernels.use_isa(None)
+    for _ in range(tuning.SETTLE_CALIBRATIONS):
+        chosen, rows, source = tuning.choose_isa(lib, tuning.BUILT_IN, _slower_unless(winner),
+                                                 _slower_unless(winner), "shape B", 2)
+        assert (chosen.isa, rows.isa, source) == (winner, winner, "calibrated")
+        assert kernels.library().isa == kernels.library(1).isa == kernels.library(500).isa == winner  # later callers
+        kernels.use_isa(None)
     again, rows, source = tuning.choose_isa(lib, tuning.BUILT_IN, _slower_unless("neither"),
                                             _slower_unless("neither"), "shape B", 2)
     assert (again.isa, rows.isa, source) == (winner, winner, "cached")  # nothing timed: the pass would pick avx2
@@ -204,6 +230,18 @@ def test_the_narrower_build_replaces_the_widest_only_by_the_margin(lib, isa_unch
     passes = _pass_taking({"avx2": avx2_ms, "avx512": 3.6})
     got, rows, source = tuning.choose_isa(lib, tuning.BUILT_IN, passes, passes, f"shape {avx2_ms}", 2)
     assert (got.isa, rows.isa, source) == (chosen, chosen, "calibrated")
+
+
+@both_simd
+def test_an_instruction_set_chosen_under_load_is_taken_back_at_the_next_starts(lib, isa_unchosen):
+    """The first start's AVX-512 passes ran beside another process (AVX2 ahead by past the margin); the next
+    starts run them at their own speed, and each build's best time over the starts puts AVX-512 back."""
+    for avx512_ms, chosen in ((6.0, "avx2"), (3.0, "avx512"), (5.0, "avx512")):
+        passes = _pass_taking({"avx2": 4.0, "avx512": avx512_ms})
+        got, rows, source = tuning.choose_isa(lib, tuning.BUILT_IN, passes, passes, "shape F", 2)
+        assert (got.isa, rows.isa, source) == (chosen, chosen, "calibrated")
+        kernels.use_isa(None)
+    assert tuning.choose_isa(lib, tuning.BUILT_IN, passes, passes, "shape F", 2)[2] == "cached"
 
 
 @both_simd

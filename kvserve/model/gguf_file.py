@@ -25,6 +25,7 @@ __all__ = ["GGUFFile", "GGUFTensorInfo"]
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+_LENGTH = struct.Struct("<Q")  # a string's byte count
 # ggml types whose data are plain numbers (the rest are blocks: bytes per row)
 _ELEMENT_TYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
                   GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
@@ -131,7 +132,26 @@ class GGUFFile:
             values = np.frombuffer(self._map, np.dtype(_SCALARS[item]), count, self._pos)
             self._pos += values.nbytes
             return values.tolist()
+        if item == _STRING:
+            return self._strings(count)
         return [self._value(item) for _ in range(count)]
+
+    def _strings(self, count: int) -> list[str]:
+        """An array of strings (a vocabulary: 49k-262k of them) in one loop over locals: a third of
+        the time of a _string call each."""
+        data, pos, end, strings = self._map, self._pos, len(self._map), []
+        length_at = _LENGTH.unpack_from
+        for _ in range(count):
+            if pos + 8 > end:
+                raise _Truncated
+            (n,) = length_at(data, pos)
+            pos += 8
+            if pos + n > end:
+                raise _Truncated
+            strings.append(data[pos:pos + n].decode("utf-8"))
+            pos += n
+        self._pos = pos
+        return strings
 
     def _tensor_info(self) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int]:
         name = self._string()

@@ -52,6 +52,7 @@ import torch
 
 from kvserve.config import KV_DTYPES, KVDtype
 from kvserve.model.hadamard import hadamard_rotate
+from kvserve.model.host_heap import zeroed
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _FLOAT_STORAGE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -82,8 +83,11 @@ class KVCodec:
         """A zeroed (data, scales) pair for K or for V of one layer; with `num_layers`, one pair for
         all of them, K and V: data [num_layers, 2, num_pages, ...], scales [num_layers, 2, num_pages, n]."""
         lead = () if num_layers is None else (num_layers, 2)
-        data = torch.zeros(*lead, *self.data_shape(num_pages, page_size, num_kv_heads, head_dim),
-                           dtype=self.storage_dtype, device=device)
+        shape = (*lead, *self.data_shape(num_pages, page_size, num_kv_heads, head_dim))
+        if torch.device(device).type == "cpu":  # zeroed by the kernel as pages are first written
+            data = zeroed(shape, self.storage_dtype)
+        else:
+            data = torch.zeros(shape, dtype=self.storage_dtype, device=device)
         scales = torch.zeros(*lead, num_pages, self.scales_per_page(num_kv_heads), device=device)
         return data, scales
 

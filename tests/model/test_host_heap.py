@@ -41,3 +41,38 @@ def test_freed_buffers_are_reused_without_page_faults():
 
 def test_the_users_malloc_settings_stand():
     assert not run_child(MALLOC_TRIM_THRESHOLD_="131072")["applied"]
+
+
+ZEROED_CHILD = r"""
+import json
+import torch
+from kvserve.model.host_heap import zeroed
+
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+before = rss()
+pool = zeroed((8, 2, 1024, 16, 4, 64), torch.bfloat16)  # 128 MiB
+allocated = rss() - before
+all_zero = bool((pool == 0).all())  # reading untouched pages maps the zero page: nothing becomes resident
+pool[3, 1, 7].fill_(2.5)
+row = pool[3, 1, 7].float().sum().item()
+written = rss() - before
+pool.fill_(1.0)
+filled = rss() - before
+del pool
+print(json.dumps({"allocated": allocated, "all_zero": all_zero, "row": row, "written": written, "filled": filled,
+                  "freed": rss() - before}))
+"""
+
+
+def test_the_kv_pool_is_zero_and_costs_memory_only_where_written():
+    """kv_quant.make_cache's pool on the CPU: zeros like torch.zeros, but resident only as pages are written
+    (torch.zeros wrote the bundled model's 1 GiB at every start), and given back with the tensor."""
+    out = subprocess.run([sys.executable, "-c", ZEROED_CHILD], capture_output=True, text=True, check=True,
+                         timeout=120)
+    got = json.loads(out.stdout)
+    assert got["all_zero"] and got["row"] == 2.5 * 16 * 4 * 64
+    assert got["allocated"] < 4 << 20 and got["written"] < 8 << 20, got  # one 2 MB page, not 128 MiB
+    assert got["filled"] >= 128 << 20 and got["filled"] - got["freed"] >= 128 << 20, got

@@ -1,9 +1,10 @@
 """The memory a server grows to, and what the line cannot bound. Its parts that `kvserve plan` can
 compute: weights + KV page pool + host tier (swap and offload), plus the disk tier when there is one.
 `kvserve serve` adds what it measures at start-up: the process's resident memory then (the
-interpreter, torch, the tokenizer and kernels besides the weights and the pool, which are resident by
-then), and what comes on top of it: the host tier (filled on demand), request bodies still arriving
-(--max-body-bytes-in-flight) and an estimate of one step's activations, summed as what to expect.
+interpreter, torch, the tokenizer and kernels besides the weights, which are resident by then), and what
+comes on top of it: a CPU KV pool (its pages become resident as requests first write them), the host tier
+(filled on demand), request bodies still arriving (--max-body-bytes-in-flight) and an estimate of one
+step's activations, summed as what to expect.
 Not bounded, and named in the line: grammar matchers (the first constrained request preprocesses the
 vocabulary: 58 MiB for SmolLM2's 49,152 tokens), stored responses and the allocator's slack under
 concurrent requests (glibc keeps per-thread arenas; a busy peak with 4 clients was up to 31 MiB
@@ -30,6 +31,7 @@ class MemoryPromise:
     resident_bytes: int = 0  # measured at start-up (serve); 0: not measured (plan)
     body_bytes: int = 0  # --max-body-bytes-in-flight (serve)
     activation_bytes: int = 0  # one step's activations, estimated (step_activation_bytes)
+    pool_on_demand_bytes: int = 0  # the KV pool's pages not resident at start-up (a CPU pool: all of them)
 
     @property
     def memory_bytes(self) -> int:
@@ -38,19 +40,22 @@ class MemoryPromise:
 
     @property
     def expected_bytes(self) -> int:
-        """What to expect the process to grow to: resident at start-up + the host tier + bodies in
-        flight + a step's activations (without a measurement: the model's state alone)."""
+        """What to expect the process to grow to: resident at start-up + the KV pool's pages written later +
+        the host tier + bodies in flight + a step's activations (without a measurement: the model's state
+        alone)."""
         if not self.resident_bytes:
             return self.memory_bytes
-        return self.resident_bytes + self.host_tier_bytes + self.body_bytes + self.activation_bytes
+        return (self.resident_bytes + self.pool_on_demand_bytes + self.host_tier_bytes + self.body_bytes
+                + self.activation_bytes)
 
     def line(self) -> str:
         text = (f"memory: weights {format_bytes(self.weights_bytes)} + KV pool "
                 f"{format_bytes(self.kv_pool_bytes)} + host tier (--swap-space) "
                 f"{format_bytes(self.host_tier_bytes)} = {format_bytes(self.memory_bytes)}")
         if self.resident_bytes:
+            pool = " the KV pool as requests fill it," if self.pool_on_demand_bytes else ""
             text += (f"; resident at start-up {format_bytes(self.resident_bytes)} (with the interpreter, torch "
-                     f"and the tokenizer); expect about {format_bytes(self.expected_bytes)} with the host "
+                     f"and the tokenizer); expect about {format_bytes(self.expected_bytes)} with{pool} the host "
                      f"tier, request bodies in flight (up to {format_bytes(self.body_bytes)}, "
                      f"--max-body-bytes-in-flight) and a step's activations (about "
                      f"{format_bytes(self.activation_bytes)}); not bounded here: {LEFT_OUT}")
@@ -64,9 +69,10 @@ class MemoryPromise:
 
 def memory_promise(weights_bytes: int, kv_pool_bytes: int, host_tier_bytes: int,
                    disk_bytes: int = 0, resident_bytes: int = 0, body_bytes: int = 0,
-                   activation_bytes: int = 0) -> MemoryPromise:
+                   activation_bytes: int = 0, pool_on_demand_bytes: int = 0) -> MemoryPromise:
     return MemoryPromise(int(weights_bytes), int(kv_pool_bytes), int(host_tier_bytes),
-                         int(disk_bytes or 0), int(resident_bytes), int(body_bytes), int(activation_bytes))
+                         int(disk_bytes or 0), int(resident_bytes), int(body_bytes), int(activation_bytes),
+                         int(pool_on_demand_bytes))
 
 
 def step_activation_bytes(hidden_size: int, intermediate_size: int, vocab_size: int,

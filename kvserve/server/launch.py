@@ -105,8 +105,10 @@ def engine_memory_promise(engine, args: argparse.Namespace | None, measured: boo
     body = getattr(args, "max_body_bytes_in_flight", 0) if measured else 0
     step = step_activation_bytes(model.hidden_size, model.intermediate_size, model.vocab_size,
                                  config.max_num_batched_tokens, config.max_num_seqs) if measured else 0
-    return memory_promise(weights_bytes(engine), engine.runner.kv_cache_bytes(), parse_bytes(config.swap_space),
-                          disk, resident_bytes() if measured else 0, body, step)
+    pool = engine.runner.kv_cache_bytes()
+    on_demand = pool if measured and engine.runner.device.type == "cpu" else 0  # (host_heap.zeroed's pages)
+    return memory_promise(weights_bytes(engine), pool, parse_bytes(config.swap_space),
+                          disk, resident_bytes() if measured else 0, body, step, on_demand)
 
 
 class _Drain:

@@ -33,6 +33,9 @@ def test_the_line_names_what_it_leaves_out():
     assert served.expected_bytes == 460 * MiB
     assert "expect about 460 MiB" in served.line()
     assert "not bounded here: grammar matchers" in served.line() and "allocator's slack" in served.line()
+    cpu_pool = memory_promise(100 * MiB, 64 * MiB, 32 * MiB, resident_bytes=336 * MiB, body_bytes=8 * MiB,
+                              activation_bytes=20 * MiB, pool_on_demand_bytes=64 * MiB)  # pages written later
+    assert cpu_pool.expected_bytes == 460 * MiB and "with the KV pool as requests fill it" in cpu_pool.line()
 
 
 @pytest.mark.slow

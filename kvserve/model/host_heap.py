@@ -49,7 +49,7 @@ def retain_freed_memory() -> bool:
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero tensor on fresh anonymous pages: the kernel supplies them zeroed on first write, so nothing
     is written here. torch.zeros writes every byte at once: the bundled model's default 1 GiB KV pool
-    took 0.5-1.9 s of each start-up and was resident from the start; a pool's pages now cost time and
+    took 0.06-2.5 s of each start-up and was resident from the start; a pool's pages now cost time and
     memory as requests fill them, one fault per 2 MB page (huge pages asked for as torch's own are,
     kvserve/__init__.py). The same bits as torch.zeros; the mapping is freed with the tensor."""
     num_bytes = torch.Size(shape).numel() * dtype.itemsize

@@ -141,7 +141,8 @@ def test_a_start_disturbed_by_load_is_outvoted_by_each_candidates_best_time(lib,
     settled = tuning.choose(lib, lambda: None, lambda: None, "shape E", 2)
     assert (settled.weights, settled.source, len(calls)) == ("l2~8192", "cached", 6)
     (row,) = json.loads((tmp_path / "kernel-tuning.json").read_text())["hosts"].values()
-    assert row["shape E"]["timings_ms"]["weights l2~8192"] == 3.0 and row["shape E"]["timings_ms"]["weights l1+0"] == 4.0
+    best_ms = row["shape E"]["timings_ms"]
+    assert (best_ms["weights l2~8192"], best_ms["weights l1+0"], row["shape E"]["calibrations"]) == (3.0, 4.0, 3)
 
 
 def test_the_engine_installs_its_choice_and_greedy_tokens_do_not_depend_on_it(lib, monkeypatch):

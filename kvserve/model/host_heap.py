@@ -24,6 +24,7 @@ MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's ceiling for it on 64-bit hosts: large
 TRIM_THRESHOLD_BYTES = 2**31 - 1  # (an int): the top of the heap is not trimmed
 # glibc's own variables for the same settings: where the user set one, theirs stands
 USER_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_")
+TORCH_HUGE_PAGES = "THP_MEM_ALLOC_ENABLE"  # torch's switch (kvserve/__init__.py sets it unless the user did)
 
 _applied = False
 
@@ -50,12 +51,13 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero tensor on fresh anonymous pages: the kernel supplies them zeroed on first write, so nothing
     is written here. torch.zeros writes every byte at once: the bundled model's default 1 GiB KV pool
     took 0.06-2.5 s of each start-up and was resident from the start; a pool's pages now cost time and
-    memory as requests fill them, one fault per 2 MB page (huge pages asked for as torch's own are,
-    kvserve/__init__.py). The same bits as torch.zeros; the mapping is freed with the tensor."""
+    memory as requests fill them, one fault per 2 MB page (huge pages asked for where torch's allocator
+    asks for them: THP_MEM_ALLOC_ENABLE=1, kvserve/__init__.py's default). The same bits as torch.zeros;
+    the mapping is freed with the tensor."""
     num_bytes = torch.Size(shape).numel() * dtype.itemsize
     if num_bytes == 0:
         return torch.zeros(shape, dtype=dtype)
     pages = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
+    if os.environ.get(TORCH_HUGE_PAGES) == "1" and hasattr(mmap, "MADV_HUGEPAGE"):  # as torch's allocator does
         pages.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)

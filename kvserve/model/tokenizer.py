@@ -15,6 +15,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from kvserve.config import ConfigError
+from kvserve.model.spm_merges import spm_merges
 
 # llama.cpp token types (tokenizer.ggml.token_type)
 _CONTROL = 3
@@ -96,7 +97,8 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
 
 def sentencepiece_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     """SentencePiece BPE as HF `tokenizers` runs it: spaces become "▁", a BPE model with byte
-    fallback (<0x41> tokens), merges recovered from the vocabulary (GGUF files store none): every
+    fallback (<0x41> tokens), merges recovered from the vocabulary (GGUF files store none; spm_merges.py
+    keeps them on disk): every
     split of a token into two tokens, ranked by the merged token's priority. Gemma's priority is its
     position in the file (its scores do not follow the merge order); other models rank by score."""
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
@@ -108,14 +110,7 @@ def sentencepiece_tokenizer(meta: dict[str, Any]) -> Tokenizer:
         priority = {t: -i for t, i in vocab.items()}
     else:
         priority = dict(zip(spelled, meta.get("tokenizer.ggml.scores") or [-i for i in range(len(tokens))]))
-    candidates = []
-    for token, rank in priority.items():
-        for cut in range(len(token) - 1, 0, -1):  # longer left piece first
-            left, right = token[:cut], token[cut:]
-            if left in vocab and right in vocab:
-                candidates.append((-rank, -cut, cut - len(token), left, right))
-    candidates.sort(key=lambda c: c[:3])  # stable: equal keys keep vocabulary order
-    merges = [(left, right) for *_, left, right in candidates]
+    merges = spm_merges(spelled, vocab, priority)
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[unk_id] if unk_id is not None else None
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))

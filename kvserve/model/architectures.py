@@ -210,7 +210,8 @@ def stop_token_ids(arch_name: str, eos_ids: list[int | None], tokens: list[str],
                    token_types: list[int] | None = None) -> tuple[int, ...]:
     """EOS ids plus the architecture's end-of-turn control tokens found in the vocabulary."""
     ids = [i for i in eos_ids if i is not None]
-    by_text = {t: i for i, t in enumerate(tokens) if t in architecture(arch_name).stop_texts}
+    stop_texts = architecture(arch_name).stop_texts
+    by_text = {t: i for i, t in enumerate(tokens) if t in stop_texts}
     for text, i in by_text.items():
         if token_types is None or token_types[i] == 3:  # llama.cpp type 3: control token
             ids.append(i)

@@ -47,12 +47,13 @@ class FrontDoor:
         llm = engine.engine
         self.loaded = llm.loaded
         self.max_model_len = llm.max_model_len
+        vocab = llm.tokenizer.get_vocab(with_added_tokens=True)  # (262k pieces for Gemma: asked for once)
         # no token is longer than this many bytes (so characters): a longer text cannot fit
-        self.max_prompt_chars = self.max_model_len * max_token_bytes(llm.tokenizer)
+        self.max_prompt_chars = self.max_model_len * max_token_bytes(vocab)
         self.admission = admission or Admission()
         self.renderer = ChatRenderer(llm.chat_prompt, self.encode_with_ends)
         self.tool_format = tool_format(llm.chat_template)  # how this model writes tool calls
-        self.fim = fim_tokens(llm.tokenizer.get_vocab(with_added_tokens=True))  # None: no `suffix`
+        self.fim = fim_tokens(vocab)  # None: no `suffix`
         self.tool_holds = ToolHolds(engine, llm.config.tool_call_kv_ttl * llm.config.lease_ttl_scale,
                                     llm.config.lease_ttl_scale)
         self.draining = False  # shutting down: no new requests
@@ -233,9 +234,9 @@ def shutting_down(message: str) -> APIError:
     return APIError(message, 503, "server_error", None, "shutting_down")
 
 
-def max_token_bytes(tokenizer) -> int:
-    vocab = tokenizer.get_vocab(with_added_tokens=True)
-    return max((len(render.token_bytes(tokenizer, i)) for i in vocab.values()), default=1)
+def max_token_bytes(vocab: dict[str, int]) -> int:
+    """The most bytes one token of the vocabulary (piece -> id, added tokens included) stands for."""
+    return max((len(render.piece_bytes(piece)) for piece in vocab), default=1)
 
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -151,10 +151,13 @@ def token_text(tokenizer, token_id: int) -> str:
 def token_bytes(tokenizer, token_id: int) -> bytes:
     """The raw bytes of one token: byte-level BPE spells bytes as printable stand-ins."""
     piece = tokenizer.id_to_token(token_id)
-    if piece is None:
-        return b""
+    return b"" if piece is None else piece_bytes(piece)
+
+
+def piece_bytes(piece: str) -> bytes:
+    """The raw bytes a vocabulary piece stands for (token_bytes' rule)."""
     inverse = _byte_decoder()
-    if all(ch in inverse for ch in piece):
+    if inverse.keys() >= set(piece):
         return bytes(inverse[ch] for ch in piece)
     return piece.encode("utf-8")
 

@@ -409,27 +409,35 @@ inline void qdot_interleaved(const uint8_t* group, int64_t nb, const XRow* x, fl
         for (int u = 0; u < 4; ++u) {
             const int jl = unit_lo<Base>(u), jh = unit_hi<Base>(u);
             const int64_t bl = sb * 8 + jl, bh = sb * 8 + jh;
-            __m256i lo_half[R][2], hi_half[R][2];  // each sub-block's sums over elements 0..15 and 16..31
+            // each sub-block's sums (Q6_K: over elements 0..15 and 16..31, each half its own sub-scale)
+            constexpr int halves = Base == KVS_Q6_K ? 2 : 1;
+            __m256i lo_sum[R][2], hi_sum[R][2];
             for (int s = 0; s < 4; ++s) {  // the sub-blocks of 8: words 2s, 2s + 1
                 __m256i lo0, hi0, lo1, hi1;
                 unit_codes<Base>(block, u, 2 * s, lo0, hi0);
                 unit_codes<Base>(block, u, 2 * s + 1, lo1, hi1);
+                const int h = s * halves / 4;
                 for (int r = 0; r < R; ++r) {
-                    const __m256i l = lanes_of_eight(lo0, lo1, x[r].q + 32 * bl + 8 * s, x[r].mult + 16 * bl + 4 * s);
-                    const __m256i h = lanes_of_eight(hi0, hi1, x[r].q + 32 * bh + 8 * s, x[r].mult + 16 * bh + 4 * s);
-                    lo_half[r][s / 2] = s % 2 ? _mm256_add_epi32(lo_half[r][s / 2], l) : l;
-                    hi_half[r][s / 2] = s % 2 ? _mm256_add_epi32(hi_half[r][s / 2], h) : h;
+                    const int8_t* xl = x[r].q + 32 * bl + 8 * s;
+                    const int8_t* xh = x[r].q + 32 * bh + 8 * s;
+                    const int16_t* ml = x[r].mult + 16 * bl + 4 * s;
+                    const int16_t* mh = x[r].mult + 16 * bh + 4 * s;
+                    if (s * halves % 4 == 0) {  // a half's first sub-block of 8
+                        lo_sum[r][h] = lanes_of_eight(lo0, lo1, xl, ml);
+                        hi_sum[r][h] = lanes_of_eight(hi0, hi1, xh, mh);
+                    } else {
+                        lo_sum[r][h] = add_lanes_of_eight(lo_sum[r][h], lo0, lo1, xl, ml);
+                        hi_sum[r][h] = add_lanes_of_eight(hi_sum[r][h], hi0, hi1, xh, mh);
+                    }
                 }
             }
             for (int r = 0; r < R; ++r) {
                 if constexpr (Base == KVS_Q6_K) {
-                    total[r][jl] = q6_scaled(lo_half[r][0], lo_half[r][1], q6_scales[jl], x[r].half[bl], x[r].sum[bl]);
-                    total[r][jh] = q6_scaled(hi_half[r][0], hi_half[r][1], q6_scales[jh], x[r].half[bh], x[r].sum[bh]);
+                    total[r][jl] = q6_scaled(lo_sum[r][0], lo_sum[r][1], q6_scales[jl], x[r].half[bl], x[r].sum[bl]);
+                    total[r][jh] = q6_scaled(hi_sum[r][0], hi_sum[r][1], q6_scales[jh], x[r].half[bh], x[r].sum[bh]);
                 } else {
-                    const __m256i lo = _mm256_add_epi32(lo_half[r][0], lo_half[r][1]);
-                    const __m256i hi = _mm256_add_epi32(hi_half[r][0], hi_half[r][1]);
-                    total[r][jl] = _mm256_mullo_epi32(lo, subblock_lanes(sc, jl));
-                    total[r][jh] = _mm256_mullo_epi32(hi, subblock_lanes(sc, jh));
+                    total[r][jl] = _mm256_mullo_epi32(lo_sum[r][0], subblock_lanes(sc, jl));
+                    total[r][jh] = _mm256_mullo_epi32(hi_sum[r][0], subblock_lanes(sc, jh));
                 }
             }
         }

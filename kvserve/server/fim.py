@@ -24,10 +24,10 @@ class FimTokens:
         return f"{self.prefix}{before}{self.suffix}{after}{self.middle}"
 
 
-def fim_tokens(vocab: dict[str, int]) -> FimTokens | None:
-    """The tokenizer's FIM tokens (vocab: token text -> id, added tokens included), or None."""
+def fim_tokens(tokenizer) -> FimTokens | None:
+    """The FIM tokens of a `tokenizers.Tokenizer` (added tokens included), or None."""
     for spelling in FIM_SPELLINGS:
-        if all(token in vocab for token in spelling):
+        if all(tokenizer.token_to_id(token) is not None for token in spelling):
             return FimTokens(*spelling)
     return None
 

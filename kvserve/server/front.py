@@ -21,6 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from starlette.responses import StreamingResponse
 
 from kvserve.async_engine import AsyncEngine
@@ -47,13 +48,12 @@ class FrontDoor:
         llm = engine.engine
         self.loaded = llm.loaded
         self.max_model_len = llm.max_model_len
-        vocab = llm.tokenizer.get_vocab(with_added_tokens=True)  # (262k pieces for Gemma: asked for once)
         # no token is longer than this many bytes (so characters): a longer text cannot fit
-        self.max_prompt_chars = self.max_model_len * max_token_bytes(vocab)
+        self.max_prompt_chars = self.max_model_len * max_token_bytes(llm.tokenizer.get_vocab(with_added_tokens=True))
         self.admission = admission or Admission()
         self.renderer = ChatRenderer(llm.chat_prompt, self.encode_with_ends)
         self.tool_format = tool_format(llm.chat_template)  # how this model writes tool calls
-        self.fim = fim_tokens(vocab)  # None: no `suffix`
+        self.fim = fim_tokens(llm.tokenizer)  # None: no `suffix`
         self.tool_holds = ToolHolds(engine, llm.config.tool_call_kv_ttl * llm.config.lease_ttl_scale,
                                     llm.config.lease_ttl_scale)
         self.draining = False  # shutting down: no new requests
@@ -235,8 +235,20 @@ def shutting_down(message: str) -> APIError:
 
 
 def max_token_bytes(vocab: dict[str, int]) -> int:
-    """The most bytes one token of the vocabulary (piece -> id, added tokens included) stands for."""
-    return max((len(render.piece_bytes(piece)) for piece in vocab), default=1)
+    """The most bytes one token of the vocabulary (piece -> id, added tokens included) stands for.
+    A piece stands for at most its UTF-8 length (a byte-alphabet character is one byte, two in UTF-8),
+    so the pieces are read longest first and only until none left can beat the best (a few, not all
+    262k of Gemma 3's: 0.3-0.5 s a start-up)."""
+    if not vocab:
+        return 1
+    pieces = list(vocab)
+    utf8 = np.fromiter(map(len, map(str.encode, pieces)), dtype=np.int64, count=len(pieces))
+    best = 0
+    for i in np.argsort(-utf8, kind="stable").tolist():
+        if utf8[i] <= best:
+            break
+        best = max(best, len(render.piece_bytes(pieces[i])))
+    return best
 
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -98,9 +98,9 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
 def sentencepiece_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     """SentencePiece BPE as HF `tokenizers` runs it: spaces become "▁", a BPE model with byte
     fallback (<0x41> tokens), merges recovered from the vocabulary (GGUF files store none; spm_merges.py
-    keeps them on disk): every
-    split of a token into two tokens, ranked by the merged token's priority. Gemma's priority is its
-    position in the file (its scores do not follow the merge order); other models rank by score."""
+    keeps them on disk): every split of a token into two tokens, ranked by the merged token's priority.
+    Gemma's priority is its position in the file (its scores do not follow the merge order); other
+    models rank by score."""
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     token_types: Sequence[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     # a token of spaces only ("  ") is stored with real spaces; the normalized text spells them "▁"

@@ -80,8 +80,8 @@ class DecoderLayers:
 
     def __init__(self, lib: KernelLibrary, layers: list[LayerWeights], final_norm: torch.Tensor, shapes: Shapes,
                  rope: tuple[torch.Tensor, torch.Tensor], local_rope: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """rope, local_rope: (cos, signed sin) tables [positions, head_dim] float32 (model/llama.py's
-        Rotary); the windowed layers use local_rope when given."""
+        """rope, local_rope: (cos, sin) tables [positions, head_dim / 2] float32 (model/llama.py's
+        Rotary, widened per row by the native step); the windowed layers use local_rope when given."""
         self.fn = lib.lib.kvs_decoder_layers
         self.shapes = shapes
         self._keep = (layers, final_norm, rope, local_rope)  # the pointers below point into these

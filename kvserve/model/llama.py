@@ -62,8 +62,10 @@ class RMSNorm(nn.Module):
 
 class Rotary(nn.Module):
     """RoPE in the rotate-half (NeoX/HF) convention. The tables are computed in float32 (as the
-    reference does) and stored in the compute dtype; `sin` carries the rotation's sign in its first
-    half, so applying RoPE needs no negation."""
+    reference does) and stored in the compute dtype at half width, one column an angle: both halves of
+    a head rotate by the same angles, so a full-width table held each value twice (Gemma 3's two
+    32k-position tables: 128 MB). `forward` widens the rows it looks up (the native step does the
+    same), `sin` carrying the rotation's sign in its first half, so applying RoPE needs no negation."""
 
     def __init__(self, head_dim: int, theta: float, max_positions: int, device: torch.device,
                  dtype: torch.dtype = torch.float32, freq_factors: tuple[float, ...] | None = None) -> None:
@@ -72,13 +74,13 @@ class Rotary(nn.Module):
         if freq_factors is not None:  # llama3 / linear RoPE scaling
             inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
         angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        sin = angles.sin()
-        self.register_buffer("cos", angles.cos().repeat(1, 2).to(device, dtype), persistent=False)
-        self.register_buffer("sin", torch.cat([-sin, sin], -1).to(device, dtype), persistent=False)
+        self.register_buffer("cos", angles.cos().to(device, dtype), persistent=False)  # [positions, head_dim / 2]
+        self.register_buffer("sin", angles.sin().to(device, dtype), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> (cos, signed sin), each [T, 1, head_dim]: looked up once per step."""
-        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        cos, sin = self.cos[positions], self.sin[positions]
+        return torch.cat([cos, cos], -1)[:, None, :], torch.cat([-sin, sin], -1)[:, None, :]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -171,3 +171,20 @@ def test_rope_positions_round_up_to_a_bucket_within_the_context():
     assert rope_positions(100, 512) == 512  # never past the model's context
     assert rope_positions(ROPE_MIN_POSITIONS + 1, 131072) == 2 * ROPE_MIN_POSITIONS
     assert rope_positions(131072, 131072) == 131072
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_half_width_rope_tables_give_the_full_width_tables_rows_bit_for_bit(dtype):
+    """Rotary keeps one column an angle and widens the rows it looks up: the same bits as the full-width
+    tables (cos twice, sin with its first half negated) rounded to the compute dtype, at half the memory."""
+    from kvserve.model.llama import Rotary
+
+    rotary = Rotary(64, 10000.0, 4096, torch.device("cpu"), dtype)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    angles = torch.arange(4096, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    full_cos, full_sin = angles.cos().repeat(1, 2).to(dtype), torch.cat([-angles.sin(), angles.sin()], -1).to(dtype)
+    positions = torch.tensor([0, 1, 7, 1000, 4095, 7])
+    cos, sin = rotary(positions)
+    assert cos.shape == sin.shape == (6, 1, 64) and rotary.cos.shape == rotary.sin.shape == (4096, 32)
+    for got, want in ((cos[:, 0], full_cos[positions]), (sin[:, 0], full_sin[positions])):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))  # bits: -0.0 is not 0.0

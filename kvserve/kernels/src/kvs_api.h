@@ -159,7 +159,7 @@ struct KvsStep {
     int64_t num_threads;
     float eps, q_scale, attn_scale, pad;
     KvsRows row_sets[2];
-    const float* cos_table[2];  // [positions, head_dim]: model/llama.py's Rotary tables
+    const float* cos_table[2];  // [positions, head_dim / 2]: model/llama.py's Rotary tables (cos, sin of each angle)
     const float* sin_table[2];
     const float* final_norm;
     float *h, *m, *normed, *qkv, *qk_normed, *qk, *attn, *gate_up, *act_out, *out;

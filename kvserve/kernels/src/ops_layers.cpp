@@ -5,7 +5,6 @@
 // calls from Python (model/llama.py), so the bits are the same; what goes away is the Python and
 // ctypes cost between them (a decode step was ~270 wrapper calls).
 #include "common.h"
-#include <cstring>
 
 namespace {
 
@@ -86,13 +85,18 @@ int layer(const KvsLayer& l, const KvsStep& s, bool first) {
 // Runs the step's rows through layers[0..num_layers) and the final norm into s->out. 0, else the
 // failing kernel's code (matmul's; attention's + 100).
 KVS_EXPORT int kvs_decoder_layers(const KvsLayer* layers, const KvsStep* s) {
-    const int64_t hd = s->head_dim, t_rows = s->rows;
-    for (int64_t r = 0; r < 2; ++r) {  // each row's RoPE angles, looked up once for every layer
+    const int64_t hd = s->head_dim, half = hd / 2, t_rows = s->rows;
+    for (int64_t r = 0; r < 2; ++r) {  // each row's RoPE angles, looked up once for every layer, widened
         if (!s->cos_table[r]) continue;
         for (int64_t t = 0; t < t_rows; ++t) {
-            const int64_t at = s->row_sets[0].positions[t] * hd;
-            std::memcpy(s->cos + (r * t_rows + t) * hd, s->cos_table[r] + at, hd * sizeof(float));
-            std::memcpy(s->sin + (r * t_rows + t) * hd, s->sin_table[r] + at, hd * sizeof(float));
+            const int64_t at = s->row_sets[0].positions[t] * half;
+            const float *cos_at = s->cos_table[r] + at, *sin_at = s->sin_table[r] + at;
+            float *cos_row = s->cos + (r * t_rows + t) * hd, *sin_row = s->sin + (r * t_rows + t) * hd;
+            for (int64_t i = 0; i < half; ++i) {  // model/llama.py Rotary.forward's rows
+                cos_row[i] = cos_row[half + i] = cos_at[i];
+                sin_row[i] = -sin_at[i];
+                sin_row[half + i] = sin_at[i];
+            }
         }
     }
     for (int64_t i = 0; i < s->num_layers; ++i) {

@@ -52,9 +52,9 @@ def rss():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
-warm = zeroed((4, 1 << 16), torch.bfloat16)  # torch's own first-use costs, before anything is measured
-warm[1].fill_(1.0)
-any_nonzero = bool(warm.view(torch.uint8)[0].any())
+warm = zeroed((4, 1 << 16), torch.bfloat16)  # torch's own first-use costs (a fill, the check below's
+warm[1].fill_(1.0)                           # reduction), before anything is measured
+bool(warm.view(torch.uint8)[0].any())
 before = rss()
 pool = zeroed((8, 2, 1024, 16, 4, 64), torch.bfloat16)  # 128 MiB
 allocated = rss() - before

@@ -5,7 +5,9 @@
 // 13 Q5_K, 14 Q6_K; 1012, 1013, 1014: their interleaved twins, the rows rewritten by kvs_interleave_rows).
 // Prints the best call's time and a checksum of the output: two libraries built from different sources
 // that keep the chain print the same checksum. Random codes, fp16 scales set to small normal values;
-// timing only. N large enough (e.g. 103680 x 576) reads the weights from DRAM, not the caches.
+// timing only. N large enough (e.g. 103680 x 576) reads the weights from DRAM, not the caches. With
+// KVS_CHAINED_SUMS=MASK in the environment the library's tuning chains the sums of the formats in MASK (bit f: ggml
+// type f; src/kvs_api.h KvsTuning::chained_sums), e.g. 4096 for Q4_K.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -23,6 +25,17 @@ int main(int argc, char** argv) {
         return 2;
     }
     const MatmulFn matmul = load_matmul(argv[1]);
+    if (const char* mask = std::getenv("KVS_CHAINED_SUMS")) {
+        struct Tuning { int32_t weight, ahead, kv, spread, chained_sums; } tuning{};
+        void* lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
+        const auto get = reinterpret_cast<void (*)(Tuning*)>(dlsym(lib, "kvs_get_tuning"));
+        const auto set = reinterpret_cast<void (*)(const Tuning*)>(dlsym(lib, "kvs_set_tuning"));
+        get(&tuning);
+        tuning.chained_sums = std::atoi(mask);
+        set(&tuning);
+        get(&tuning);
+        std::fprintf(stderr, "chained sums: mask %d\n", tuning.chained_sums);
+    }
     const int type = std::atoi(argv[2]), reps = std::atoi(argv[6]), threads = argc > 7 ? std::atoi(argv[7]) : 1;
     const int64_t N = std::atol(argv[3]), K = std::atol(argv[4]), T = std::atol(argv[5]);
     std::vector<uint8_t> w;

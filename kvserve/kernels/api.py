@@ -104,7 +104,8 @@ class KvsFormatInfo(ctypes.Structure):
 
 class KvsTuning(ctypes.Structure):
     _fields_ = [("weight_prefetch", ctypes.c_int32), ("weight_prefetch_ahead", ctypes.c_int32),
-                ("kv_prefetch", ctypes.c_int32), ("weight_prefetch_spread", ctypes.c_int32)]
+                ("kv_prefetch", ctypes.c_int32), ("weight_prefetch_spread", ctypes.c_int32),
+                ("chained_sums", ctypes.c_int32)]
 
 
 class KvsAttention(ctypes.Structure):

@@ -1,6 +1,7 @@
 """The kernels' per-host tuning: the instruction set where the CPU runs two SIMD builds (AVX2 and AVX-512:
 on Zen 4's 256-bit units the wider build is not always the faster), where and how far ahead the decode rows
-prefetch the weights, and where attention prefetches the KV rows (src/kvs_api.h KvsTuning). No choice
+prefetch the weights, where attention prefetches the KV rows, and which formats' decode rows add their integer
+sums through VNNI's vpdpwssd on the AVX-512 build (src/kvs_api.h KvsTuning). No choice
 changes a bit of any result, only speed, and the right one differs by CPU (Zen 5 wants L1, Zen 4 L2), so
 it is measured on the host: a calibration of a few hundred ms on the model's own weights, cached per CPU
 model in ~/.cache/kvserve. A choice settles after SETTLE_CALIBRATIONS starts, each candidate keeping its
@@ -8,8 +9,9 @@ best time of them all, so that one start disturbed by another process's load is 
 later one. The instruction set is calibrated only under `auto`; KVSERVE_KERNELS_ISA forces one.
 
 `KVSERVE_KERNELS_TUNE`: unset or `auto` calibrates (or reads the cache), `off` keeps the built-in defaults,
-`WEIGHTS/KV` forces one choice: WEIGHTS a level, then `+BYTES` ahead in one burst a group or `~BYTES` spread
-over its blocks, e.g. `l2~8192/l3` (levels: none, l1, l2, l3)."""
+`WEIGHTS/KV[/SUMS]` forces one choice: WEIGHTS a level, then `+BYTES` ahead in one burst a group or `~BYTES`
+spread over its blocks, e.g. `l2~8192/l3` (levels: none, l1, l2, l3); SUMS the formats whose sums chain, joined
+by `+` (`q4_k+q6_k`), or `none` (the built-in)."""
 
 from __future__ import annotations
 
@@ -24,15 +26,15 @@ from pathlib import Path
 from kvserve.errors import ConfigError
 from kvserve import kernels
 from kvserve.kernels import KernelLibrary, cpu_flags, cpu_info
-from kvserve.kernels.api import KvsTuning, Prefetch
+from kvserve.kernels.api import Format, KvsTuning, Prefetch
 
 # 2: prefetches really issued (GCC had deleted them all in 1); 3: timed on the thread team; 4: the distance
 # counted past the group's end, and the instruction set chosen; 5: chosen on prefill too; 6: chosen for the
 # decode rows and for the prefill tiles apart; 7: the decode pass reads the layers and the vocabulary's matrix
 # in a step's shares (it had timed the vocabulary's matrix alone where that came first and filled the pass);
 # 8: a narrower build is chosen only by ISA_MARGIN (choices cached before could hold a disturbed calibration's);
-# 9: a choice settles after SETTLE_CALIBRATIONS, merged by each candidate's best time
-CACHE_VERSION = 9
+# 9: a choice settles after SETTLE_CALIBRATIONS, merged by each candidate's best time; 10: the chained sums
+CACHE_VERSION = 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,22 +47,34 @@ class Tuning:
     isa: str = field(default="", compare=False)  # the instruction set of calls of more than DECODE_ROWS rows
     isa_source: str = field(default="", compare=False)  # built-in, calibrated, cached or forced
     decode_isa: str = field(default="", compare=False)  # that of the decode rows (up to DECODE_ROWS), if another
+    chained: tuple[str, ...] = ()  # the formats whose decode rows add their sums by vpdpwssd (Format names, sorted)
 
     @property
     def weights(self) -> str:
         """The weights' part as KVSERVE_KERNELS_TUNE spells it: `l2~8192`."""
         return f"{self.weight_prefetch.name.lower()}{'~' if self.weight_spread else '+'}{self.weight_ahead}"
 
+    @property
+    def sums(self) -> str:
+        """The chained sums' part as KVSERVE_KERNELS_TUNE spells it: `q4_k+q6_k` or `none`."""
+        return "+".join(name.lower() for name in self.chained) or "none"
+
+    @property
+    def spec(self) -> str:
+        """The whole choice as KVSERVE_KERNELS_TUNE spells it."""
+        return f"{self.weights}/{self.kv_prefetch.name.lower()}/{self.sums}"
+
     def label(self) -> str:
         ahead = f"{self.weight_ahead // 1024} KiB ahead" if self.weight_ahead else "two groups ahead"
         how = f"{'spread' if self.weight_spread else 'burst'}, {ahead}" if self.weight_prefetch else ""
         rows = f", decode rows {self.decode_isa}" if self.decode_isa and self.decode_isa != self.isa else ""
         isa = f"{self.isa}{rows} [{self.isa_source}], " if self.isa else ""
+        sums = f", sums chained for {', '.join(self.chained)}" if self.chained else ""
         return (f"{isa}weights prefetch {self.weight_prefetch.name}{f' ({how})' if how else ''}, "
-                f"KV prefetch {self.kv_prefetch.name} [{self.source}]")
+                f"KV prefetch {self.kv_prefetch.name}{sums} [{self.source}]")
 
     def as_dict(self) -> dict:
-        return {"weights": self.weights, "kv": self.kv_prefetch.name.lower(), "source": self.source,
+        return {"weights": self.weights, "kv": self.kv_prefetch.name.lower(), "sums": self.sums, "source": self.source,
                 "isa": self.isa, "decode_isa": self.decode_isa or self.isa, "isa_source": self.isa_source,
                 "label": self.label()}
 
@@ -73,6 +87,7 @@ ISA_ROUNDS = 7  # the builds are often within a few percent: more rounds than th
 # time for every later start (the cache kept 5.83 against 6.35 ms, AVX-512 being 3.4 ms on a quiet host)
 ISA_MARGIN = 0.10
 PREFETCH_ROUNDS = 5
+SUMS_ROUNDS = 7  # the chained sums' gain is 3-10% of hot rows on Zen 4: more rounds than the prefetch choices get
 # starts that calibrate before a host and shape's choice is read from the cache alone: each adds its rounds to
 # the cached ones (a candidate keeps its best time), so a choice rests on passes minutes or days apart, not
 # on the seconds of one start that another process's load can fill (a few hundred ms each, the first starts
@@ -85,8 +100,20 @@ KV_CANDIDATES = [Prefetch.L1, Prefetch.L2, Prefetch.L3, Prefetch.NONE]
 
 
 def install(kl: KernelLibrary, tuning: Tuning) -> None:
+    chained = sum(1 << Format[name] for name in tuning.chained)
     kl.lib.kvs_set_tuning(ctypes.byref(KvsTuning(int(tuning.weight_prefetch), tuning.weight_ahead,
-                                                 int(tuning.kv_prefetch), int(tuning.weight_spread))))
+                                                 int(tuning.kv_prefetch), int(tuning.weight_spread), chained)))
+
+
+def can_chain_sums(kl: KernelLibrary) -> bool:
+    """Whether kl's decode rows can add their sums by vpdpwssd (the build keeps the bits only where it can)."""
+    before = installed(kl)
+    probe = KvsTuning(before.weight_prefetch, before.weight_prefetch_ahead, before.kv_prefetch,
+                      before.weight_prefetch_spread, 1 << Format.Q4_K)
+    kl.lib.kvs_set_tuning(ctypes.byref(probe))
+    can = installed(kl).chained_sums != 0
+    kl.lib.kvs_set_tuning(ctypes.byref(before))
+    return can
 
 
 def installed(kl: KernelLibrary) -> KvsTuning:
@@ -102,15 +129,28 @@ def parse_weights(spec: str) -> tuple[Prefetch, int, bool]:
     return Prefetch[level.upper()], int(ahead or 0), spread
 
 
+def parse_sums(spec: str) -> tuple[str, ...]:
+    """`q4_k+q6_k` -> ("Q4_K", "Q6_K"); `none` -> ()."""
+    if spec in ("", "none"):
+        return ()
+    names = sorted({Format[name.upper()].name for name in spec.split("+")})
+    if any(name.endswith("_R8") or Format[name] in (Format.F32, Format.F16, Format.BF16) for name in names):
+        raise KeyError(spec)
+    return tuple(names)
+
+
 def parse(spec: str, source: str = "forced") -> Tuning:
-    """`WEIGHTS/KV`, e.g. `l2~8192/l3`."""
+    """`WEIGHTS/KV[/SUMS]`, e.g. `l2~8192/l3` or `l2~8192/l3/q4_k+q6_k`."""
     try:
-        weights, kv = spec.lower().split("/")
+        weights, kv, *sums = spec.lower().split("/")
+        if len(sums) > 1:
+            raise ValueError(spec)
         level, ahead, spread = parse_weights(weights)
-        return Tuning(level, ahead, Prefetch[kv.upper()], spread, source)
+        return Tuning(level, ahead, Prefetch[kv.upper()], spread, source, chained=parse_sums(sums[0] if sums else ""))
     except (ValueError, KeyError):
-        raise ConfigError(f"KVSERVE_KERNELS_TUNE must be auto, off or WEIGHTS/KV: a level (none, l1, l2, l3), "
-                          f"+BYTES (a burst) or ~BYTES (spread) ahead, then the KV's level, e.g. l2~8192/l3; "
+        raise ConfigError(f"KVSERVE_KERNELS_TUNE must be auto, off or WEIGHTS/KV[/SUMS]: a level (none, l1, l2, "
+                          f"l3), +BYTES (a burst) or ~BYTES (spread) ahead, then the KV's level, then the block "
+                          f"formats whose sums chain joined by + (or none), e.g. l2~8192/l3/q4_k+q6_k; "
                           f"got {spec!r}") from None
 
 
@@ -169,7 +209,7 @@ def _merged(row: dict | None, timings_ms: dict[str, float]) -> tuple[dict[str, f
 
 def _cached(row: dict | None) -> Tuning | None:
     try:
-        return parse(f"{row['weights']}/{row['kv']}", "cached") if _settled(row) else None
+        return parse(f"{row['weights']}/{row['kv']}/{row['sums']}", "cached") if _settled(row) else None
     except (KeyError, TypeError, ConfigError):
         return None
 
@@ -191,11 +231,14 @@ def _beats_built_in(timings: dict[str, float], built_in: str) -> str:
     return best if timings[best] < (1 - ISA_MARGIN) * timings[built_in] else built_in
 
 
-def choose(kl: KernelLibrary, make_decode_pass, make_attention_pass, shape_key: str, threads: int) -> Tuning:
+def choose(kl: KernelLibrary, make_decode_pass, make_attention_pass, shape_key: str, threads: int,
+           make_sums_passes=dict) -> Tuning:
     """The tuning for this process: forced, built-in, cached, or measured now. `make_decode_pass()` gives a
     function that runs the model's decode-step matmuls once (one activation row), `make_attention_pass()`
-    one that runs a decode row's attention over a long context; both only to be timed, and made only when
-    a calibration runs."""
+    one that runs a decode row's attention over a long context, `make_sums_passes()` {format name: a function
+    that runs decode rows of that format from the cache} for the interleaved formats the model's decode rows
+    read (asked only where kl can chain sums: the choice is about compute, so it is timed where the weights do
+    not stream); all only to be timed, and made only when a calibration runs."""
     spec = _tune_spec()
     if spec in ("off", "0", "no", "false"):
         return BUILT_IN
@@ -210,11 +253,18 @@ def choose(kl: KernelLibrary, make_decode_pass, make_attention_pass, shape_key: 
     weights = _time_each({w: parse(f"{w}/{built_in_kv}") for w in WEIGHT_CANDIDATES}, kl, make_decode_pass())
     kv = _time_each({p.name: parse(f"{_best(weights)}/{p.name}") for p in KV_CANDIDATES}, kl,
                     make_attention_pass())  # (the attention pass reads no weights: any weights' choice will do)
+    prefetch = f"{_best(weights)}/{_best(kv)}"
+    sums = {f"{name} {how}": ms for name, run in (make_sums_passes() if can_chain_sums(kl) else {}).items()
+            for how, ms in _time_each({"chained": parse(f"{prefetch}/{name}"), "widened": parse(prefetch)}, kl, run,
+                                      SUMS_ROUNDS).items()}
     timings, calibrations = _merged(row, {**{f"weights {k}": round(v * 1e3, 3) for k, v in weights.items()},
-                                          **{f"kv {k}": round(v * 1e3, 3) for k, v in kv.items()}})
+                                          **{f"kv {k}": round(v * 1e3, 3) for k, v in kv.items()},
+                                          **{f"sums {k}": round(v * 1e3, 4) for k, v in sums.items()}})
     best = {part: _best({name.split(" ", 1)[1]: ms for name, ms in timings.items() if name.startswith(part)})
             for part in ("weights", "kv")}
-    tuning = parse(f"{best['weights']}/{best['kv']}", "calibrated")
+    chained = [name.split(" ")[1] for name, ms in timings.items()
+               if name.startswith("sums ") and name.endswith(" chained") and ms < timings[name[:-7] + "widened"]]
+    tuning = parse(f"{best['weights']}/{best['kv']}/{'+'.join(chained)}", "calibrated")
     _write_cache(key, shape_key, tuning.as_dict(), timings, calibrations)
     return tuning
 

@@ -12,13 +12,17 @@ import torch
 
 from kvserve import kernels
 from kvserve.config import ModelConfig
-from kvserve.kernels import attention as native_attention, matmul as native_matmul, tuning
+from kvserve.kernels import api, attention as native_attention, matmul as native_matmul, tuning
 from kvserve.model.linear import NativeLinear
 
 STREAM_BYTES = 48 << 20  # more than a last-level cache (32 MB on Zen 4 and Zen 5 CCDs): weights come from DRAM
 HEAD_ROWS_STEP = 8  # the vocabulary matrix's rows in whole groups (an interleaved format's FormatInfo.group_rows)
 KV_CONTEXT = 2048  # tokens of the attention pass, page_size 16
 PREFILL_ROWS, PREFILL_BYTES = 64, 4 << 20  # the prefill pass: a chunk's rows through ~4 MB of weights
+# the chained sums' pass: one row through each interleaved format's first rows, on one thread, from the caches
+# (1 MiB: a core's L2 or its L3, where the weights do not stream and compute is timed; a few calls: their
+# Python overhead, a few us each, small beside it)
+SUMS_BYTES, SUMS_CALLS = 1 << 20, 4
 
 
 def tune_kernels(model: torch.nn.Module, config: ModelConfig, threads: int) -> tuning.Tuning | None:
@@ -38,7 +42,8 @@ def tune_kernels(model: torch.nn.Module, config: ModelConfig, threads: int) -> t
     def prefetch_for(kl: kernels.KernelLibrary) -> tuning.Tuning:
         # the passes are built only if a calibration runs (a cached or forced choice costs nothing)
         return tuning.choose(kl, lambda: _decode_pass(kl, layers, head, threads),
-                             lambda: _attention_pass(kl, config, threads), shape, threads)
+                             lambda: _attention_pass(kl, config, threads), shape, threads,
+                             lambda: _sums_passes(kl, linears))
 
     chosen = prefetch_for(lib)
     isa_lib, row_lib, isa_source = tuning.choose_isa(
@@ -130,6 +135,21 @@ def _run_calls(lib: kernels.KernelLibrary, calls: list[tuple[int, torch.Tensor, 
         for call, x, y in prepared:
             call(x, y, threads)
     return run
+
+
+def _sums_passes(lib: kernels.KernelLibrary, linears: list[NativeLinear]) -> dict:
+    """{format name: one activation row through the first SUMS_BYTES of the model's first matrix of that
+    interleaved format, SUMS_CALLS times on one thread} for each interleaved format the model reads."""
+    firsts: dict[str, tuple[int, torch.Tensor, int]] = {}
+    for m in linears:
+        for i, qtype in enumerate(m.qtypes):
+            fmt = lib.formats[qtype]
+            name = api.Format(fmt.base).name
+            if fmt.group_rows > 1 and name not in firsts:
+                blocks = m.blocks(i)
+                rows = min(blocks.shape[0], max(fmt.group_rows, SUMS_BYTES // blocks.shape[1]))
+                firsts[name] = (qtype, blocks[:rows - rows % fmt.group_rows], m.in_features)
+    return {name: _run_calls(lib, [call] * SUMS_CALLS, 1, 1) for name, call in firsts.items()}
 
 
 def _attention_pass(lib: kernels.KernelLibrary, config: ModelConfig, threads: int):

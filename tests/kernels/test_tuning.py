@@ -5,6 +5,7 @@ reported as documented."""
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -32,7 +33,7 @@ def _blocks(qtype: Q, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
     fmt = kernels.library().formats[int(qtype)]
     block, size = fmt.block, fmt.bytes
     raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
-    for off in {Q.Q6_K: (208,), Q.Q4_1: (0, 2), Q.Q4_K: (0, 2)}.get(qtype, (0,)):
+    for off in {Q.Q6_K: (208,), Q.Q4_1: (0, 2), Q.Q5_1: (0, 2), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2)}.get(qtype, (0,)):
         raw[..., off:off + 2] = rng.uniform(0.002, 0.05, size=(n, k // block)).astype(np.float16).view(np.uint8) \
             .reshape(n, k // block, 2)
     return torch.from_numpy(raw.reshape(n, -1))
@@ -51,6 +52,37 @@ def test_every_tuning_choice_gives_the_matmul_the_same_bits(lib, qtype):
                            for t in (1, 3, 8, 16) for threads in (1, 2)]
     first = next(iter(outputs.values()))
     assert all(v == first for v in outputs.values())
+
+
+BLOCK_FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+
+
+@pytest.mark.parametrize("qtype", BLOCK_FORMATS, ids=lambda q: q.name)
+def test_chained_sums_give_the_interleaved_decode_rows_the_same_bits(lib, qtype):
+    """The interleaved twin's decode rows with its sums chained by vpdpwssd (where the build can) and widened,
+    at every row count and thread count, alone and as a part of a fused linear: the same bits."""
+    rng = np.random.default_rng(100 + int(qtype))
+    k, n = 512, 200
+    twin, w = km.interleave(lib, int(qtype), _blocks(qtype, n, k, rng), k)
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(2))
+    name = api.Format(int(qtype)).name.lower()
+    outputs = {}
+    for sums in ("none", name, "q4_0+q4_1+q5_0+q5_1+q8_0+q4_k+q5_k+q6_k"):
+        tuning.install(lib, tuning.parse(f"l2~4096/l1/{sums}"))
+        chained = tuning.installed(lib).chained_sums
+        assert (chained != 0) == (sums != "none" and tuning.can_chain_sums(lib))
+        outputs[sums] = [km.matmul(lib, twin, w, k, x[:t], num_threads=threads).numpy().tobytes()
+                         for t in (1, 2, 4, 8, 16) for threads in (1, 2)]
+    assert outputs["none"] == outputs[name] == outputs["q4_0+q4_1+q5_0+q5_1+q8_0+q4_k+q5_k+q6_k"]
+
+
+def test_only_a_build_with_vpdpwssd_keeps_the_chained_sums(lib):
+    for kl in kernels.simd_libraries():
+        tuning.install(kl, tuning.parse("l1+0/l1/q4_k+q8_0"))
+        expected = (1 << api.Format.Q4_K | 1 << api.Format.Q8_0) if kl.isa == "avx512" else 0
+        assert tuning.installed(kl).chained_sums == expected and tuning.can_chain_sums(kl) == (kl.isa == "avx512")
+        tuning.install(kl, tuning.BUILT_IN)
+        assert tuning.installed(kl).chained_sums == 0
 
 
 def test_every_kv_prefetch_choice_gives_attention_the_same_bits(lib):
@@ -81,9 +113,15 @@ def test_a_choice_is_parsed_installed_and_labelled(lib):
     assert (installed.weight_prefetch, installed.weight_prefetch_ahead, installed.kv_prefetch,
             installed.weight_prefetch_spread) == (2, 8192, 3, 1)
     assert chosen.label() == "weights prefetch L2 (spread, 8 KiB ahead), KV prefetch L3 [forced]"
-    assert tuning.BUILT_IN.as_dict()["weights"] == "l1+0"
-    with pytest.raises(ConfigError, match="KVSERVE_KERNELS_TUNE must be"):
-        tuning.parse("l4+0/l1")
+    assert tuning.BUILT_IN.as_dict()["weights"] == "l1+0" and tuning.BUILT_IN.as_dict()["sums"] == "none"
+    sums = tuning.parse("l2~8192/l3/q6_k+Q4_K")
+    assert sums.chained == ("Q4_K", "Q6_K") and sums.spec == "l2~8192/l3/q4_k+q6_k"
+    assert tuning.parse(sums.spec) == sums and tuning.parse("l2~8192/l3/none") == chosen
+    assert sums.label() == "weights prefetch L2 (spread, 8 KiB ahead), KV prefetch L3, sums chained for Q4_K, Q6_K " \
+                           "[forced]"
+    for bad in ("l4+0/l1", "l1+0/l1/q9_k", "l1+0/l1/f16", "l1+0/l1/q4_k_r8", "l1+0/l1/q4_k/none", "l1+0"):
+        with pytest.raises(ConfigError, match="KVSERVE_KERNELS_TUNE must be"):
+            tuning.parse(bad)
 
 
 def test_off_keeps_the_built_in_choice_and_a_forced_one_is_taken_as_given(lib, monkeypatch):
@@ -121,6 +159,35 @@ def test_a_calibration_settles_per_host_and_shape_then_is_read_from_the_cache(li
     assert lib.isa in host and "timings_ms" in row and row["calibrations"] == tuning.SETTLE_CALIBRATIONS
 
 
+def test_the_calibration_chains_the_sums_of_the_formats_it_ran_faster(lib, monkeypatch, tmp_path):
+    """Q4_K's rows run faster chained, Q8_0's widened (as on Zen 4): each format gets its own choice, cached;
+    a build that cannot chain is never asked for the passes."""
+    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("KVSERVE_KERNELS_TUNE", "auto")
+    asked = []
+
+    def passes():
+        asked.append(1)
+
+        def rows_of(name: str, chained_ms: float, widened_ms: float):
+            def run():
+                chained = tuning.installed(lib).chained_sums >> api.Format[name] & 1
+                time.sleep((chained_ms if chained else widened_ms) / 1e3)
+            return run
+        return {"Q4_K": rows_of("Q4_K", 1.0, 3.0), "Q8_0": rows_of("Q8_0", 3.0, 1.0)}
+    for _ in range(tuning.SETTLE_CALIBRATIONS):
+        chosen = tuning.choose(lib, lambda: (lambda: None), lambda: (lambda: None), "shape S", 2, passes)
+    can = tuning.can_chain_sums(lib)
+    assert chosen.chained == (("Q4_K",) if can else ()) and len(asked) == (tuning.SETTLE_CALIBRATIONS if can else 0)
+    cached = tuning.choose(lib, lambda: (lambda: None), lambda: (lambda: None), "shape S", 2, passes)
+    assert (cached.source, cached.chained) == ("cached", chosen.chained)
+    (row,) = json.loads((tmp_path / "kernel-tuning.json").read_text())["hosts"].values()
+    assert row["shape S"]["sums"] == ("q4_k" if can else "none")
+    if can:
+        ms = row["shape S"]["timings_ms"]
+        assert ms["sums Q4_K chained"] < ms["sums Q4_K widened"] and ms["sums Q8_0 chained"] > ms["sums Q8_0 widened"]
+
+
 def test_a_start_disturbed_by_load_is_outvoted_by_each_candidates_best_time(lib, monkeypatch, tmp_path):
     """l2~8192 lost the first start's pass to another process (9 ms against l1+0's 4); the next start runs it
     in 3 ms: from then on it is chosen, and the cache keeps each candidate's best of both starts."""
@@ -150,7 +217,7 @@ def test_the_engine_installs_its_choice_and_greedy_tokens_do_not_depend_on_it(li
     from kvserve import SamplingParams
 
     tokens = set()
-    for choice in ("l1+0/l1", "none+0/none", "l2~16384/l3"):
+    for choice in ("l1+0/l1", "none+0/none", "l2~16384/l3", "l2~8192/l2/q4_0+q4_1+q5_0+q5_1+q8_0+q4_k+q5_k+q6_k"):
         monkeypatch.setenv("KVSERVE_KERNELS_TUNE", choice)
         llm = make_llm(dtype="native")
         assert llm.engine.runner.kernel_tuning == tuning.parse(choice)

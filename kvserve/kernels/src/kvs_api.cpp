@@ -50,12 +50,15 @@ std::string build_manifest() {
 // spread flag 1, the bytes ahead 24)
 constexpr uint32_t kDefaultTuning = KVS_PREFETCH_L1 | KVS_PREFETCH_L1 << 2;
 std::atomic<uint32_t> installed_tuning{kDefaultTuning};
+std::atomic<uint32_t> installed_chained_sums{0};  // a word of its own: a call reading it apart from the other
+                                                 // word still gets bits that no choice changes
 
 }  // namespace
 
 KvsTuning kvs::current_tuning() {
     const uint32_t word = installed_tuning.load(std::memory_order_relaxed);
-    return KvsTuning{int32_t(word & 3), int32_t(word >> 8), int32_t((word >> 2) & 3), int32_t((word >> 4) & 1)};
+    return KvsTuning{int32_t(word & 3), int32_t(word >> 8), int32_t((word >> 2) & 3), int32_t((word >> 4) & 1),
+                     int32_t(installed_chained_sums.load(std::memory_order_relaxed))};
 }
 
 KVS_EXPORT void kvs_set_tuning(const KvsTuning* t) {
@@ -66,6 +69,9 @@ KVS_EXPORT void kvs_set_tuning(const KvsTuning* t) {
                uint32_t(t->weight_prefetch_spread != 0) << 4 | ahead << 8;
     }
     installed_tuning.store(word, std::memory_order_relaxed);
+    // (kept only where this build honours it, so kvs_get_tuning tells the caller what the rows do)
+    installed_chained_sums.store(t != nullptr && kvs::CAN_CHAIN_SUMS ? uint32_t(t->chained_sums) : 0u,
+                                 std::memory_order_relaxed);
 }
 
 KVS_EXPORT void kvs_get_tuning(KvsTuning* out) { *out = kvs::current_tuning(); }

@@ -63,13 +63,16 @@ struct KvsFormatInfo {
 };
 
 // The kernels' run-time tuning (kvs_set_tuning): choices that change speed and never bits, picked per host
-// by kernels/tuning.py. The built-in defaults (kvs_set_tuning(null)): {L1, 0, L1, 0}.
+// by kernels/tuning.py. The built-in defaults (kvs_set_tuning(null)): {L1, 0, L1, 0, 0}.
 struct KvsTuning {
     int32_t weight_prefetch;        // KvsPrefetch: where the decode rows ask for the weights ahead of use
     int32_t weight_prefetch_ahead;  // bytes between the end of the group being computed and the ones
                                     //   prefetched (0: one group of eight rows, whatever its size)
     int32_t kv_prefetch;            // KvsPrefetch: where attention asks for the KV rows ahead of use
     int32_t weight_prefetch_spread; // 1: a group's prefetch spread over its blocks; 0: in one burst
+    int32_t chained_sums;           // bit f (1 << KvsFormat f): the decode rows of f's interleaved twin add
+                                    //   their integer sums through VNNI's vpdpwssd (AVX-512 builds; others
+                                    //   keep 0: kvs_get_tuning reads back what the rows do)
 };
 
 // Paged attention's arguments (kvs_paged_attention):

@@ -41,6 +41,8 @@ constexpr int64_t CHUNK_BYTES = 16384;    // decode: weight bytes a thread takes
 //   decode_rows  R <= DIRECT_ROWS activation rows x weight rows lo..hi decoded in registers (matmul_direct.h
 //                qdot_direct_rows: qdot_direct32 for the 32-element formats, qdot_directk for the K formats,
 //                qdot_interleaved for their interleaved twins)
+//   chained_rows decode_rows with the sums chained by vpdpwssd (interleaved twins, CAN_CHAIN_SUMS builds; used
+//                where the host's tuning names the base format: direct_rows)
 // An interleaved twin has its decode rows only: everything else runs its base format's kernels on rows
 // put back in the file's order (interleave.h file_row).
 
@@ -56,22 +58,24 @@ struct FormatKernels {
     ToGroupFn to_group;                 // block formats
     GroupFn tile[TILE_ROWS];            // block formats
     DirectFn decode_rows[DIRECT_ROWS];  // block formats, SIMD builds
+    DirectFn chained_rows[DIRECT_ROWS];  // interleaved twins, CAN_CHAIN_SUMS builds
 };
 
 template <int Q, size_t... R>
 constexpr FormatKernels kernels_row(std::index_sequence<R...>) {
     static_assert(sizeof...(R) == DIRECT_ROWS && TILE_ROWS <= DIRECT_ROWS);
     if constexpr (is_float_type(Q)) {
-        return {&format_row(Q), decode_row<Q>, nullptr, {}, {}};
+        return {&format_row(Q), decode_row<Q>, nullptr, {}, {}, {}};
     } else if constexpr (format_row(Q).group_rows > 1) {
-        FormatKernels row{&format_row(Q), nullptr, nullptr, {}, {}};
+        FormatKernels row{&format_row(Q), nullptr, nullptr, {}, {}, {}};
 #if KVS_SIMD
         ((row.decode_rows[R] = qdot_direct_rows<Q, int(R) + 1>), ...);
+        if constexpr (CAN_CHAIN_SUMS) ((row.chained_rows[R] = qdot_direct_rows<Q, int(R) + 1, true>), ...);
 #endif
         return row;
     } else {
         FormatKernels row{&format_row(Q), decode_row<Q>, decode_row_q<Q>,
-                          {qdot_group<Q, 1>, qdot_group<Q, 2>, qdot_group<Q, 3>, qdot_group<Q, 4>}, {}};
+                          {qdot_group<Q, 1>, qdot_group<Q, 2>, qdot_group<Q, 3>, qdot_group<Q, 4>}, {}, {}};
 #if KVS_SIMD
         ((row.decode_rows[R] = qdot_direct_rows<Q, int(R) + 1>), ...);
 #endif
@@ -135,11 +139,17 @@ void run_float(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, c
 }
 
 #if KVS_SIMD
+// f's decode rows for T activation rows: chained where this build has them and the host's tuning names f's base
+DirectFn direct_rows(const FormatKernels& f, int64_t T, const KvsTuning& tuning) {
+    const DirectFn chained = f.chained_rows[T - 1];
+    return chained != nullptr && (tuning.chained_sums >> f.row->base & 1) ? chained : f.decode_rows[T - 1];
+}
+
 // Up to DIRECT_ROWS activation rows: every weight row decoded in registers and dotted as it streams in
 // (a decode step is bound by reading the weights once; a scratch copy would be a second pass)
 void run_quant_direct(const FormatKernels& f, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t nb,
                       const XRow* xrows, int64_t T, float* y, int64_t ldy, int nthreads) {
-    const DirectFn rows_fn = f.decode_rows[T - 1];
+    const DirectFn rows_fn = direct_rows(f, T, current_tuning());
     // each thread's share of the rows in chunks of about CHUNK_BYTES (whole groups of eight rows)
     const int64_t chunk = std::max<int64_t>(1, CHUNK_BYTES / (DIRECT_GROUP * row_bytes)) * DIRECT_GROUP;
     parallel_for_shares(nthreads, N, DIRECT_GROUP, chunk, [&](int64_t lo, int64_t hi, int64_t share_end) {
@@ -159,6 +169,8 @@ void run_quant_direct(const FormatKernels& f, const uint8_t* w, int64_t row_byte
 bool run_parts_direct(const KvsLinear& w, const float* x, int64_t T, float* y, int nthreads) {
     const int64_t P = w.num_parts, K = w.in_features, nb = K / 32;
     const FormatKernels* f[KVS_MAX_PARTS];
+    DirectFn rows_fn[KVS_MAX_PARTS];
+    const KvsTuning tuning = current_tuning();
     int64_t first[KVS_MAX_PARTS + 1] = {0}, col[KVS_MAX_PARTS] = {0}, row_bytes[KVS_MAX_PARTS];
     for (int64_t p = 0; p < P; ++p) {
         f[p] = kernels_of(static_cast<int>(w.formats[p]));
@@ -166,6 +178,7 @@ bool run_parts_direct(const KvsLinear& w, const float* x, int64_t T, float* y, i
             w.rows[p] % f[p]->row->group_rows)
             return false;
         row_bytes[p] = K / f[p]->row->block * f[p]->row->bytes;
+        rows_fn[p] = direct_rows(*f[p], T, tuning);
         first[p + 1] = first[p] + (w.rows[p] + DIRECT_GROUP - 1) / DIRECT_GROUP;
         if (p + 1 < P) col[p + 1] = col[p] + w.rows[p];
     }
@@ -188,8 +201,8 @@ bool run_parts_direct(const KvsLinear& w, const float* x, int64_t T, float* y, i
             if (lo >= hi) continue;
             const auto rows = [&](int64_t g) { return std::min(w.rows[p], (g - first[p]) * DIRECT_GROUP); };
             const int64_t prefetch_hi = rows(std::min(share_end, first[p + 1]));
-            f[p]->decode_rows[T - 1](w.weights[p], row_bytes[p], rows(lo), rows(hi), prefetch_hi, nb, xrows,
-                                     off.data(), y + col[p], w.out_features);
+            rows_fn[p](w.weights[p], row_bytes[p], rows(lo), rows(hi), prefetch_hi, nb, xrows, off.data(),
+                       y + col[p], w.out_features);
         }
     });
     return true;

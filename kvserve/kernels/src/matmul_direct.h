@@ -385,9 +385,10 @@ KVS_ALWAYS_INLINE void unit_codes(const GroupBlock<Base>& block, int u, int w, _
 
 // The interleaved twin of K format Base: one group of eight rows against R activation rows. Each
 // sub-block's total is the exact integer qdot_directk's reduction gives (Q6_K: its halves'), then the
-// same fma chain in block order: qdot_directk's bits.
+// same fma chain in block order: qdot_directk's bits (Chained: a sub-block's sums added by add_lanes_of_eight's
+// vpdpwssd, the same integers).
 static_assert(INTERLEAVED_ROWS == DIRECT_GROUP, "an interleaved group is a group of the decode rows");
-template <int Base, int R>
+template <int Base, int R, bool Chained>
 inline void qdot_interleaved(const uint8_t* group, int64_t nb, const XRow* x, float* offT, float* y, int64_t ldy,
                              const SpreadPrefetch& prefetch) {
     __m256 acc[R];
@@ -426,8 +427,8 @@ inline void qdot_interleaved(const uint8_t* group, int64_t nb, const XRow* x, fl
                         lo_sum[r][h] = lanes_of_eight(lo0, lo1, xl, ml);
                         hi_sum[r][h] = lanes_of_eight(hi0, hi1, xh, mh);
                     } else {
-                        lo_sum[r][h] = add_lanes_of_eight(lo_sum[r][h], lo0, lo1, xl, ml);
-                        hi_sum[r][h] = add_lanes_of_eight(hi_sum[r][h], hi0, hi1, xh, mh);
+                        lo_sum[r][h] = add_lanes_of_eight<Chained>(lo_sum[r][h], lo0, lo1, xl, ml);
+                        hi_sum[r][h] = add_lanes_of_eight<Chained>(hi_sum[r][h], hi0, hi1, xh, mh);
                     }
                 }
             }
@@ -453,8 +454,8 @@ inline void qdot_interleaved(const uint8_t* group, int64_t nb, const XRow* x, fl
 // block of 32 at a time. Q4's and Q5's code word w holds elements 4w .. 4w + 3 (low nibbles) and 16 + 4w ..
 // (high), Q5's fifth bits in the word before them (transposed: interleave.h twin_bit); Q8_0's code word w
 // elements 4w .. 4w + 3. The totals are qdot_direct32's (Q4_0, Q5_0: less the bias * the block's sum of q * m),
-// then its chain: its bits.
-template <int Base, int R>
+// then its chain: its bits (Chained: the block's sums added by vpdpwssd, the same integers).
+template <int Base, int R, bool Chained>
 inline void qdot_interleaved32(const uint8_t* group, int64_t nb, const XRow* x, float* offT, float* y, int64_t ldy,
                                const SpreadPrefetch& prefetch) {
     __m256 acc[R];
@@ -492,10 +493,10 @@ inline void qdot_interleaved32(const uint8_t* group, int64_t nb, const XRow* x, 
             const int16_t* m = x[r].mult + 16 * b;
             __m256i t = _mm256_setzero_si256();
             if constexpr (Base == KVS_Q8_0) {
-                for (int w = 0; w < 8; ++w) t = _mm256_add_epi32(t, signed_lanes_of_four(c[w], xq + 4 * w, m + 2 * w));
+                for (int w = 0; w < 8; ++w) t = add_signed_lanes_of_four<Chained>(t, c[w], xq + 4 * w, m + 2 * w);
             } else {
                 for (int s = 0; s < 4; ++s)
-                    t = _mm256_add_epi32(t, lanes_of_eight(c[2 * s], c[2 * s + 1], xq + 8 * s, m + 4 * s));
+                    t = add_lanes_of_eight<Chained>(t, c[2 * s], c[2 * s + 1], xq + 8 * s, m + 4 * s);
             }
             if constexpr (code_bias(Base) != 0)
                 t = _mm256_sub_epi32(t, _mm256_set1_epi32(code_bias(Base) * x[r].sum[b]));
@@ -508,7 +509,8 @@ inline void qdot_interleaved32(const uint8_t* group, int64_t nb, const XRow* x, 
 // The decode rows of block format Q: y[r * ldy + j] = x[r] . W[lo + j] for R activation rows and the weight
 // rows lo .. hi, eight weight rows at a time; `off` holds DIRECT_GROUP * K / 32 floats (a group's offsets
 // transposed, [nb][8]). Rows up to prefetch_hi (>= hi) are the caller's next: prefetching may run into them.
-template <int Q, int R>
+// Chained: an interleaved twin's sums added by vpdpwssd (CAN_CHAIN_SUMS builds).
+template <int Q, int R, bool Chained = false>
 inline void qdot_direct_rows(const uint8_t* w, int64_t row_bytes, int64_t lo, int64_t hi, int64_t prefetch_hi,
                              int64_t nb, const XRow* x, float* off, float* y, int64_t ldy) {
     constexpr int C = DIRECT_GROUP;
@@ -528,9 +530,9 @@ inline void qdot_direct_rows(const uint8_t* w, int64_t row_bytes, int64_t lo, in
                           tuning.weight_prefetch_spread ? tuning.weight_prefetch : KVS_PREFETCH_NONE};
     auto dot = [&](float* out, int64_t ld) {  // the eight rows of `rows`: out[r * ld + c]
         if constexpr (format_row(Q).group_rows > 1 && has_subscales(Q)) {  // rows[0]: the group's start
-            qdot_interleaved<format_row(Q).base, R>(rows[0], nb, x, off, out, ld, spread);
+            qdot_interleaved<format_row(Q).base, R, Chained>(rows[0], nb, x, off, out, ld, spread);
         } else if constexpr (format_row(Q).group_rows > 1) {
-            qdot_interleaved32<format_row(Q).base, R>(rows[0], nb, x, off, out, ld, spread);
+            qdot_interleaved32<format_row(Q).base, R, Chained>(rows[0], nb, x, off, out, ld, spread);
         } else if constexpr (has_subscales(Q)) {
             qdot_directk<Q, R>(rows, nb, x, off, out, ld, spread);
         } else {

@@ -202,23 +202,34 @@ KVS_ALWAYS_INLINE __m256i lanes_of_eight(__m256i c0, __m256i c1, const int8_t* x
     return _mm256_madd_epi16(pair_sums(c0, c1, x8), mult_pairs(m));
 }
 
-// acc + lanes_of_eight(c0, c1, x8, m), on AVX-512 the widening and the add in one vpdpwssd (the same exact
-// integers). Zen 4, hot rows, one thread: the interleaved Q4_K decode rows 10% faster, Q5_K's and Q6_K's 3%; in
-// the 32-element formats' four-long sums it made Q4_0's rows 7% slower, so they keep lanes_of_eight.
+// acc + lanes_of_eight(c0, c1, x8, m), Chained: the widening and the add in one vpdpwssd (common.h CAN_CHAIN_SUMS)
+template <bool Chained>
 KVS_ALWAYS_INLINE __m256i add_lanes_of_eight(__m256i acc, __m256i c0, __m256i c1, const int8_t* x8, const int16_t* m) {
 #if defined(KVS_ISA_AVX512)
-    return _mm256_dpwssd_epi32(acc, pair_sums(c0, c1, x8), mult_pairs(m));
-#else
-    return _mm256_add_epi32(acc, lanes_of_eight(c0, c1, x8, m));
+    if constexpr (Chained) return _mm256_dpwssd_epi32(acc, pair_sums(c0, c1, x8), mult_pairs(m));
 #endif
+    return _mm256_add_epi32(acc, lanes_of_eight(c0, c1, x8, m));
+}
+
+// signed_lanes_of_four (below) before its widening: |c| times x with c's sign, in int16 pairs
+KVS_ALWAYS_INLINE __m256i signed_pairs(__m256i c, const int8_t* x4) {
+    return _mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(_mm256_set1_epi32(load_i32(x4)), c));
 }
 
 // Signed int8 codes (Q8_0) against four elements (x4: the activation's int8s, m: their multiplier as
 // XRow::mult holds it), a lane per weight row: |c| times x with c's sign, widened by vpmaddwd at once (two
 // words' pairs added as int16 could reach 4 * 128 * 127)
 KVS_ALWAYS_INLINE __m256i signed_lanes_of_four(__m256i c, const int8_t* x4, const int16_t* m) {
-    const __m256i x = _mm256_set1_epi32(load_i32(x4));
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(x, c)), mult_pairs(m));
+    return _mm256_madd_epi16(signed_pairs(c, x4), mult_pairs(m));
+}
+
+// acc + signed_lanes_of_four(c, x4, m), Chained: in one vpdpwssd
+template <bool Chained>
+KVS_ALWAYS_INLINE __m256i add_signed_lanes_of_four(__m256i acc, __m256i c, const int8_t* x4, const int16_t* m) {
+#if defined(KVS_ISA_AVX512)
+    if constexpr (Chained) return _mm256_dpwssd_epi32(acc, signed_pairs(c, x4), mult_pairs(m));
+#endif
+    return _mm256_add_epi32(acc, signed_lanes_of_four(c, x4, m));
 }
 
 // offset_dot of eight weight rows at once, bit for bit: offT holds their offsets transposed (block b's

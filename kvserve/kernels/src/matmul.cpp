@@ -41,16 +41,14 @@ constexpr int64_t CHUNK_BYTES = 16384;    // decode: weight bytes a thread takes
 //   decode_rows  R <= DIRECT_ROWS activation rows x weight rows lo..hi decoded in registers (matmul_direct.h
 //                qdot_direct_rows: qdot_direct32 for the 32-element formats, qdot_directk for the K formats,
 //                qdot_interleaved for their interleaved twins)
-//   chained_rows decode_rows with the sums chained by vpdpwssd (interleaved twins, CAN_CHAIN_SUMS builds; used
-//                where the host's tuning names the base format: direct_rows)
+// (and, for the interleaved twins on CAN_CHAIN_SUMS builds, decode rows with their sums chained: matmul_chained.cpp,
+// used where the host's tuning names the base format: direct_rows)
 // An interleaved twin has its decode rows only: everything else runs its base format's kernels on rows
 // put back in the file's order (interleave.h file_row).
 
 using ToFloatFn = void (*)(const uint8_t*, int64_t, float*);
 using ToGroupFn = void (*)(const uint8_t*, int64_t, const QGroup&, int);
 using GroupFn = void (*)(const XRow*, const QGroup&, int, int64_t, float*, int64_t);
-using DirectFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, int64_t, int64_t, const XRow*, float*, float*,
-                         int64_t);
 
 struct FormatKernels {
     const FormatRow* row;
@@ -58,24 +56,22 @@ struct FormatKernels {
     ToGroupFn to_group;                 // block formats
     GroupFn tile[TILE_ROWS];            // block formats
     DirectFn decode_rows[DIRECT_ROWS];  // block formats, SIMD builds
-    DirectFn chained_rows[DIRECT_ROWS];  // interleaved twins, CAN_CHAIN_SUMS builds
 };
 
 template <int Q, size_t... R>
 constexpr FormatKernels kernels_row(std::index_sequence<R...>) {
     static_assert(sizeof...(R) == DIRECT_ROWS && TILE_ROWS <= DIRECT_ROWS);
     if constexpr (is_float_type(Q)) {
-        return {&format_row(Q), decode_row<Q>, nullptr, {}, {}, {}};
+        return {&format_row(Q), decode_row<Q>, nullptr, {}, {}};
     } else if constexpr (format_row(Q).group_rows > 1) {
-        FormatKernels row{&format_row(Q), nullptr, nullptr, {}, {}, {}};
+        FormatKernels row{&format_row(Q), nullptr, nullptr, {}, {}};
 #if KVS_SIMD
         ((row.decode_rows[R] = qdot_direct_rows<Q, int(R) + 1>), ...);
-        if constexpr (CAN_CHAIN_SUMS) ((row.chained_rows[R] = qdot_direct_rows<Q, int(R) + 1, true>), ...);
 #endif
         return row;
     } else {
         FormatKernels row{&format_row(Q), decode_row<Q>, decode_row_q<Q>,
-                          {qdot_group<Q, 1>, qdot_group<Q, 2>, qdot_group<Q, 3>, qdot_group<Q, 4>}, {}, {}};
+                          {qdot_group<Q, 1>, qdot_group<Q, 2>, qdot_group<Q, 3>, qdot_group<Q, 4>}, {}};
 #if KVS_SIMD
         ((row.decode_rows[R] = qdot_direct_rows<Q, int(R) + 1>), ...);
 #endif
@@ -141,8 +137,8 @@ void run_float(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, c
 #if KVS_SIMD
 // f's decode rows for T activation rows: chained where this build has them and the host's tuning names f's base
 DirectFn direct_rows(const FormatKernels& f, int64_t T, const KvsTuning& tuning) {
-    const DirectFn chained = f.chained_rows[T - 1];
-    return chained != nullptr && (tuning.chained_sums >> f.row->base & 1) ? chained : f.decode_rows[T - 1];
+    const DirectFn chained = tuning.chained_sums >> f.row->base & 1 ? chained_rows(f.row->type, T) : nullptr;
+    return chained != nullptr ? chained : f.decode_rows[T - 1];
 }
 
 // Up to DIRECT_ROWS activation rows: every weight row decoded in registers and dotted as it streams in

@@ -6,8 +6,16 @@
 
 namespace kvs {
 
+// qdot_direct_rows (below) of one format and row count: (w, row_bytes, lo, hi, prefetch_hi, nb, x, off, y, ldy)
+using DirectFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, int64_t, int64_t, const XRow*, float*, float*,
+                         int64_t);
+
 #if KVS_SIMD
 constexpr int DIRECT_GROUP = 8;  // weight rows decoded side by side, their totals one 256-bit vector
+// The decode rows of interleaved twin `type` for `rows` activation rows with their sums chained by vpdpwssd, or
+// null (no such twin; a build that cannot chain). Instantiated in matmul_chained.cpp, a translation unit of its
+// own: as many kernels again as a build's decode rows, compiled beside matmul.cpp rather than after it.
+DirectFn chained_rows(int type, int64_t rows);
 
 // The group's weight rows as the products see them: one row a 256-bit vector, or on AVX-512 two (row
 // 2v in the low half, 2v + 1 in the high one: the products and the lanes' reduction at twice the

@@ -59,11 +59,6 @@ class Tuning:
         """The chained sums' part as KVSERVE_KERNELS_TUNE spells it: `q4_k+q6_k` or `none`."""
         return "+".join(name.lower() for name in self.chained) or "none"
 
-    @property
-    def spec(self) -> str:
-        """The whole choice as KVSERVE_KERNELS_TUNE spells it."""
-        return f"{self.weights}/{self.kv_prefetch.name.lower()}/{self.sums}"
-
     def label(self) -> str:
         ahead = f"{self.weight_ahead // 1024} KiB ahead" if self.weight_ahead else "two groups ahead"
         how = f"{'spread' if self.weight_spread else 'burst'}, {ahead}" if self.weight_prefetch else ""
@@ -87,7 +82,7 @@ ISA_ROUNDS = 7  # the builds are often within a few percent: more rounds than th
 # time for every later start (the cache kept 5.83 against 6.35 ms, AVX-512 being 3.4 ms on a quiet host)
 ISA_MARGIN = 0.10
 PREFETCH_ROUNDS = 5
-SUMS_ROUNDS = 7  # the chained sums' gain is 3-10% of hot rows on Zen 4: more rounds than the prefetch choices get
+SUMS_ROUNDS = 7  # chaining moves Zen 4's hot rows by 1-6% either way: more rounds than the prefetch choices get
 # starts that calibrate before a host and shape's choice is read from the cache alone: each adds its rounds to
 # the cached ones (a candidate keeps its best time), so a choice rests on passes minutes or days apart, not
 # on the seconds of one start that another process's load can fill (a few hundred ms each, the first starts
@@ -231,6 +226,12 @@ def _beats_built_in(timings: dict[str, float], built_in: str) -> str:
     return best if timings[best] < (1 - ISA_MARGIN) * timings[built_in] else built_in
 
 
+def _chained(timings_ms: dict[str, float]) -> list[str]:
+    """The formats whose decode rows ran faster chained (`sums Q4_K chained` against `sums Q4_K widened`)."""
+    formats = {name.split(" ")[1] for name in timings_ms if name.startswith("sums ")}
+    return sorted(f for f in formats if timings_ms[f"sums {f} chained"] < timings_ms[f"sums {f} widened"])
+
+
 def choose(kl: KernelLibrary, make_decode_pass, make_attention_pass, shape_key: str, threads: int,
            make_sums_passes=dict) -> Tuning:
     """The tuning for this process: forced, built-in, cached, or measured now. `make_decode_pass()` gives a
@@ -262,9 +263,7 @@ def choose(kl: KernelLibrary, make_decode_pass, make_attention_pass, shape_key: 
                                           **{f"sums {k}": round(v * 1e3, 4) for k, v in sums.items()}})
     best = {part: _best({name.split(" ", 1)[1]: ms for name, ms in timings.items() if name.startswith(part)})
             for part in ("weights", "kv")}
-    chained = [name.split(" ")[1] for name, ms in timings.items()
-               if name.startswith("sums ") and name.endswith(" chained") and ms < timings[name[:-7] + "widened"]]
-    tuning = parse(f"{best['weights']}/{best['kv']}/{'+'.join(chained)}", "calibrated")
+    tuning = parse(f"{best['weights']}/{best['kv']}/{'+'.join(_chained(timings))}", "calibrated")
     _write_cache(key, shape_key, tuning.as_dict(), timings, calibrations)
     return tuning
 

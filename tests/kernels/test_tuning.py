@@ -115,8 +115,8 @@ def test_a_choice_is_parsed_installed_and_labelled(lib):
     assert chosen.label() == "weights prefetch L2 (spread, 8 KiB ahead), KV prefetch L3 [forced]"
     assert tuning.BUILT_IN.as_dict()["weights"] == "l1+0" and tuning.BUILT_IN.as_dict()["sums"] == "none"
     sums = tuning.parse("l2~8192/l3/q6_k+Q4_K")
-    assert sums.chained == ("Q4_K", "Q6_K") and sums.spec == "l2~8192/l3/q4_k+q6_k"
-    assert tuning.parse(sums.spec) == sums and tuning.parse("l2~8192/l3/none") == chosen
+    assert sums.chained == ("Q4_K", "Q6_K") and sums.sums == "q4_k+q6_k" and sums.as_dict()["sums"] == "q4_k+q6_k"
+    assert tuning.parse(f"{sums.weights}/l3/{sums.sums}") == sums and tuning.parse("l2~8192/l3/none") == chosen
     assert sums.label() == "weights prefetch L2 (spread, 8 KiB ahead), KV prefetch L3, sums chained for Q4_K, Q6_K " \
                            "[forced]"
     for bad in ("l4+0/l1", "l1+0/l1/q9_k", "l1+0/l1/f16", "l1+0/l1/q4_k_r8", "l1+0/l1/q4_k/none", "l1+0"):

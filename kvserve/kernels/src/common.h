@@ -17,8 +17,8 @@ namespace kvs {
 
 // Whether this build can add the decode rows' integer sums through VNNI's vpdpwssd (the widening and the add in one
 // instruction, the same exact integers): the AVX-512 build. Which formats do is the host's tuning
-// (KvsTuning::chained_sums), measured at start-up: on Zen 4, hot rows, one thread, it made the interleaved Q4_K
-// rows 10% faster, Q5_K's and Q6_K's 3%, Q4_0's 7-10% slower.
+// (KvsTuning::chained_sums), measured at start-up: on Zen 4 (hot rows, one thread) it made the interleaved Q4_K
+// rows 4% faster, Q5_K's 3.5%, Q5_0's and Q6_K's 1%, and Q4_0's 1.5% slower, Q4_1's 3.5%, Q8_0's 6%.
 #if defined(KVS_ISA_AVX512)
 constexpr bool CAN_CHAIN_SUMS = true;
 #else

@@ -32,6 +32,10 @@ DEFAULT_MODE = pytest.param("auto", id="auto", marks=pytest.mark.skipif(
 # Weight modes every cache-on/off identity test runs in (DESIGN.md §1.4: a cache feature never changes
 # a greedy answer, in the exact path and in the default mode users run).
 IDENTITY_MODES = ["float32", DEFAULT_MODE]
+# The weight mode of tests that hold a property (the API's behaviour, isolation, a cache feature's
+# identity) rather than transformers' tokens: the default mode users run where it is invariant (its
+# decode reads a fifth of float32's bytes a token), float32 where it is not.
+PROPERTY_MODE = "auto" if default_mode_is_invariant() else "float32"
 
 
 def make_llm(**kwargs):
@@ -53,6 +57,14 @@ def pool_memory(num_pages: int, page_size: int = 16, kv_cache_dtype: str = "auto
     model = load_gguf(bundled_model_path()).config
     return num_pages * kv_bytes_per_page(model.num_layers, model.num_kv_heads, model.head_dim,
                                          page_size, resolve_kv_dtype(kv_cache_dtype, resolve_model_dtype(dtype, "cpu")))
+
+
+def pooled_llm(num_pages: int, **kwargs):
+    """make_llm with a pool of exactly `num_pages` pages of its page size, in PROPERTY_MODE unless `dtype`
+    is given."""
+    kwargs.setdefault("dtype", PROPERTY_MODE)
+    kwargs["kv_cache_memory"] = pool_memory(num_pages, kwargs.get("page_size", 16), dtype=kwargs["dtype"])
+    return make_llm(**kwargs)
 
 
 def _handbook() -> str:

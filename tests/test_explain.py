@@ -8,7 +8,7 @@ import pytest
 
 from kvserve import SamplingParams
 from kvserve.request import CacheLease
-from tests.conftest import make_llm, pool_memory
+from tests.conftest import pooled_llm
 
 PAGE = 16
 PARAMS = SamplingParams(max_tokens=2, ignore_eos=True)
@@ -30,8 +30,7 @@ def explained(llm, tokens: list[int], tenant: str = "", params: SamplingParams =
 
 @pytest.mark.parametrize("policy", ["hash", "radix"])
 def test_diverged_evicted_cold_and_full_hit(policy):
-    llm = make_llm(dtype="float32", prefix_cache=policy, kv_cache_memory=pool_memory(40), max_model_len=512,
-                   swap_space=0)
+    llm = pooled_llm(40, prefix_cache=policy, max_model_len=512, swap_space=0)
     a = prompt(1, 289)  # 18 full pages and one token: a second run can hit all but the last token
     cold = explained(llm, a)
     assert cold["reason"] == "cold" and cold["cached_tokens"] == 0
@@ -50,7 +49,7 @@ def test_diverged_evicted_cold_and_full_hit(policy):
 
 
 def test_evicted_pages_loaded_back_from_the_host_tier_are_said_so():
-    llm = make_llm(dtype="float32", kv_cache_memory=pool_memory(30), max_model_len=320, swap_space="64MiB")
+    llm = pooled_llm(30, max_model_len=320, swap_space="64MiB")
     a = prompt(2, 300)
     explained(llm, a)
     explained(llm, prompt(3, 300))  # evicts most of a's pages, which go to the host tier
@@ -62,8 +61,8 @@ def test_evicted_pages_loaded_back_from_the_host_tier_are_said_so():
 def test_other_namespaces_are_never_revealed_partial_page_and_below_min_cacheable():
     # hash: page-granular hits, so a shared head shorter than a page is never cached (radix would
     # hit it token by token)
-    llm = make_llm(dtype="float32", kv_cache_memory=pool_memory(40, 64), max_model_len=256, swap_space=0,
-                   page_size=64, min_cacheable_tokens=128, prefix_cache="hash")
+    llm = pooled_llm(40, max_model_len=256, swap_space=0,
+                     page_size=64, min_cacheable_tokens=128, prefix_cache="hash")
     a = prompt(4, 150)
     explained(llm, a, tenant="key:a")
     other = explained(llm, a, tenant="key:b")  # to B, A's prefix is cold: nothing about A
@@ -82,8 +81,7 @@ def test_other_namespaces_are_never_revealed_partial_page_and_below_min_cacheabl
 
 
 def test_full_hits_read_from_a_lease_are_counted_as_lease():
-    llm = make_llm(dtype="float32", kv_cache_memory=pool_memory(40), max_model_len=256, swap_space=0,
-                   min_cacheable_tokens=64)
+    llm = pooled_llm(40, max_model_len=256, swap_space=0, min_cacheable_tokens=64)
     a = prompt(9, 129)
     explained(llm, a, leases=[CacheLease(128, 300.0)])
     hit = explained(llm, a)
@@ -95,7 +93,7 @@ def test_full_hits_read_from_a_lease_are_counted_as_lease():
 
 def test_the_cache_report_finds_a_shared_span_placed_mid_prompt():
     """The `midprompt` mix: a per-request header, then a shared 200-token system text."""
-    llm = make_llm(dtype="float32", kv_cache_memory=pool_memory(200), max_model_len=512, swap_space=0)
+    llm = pooled_llm(200, max_model_len=512, swap_space=0)
     shared = prompt(20, 200)
     for i in range(12):
         header = prompt(100 + i, 24)
@@ -107,8 +105,7 @@ def test_the_cache_report_finds_a_shared_span_placed_mid_prompt():
 
 
 def hit_rate_of_a_under_b_flood(share: str) -> float:
-    llm = make_llm(dtype="float32", kv_cache_memory=pool_memory(48), max_model_len=256, swap_space=0,
-                   tenant_kv_share=share)
+    llm = pooled_llm(48, max_model_len=256, swap_space=0, tenant_kv_share=share)
     working_set = [prompt(300 + i, 96) for i in range(3)]  # 18 of the 47 pages: tenant A (the default)
     one_token = SamplingParams(max_tokens=1)  # the prompt's pages are what is shared: no decode step
     hits = queries = 0
@@ -132,8 +129,7 @@ def test_fair_shares_keep_a_tenants_working_set_through_anothers_flood():
 def test_a_preemption_loop_ends_with_every_request_complete():
     # 6 requests of 2.5 + 3.75 pages in an 11-page pool, on pages of 8 (the run on pages of 16 with
     # every length doubled has the same page counts, preemptions (6) and guards (2) in twice the steps)
-    llm = make_llm(dtype="float32", kv_cache_memory=pool_memory(12, 8), max_model_len=56, swap_space=0,
-                   page_size=8, prefix_cache="off")
+    llm = pooled_llm(12, max_model_len=56, swap_space=0, page_size=8, prefix_cache="off")
     llm.engine.scheduler.max_preemptions = 1  # (3 by default) so that this small run crosses it
     prompts = [{"prompt_token_ids": prompt(400 + i, 20)} for i in range(6)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))

@@ -9,7 +9,7 @@ from kvserve import SamplingParams
 from kvserve.cache.leases import LeaseRefusal
 from kvserve.metrics import EngineMetrics
 from kvserve.request import CacheLease
-from tests.conftest import make_llm, pool_memory
+from tests.conftest import pooled_llm
 
 PAGE = 16
 PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -28,8 +28,7 @@ def prompt(seed: int, length: int) -> list[int]:
 
 
 def leased_llm(num_pages: int, **kwargs):
-    llm = make_llm(dtype="float32", kv_cache_memory=pool_memory(num_pages), max_model_len=256,
-                   swap_space=0, min_cacheable_tokens=64, **kwargs)
+    llm = pooled_llm(num_pages, max_model_len=256, swap_space=0, min_cacheable_tokens=64, **kwargs)
     clock = Clock()
     llm.engine.manager.clock = clock
     return llm, clock

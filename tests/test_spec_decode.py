@@ -12,7 +12,7 @@ import random
 import pytest
 
 from kvserve import SamplingParams
-from tests.conftest import IDENTITY_MODES, make_llm, pool_memory
+from tests.conftest import IDENTITY_MODES, PROPERTY_MODE, make_llm, pool_memory
 from tests.model.tiny_models import VOCAB, make_hf_model, write_gguf
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2,
@@ -193,7 +193,7 @@ def test_seeded_sampling_is_the_same_text_with_speculation_on_or_off_at_any_load
     prompts = [loop + [rng.randrange(3, 49152)] for _ in range(20)]
     params = [SamplingParams(max_tokens=24, temperature=1.0, seed=s, ignore_eos=True) for s in range(20)]
     spec = {**SPEC, "disable_by_batch_size": 4}
-    kwargs = dict(kv_cache_memory="256MiB", max_model_len=256, max_num_seqs=8)
+    kwargs = dict(dtype=PROPERTY_MODE, kv_cache_memory="256MiB", max_model_len=256, max_num_seqs=8)
     off = run(make_llm(**kwargs), prompts, params)
     alone_llm = make_llm(**kwargs, speculative_config=spec)
     alone = []

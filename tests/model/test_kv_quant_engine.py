@@ -11,11 +11,11 @@ import torch
 from kvserve import SamplingParams
 from kvserve.config import KV_DTYPES, kv_bytes_per_page
 from kvserve.config import CORPUS_PATH
-from tests.conftest import make_llm
+from tests.conftest import PROPERTY_MODE, make_llm
 
 QUANTIZED = ["fp8_e4m3", "fp8_e5m2", "int8", "int4"]
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-SMALL = dict(kv_cache_memory="24MiB", max_model_len=1024, dtype="float32")
+SMALL = dict(kv_cache_memory="24MiB", max_model_len=1024, dtype=PROPERTY_MODE)
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def test_preemption_keeps_greedy_outputs_on_track(kv_dtype, corpus_ids):
     page_bytes = kv_bytes_per_page(30, 3, 64, 16, KV_DTYPES[kv_dtype])  # SmolLM2's shape
     for mode in ("recompute", "swap"):
         tight = make_llm(kv_cache_dtype=kv_dtype, prefix_cache="off", preemption_mode=mode,
-                         kv_cache_memory=page_bytes * 14, max_model_len=128)
+                         kv_cache_memory=page_bytes * 14, max_model_len=128, dtype=PROPERTY_MODE)
         under_pressure = [o.outputs[0].token_ids for o in tight.generate(
             [{"prompt_token_ids": p} for p in prompts], params)]
         assert tight.stats()["num_preemptions"] > 0, mode

@@ -14,7 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-SMALL_ENGINE = dict(kv_cache_memory="256MiB", max_model_len=2048, dtype="float32")
+from tests.conftest import PROPERTY_MODE
+
+SMALL_ENGINE = dict(kv_cache_memory="256MiB", max_model_len=2048, dtype=PROPERTY_MODE)
 
 
 class ServerThread:

@@ -55,6 +55,7 @@ class Upload(threading.Thread):
         self.status: int | None = None
         self.answer = b""
         self.held = False  # still open, unanswered, when the client stopped reading (not reset, not closed)
+        self.settled = threading.Event()  # answered, closed or held: nothing more will happen until `release`
 
     def run(self) -> None:
         sock = socket.create_connection(("127.0.0.1", self.port), timeout=60)
@@ -76,6 +77,7 @@ class Upload(threading.Thread):
             pass  # reset by the server's close (the 429 may be lost with it on a busy host)
         if self.answer.startswith(b"HTTP/1.1 "):
             self.status = int(self.answer.split(b" ")[1])
+        self.settled.set()
         self.release.wait(120)
         sock.close()
 
@@ -105,8 +107,7 @@ def test_unfinished_bodies_of_one_key_hold_at_most_its_cap(tmp_path):
         for upload in uploads:
             upload.start()
         peak, deadline = before, time.monotonic() + 20
-        while time.monotonic() < deadline and any(u.status is None and u.is_alive() and not u.answer
-                                                  for u in uploads):
+        while time.monotonic() < deadline and not all(u.settled.is_set() for u in uploads):
             peak = max(peak, rss(proc.pid))
             time.sleep(0.02)
         started = time.monotonic()
@@ -143,7 +144,7 @@ def test_unfinished_bodies_of_one_key_hold_at_most_its_cap(tmp_path):
             upload.start()
         deadline = time.monotonic() + 5
         for upload in small:  # the refused end; the held wait for `release`
-            upload.join(max(0.0, deadline - time.monotonic()))
+            upload.settled.wait(max(0.0, deadline - time.monotonic()))
         statuses = [u.status for u in small]
         assert sum(u.held for u in small) == MAX_CONNECTIONS, statuses
         assert all(b"--max-connections-per-key" in u.answer for u in small if u.status == 429)

@@ -88,10 +88,12 @@ def test_list_show_ps_version(oclient, model_name, server):
     running = oclient.ps().models
     assert running[0].model == f"{model_name}:latest" and running[0].size > listed[0].size
     kv = httpx.get(server.url + "/api/ps").json()["models"][0]["kv_cache"]
-    assert kv["bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 KV heads, head_dim 64, fp32
-    assert kv["num_ctx"] == 512 and kv["reserved_at_load_for_num_ctx"] == 46080 * 512
+    element_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[kv["kv_cache_dtype"]]  # the session engine's mode's
+    per_token = 2 * 30 * 3 * 64 * element_bytes  # K and V, 30 layers, 3 KV heads, head_dim 64
+    assert kv["bytes_per_token"] == per_token
+    assert kv["num_ctx"] == 512 and kv["reserved_at_load_for_num_ctx"] == per_token * 512
     # pages held now (other tests' leases, if any): whole pages, never the reserve-at-load figure
-    assert kv["bytes_in_use"] % (16 * 46080) == 0 and kv["bytes_in_use"] < kv["pool_bytes"]
+    assert kv["bytes_in_use"] % (16 * per_token) == 0 and kv["bytes_in_use"] < kv["pool_bytes"]
     assert httpx.get(server.url + "/api/version").json()["version"]
 
 

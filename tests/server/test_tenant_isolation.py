@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import PROPERTY_MODE
 from tests.server.conftest import ServerThread
 
 KEY_A, KEY_B = "sk-iso-a", "sk-iso-b"
@@ -78,7 +79,7 @@ def two_servers():
     from kvserve.engine import LLMEngine
     from kvserve.server.api import build_app
 
-    config = dict(kv_cache_memory="256MiB", max_model_len=1024, dtype="float32", min_cacheable_tokens=16)
+    config = dict(kv_cache_memory="256MiB", max_model_len=1024, dtype=PROPERTY_MODE, min_cacheable_tokens=16)
     with ServerThread(build_app(LLMEngine(EngineConfig(**config)), api_keys=[KEY_A, KEY_B])) as alone, \
             ServerThread(build_app(LLMEngine(EngineConfig(**config)), api_keys=[KEY_A, KEY_B])) as shared:
         yield alone, shared

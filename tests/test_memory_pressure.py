@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve import BeamSearchParams, SamplingParams
-from tests.conftest import IDENTITY_MODES, make_llm, pool_memory
+from tests.conftest import IDENTITY_MODES, PROPERTY_MODE, make_llm, pool_memory, pooled_llm
 
 GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)
 
@@ -44,7 +44,7 @@ def test_a_quarter_of_the_pool_still_gives_identical_outputs(mode, unconstrained
 
 
 def test_n_samples_share_the_prompt_pages_and_equal_seeded_single_runs():
-    llm = make_llm(prefix_cache="off")
+    llm = make_llm(prefix_cache="off", dtype=PROPERTY_MODE)
     # 24.5 pages: the samples share 24 and each copies the partial last one
     prompt = {"prompt_token_ids": [1 + (j * 13) % 3000 for j in range(392)]}
     peaks = {}
@@ -89,8 +89,8 @@ def test_beam_search_equals_transformers(hf_model):
 
 
 def test_aborts_in_every_state_leave_no_page_behind():
-    llm = make_llm(prefix_cache="off", kv_cache_memory=pool_memory(12), max_model_len=128,
-                   preemption_mode="swap", swap_space="1GiB", max_num_batched_tokens=64)
+    llm = pooled_llm(12, prefix_cache="off", max_model_len=128, preemption_mode="swap", swap_space="1GiB",
+                     max_num_batched_tokens=64)
     engine = llm.engine
     ids = [engine.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=64, ignore_eos=True))
            for p in _prompts(8)]

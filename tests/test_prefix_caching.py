@@ -13,7 +13,7 @@ import json
 import pytest
 
 from kvserve import SamplingParams
-from tests.conftest import IDENTITY_MODES, WORKLOADS, make_llm, pool_memory
+from tests.conftest import IDENTITY_MODES, PROPERTY_MODE, WORKLOADS, make_llm, pool_memory
 
 W1_SUBSET = 4
 NEW_TOKENS = 12
@@ -72,7 +72,7 @@ def test_small_pool_evicts_and_outputs_stay_equal(w1_reference, mode):
 
 @pytest.mark.slow
 def test_w1_token_hit_rate_is_at_least_90_percent():
-    llm = make_llm(prefix_cache="radix")
+    llm = make_llm(prefix_cache="radix", dtype=PROPERTY_MODE)
     prompts = _w1_prompts(llm.get_tokenizer())
     assert len(prompts) == 32
     llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1))

@@ -102,3 +102,18 @@ def test_a_missing_library_without_a_compiler_is_one_line_and_the_torch_path(mon
     assert not kernels.available() and kernels.library() is None
     err = capsys.readouterr().err.strip()
     assert "no C++ compiler" in err and "torch path" in err and "\n" not in err
+
+
+def test_a_first_use_builds_every_missing_simd_build_at_once_unless_one_is_forced(monkeypatch, tmp_path):
+    """The calibration loads each SIMD build this CPU runs: built one by one as each was first loaded,
+    their compiles ran one library at a time."""
+    monkeypatch.setattr(kernels, "LIB_DIR", tmp_path)  # nothing built here
+    monkeypatch.setattr(kernels, "host_isas", lambda: ["scalar", "avx2", "avx512"])
+    monkeypatch.delenv("KVSERVE_KERNELS_ISA", raising=False)
+    assert kernels.first_use_isas("avx512") == ["avx2", "avx512"]
+    assert kernels.first_use_isas("scalar") == ["scalar"]
+    kernels.library_path("avx2").touch()
+    assert kernels.first_use_isas("avx512") == ["avx512"]
+    kernels.library_path("avx2").unlink()
+    monkeypatch.setenv("KVSERVE_KERNELS_ISA", "avx2")
+    assert kernels.first_use_isas("avx2") == ["avx2"]

@@ -120,9 +120,14 @@ def selected_isa(rows: int | None = None) -> str:
     return chosen if chosen in available else available[-1]
 
 
+def simd_isas() -> list[str]:
+    """The SIMD instruction sets this CPU runs, slowest first: the calibration's candidates."""
+    return [isa for isa in host_isas() if isa != "scalar"]
+
+
 def simd_libraries() -> list[KernelLibrary]:
-    """The loaded library of each SIMD instruction set this CPU runs (the calibration's candidates)."""
-    return [kl for isa in host_isas() if isa != "scalar" for kl in [_load(isa)] if kl is not None]
+    """The loaded library of each of simd_isas."""
+    return [kl for isa in simd_isas() for kl in [_load(isa)] if kl is not None]
 
 
 @dataclass(frozen=True)
@@ -218,7 +223,7 @@ def first_use_isas(isa: str) -> list[str]:
     compiles side by side fill both cores."""
     if forced_isa() or isa == "scalar":
         return [isa]
-    return [i for i in host_isas() if i == isa or (i != "scalar" and not library_path(i).is_file())]
+    return [i for i in simd_isas() if i == isa or not library_path(i).is_file()]
 
 
 _build_tried: set[str] = set()

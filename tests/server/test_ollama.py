@@ -11,6 +11,8 @@ import httpx
 import ollama
 import pytest
 
+from kvserve.config import KV_DTYPES
+
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
           "required": ["name", "age"], "additionalProperties": False}
@@ -88,7 +90,7 @@ def test_list_show_ps_version(oclient, model_name, server):
     running = oclient.ps().models
     assert running[0].model == f"{model_name}:latest" and running[0].size > listed[0].size
     kv = httpx.get(server.url + "/api/ps").json()["models"][0]["kv_cache"]
-    element_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[kv["kv_cache_dtype"]]  # the session engine's mode's
+    element_bytes = KV_DTYPES[kv["kv_cache_dtype"]].bytes_per_element  # the session engine's mode's (fp32, bf16)
     per_token = 2 * 30 * 3 * 64 * element_bytes  # K and V, 30 layers, 3 KV heads, head_dim 64
     assert kv["bytes_per_token"] == per_token
     assert kv["num_ctx"] == 512 and kv["reserved_at_load_for_num_ctx"] == per_token * 512

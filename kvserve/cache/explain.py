@@ -118,12 +118,11 @@ def explain(token_ids: Sequence[int], namespace: str, hit: PrefixHit, cached_by_
 
 
 def explain_admission(token_ids: Sequence[int], namespace: str, allocation: Any, page_size: int,
-                      history: CacheHistory, now: float, recent_prompts: list[tuple[str, list[int]]],
+                      history: CacheHistory, now: float, recent: Sequence[Sequence[int]],
                       windowed: bool, below_min_cacheable: int | None = None) -> CacheExplanation:
     """explain() for a request just admitted with `allocation` (sequence.Allocation), from the facts its
-    lookup and allocation recorded (no index walk); `recent_prompts`: the manager's admitted
-    (namespace, tokens), this request's last; `windowed`: a window pool may have cut the hit."""
-    recent = [p for ns, p in recent_prompts[:-1] if ns == namespace]
+    lookup and allocation recorded (no index walk); `recent`: the namespace's prompts admitted before
+    it (RecentPrompts); `windowed`: a window pool may have cut the hit."""
     hit = allocation.hit
     matched = hit.num_matched_tokens - hit.num_matched_tokens % page_size if windowed else 0
     return explain(token_ids, namespace, hit, allocation.cached_by_source, page_size, history, now,

@@ -26,7 +26,6 @@ WindowPool (window.py) that follows every sequence's table here.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -42,6 +41,7 @@ from kvserve.cache.offload import Offloader
 from kvserve.cache.pages import PagePool
 from kvserve.cache.prefix_hash import HashPrefixIndex
 from kvserve.cache.prefix_radix import RadixPrefixIndex
+from kvserve.cache.recent_prompts import RecentPrompts
 from kvserve.cache.sequence import Allocation, PrefixHit, SeqPages, cdiv
 from kvserve.cache.stats import CacheStats
 from kvserve.cache.window import WindowPool
@@ -80,7 +80,7 @@ class KVCacheManager:
         self.clock = clock  # lease expiry; the simulator passes its virtual clock
         self.events = events  # KV events (vLLM's schema): pages stored in and removed from the pool
         self.history = CacheHistory(page_size)  # what the pool held, to explain misses
-        self.recent_prompts: deque[tuple[str, list[int]]] = deque(maxlen=64)  # (namespace, tokens) admitted
+        self.recent_prompts = RecentPrompts()  # each tenant's admitted prompts, for explain
         fair = tenant_kv_share == "fair" and self.index is not None  # evict tenants over their share first
         self.fair = FairShareEviction(self.index, self.pool) if fair else None
         self._hash_of_cached: dict[int, bytes] = {}  # cached page -> its chained hash
@@ -154,7 +154,7 @@ class KVCacheManager:
                 self.index.on_hit(token_ids, namespace, num_full)
             self.leases.touch(namespace, pages, self.clock())  # a read refreshes the leases it covers
         self._seqs[seq_id] = seq
-        self.recent_prompts.append((namespace, token_ids))
+        self.recent_prompts.add(namespace, token_ids)
         self.prefix_cache_queries += len(token_ids)
         self.prefix_cache_hits += used.num_cached_tokens
         if used.loads:
@@ -361,7 +361,8 @@ class KVCacheManager:
                 below_min_cacheable: int | None = None) -> CacheExplanation:
         """Why the request admitted with `allocation` computed what it did (cache/explain.py)."""
         return explain_admission(token_ids, namespace, allocation, self.page_size, self.history, self.clock(),
-                                 list(self.recent_prompts), self.window is not None, below_min_cacheable)
+                                 self.recent_prompts.before_last(namespace), self.window is not None,
+                                 below_min_cacheable)
 
     def make_room(self) -> bool:
         """Break the lease closest to expiry; False when there is none (nothing else can free pages)."""

@@ -49,13 +49,6 @@ class PinResult:
     reason: str = ""
 
 
-def tenant_of(namespace: str) -> str:
-    """The tenant part of a cache namespace (hashing.namespace: `tenant NUL salt`, or a bare salt
-    without an API key, which is the one keyless tenant "")."""
-    tenant, sep, _ = namespace.partition("\x00")
-    return tenant if sep else ""
-
-
 class PinLedger:
     """Page hash -> Pin, bounded in all and per tenant. Thread-safe: the server pins, the tiers'
     threads ask `is_pinned` / `remaining_s` (cheap, no I/O)."""

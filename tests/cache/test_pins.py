@@ -5,8 +5,8 @@ whole and say which cap; an expired pin frees its room."""
 from __future__ import annotations
 
 from kvserve.cache.disk_tier import HEADER, DiskTier
-from kvserve.cache.hashing import page_hash
-from kvserve.cache.pins import PinLedger, ledger_for, tenant_of
+from kvserve.cache.hashing import page_hash, tenant_of
+from kvserve.cache.pins import PinLedger, ledger_for
 
 PAGE = 32
 

@@ -131,6 +131,17 @@ def hf_model():
 
 
 @pytest.fixture(scope="session")
+def hf_tokenizer():
+    """transformers' tokenizer of the bundled GGUF (built from its vocabulary in Python: seconds, once)."""
+    from transformers import AutoTokenizer
+
+    from kvserve.model.gguf_loader import bundled_model_path
+
+    path = Path(bundled_model_path())
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.fixture(scope="session")
 def hf_reference(hf_model):
     """Greedy continuation by transformers, token by token (a manual loop: no EOS handling).
 

@@ -187,16 +187,15 @@ def test_gemma_greedy_equals_transformers_past_the_sliding_window(gemma):
 
 
 @pytest.mark.slow
-def test_smollm2_from_a_safetensors_folder_equals_the_gguf(tmp_path, hf_model):
+def test_smollm2_from_a_safetensors_folder_equals_the_gguf(tmp_path, hf_model, hf_tokenizer):
     import copy
     from pathlib import Path
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from kvserve.model.gguf_loader import bundled_model_path
 
     gguf_path = Path(bundled_model_path())
-    kwargs = dict(gguf_file=gguf_path.name)
     # transformers will not save a model it loaded from GGUF (hf_model: the session's, loaded from
     # the bundled file): the same weights in a plain model will do
     config = copy.deepcopy(hf_model.config)
@@ -205,7 +204,7 @@ def test_smollm2_from_a_safetensors_folder_equals_the_gguf(tmp_path, hf_model):
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(hf_model.state_dict())
     plain.save_pretrained(tmp_path)
-    AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs).save_pretrained(tmp_path)
+    hf_tokenizer.save_pretrained(tmp_path)
     assert not list(tmp_path.glob("*.bin"))
 
     text = "<|im_start|>user\nWhat is the capital of France? Answer briefly.<|im_end|>\n<|im_start|>assistant\n"

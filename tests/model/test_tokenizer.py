@@ -3,8 +3,6 @@ template renders as transformers renders it."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from kvserve.model.gguf_loader import apply_chat_template, bundled_model_path, load_gguf
@@ -27,14 +25,6 @@ TEXTS = [
     "CamelCaseWords and snake_case_words and UPPER-CASE!!!???",
     "https://example.com/path?q=1&r=two#frag",
 ]
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizer():
-    from transformers import AutoTokenizer
-
-    path = Path(bundled_model_path())
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,21 @@
 """CacheHistory: a bounded memory of the pages the pool has held, so a miss can be explained after
-the fact (was this page ever cached? when and why did it leave?) and thrash can be counted. Pure Python; the manager feeds it on commit, eviction and
-lease expiry."""
+the fact (was this page ever cached? when and why did it leave?) and thrash can be counted. Pure Python;
+the manager feeds it on commit, eviction and lease expiry. Past its bound it forgets the oldest entry
+of the tenant holding the most, so a tenant within its share is never made to forget by another's
+traffic (the pool's fair shares, applied to what it remembers)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from kvserve.cache.hashing import tenant_of
 
 THRASH_WINDOW_S = 60.0  # a page committed again within this long after its eviction is thrash
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 @dataclass(slots=True)
@@ -18,23 +25,62 @@ class PageRecord:
     lease_expired_at: float | None = None  # a lease held it, and ran out before it was evicted
 
 
+class FairShareTable(Generic[K, V]):
+    """A dict whose keys each belong to a tenant, at most `capacity` of them: past that, the least
+    recently put key of the tenant holding the most keys goes."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._values: dict[K, V] = {}
+        self._by_tenant: dict[str, OrderedDict[K, None]] = {}  # each tenant's keys, least recent first
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def get(self, key: K) -> V | None:
+        return self._values.get(key)
+
+    def pop(self, key: K, tenant: str) -> V | None:
+        keys = self._by_tenant.get(tenant)
+        if keys is not None:
+            keys.pop(key, None)
+        return self._values.pop(key, None)
+
+    def put(self, key: K, value: V, tenant: str) -> None:
+        self._values[key] = value
+        keys = self._by_tenant.setdefault(tenant, OrderedDict())
+        keys[key] = None
+        keys.move_to_end(key)
+        while len(self._values) > self.capacity:
+            largest = max(self._by_tenant, key=lambda t: len(self._by_tenant[t]))
+            oldest, _ = self._by_tenant[largest].popitem(last=False)
+            del self._values[oldest]
+            if not self._by_tenant[largest]:
+                del self._by_tenant[largest]
+
+    def tenant_size(self, tenant: str) -> int:
+        return len(self._by_tenant.get(tenant, ()))
+
+
 class CacheHistory:
     def __init__(self, page_size: int, capacity: int = 100_000) -> None:
         self.page_size = page_size
         self.capacity = capacity
-        self.pages: OrderedDict[bytes, PageRecord] = OrderedDict()  # by chained page hash, LRU first
-        self.children: OrderedDict[bytes | str, set[bytes]] = OrderedDict()  # parent (or namespace) -> pages
+        self.pages: FairShareTable[bytes, PageRecord] = FairShareTable(capacity)  # by chained page hash
+        self.children: FairShareTable[bytes | str, set[bytes]] = FairShareTable(capacity)  # parent (or namespace) -> pages
         self.num_thrash = 0
 
     def stored(self, page_hash: bytes, parent: bytes | None, namespace: str, now: float) -> None:
         """A page was committed (indexed)."""
-        old = self.pages.pop(page_hash, None)
+        tenant = tenant_of(namespace)  # a chained hash carries its namespace: one tenant's pages
+        old = self.pages.pop(page_hash, tenant)
         if old is not None and old.evicted_at is not None and now - old.evicted_at <= THRASH_WINDOW_S:
             self.num_thrash += 1
-        self.pages[page_hash] = PageRecord(now)
-        _bounded_add(self.children, parent if parent is not None else namespace, page_hash, self.capacity)
-        while len(self.pages) > self.capacity:
-            self.pages.popitem(last=False)
+        self.pages.put(page_hash, PageRecord(now), tenant)
+        key = parent if parent is not None else namespace
+        children = self.children.get(key) or set()
+        children.add(page_hash)
+        self.children.put(key, children, tenant)  # (put again: the key's use is now its latest)
 
     def evicted(self, page_hash: bytes, now: float) -> None:
         record = self.pages.get(page_hash)
@@ -51,12 +97,4 @@ class CacheHistory:
 
     def has_other_child(self, parent: bytes | str, page_hash: bytes | None) -> bool:
         """Did the cache ever hold a different page after `parent` (a hash, or a namespace's root)?"""
-        return bool(self.children.get(parent, set()) - {page_hash})
-
-
-def _bounded_add(table: OrderedDict, key, value, capacity: int) -> None:
-    table.setdefault(key, set()).add(value)
-    table.move_to_end(key)
-    while len(table) > capacity:
-        table.popitem(last=False)
-
+        return bool((self.children.get(parent) or set()) - {page_hash})

@@ -11,6 +11,7 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.cache.fair_table import FairShareTable
 from kvserve.cache.hashing import tenant_of
 from kvserve.cache.pages import PAGE_CACHED, PAGE_FREE, PAGE_LEASED, PAGE_SHARED, PAGE_USED
 from kvserve.cache.spans import find_hidden_spans
@@ -55,7 +56,7 @@ class CacheReporter:
         self.kv_dtype = kv_dtype
         self.tenants: dict[str, TenantStats] = {}  # the operator's view and /metrics: MAX_TENANTS + "other"
         self.own: OrderedDict[str, TenantStats] = OrderedDict()  # each tenant's own view, never folded
-        self.prefixes: OrderedDict[bytes, PrefixStats] = OrderedDict()
+        self.prefixes: FairShareTable[bytes, PrefixStats] = FairShareTable(MAX_PREFIXES)  # a tenant's kept in its share
         self.recent: deque[tuple[_Prompt, int]] = deque(maxlen=RECENT_PROMPTS)  # (prompt, cached)
         self.usage: deque[tuple[float, float]] = deque()
         self.admitted = 0
@@ -79,13 +80,11 @@ class CacheReporter:
         self.recent.append((_Prompt(request.prompt_token_ids, request.namespace), request.num_cached_tokens))
         if request.num_prompt_tokens >= self.page_size:
             key = first_page_key(request.prompt_token_ids, self.page_size) + request.namespace.encode()
-            prefix = self.prefixes.pop(key, None) or PrefixStats(tenant)
+            prefix = self.prefixes.get(key) or PrefixStats(tenant)
             prefix.requests += 1
             prefix.cached_tokens += request.num_cached_tokens
             prefix.longest = max(prefix.longest, request.num_cached_tokens)
-            self.prefixes[key] = prefix
-            while len(self.prefixes) > MAX_PREFIXES:
-                self.prefixes.popitem(last=False)
+            self.prefixes.put(key, prefix, tenant)
 
     def finished(self, request: Request) -> None:
         self.most_preempted = max(self.most_preempted, request.num_preemptions)
@@ -127,7 +126,7 @@ class CacheReporter:
     def tenant_report(self, label: str) -> dict[str, Any]:
         view = tenant_view(self.own.get(label, TenantStats()))
         return {"scope": "tenant", "hit_rate": view["hit_rate"], "tenants": {label: view},
-                **self.top_prefixes((k, p) for k, p in self.prefixes.items() if p.tenant == label),
+                **self.top_prefixes(self.prefixes.items_of(label)),
                 "advice": self.quantized_advice()}
 
     def top_prefixes(self, items) -> dict[str, list[dict[str, Any]]]:

@@ -6,16 +6,12 @@ traffic (the pool's fair shares, applied to what it remembers)."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Generic, TypeVar
 
+from kvserve.cache.fair_table import FairShareTable
 from kvserve.cache.hashing import tenant_of
 
 THRASH_WINDOW_S = 60.0  # a page committed again within this long after its eviction is thrash
-
-K = TypeVar("K")
-V = TypeVar("V")
 
 
 @dataclass(slots=True)
@@ -25,62 +21,26 @@ class PageRecord:
     lease_expired_at: float | None = None  # a lease held it, and ran out before it was evicted
 
 
-class FairShareTable(Generic[K, V]):
-    """A dict whose keys each belong to a tenant, at most `capacity` of them: past that, the least
-    recently put key of the tenant holding the most keys goes."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._values: dict[K, V] = {}
-        self._by_tenant: dict[str, OrderedDict[K, None]] = {}  # each tenant's keys, least recent first
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-    def get(self, key: K) -> V | None:
-        return self._values.get(key)
-
-    def pop(self, key: K, tenant: str) -> V | None:
-        keys = self._by_tenant.get(tenant)
-        if keys is not None:
-            keys.pop(key, None)
-        return self._values.pop(key, None)
-
-    def put(self, key: K, value: V, tenant: str) -> None:
-        self._values[key] = value
-        keys = self._by_tenant.setdefault(tenant, OrderedDict())
-        keys[key] = None
-        keys.move_to_end(key)
-        while len(self._values) > self.capacity:
-            largest = max(self._by_tenant, key=lambda t: len(self._by_tenant[t]))
-            oldest, _ = self._by_tenant[largest].popitem(last=False)
-            del self._values[oldest]
-            if not self._by_tenant[largest]:
-                del self._by_tenant[largest]
-
-    def tenant_size(self, tenant: str) -> int:
-        return len(self._by_tenant.get(tenant, ()))
-
-
 class CacheHistory:
     def __init__(self, page_size: int, capacity: int = 100_000) -> None:
         self.page_size = page_size
         self.capacity = capacity
         self.pages: FairShareTable[bytes, PageRecord] = FairShareTable(capacity)  # by chained page hash
-        self.children: FairShareTable[bytes | str, set[bytes]] = FairShareTable(capacity)  # parent (or namespace) -> pages
+        # parent (a page hash, or a namespace for first pages) -> the pages committed after it
+        self.children: FairShareTable[bytes | str, set[bytes]] = FairShareTable(capacity)
         self.num_thrash = 0
 
     def stored(self, page_hash: bytes, parent: bytes | None, namespace: str, now: float) -> None:
         """A page was committed (indexed)."""
         tenant = tenant_of(namespace)  # a chained hash carries its namespace: one tenant's pages
-        old = self.pages.pop(page_hash, tenant)
+        old = self.pages.pop(page_hash)
         if old is not None and old.evicted_at is not None and now - old.evicted_at <= THRASH_WINDOW_S:
             self.num_thrash += 1
         self.pages.put(page_hash, PageRecord(now), tenant)
         key = parent if parent is not None else namespace
         children = self.children.get(key) or set()
         children.add(page_hash)
-        self.children.put(key, children, tenant)  # (put again: the key's use is now its latest)
+        self.children.put(key, children, tenant)  # (put again: now the tenant's most recent)
 
     def evicted(self, page_hash: bytes, now: float) -> None:
         record = self.pages.get(page_hash)

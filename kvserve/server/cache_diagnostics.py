@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
+
+from kvserve.cache.fair_table import FairShareTable
 
 DEFAULT_CAPACITY = 10_000
 
@@ -74,31 +75,26 @@ def cache_miss_reason(previous: PromptFingerprint | None, current: PromptFingerp
 
 
 class DiagnosticsStore:
-    """Message id -> PromptFingerprint, least recently used first out, keyed by (tenant, id) so a
-    tenant never sees another's ids (they read as `previous_message_not_found`)."""
+    """Message id -> PromptFingerprint, keyed by (tenant, id) so a tenant never sees another's ids (they
+    read as `previous_message_not_found`); past the capacity the least recently used of the tenant
+    holding the most goes (FairShareTable), so another tenant's traffic never drops a tenant's ids."""
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity must be at least 1, got {capacity}")
-        self.capacity = capacity
-        self._items: OrderedDict[tuple[str, str], PromptFingerprint] = OrderedDict()
+        self._items: FairShareTable[tuple[str, str], PromptFingerprint] = FairShareTable(capacity)
+
+    @property
+    def capacity(self) -> int:
+        return self._items.capacity
 
     def __len__(self) -> int:
         return len(self._items)
 
     def put(self, tenant: str, message_id: str, value: PromptFingerprint) -> None:
-        key = (tenant, message_id)
-        self._items[key] = value
-        self._items.move_to_end(key)
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+        self._items.put((tenant, message_id), value, tenant)
 
     def get(self, tenant: str, message_id: str) -> PromptFingerprint | None:
-        key = (tenant, message_id)
-        value = self._items.get(key)
-        if value is not None:
-            self._items.move_to_end(key)
-        return value
+        self._items.touch((tenant, message_id))
+        return self._items.get((tenant, message_id))
 
     def diagnose(self, tenant: str, previous_message_id: str, current: PromptFingerprint
                  ) -> dict[str, Any] | None:

@@ -6,12 +6,12 @@ released at once when it is not). The engine grants the hold at finish (schedule
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from typing import Any
 
+from kvserve.cache.fair_table import FairShareTable
 from kvserve.request import RequestOutput, ToolCallKV
 
-MAX_IDS = 50_000  # remembered tool call ids, least recently added first out
+MAX_IDS = 50_000  # remembered tool call ids: past these, the oldest of the tenant holding the most go
 STORED_RESPONSE_HOLD_S = 300.0  # a stored response's conversation: OpenAI's in-memory 5 minutes
 
 
@@ -20,7 +20,8 @@ class ToolHolds:
         self.engine = engine  # AsyncEngine
         self.ttl_s = ttl_s  # --tool-call-kv-ttl (scaled): 0 is off
         self.stored_ttl_s = STORED_RESPONSE_HOLD_S * scale  # a stored response's hold (scaled)
-        self._by_call: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
+        # (tenant, call id) -> (lease id, expiry): another tenant's calls never push a tenant's out
+        self._by_call: FairShareTable[tuple[str, str], tuple[str, float]] = FairShareTable(MAX_IDS)
 
     @property
     def enabled(self) -> bool:
@@ -45,7 +46,7 @@ class ToolHolds:
 
     async def release(self, tenant: str, key: str) -> bool:
         """End the hold kept under `key` now (a deleted stored response); False when there is none."""
-        found = self._by_call.pop((tenant, key), None)
+        found = self._by_call.pop((tenant, key))
         if found is None or found[1] <= time.monotonic():
             return False
         await self.engine.call(lambda: self.engine.engine.release_lease(tenant, found[0]))
@@ -63,8 +64,6 @@ class ToolHolds:
             return {"held": False, "refused": None, "reason": "no_tool_call"}
         expires = time.monotonic() + (self.stored_ttl_s if stored else self.ttl_s)
         for call_id in call_ids:
-            self._by_call[(tenant, call_id)] = (lease_id, expires)
-        while len(self._by_call) > MAX_IDS:
-            self._by_call.popitem(last=False)
+            self._by_call.put((tenant, call_id), (lease_id, expires), tenant)
         return {"held": True, "lease_id": lease_id, "ttl_s": self.stored_ttl_s if stored else self.ttl_s,
                 "tool_call_ids": list(call_ids)}

@@ -5,12 +5,12 @@ routing policy, and stays on its new backend."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any
 
+from kvserve.cache.fair_table import FairShareTable
 from kvserve.server.router_index import bearer
 
-MAX_KEYS = 100_000  # remembered keys, least recently used first out
+MAX_KEYS = 100_000  # remembered keys: past these, the least recently used of the API key holding the most go
 
 CacheKey = tuple[str, str]  # (API key or "", prompt_cache_key)
 
@@ -18,7 +18,7 @@ CacheKey = tuple[str, str]  # (API key or "", prompt_cache_key)
 class CacheKeyAffinity:
     def __init__(self, max_keys: int = MAX_KEYS) -> None:
         self.max_keys = max_keys
-        self._backend: OrderedDict[CacheKey, str] = OrderedDict()
+        self._backend: FairShareTable[CacheKey, str] = FairShareTable(max_keys)  # tenant: the API key
 
     @staticmethod
     def key_of(headers: dict[str, str], body: Any) -> CacheKey | None:
@@ -28,15 +28,11 @@ class CacheKeyAffinity:
         return (bearer(headers) or headers.get("x-api-key") or "", key)
 
     def backend_of(self, key: CacheKey | None) -> str | None:
-        if key is None or key not in self._backend:
+        if key is None:
             return None
-        self._backend.move_to_end(key)
-        return self._backend[key]
+        self._backend.touch(key)
+        return self._backend.get(key)
 
     def place(self, key: CacheKey | None, url: str) -> None:
-        if key is None:
-            return
-        self._backend[key] = url
-        self._backend.move_to_end(key)
-        while len(self._backend) > self.max_keys:
-            self._backend.popitem(last=False)
+        if key is not None:
+            self._backend.put(key, url, key[0])

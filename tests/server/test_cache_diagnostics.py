@@ -60,6 +60,9 @@ def test_the_store_is_per_tenant_and_bounded_least_recently_used_first():
     store.put("a", "msg_3", fp())
     assert len(store) == 2
     assert store.get("a", "msg_2") is None and store.get("a", "msg_1") is not None
+    for i in range(50):  # b's flood: past the capacity b, holding the most, gives way, not a
+        store.put("b", f"msg_b{i}", fp())
+    assert store.get("a", "msg_1") is not None and len(store) == 2
 
 
 def test_fingerprints_need_one_end_per_message():

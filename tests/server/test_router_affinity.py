@@ -36,6 +36,16 @@ def test_a_key_stays_on_its_backend_while_it_is_healthy():
     assert CacheKeyAffinity.key_of({}, {"prompt": "no key"}) is None
 
 
+def test_another_api_keys_flood_of_cache_keys_leaves_a_tenants_placement():
+    affinity = CacheKeyAffinity(max_keys=8)
+    mine = CacheKeyAffinity.key_of({"authorization": "Bearer sk-a"}, {"prompt_cache_key": "agent-7"})
+    affinity.place(mine, "http://b:1")
+    for i in range(100):
+        affinity.place(CacheKeyAffinity.key_of({"authorization": "Bearer sk-b"}, {"prompt_cache_key": f"k{i}"}),
+                       "http://a:1")
+    assert affinity.backend_of(mine) == "http://b:1"
+
+
 def test_the_router_app_keeps_a_key_on_one_backend(async_engine, model_name):
     from kvserve.server.api import build_app
     from kvserve.server.router_app import build_router_app

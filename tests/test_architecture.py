@@ -110,7 +110,8 @@ def test_no_module_past_the_ceiling():
 
 # What server/ may import of the cache layer: the chained-hash and namespace rule (the router hashes
 # prompts exactly as the engine does) and the KV event wire (until it leaves cache/ for kv_events).
-SERVER_CACHE_IMPORTS = {"kvserve.cache.hashing", "kvserve.cache.events"}
+# pure helpers that hold no cache state: namespaces and hashes, the events' schema, the fair-share table
+SERVER_CACHE_IMPORTS = {"kvserve.cache.hashing", "kvserve.cache.events", "kvserve.cache.fair_table"}
 
 
 def test_the_server_reaches_the_cache_only_through_the_engine():

@@ -361,8 +361,7 @@ class KVCacheManager:
                 below_min_cacheable: int | None = None) -> CacheExplanation:
         """Why the request admitted with `allocation` computed what it did (cache/explain.py)."""
         return explain_admission(token_ids, namespace, allocation, self.page_size, self.history, self.clock(),
-                                 self.recent_prompts.before_last(namespace), self.window is not None,
-                                 below_min_cacheable)
+                                 self.recent_prompts.before_last(namespace), self.window is not None, below_min_cacheable)
 
     def make_room(self) -> bool:
         """Break the lease closest to expiry; False when there is none (nothing else can free pages)."""

@@ -63,3 +63,11 @@ def test_another_tenants_flood_leaves_a_partial_page_explained_as_one():
         told[flood] = admit(m, "b2", head + [8, 8, 8, 8, 8], ns_b)
     assert told[0]["reason"] == "partial_page" and told[0]["diverged_at"] == 3
     assert told[100] == told[0]
+
+
+def test_any_integer_is_a_token_id():
+    """The simulator's generated ids start at 2**40; the cache takes any integer."""
+    recent = RecentPrompts()
+    for tokens in ([2**40, 5], [2**70, 6], [-1, 7], []):
+        recent.add("", tokens)
+    assert [list(p) for p in recent.before_last("")] == [[2**40, 5], [2**70, 6], [-1, 7]]

@@ -24,7 +24,6 @@ class PageRecord:
 class CacheHistory:
     def __init__(self, page_size: int, capacity: int = 100_000) -> None:
         self.page_size = page_size
-        self.capacity = capacity
         self.pages: FairShareTable[bytes, PageRecord] = FairShareTable(capacity)  # by chained page hash
         # parent (a page hash, or a namespace for first pages) -> the pages committed after it
         self.children: FairShareTable[bytes | str, set[bytes]] = FairShareTable(capacity)
@@ -33,7 +32,7 @@ class CacheHistory:
     def stored(self, page_hash: bytes, parent: bytes | None, namespace: str, now: float) -> None:
         """A page was committed (indexed)."""
         tenant = tenant_of(namespace)  # a chained hash carries its namespace: one tenant's pages
-        old = self.pages.pop(page_hash)
+        old = self.pages.get(page_hash)  # (put replaces it, as its tenant's newest)
         if old is not None and old.evicted_at is not None and now - old.evicted_at <= THRASH_WINDOW_S:
             self.num_thrash += 1
         self.pages.put(page_hash, PageRecord(now), tenant)

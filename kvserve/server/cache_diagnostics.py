@@ -82,10 +82,6 @@ class DiagnosticsStore:
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         self._items: FairShareTable[tuple[str, str], PromptFingerprint] = FairShareTable(capacity)
 
-    @property
-    def capacity(self) -> int:
-        return self._items.capacity
-
     def __len__(self) -> int:
         return len(self._items)
 

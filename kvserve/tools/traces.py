@@ -181,12 +181,10 @@ def _text_encoder(tokenizer: str):
 
 
 def _gguf_encoder(path: str):
-    import gguf
-
+    from kvserve.model.gguf_config import read_gguf
     from kvserve.model.tokenizer import build_tokenizer
 
-    reader = gguf.GGUFReader(path)
-    meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith(("tokenizer.", "general."))}
+    meta = {k: v for k, v in read_gguf(path).fields.items() if k.startswith(("tokenizer.", "general."))}
     tok = build_tokenizer(meta)
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))  # as LoadedModel.encode does
     return lambda text: tok.encode(text, add_special_tokens=add_bos).ids

@@ -23,18 +23,15 @@ class DecodeBytes:
 
 def decode_bytes(model_path: str, engine_kwargs: dict, context: int) -> DecodeBytes:
     """What one decode token of one sequence at `context` tokens reads, from the GGUF's own tensor sizes."""
-    import gguf
-
     from kvserve.config import EngineConfig, kv_bytes_for_tokens, resolve_kv_dtype
-    from kvserve.model.gguf_loader import load_gguf
+    from kvserve.model.gguf_config import read_gguf, read_gguf_config
 
-    reader = gguf.GGUFReader(model_path)
-    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    sizes = {t.name: int(t.n_bytes) for t in read_gguf(model_path).tensors}
     weights = sum(size for name, size in sizes.items() if not name.endswith("norm.weight"))
     if "output.weight" in sizes:  # untied: an embedding lookup reads one row, not the table
         weights -= sizes.get("token_embd.weight", 0)
     config = EngineConfig(model=model_path, **engine_kwargs)
-    model = load_gguf(model_path).config
+    model, _ = read_gguf_config(model_path)  # the header alone: no tokenizer built
     kv = kv_bytes_for_tokens(model, resolve_kv_dtype(config.kv_cache_dtype, config.dtype), context, 1)
     return DecodeBytes(weights, kv, context)
 

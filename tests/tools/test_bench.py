@@ -156,6 +156,18 @@ def test_tiny_run_alone_prints_the_table(tmp_path, capsys):
     assert report["engines"]["kvserve"]["num_cached_requests"] >= 1  # the second request hits the prefix
 
 
+def test_a_safetensors_folder_is_benched_without_the_memory_wall(tmp_path, capsys):
+    """The wall's bytes a token reads come from a GGUF's tensor sizes; a folder's run still reports."""
+    from tests.model.tiny_models import make_hf_model, save_folder
+
+    folder = save_folder(make_hf_model("llama3"), tmp_path / "folder")
+    assert main(["bench", "--model", str(folder), "--workload", str(tiny_trace(tmp_path, 1, 3)), "--vs", "none",
+                 "--json", *SMALL_POOL]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert REPORT_KEYS <= set(report) and "memory_wall" not in report
+    assert report["engines"]["kvserve"]["output_tokens"] == 3
+
+
 # -- over HTTP ------------------------------------------------------------------------------------------
 def test_summary_takes_the_servers_token_count_and_unknown_cache():
     raw = raw_result([1.0, 2.0], [None, None])

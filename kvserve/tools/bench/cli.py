@@ -147,7 +147,9 @@ def run_bench(args: argparse.Namespace, progress_console=None) -> dict:
         _run_in_process(report, args, workload, model_path, kwargs, modes, progress_console)
     report["machine"]["load_avg_after"] = list(os.getloadavg())
     w = report["workload"]
-    if w["num_requests"] == 1 or (http and (args.concurrency or 1) == 1):  # single stream: decode against the wall
+    single_stream = w["num_requests"] == 1 or (http and (args.concurrency or 1) == 1)
+    # a GGUF's tensor sizes are the bytes a token reads; a safetensors folder's depend on the dtype it loads in
+    if single_stream and os.path.isfile(model_path):  # decode against the memory wall
         from kvserve.tools.bench.memory_wall import memory_wall
 
         context = (w["prompt_tokens"] + w["max_tokens"] // 2) // w["num_requests"]

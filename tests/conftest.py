@@ -3,6 +3,7 @@ transformers reference on the same GGUF weights."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -116,8 +117,36 @@ def no_leaked_pages():
             draft_kv.check_invariants()
 
 
+@contextlib.contextmanager
+def gguf_parsed_once(readers: dict):
+    """Inside: gguf-py's GGUFReader made once per file, kept in `readers`. transformers parses every field
+    of a GGUF at each load from it (its config, then its weights, then its tokenizer: three parses of one
+    file; Gemma-3's 262k-token vocabulary takes ~14 s a parse and ~680 MB while `readers` holds it)."""
+    import gguf
+
+    original = gguf.GGUFReader
+
+    def shared(path, mode="r"):
+        key = (os.path.realpath(path), mode, os.stat(path).st_mtime_ns)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
 @pytest.fixture(scope="session")
-def hf_model():
+def bundled_gguf_readers() -> dict:
+    """The bundled file's gguf-py parse, shared by the session's transformers model and tokenizer."""
+    return {}
+
+
+@pytest.fixture(scope="session")
+def hf_model(bundled_gguf_readers):
     """transformers (float32) loading the same GGUF file as the engine."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -125,20 +154,21 @@ def hf_model():
     from kvserve.model.gguf_loader import bundled_model_path
 
     path = Path(bundled_model_path())
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                 dtype=torch.float32)
+    with gguf_parsed_once(bundled_gguf_readers):
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     return model.eval()
 
 
 @pytest.fixture(scope="session")
-def hf_tokenizer():
+def hf_tokenizer(bundled_gguf_readers):
     """transformers' tokenizer of the bundled GGUF (built from its vocabulary in Python: seconds, once)."""
     from transformers import AutoTokenizer
 
     from kvserve.model.gguf_loader import bundled_model_path
 
     path = Path(bundled_model_path())
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with gguf_parsed_once(bundled_gguf_readers):
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 @pytest.fixture(scope="session")

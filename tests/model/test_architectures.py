@@ -13,7 +13,7 @@ from kvserve import SamplingParams
 from kvserve.config import ConfigError
 from kvserve.model import architectures
 from kvserve.model.gguf_loader import load_gguf, resolve_model_path
-from tests.conftest import make_llm
+from tests.conftest import gguf_parsed_once, make_llm
 from tests.model.tiny_models import VOCAB, make_hf_model, save_folder, write_gguf
 
 KINDS = ["llama3", "qwen2", "qwen3", "gemma3"]
@@ -127,14 +127,21 @@ def gemma():
     return gemma_gguf()
 
 
+@pytest.fixture(scope="module")
+def gemma_readers() -> dict:
+    """The Gemma file's gguf-py parse, shared by transformers' tokenizer and model here (dropped after)."""
+    return {}
+
+
 @pytest.mark.slow
-def test_gemma_sentencepiece_tokenizer_equals_transformers(gemma):
+def test_gemma_sentencepiece_tokenizer_equals_transformers(gemma, gemma_readers):
     from pathlib import Path
 
     from transformers import AutoTokenizer
 
     loaded = load_gguf(gemma)
-    ref = AutoTokenizer.from_pretrained(str(Path(gemma).parent), gguf_file=Path(gemma).name)
+    with gguf_parsed_once(gemma_readers):
+        ref = AutoTokenizer.from_pretrained(str(Path(gemma).parent), gguf_file=Path(gemma).name)
     texts = ["Hello world!", "  two  spaces   and\ttabs\n\n\nend", "naïve café 東京 🤖", "x" * 40,
              "<start_of_turn>user\nHi<end_of_turn>\n", "def f(x):\n    return x**2  # square",
              "1234567 3.14159 -42", "[multimodal] <unused3> \u200b"]
@@ -155,7 +162,7 @@ def gemma_prompt(loaded, num_tokens: int, seed: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_gemma_greedy_equals_transformers_past_the_sliding_window(gemma):
+def test_gemma_greedy_equals_transformers_past_the_sliding_window(gemma, gemma_readers):
     """1,500 tokens (about three windows of 512) and a short prompt: batched on pages of 16 with the
     radix prefix cache (run twice: the second run reuses the cached pages), and one at a time on
     pages of 1 without it."""
@@ -166,8 +173,9 @@ def test_gemma_greedy_equals_transformers_past_the_sliding_window(gemma):
     loaded = load_gguf(gemma)
     assert loaded.config.sliding_window == 512
     batch = [gemma_prompt(loaded, n, seed) for n, seed in ((1500, 1), (40, 2))]
-    ref = AutoModelForCausalLM.from_pretrained(str(Path(gemma).parent), gguf_file=Path(gemma).name,
-                                               dtype=torch.float32).eval()
+    with gguf_parsed_once(gemma_readers):
+        ref = AutoModelForCausalLM.from_pretrained(str(Path(gemma).parent), gguf_file=Path(gemma).name,
+                                                   dtype=torch.float32).eval()
     expected = []
     for p in batch:
         out = ref.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=[],

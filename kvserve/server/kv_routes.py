@@ -1,5 +1,6 @@
 """HTTP routes about the KV cache itself rather than completions: `POST /tokenize` (vLLM's shape:
-find the token offset of your own text), `GET /v1/cache/report` (the live cache report) and
+find the token offset of your own text) and `POST /detokenize` (its inverse, as vLLM and llama-server
+have it), `GET /v1/cache/report` (the live cache report) and
 `GET /v1/kv_events_endpoint` (where a KV-aware router subscribes to this instance's KV events) and
 `POST /reset_prefix_cache` (vLLM's: forget every cached page; KV events send AllBlocksCleared; an
 admin key's only, since it spans tenants) and `GET /v1/kv_events` (a tenant's own KV events, SSE:
@@ -12,7 +13,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from kvserve.server.front import FrontDoor
 from kvserve.server.kv_event_view import TenantEventView
@@ -28,6 +29,13 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     # accepted for vLLM's clients; the ids are always those the completion endpoints would use
     add_special_tokens: bool | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[StrictInt]
 
 
 def kv_routes(door: FrontDoor, namespace: Callable[..., Awaitable[str]],
@@ -49,6 +57,18 @@ def kv_routes(door: FrontDoor, namespace: Callable[..., Awaitable[str]],
             ids = await door.render_chat(ChatCompletionRequest(messages=body.messages).conversation())
         # a JSONResponse skips FastAPI's per-item encoder, which would hold the loop on long prompts
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
+
+    @router.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, ns: str = Depends(namespace)):
+        """The text of `tokens`, special tokens included (so /tokenize's ids come back as their text):
+        `prompt` as vLLM answers, `content` as llama-server does."""
+        vocab = engine.loaded.config.vocab_size
+        bad = next((i for i, t in enumerate(body.tokens) if not 0 <= t < vocab), None)
+        if bad is not None:
+            return JSONResponse(error_body(f"token ids must be in [0, {vocab}); item {bad} is {body.tokens[bad]}",
+                                           param="tokens"), 400)
+        text = await door.off_loop(lambda: engine.tokenizer.decode(body.tokens, skip_special_tokens=False))
+        return {"prompt": text, "content": text}
 
     @router.get("/v1/cache/report")
     async def cache_report(ns: str = Depends(namespace), admin: bool = Depends(is_admin)):

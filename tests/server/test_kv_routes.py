@@ -1,6 +1,6 @@
 """The cache-facing routes over HTTP with the real clients: `kv_explain` returns a `kv_cache` object
 beside `usage` (non-streaming and in the last streamed chunk), `/tokenize` gives the ids the
-completion endpoints use, `/v1/cache/report` is JSON, and leased pages are in /metrics."""
+completion endpoints use and `/detokenize` their text back, `/v1/cache/report` is JSON, and leased pages are in /metrics."""
 
 from __future__ import annotations
 
@@ -38,6 +38,24 @@ def test_tokenize_matches_the_prompt_the_chat_endpoint_counts(client, server, mo
     assert tokens["count"] == len(tokens["tokens"]) == done.usage.prompt_tokens
     bad = httpx.post(server.url + "/tokenize", json={}, timeout=60)
     assert bad.status_code == 400 and "error" in bad.json()
+
+
+def test_detokenize_gives_back_the_text_tokenize_made(server):
+    messages = [{"role": "user", "content": "Count my tokens, please."}]
+    for request in ({"prompt": "Hello, world!"}, {"messages": messages}):
+        ids = httpx.post(server.url + "/tokenize", json=request, timeout=60).json()["tokens"]
+        back = httpx.post(server.url + "/detokenize", json={"tokens": ids}, timeout=60)
+        assert back.status_code == 200 and back.json()["prompt"] == back.json()["content"]
+        text = back.json()["prompt"]
+        if "prompt" in request:
+            assert text == "Hello, world!"
+        else:  # the template's own special tokens come back as their text
+            assert "<|im_start|>user\nCount my tokens, please.<|im_end|>" in text
+            assert httpx.post(server.url + "/tokenize", json={"prompt": text}, timeout=60).json()["tokens"] == ids
+    assert httpx.post(server.url + "/detokenize", json={"tokens": []}, timeout=60).json()["prompt"] == ""
+    for tokens in ([-1], [10**9], ["a"], [1.5], None):
+        bad = httpx.post(server.url + "/detokenize", json={"tokens": tokens}, timeout=60)
+        assert 400 <= bad.status_code < 500 and "error" in bad.json(), (tokens, bad.text)
 
 
 def test_cache_report_and_lease_metrics(server):

@@ -35,7 +35,7 @@ from kvserve.server.inflight import InFlight, InFlightCaps
 from kvserve.server.kv_routes import kv_routes
 from kvserve.server.limits import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_READ_TIMEOUT_S, Admission,
                                    BodyLimit)
-from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, model_not_found
 from kvserve.server.ollama_info import kvserve_version, model_info
 from kvserve.server.openapi_doc import document
 from kvserve.server.serving import OpenAIServing, SSEResult
@@ -128,13 +128,21 @@ def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
                                ns: str = Depends(namespace)):
         return _respond(await serving.chat(body, raw, ns))
 
+    def model_card(name: str, created: int) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "kvserve", "root": names[0],
+                "max_model_len": async_engine.engine.max_model_len}
+
     @app.get("/v1/models")
     async def models(ns: str = Depends(namespace)):
         created = int(time.time())
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "kvserve",
-             "root": names[0], "max_model_len": async_engine.engine.max_model_len}
-            for name in names]}
+        return {"object": "list", "data": [model_card(name, created) for name in names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, ns: str = Depends(namespace)):
+        """One served model (the OpenAI SDK's `models.retrieve`); a name this server does not serve is a 404."""
+        if model_id not in names:
+            raise model_not_found(model_id, names)
+        return model_card(model_id, int(time.time()))
 
     app.include_router(kv_routes(door, namespace, bool(keys) and not shared_cache_namespace, is_admin,
                                  metrics.tenant_label))

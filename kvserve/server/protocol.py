@@ -66,6 +66,12 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
+def model_not_found(model: str, model_names: list[str]) -> APIError:
+    """The 404 for a model this server does not serve (vLLM's shape)."""
+    return APIError(f"The model `{model}` does not exist; this server serves {', '.join(model_names)}", 404,
+                    "NotFoundError", "model", "model_not_found")
+
+
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}

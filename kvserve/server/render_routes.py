@@ -18,7 +18,7 @@ from fastapi import Depends, FastAPI
 
 from kvserve.kv_events import event_cache_salt
 from kvserve.server.front import FrontDoor
-from kvserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, model_not_found
 
 _ids = itertools.count()
 
@@ -27,8 +27,7 @@ def register(app: FastAPI, door: FrontDoor, model_names: list[str],
              namespace: Callable[..., Awaitable[str]]) -> None:
     def check_model(model: str | None) -> str:
         if model is not None and model not in model_names:
-            raise APIError(f"The model `{model}` does not exist; this server serves "
-                           f"{', '.join(model_names)}", 404, "NotFoundError", "model", "model_not_found")
+            raise model_not_found(model, model_names)
         return model or model_names[0]
 
     def generate_request(token_ids: list[int], body: Any, model: str, ns: str) -> dict[str, Any]:

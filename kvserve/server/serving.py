@@ -28,7 +28,7 @@ from kvserve.server.breakpoints import retained_requests
 from kvserve.server.front import MAX_CHOICES, FrontDoor
 from kvserve.server.constraint_error import unenforced
 from kvserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                     error_body)
+                                     error_body, model_not_found)
 from kvserve.server.text_delta import TextDelta
 from kvserve.server.tool_grammar import with_tool_grammar
 from kvserve.server.tool_parser import ToolStream
@@ -211,9 +211,7 @@ class OpenAIServing:
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
-            raise APIError(f"The model `{model}` does not exist; this server serves "
-                           f"{', '.join(self.model_names)}", 404, "NotFoundError", "model",
-                           "model_not_found")
+            raise model_not_found(model, self.model_names)
 
     async def _finish(self, gen: Generation, raw: Request) -> None:
         """Wait for every final output (non-streamed); a shutdown cut is a 503, not a 200."""

@@ -58,6 +58,17 @@ def test_detokenize_gives_back_the_text_tokenize_made(server):
         assert 400 <= bad.status_code < 500 and "error" in bad.json(), (tokens, bad.text)
 
 
+def test_the_sdk_retrieves_the_served_model_and_a_missing_one_is_a_404(client, model_name):
+    import openai
+
+    listed = client.models.list().data
+    assert [client.models.retrieve(m.id).id for m in listed] == [m.id for m in listed]
+    assert model_name in [m.id for m in listed]
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("no-such/model")
+    assert missing.value.body["code"] == "model_not_found"
+
+
 def test_cache_report_and_lease_metrics(server):
     report = httpx.get(server.url + "/v1/cache/report", timeout=60).json()
     for key in ("hit_rate", "tenants", "top_prefixes_by_reuse", "top_prefixes_by_bytes", "pages",

@@ -1,7 +1,7 @@
 """The router's HTTP app: each completion request (body capped as `kvserve serve` caps it) goes to
 the backend the Router picks; a whole answer is read within its deadline and checked before it is
 relayed (a malformed one is that backend's failure: the next backend is tried, then a 502 of the
-router's own); a stream goes through ResumingRelay. Also /v1/models, /health, /metrics and
+router's own); a stream goes through ResumingRelay. Also /v1/models (and /v1/models/{id}), /health, /metrics and
 /router/backends.
 """
 
@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from urllib.parse import quote
 
 import httpx
 from fastapi import FastAPI, Request
@@ -146,24 +147,32 @@ def build_router_app(backend_urls: list[str], *, policy: str = "kv",
     add_forward_routes(app, forward, ("/v1/completions", "/v1/chat/completions", "/v1/messages"))
     router_responses.register(app, router)
 
-    @app.get("/v1/models")
-    async def models(raw: Request):
+    async def ask_a_backend(raw: Request, path: str, valid) -> JSONResponse:
+        """The first reachable backend's answer to GET `path` (the backends serve the same model); a 200
+        that `valid` refuses marks that backend failed, as an unreachable one."""
         for b, _, _ in router.candidates({}):
             try:
-                response = await router.client.get(b.url + "/v1/models",
-                                                   headers=forwarded_headers(raw),
+                response = await router.client.get(b.url + path, headers=forwarded_headers(raw),
                                                    timeout=timeouts.first_byte_s)
                 data = response.json()
             except (httpx.HTTPError, ValueError) as err:
-                await router.failed(b, f"{b.url}: /v1/models: {err or type(err).__name__}",
+                await router.failed(b, f"{b.url}: {path}: {err or type(err).__name__}",
                                     "invalid" if isinstance(err, ValueError) else failure_kind(err))
                 continue
-            if response.status_code == 200 and not (isinstance(data, dict)
-                                                    and isinstance(data.get("data"), list)):
-                await router.failed(b, f"{b.url}: /v1/models answered no model list", "invalid")
+            if response.status_code == 200 and not (isinstance(data, dict) and valid(data)):
+                await router.failed(b, f"{b.url}: {path} answered no model", "invalid")
                 continue
             return JSONResponse(data, response.status_code)
         return JSONResponse(error_body("no backend is reachable", "server_error"), 502)
+
+    @app.get("/v1/models")
+    async def models(raw: Request):
+        return await ask_a_backend(raw, "/v1/models", lambda data: isinstance(data.get("data"), list))
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, raw: Request):
+        return await ask_a_backend(raw, "/v1/models/" + quote(model_id, safe="/"),
+                                   lambda data: isinstance(data.get("id"), str))
 
     @app.get("/health")
     async def health():

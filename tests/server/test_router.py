@@ -340,6 +340,9 @@ def test_router_in_front_of_two_kvserve_processes(tmp_path):
         client = OpenAI(base_url=router + "/v1", api_key="unused", timeout=300, max_retries=0)
         direct = OpenAI(base_url=urls[0] + "/v1", api_key="unused", timeout=300, max_retries=0)
         model = client.models.list().data[0].id
+        assert client.models.retrieve(model).id == model
+        missing = httpx.get(router + "/v1/models/no-such/model", timeout=60)
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
         prompt = "The lighthouse keeper counted the ships. " * 3
         kwargs = dict(model=model, prompt=prompt, max_tokens=6, temperature=0)
         expected = direct.completions.create(**kwargs).choices[0].text

@@ -30,6 +30,7 @@ from kvserve.metrics import CONTENT_TYPE, EngineMetrics
 from kvserve.server import anthropic, caches, llamacpp, ollama, render_routes, responses
 from kvserve.server.auth import (DEFAULT_MAX_UNAUTHENTICATED, INVALID_KEY, NAMESPACE_SCOPE_KEY,
                                  ApiKeys, KeyGate, key_namespace)  # noqa: F401 (re-exported)
+from kvserve.server.error_shapes import api_family, front_error
 from kvserve.server.front import FrontDoor, sse_response
 from kvserve.server.inflight import InFlight, InFlightCaps
 from kvserve.server.kv_routes import kv_routes
@@ -263,8 +264,14 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException):
+        """A path or method no route serves, in the shape of the API family the path belongs to."""
+        path, message = request.url.path, str(err.detail)
+        if err.status_code == 404 and api_family(path) == "ollama":  # e.g. `ollama pull`, /api/embed
+            served = sorted({r.path for r in request.app.routes if getattr(r, "path", "").startswith("/api/")})
+            message = (f"{path} is not served here: kvserve serves the one model it started with (--model), "
+                       f"on {', '.join(served)}")
         type_ = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(err.detail), type_, None, None), err.status_code,
+        return JSONResponse(front_error(path, err.status_code, message, type_), err.status_code,
                             headers=getattr(err, "headers", None))
 
     @app.exception_handler(Exception)

@@ -135,6 +135,17 @@ def test_bad_input_is_an_ollama_4xx_naming_the_field(server, model_name, body, n
     assert httpx.post(server.url + path, content=b"{not json", timeout=60).status_code == 400
 
 
+def test_routes_kvserve_does_not_serve_are_ollama_404s_saying_what_is(oclient, model_name, server):
+    for call in (lambda: oclient.pull(model_name), lambda: oclient.embed(model=model_name, input="hi"),
+                 lambda: oclient.delete(model_name)):
+        with pytest.raises(ollama.ResponseError) as missing:
+            call()
+        assert missing.value.status_code == 404
+        assert "not served here" in missing.value.error and "/api/chat" in missing.value.error
+    wrong_method = httpx.get(server.url + "/api/chat", timeout=60)
+    assert wrong_method.status_code == 405 and isinstance(wrong_method.json()["error"], str)
+
+
 def test_keys_and_tenants_apply_to_ollamas_routes(async_engine, model_name):
     from kvserve.server.api import build_app
     from tests.server.conftest import ServerThread

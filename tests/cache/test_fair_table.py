@@ -57,6 +57,31 @@ def test_a_tenant_within_its_share_keeps_what_it_would_alone(ops, capacity):
         assert sum(shared.tenant_size(t) for t in "ab") == len(shared)
 
 
+@settings(max_examples=400, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from("abcde"), st.sampled_from(["put", "put", "pop", "touch"]),
+                              st.integers(0, 9)), max_size=200), capacity=st.integers(1, 12))
+def test_past_capacity_the_least_recent_entry_of_a_tenant_holding_the_most_goes(ops, capacity):
+    table = FairShareTable(capacity)
+    for tenant, op, key in ops:
+        before = {t: list(dict(table.items_of(t))) for t in "abcde"}
+        if op == "pop":
+            table.pop((tenant, key))
+        elif op == "touch":
+            table.touch((tenant, key))
+        else:
+            table.put((tenant, key), 0, tenant)
+            if (tenant, key) in before[tenant]:
+                before[tenant].remove((tenant, key))
+            before[tenant].append((tenant, key))  # what the put added, before anything went
+            after = {t: list(dict(table.items_of(t))) for t in "abcde"}
+            gone = [(t, k) for t in "abcde" for k in before[t] if k not in after[t]]
+            assert len(gone) == (sum(map(len, before.values())) > capacity)
+            for t, k in gone:
+                assert len(before[t]) == max(map(len, before.values())) and k == before[t][0]
+        assert len(table) <= capacity
+        assert sum(table.tenant_size(t) for t in "abcde") == len(table)
+
+
 def test_a_zero_capacity_is_refused():
     with pytest.raises(ValueError, match="at least 1"):
         FairShareTable(0)

@@ -1,6 +1,7 @@
 """The recent prompts a miss is explained against (cache/recent_prompts.py) are kept per tenant: whatever
 another tenant sends, a tenant's own list, and so its partial_page explanations, stay what they would be
-alone; each tenant's list and the number of tenants stay within their bounds."""
+alone; each tenant's list and all of them together stay within their bounds, and past the bound on all
+a tenant within an equal share keeps what it would keep alone."""
 
 from __future__ import annotations
 
@@ -32,12 +33,43 @@ def test_a_tenants_recent_prompts_are_what_they_would_be_without_the_others(adds
             assert len(prompts) == 1 or sum(len(p) for _, p in prompts) <= per_tenant_tokens
 
 
-def test_past_the_tenants_cap_the_least_recent_tenants_prompts_go():
-    recent = RecentPrompts(max_tenants=2)
-    for tenant in ("key:a", "key:b", "key:a", "key:c", "key:a"):
-        recent.add(namespace(tenant, None), [1, 2])
-    assert list(recent._by_tenant) == ["key:c", "key:a"]
-    assert len(recent.before_last(namespace("key:a", None))) == 2  # its three, less the newest
+def tokens_of(recent: RecentPrompts, tenant: str) -> int:
+    return sum(len(p) for _, p in recent._by_tenant.get(tenant, ()))
+
+
+@settings(max_examples=300, deadline=None)
+@given(adds=st.lists(st.tuples(st.sampled_from(["key:a", "key:b", "key:c"]), st.integers(0, 30)), max_size=80),
+       in_all=st.integers(1, 90))
+def test_past_the_bound_on_all_a_tenant_within_an_equal_share_keeps_what_it_would_alone(adds, in_all):
+    shared, alone = RecentPrompts(8, 60, in_all), {t: RecentPrompts(8, 60, 10**9) for t in ("a", "b", "c")}
+    for i, (key, length) in enumerate(adds):
+        tokens = [i] * length
+        shared.add(namespace(key, None), tokens)
+        alone[key[-1]].add(namespace(key, None), tokens)
+        assert shared._total == sum(tokens_of(shared, t) for t in shared._by_tenant) <= in_all
+        for t in ("a", "b", "c"):
+            own = alone[t]._by_tenant.get(f"key:{t}", ())
+            if sum(len(p) for _, p in own) <= in_all // 3:  # an equal share of three tenants
+                assert [list(p) for _, p in shared._by_tenant.get(f"key:{t}", ())] == [list(p) for _, p in own]
+
+
+def test_past_the_bound_on_all_the_tenant_holding_the_most_gives_up_its_oldest():
+    recent = RecentPrompts(tokens_in_all=10)
+    for tenant, length in (("key:a", 3), ("key:b", 2), ("key:a", 3), ("key:b", 2), ("key:c", 1)):
+        recent.add(namespace(tenant, None), [7] * length)
+    # 11 tokens: A holds 6 of them and loses its first prompt; B and C keep theirs
+    assert {t: [len(p) for _, p in q] for t, q in recent._by_tenant.items()} == \
+        {"key:a": [3], "key:b": [2, 2], "key:c": [1]}
+
+
+def test_ten_thousand_tenants_each_keep_their_prompt():
+    """(A cap on the number of tenants, 256 before, dropped a quiet tenant's list once 256 others came.)"""
+    recent = RecentPrompts()
+    for i in range(10_000):
+        recent.add(namespace(f"key:{i}", None), [i, i + 1])
+        recent.add(namespace(f"key:{i}", None), [i])
+    assert all([list(p) for p in recent.before_last(namespace(f"key:{i}", None))] == [[i, i + 1]]
+               for i in range(10_000))
 
 
 def admit(m: KVCacheManager, seq_id: str, tokens: list[int], ns: str):

@@ -1,10 +1,9 @@
 """HTTP routes about the KV cache itself rather than completions: `POST /tokenize` (vLLM's shape:
 find the token offset of your own text) and `POST /detokenize` (its inverse, as vLLM and llama-server
-have it), `GET /v1/cache/report` (the live cache report) and
-`GET /v1/kv_events_endpoint` (where a KV-aware router subscribes to this instance's KV events) and
-`POST /reset_prefix_cache` (vLLM's: forget every cached page; KV events send AllBlocksCleared; an
-admin key's only, since it spans tenants) and `GET /v1/kv_events` (a tenant's own KV events, SSE:
-kv_event_view.py)."""
+have it), `GET /v1/cache/report` (the live cache report), `GET /v1/kv_events_endpoint` (where a
+KV-aware router subscribes to this instance's KV events), `POST /reset_prefix_cache` (vLLM's: forget
+every cached page; KV events send AllBlocksCleared; an admin key's only, since it spans tenants) and
+`GET /v1/kv_events` (a tenant's own KV events, SSE: kv_event_view.py)."""
 
 from __future__ import annotations
 

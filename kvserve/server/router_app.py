@@ -1,8 +1,8 @@
 """The router's HTTP app: each completion request (body capped as `kvserve serve` caps it) goes to
 the backend the Router picks; a whole answer is read within its deadline and checked before it is
 relayed (a malformed one is that backend's failure: the next backend is tried, then a 502 of the
-router's own); a stream goes through ResumingRelay. Also /v1/models (and /v1/models/{id}), /health, /metrics and
-/router/backends.
+router's own); a stream goes through ResumingRelay. Also /v1/models and /v1/models/{id}, /health,
+/metrics and /router/backends.
 """
 
 # (no `from __future__ import annotations` here: FastAPI must see the endpoint signatures' types)

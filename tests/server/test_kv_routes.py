@@ -1,6 +1,7 @@
 """The cache-facing routes over HTTP with the real clients: `kv_explain` returns a `kv_cache` object
 beside `usage` (non-streaming and in the last streamed chunk), `/tokenize` gives the ids the
-completion endpoints use and `/detokenize` their text back, `/v1/cache/report` is JSON, and leased pages are in /metrics."""
+completion endpoints use and `/detokenize` their text back, `/v1/models/{id}` the served model,
+`/v1/cache/report` is JSON, and leased pages are in /metrics."""
 
 from __future__ import annotations
 

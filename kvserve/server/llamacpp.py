@@ -2,7 +2,8 @@
 `grammar`, `json_schema`, `cache_prompt`, `logit_bias` as `[[token, bias | false], ...]`) served by the
 /v1/completions machinery, answered in its shape (`content`, `stop`, `tokens_predicted`,
 `tokens_evaluated`, `tokens_cached`, `stop_type`, `timings`), streamed as `data: {...}` lines.
-llama.cpp sampler fields kvserve does not implement are a 400 unless sent at their neutral value."""
+llama.cpp sampler fields kvserve does not implement are a 400 unless sent at their neutral value.
+`GET /props` tells llama-server's clients the context size, chat template and those defaults."""
 
 from __future__ import annotations
 
@@ -55,6 +56,12 @@ class LlamaCppCompletion(CompletionRequest):
 
 
 def register(app: FastAPI, serving: OpenAIServing, namespace: Callable[..., Awaitable[str]]) -> None:
+    @app.get("/props")
+    async def props(ns: str = Depends(namespace)):
+        """llama-server's /props, which its clients read for the context size, the chat template and the
+        defaults /completion samples with (kvserve's own: those of LlamaCppCompletion)."""
+        return server_props(serving)
+
     @app.post("/completion")
     async def completion(body: LlamaCppCompletion, raw: Request, ns: str = Depends(namespace)):
         start = time.monotonic()
@@ -64,6 +71,24 @@ def register(app: FastAPI, serving: OpenAIServing, namespace: Callable[..., Awai
         choice, usage = result["choices"][0], result["usage"]
         return JSONResponse(_final(choice["text"], choice["finish_reason"], usage, result["model"],
                                    body, start))
+
+
+def server_props(serving: OpenAIServing) -> dict[str, Any]:
+    from kvserve import __version__
+
+    engine = serving.engine.engine
+    loaded, fields = engine.loaded, LlamaCppCompletion.model_fields
+    params = {name: fields[name].default for name in ("temperature", "top_p", "top_k", "n_predict")}
+    # the samplers kvserve lacks, at the neutral values it accepts (not Ollama's names, nor tfs_z: gone from llama.cpp)
+    params.update({name: neutral for name, neutral in UNSUPPORTED_SAMPLERS.items()
+                   if name not in ("tfs_z", "penalize_nl", "penalize_newline")})
+    params.update({"n_probs": 0, "n_keep": 0, "stream": False})
+    token = lambda i: loaded.tokenizer.id_to_token(i) if i is not None else None  # noqa: E731
+    return {"default_generation_settings": {"n_ctx": serving.max_model_len, "params": params},
+            "total_slots": engine.config.max_num_seqs, "model_alias": serving.model_names[0],
+            "model_path": loaded.path, "modalities": {"vision": False, "audio": False},
+            "chat_template": loaded.chat_template or "", "bos_token": token(loaded.bos_token_id),
+            "eos_token": token(loaded.eos_token_id), "build_info": f"kvserve {__version__}"}
 
 
 def _final(content: str, finish_reason: str | None, usage: dict[str, Any], model: str,

@@ -1,6 +1,7 @@
 """llama-server's native /completion: llama.cpp's body and answer shapes, its grammar constraining the
 output, n_predict, cache_prompt and tokens_cached, streaming as llama.cpp streams, and its sampler
-fields kvserve lacks refused with a 400 that names them (never silently ignored)."""
+fields kvserve lacks refused with a 400 that names them (never silently ignored); `/props` as
+llama-server's clients read it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 
 import httpx
 import pytest
+
+from kvserve.tools.bench.servers import llama_server_path
 
 PROMPT = "The capital of France is"
 
@@ -74,3 +77,32 @@ def test_bad_or_unsupported_fields_are_a_400_naming_them(server, body, named):
 def test_neutral_values_of_unsupported_fields_are_accepted(server):
     r = post(server, {"prompt": PROMPT, "n_predict": 2, "min_p": 0.0, "repeat_penalty": 1.0, "mirostat": 0})
     assert r.status_code == 200, r.text
+
+
+def test_props_tell_the_context_template_and_the_defaults_completion_samples_with(server):
+    props = httpx.get(server.url + "/props", timeout=60).json()
+    settings = props["default_generation_settings"]
+    tokenized = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}, timeout=60).json()
+    assert settings["n_ctx"] == tokenized["max_model_len"] and props["total_slots"] >= 1
+    assert "<|im_start|>" in props["chat_template"] and props["eos_token"] == "<|im_end|>"
+    # the defaults are what /completion samples with: sent back explicitly, the same seeded answer
+    implicit = post(server, {"prompt": PROMPT, "n_predict": 8, "seed": 5})
+    explicit = post(server, {"prompt": PROMPT, "seed": 5, **settings["params"], "n_predict": 8})
+    assert implicit.status_code == explicit.status_code == 200, explicit.text
+    assert implicit.json()["content"] == explicit.json()["content"]
+    assert settings["params"]["temperature"] == 0.8 and settings["params"]["min_p"] == 0.0
+
+
+@pytest.mark.skipif(not llama_server_path().is_file(), reason="llama-server binary absent "
+                    "(../shared/peers/llama.cpp/llama-server or $KVSERVE_LLAMA_SERVER)")
+def test_props_use_llama_servers_own_names(server):
+    from kvserve.model.gguf_loader import bundled_model_path
+    from kvserve.tools.bench.servers import llama_server
+
+    ours = httpx.get(server.url + "/props", timeout=60).json()
+    with llama_server(llama_server_path(), bundled_model_path(), 1, 512, 1).start() as peer:
+        theirs = httpx.get(peer.base_url + "/props", timeout=60).json()
+    assert set(ours) <= set(theirs)
+    assert set(ours["default_generation_settings"]) <= set(theirs["default_generation_settings"])
+    assert set(ours["default_generation_settings"]["params"]) <= set(theirs["default_generation_settings"]["params"])
+    assert theirs["eos_token"] == ours["eos_token"] and theirs["chat_template"] == ours["chat_template"]

@@ -100,7 +100,7 @@ def test_props_use_llama_servers_own_names(server):
     from kvserve.tools.bench.servers import llama_server
 
     ours = httpx.get(server.url + "/props", timeout=60).json()
-    with llama_server(llama_server_path(), bundled_model_path(), 1, 512, 1).start() as peer:
+    with llama_server(llama_server_path(), bundled_model_path(), 1, 512, 1) as peer:
         theirs = httpx.get(peer.base_url + "/props", timeout=60).json()
     assert set(ours) <= set(theirs)
     assert set(ours["default_generation_settings"]) <= set(theirs["default_generation_settings"])

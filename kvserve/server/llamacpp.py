@@ -17,10 +17,14 @@ from fastapi.responses import JSONResponse
 from pydantic import Field, StrictInt, field_validator, model_validator
 
 from kvserve.server.front import sse_response
-from kvserve.server.llamacpp_fields import UNSUPPORTED_SAMPLERS
+from kvserve.server.llamacpp_fields import NOT_LLAMA_SERVERS, UNSUPPORTED_SAMPLERS
 from kvserve.server.protocol import CompletionRequest, Temperature, TopP
 from kvserve.server.serving import OpenAIServing, SSEResult, sse_payloads
 
+
+
+# /completion's fields kvserve takes only at their neutral value
+NEUTRAL_ONLY = {**UNSUPPORTED_SAMPLERS, "n_probs": 0, "n_keep": 0}
 
 
 class LlamaCppCompletion(CompletionRequest):
@@ -36,7 +40,7 @@ class LlamaCppCompletion(CompletionRequest):
     def _llamacpp_shape(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        for name, neutral in {**UNSUPPORTED_SAMPLERS, "n_probs": 0, "n_keep": 0}.items():
+        for name, neutral in NEUTRAL_ONLY.items():
             if name in data and data[name] != neutral:
                 raise ValueError(f"{name} is not supported by kvserve; leave it out or send {json.dumps(neutral)}")
         return data
@@ -79,10 +83,8 @@ def server_props(serving: OpenAIServing) -> dict[str, Any]:
     engine = serving.engine.engine
     loaded, fields = engine.loaded, LlamaCppCompletion.model_fields
     params = {name: fields[name].default for name in ("temperature", "top_p", "top_k", "n_predict")}
-    # the samplers kvserve lacks, at the neutral values it accepts (not Ollama's names, nor tfs_z: gone from llama.cpp)
-    params.update({name: neutral for name, neutral in UNSUPPORTED_SAMPLERS.items()
-                   if name not in ("tfs_z", "penalize_nl", "penalize_newline")})
-    params.update({"n_probs": 0, "n_keep": 0, "stream": False})
+    params.update({name: neutral for name, neutral in NEUTRAL_ONLY.items() if name not in NOT_LLAMA_SERVERS})
+    params["stream"] = False
     token = lambda i: loaded.tokenizer.id_to_token(i) if i is not None else None  # noqa: E731
     return {"default_generation_settings": {"n_ctx": serving.max_model_len, "params": params},
             "total_slots": engine.config.max_num_seqs, "model_alias": serving.model_names[0],

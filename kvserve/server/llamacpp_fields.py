@@ -18,6 +18,8 @@ from kvserve.structured import StructuredOutputsParams
 UNSUPPORTED_SAMPLERS = {"min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0, "mirostat": 0, "tfs_z": 1.0,
                         "dynatemp_range": 0.0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
                         "penalize_nl": False, "penalize_newline": False, "top_n_sigma": -1.0}
+# those of them llama-server itself no longer reads (Ollama's names, and tfs_z, which llama.cpp dropped)
+NOT_LLAMA_SERVERS = ("tfs_z", "penalize_nl", "penalize_newline")
 
 
 class LlamaCppFields(BaseModel):

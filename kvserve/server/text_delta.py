@@ -11,7 +11,8 @@ class TextDelta:
 
     def __init__(self, stop: list[str] | None) -> None:
         self.sent = ""
-        self.hold = max((len(s) for s in stop or []), default=1) - 1
+        # an empty stop string (clients send [""]) can start nothing, so it holds nothing back
+        self.hold = max((len(s) - 1 for s in stop or [] if s), default=0)
 
     def update(self, text: str, finished: bool) -> str:
         if not text.startswith(self.sent):

@@ -3,6 +3,9 @@ tokens is never sent half-decoded (no U+FFFD), and text that may start a stop st
 
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from kvserve.server.text_delta import TextDelta
 
 
@@ -35,3 +38,21 @@ def test_nothing_sent_is_ever_taken_back():
     assert deltas.update("abc", finished=False) == "abc"
     assert deltas.update("abX", finished=False) == ""
     assert deltas.update("abcd", finished=True) == "d"
+
+
+@given(stop=st.none() | st.lists(st.text(max_size=4), max_size=3),
+       growth=st.lists(st.text(alphabet="ab\ufffdS", max_size=3), max_size=6),
+       final_extra=st.text(alphabet="ab", max_size=3))
+def test_any_stop_list_streams_a_prefix_then_the_final_text(stop, growth, final_extra):
+    """Whatever the stop list (empty strings included: the schema fuzz sent stop_sequences [""] and
+    the hold went negative, indexing past the text), the deltas never index out of the text, each
+    joined prefix is a prefix of the text, and the finished text is sent whole."""
+    deltas, texts, text = TextDelta(stop), [], ""
+    for piece in growth:
+        text += piece
+        texts.append(text)
+    final = text + final_extra
+    sent = stream(deltas, texts, final)
+    for i, piece in enumerate(sent[:-1]):
+        assert texts[i].startswith("".join(sent[:i + 1]))
+    assert "".join(sent) == final

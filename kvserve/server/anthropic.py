@@ -31,7 +31,7 @@ from kvserve.server.protocol import APIError
 from kvserve.server.tool_grammar import with_tool_grammar
 from kvserve.server.tool_parser import ToolFormat
 from kvserve.structured import GrammarError
-from kvserve.server.front import FrontDoor, sse_response
+from kvserve.server.front import FrontDoor, sse_response, stream_failure
 from kvserve.server.serving import SSEResult, unless_disconnected
 from kvserve.server.text_delta import TextDelta
 
@@ -337,6 +337,8 @@ class MessagesService:
         except (APIError, EngineDeadError, StopAsyncIteration) as err:
             status = err.status if isinstance(err, APIError) else 503
             yield _event("error", anthropic_error(str(err) or "the request ended early", status))
+        except Exception as err:
+            yield _event("error", anthropic_error(stream_failure(err), 500))
         finally:
             if not stream.finished:
                 self.engine.abort(stream.request_id)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -252,6 +253,16 @@ def max_token_bytes(vocab: dict[str, int]) -> int:
 
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+log = logging.getLogger("kvserve.server")
+
+
+def stream_failure(err: Exception) -> str:
+    """A bug met after a stream's first bytes: logged with its traceback (operators and the fuzz tests
+    see it), and the message its client gets in an error event instead of a cut connection."""
+    log.error("a streamed answer failed after it started", exc_info=err)
+    return f"internal error while streaming ({type(err).__name__}); the answer is incomplete"
 
 
 def sse_response(result: Any) -> StreamingResponse:

@@ -25,7 +25,7 @@ from kvserve.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from kvserve.request import RequestOutput, SamplingParams, ToolCallKV
 from kvserve.server import render
 from kvserve.server.breakpoints import retained_requests
-from kvserve.server.front import MAX_CHOICES, FrontDoor
+from kvserve.server.front import MAX_CHOICES, FrontDoor, stream_failure
 from kvserve.server.constraint_error import unenforced
 from kvserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                      error_body, model_not_found)
@@ -354,6 +354,8 @@ class OpenAIServing:
                 yield _sse(error_body(self.door.abort_note, "server_error", None, "shutting_down"))
         except APIError as err:
             yield _sse(error_body(err.message, err.type, err.param, err.code))
+        except Exception as err:
+            yield _sse(error_body(stream_failure(err), "server_error"))
         finally:
             await outputs.aclose()
         yield "data: [DONE]\n\n"

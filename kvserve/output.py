@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvserve.request import CompletionOutput, Request, RequestMetrics, RequestOutput, SpecDecodeCounts
+from kvserve.request import CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus, SpecDecodeCounts
 
 
 class OutputProcessor:
@@ -34,12 +34,14 @@ class OutputProcessor:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def hits_stop_string(self, request: Request) -> bool:
-        """True (and the text is cut there) when the output contains one of the request's stop strings."""
+        """True (and the text is cut there) when the output contains one of the request's stop strings;
+        the one that starts first (first listed among those starting there) is the request's stop_reason."""
         text = self.decode(request.output_token_ids)
-        cuts = [text.find(s) for s in request.sampling_params.stop or [] if s and s in text]
-        if cuts:
-            self._stop_text[request.request_id] = text[:min(cuts)]
-        return bool(cuts)
+        hits = [(text.find(s), i, s) for i, s in enumerate(request.sampling_params.stop or []) if s and s in text]
+        if hits:
+            at, _, request.stop_reason = min(hits)
+            self._stop_text[request.request_id] = text[:at]
+        return bool(hits)
 
     def output(self, request: Request) -> RequestOutput:
         """The RequestOutput of the user's request this sample belongs to (all n samples). The
@@ -75,7 +77,8 @@ class OutputProcessor:
             index=index, token_ids=list(request.output_token_ids), text=text,
             finish_reason=request.status.value if done else None,
             logprobs=list(request.logprobs) if request.sampling_params.logprobs is not None else None,
-            error=request.error if done else None)
+            error=request.error if done else None,
+            stop_reason=request.stop_reason if request.status is RequestStatus.FINISHED_STOPPED else None)
 
 
 def _spec_counts(samples: list[Request]) -> SpecDecodeCounts | None:

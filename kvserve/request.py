@@ -184,6 +184,7 @@ class Request:
     namespace: str = field(init=False, default="")  # cache.hashing.namespace(tenant, cache_salt)
     grammar: TokenConstraint | None = None  # structured outputs: advanced by each sampled token
     error: str | None = None  # FINISHED_ERROR: why (e.g. the grammar needed a token that ends the output)
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS and the rest)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -249,6 +250,7 @@ class CompletionOutput:
     finish_reason: str | None
     logprobs: list[dict[int, float]] | None = None
     error: str | None = None  # finish_reason "error": why
+    stop_reason: str | int | None = None  # finish_reason "stop" by a stop string or stop token id (vLLM's field)
 
 
 @dataclass(slots=True)

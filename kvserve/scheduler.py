@@ -361,7 +361,10 @@ class Scheduler:
         last = request.token_ids[-1]
         if not params.ignore_eos and (last == request.eos_token_id or last in request.eos_token_ids):
             return request.stop_status()  # (FINISHED_ERROR if a grammar is left unsatisfied)
-        if (params.stop_token_ids and last in params.stop_token_ids) or request.is_grammar_complete:
+        if params.stop_token_ids and last in params.stop_token_ids:
+            request.stop_reason = last
+            return request.stop_status()
+        if request.is_grammar_complete:
             return request.stop_status()
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH

@@ -63,10 +63,28 @@ def test_stop_string_cuts_the_text():
     free = llm.generate("Count: 1, 2, 3, 4,", SamplingParams(max_tokens=24, ignore_eos=True))[0]
     text = free.outputs[0].text
     stop = text.strip()[:2] if text.strip() else "5"
-    cut = llm.generate("Count: 1, 2, 3, 4,", SamplingParams(max_tokens=24, stop=[stop]))[0]
+    cut = llm.generate("Count: 1, 2, 3, 4,", SamplingParams(max_tokens=24, stop=["never here", stop]))[0]
     assert cut.outputs[0].finish_reason == "stop"
+    assert cut.outputs[0].stop_reason == stop  # which stop string ended it (vLLM's stop_reason)
     assert stop not in cut.outputs[0].text
     assert text.startswith(cut.outputs[0].text)
+
+
+def test_stop_reason_names_the_stop_token_id_and_is_none_otherwise():
+    llm = make_llm()
+    free = llm.generate("Count: 1, 2, 3, 4,", SamplingParams(max_tokens=12, ignore_eos=True))[0].outputs[0]
+    stop_id = free.token_ids[3]
+    by_id = llm.generate("Count: 1, 2, 3, 4,", SamplingParams(max_tokens=12, stop_token_ids=[stop_id]))[0].outputs[0]
+    assert (by_id.finish_reason, by_id.stop_reason) == ("stop", stop_id)
+    assert by_id.token_ids == free.token_ids[:free.token_ids.index(stop_id) + 1]
+    assert free.stop_reason is None  # length
+    # the earliest stop string in the text wins, whatever the list order
+    text = free.text
+    first, later = text[2:4], text[6:9]
+    assert first and later and text.find(first) == 2 and text.find(later) > 2
+    both = llm.generate("Count: 1, 2, 3, 4,", SamplingParams(max_tokens=12, ignore_eos=True,
+                                                             stop=[later, first]))[0].outputs[0]
+    assert (both.stop_reason, both.text) == (first, text[:2])
 
 
 def test_chat_applies_the_template():

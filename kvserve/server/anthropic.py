@@ -77,23 +77,18 @@ def usage(pending: Pending, output: RequestOutput) -> dict[str, Any]:
             "output_tokens": num_output}
 
 
-def stop_reason(pending: Pending, output: RequestOutput, decode: Callable[[list[int]], str]
-                ) -> tuple[str, str | None]:
+def stop_reason(pending: Pending, output: RequestOutput) -> tuple[str, str | None]:
     completion = output.outputs[0]
     if pending.is_prewarm or completion.finish_reason == "length":
         return ("model_context_window_exceeded" if pending.is_clamped and not pending.is_prewarm
                 else "max_tokens"), None
-    if pending.stop_sequences:  # the engine cut the text where the first stop string began
-        full = decode(completion.token_ids)
-        rest = full[len(completion.text):] if full.startswith(completion.text) else ""
-        for sequence in pending.stop_sequences:
-            if sequence and rest.startswith(sequence):
-                return "stop_sequence", sequence
+    if isinstance(completion.stop_reason, str):  # the stop string the engine cut the text at
+        return "stop_sequence", completion.stop_reason
     return "end_turn", None
 
 
-def message_body(pending: Pending, output: RequestOutput, decode) -> dict[str, Any]:
-    reason, sequence = stop_reason(pending, output, decode)
+def message_body(pending: Pending, output: RequestOutput) -> dict[str, Any]:
+    reason, sequence = stop_reason(pending, output)
     content = [] if pending.is_prewarm else content_blocks(output.outputs[0].text, pending.tool_format,
                                                             pending.parallel_tools)
     if reason == "end_turn" and any(b["type"] == "tool_use" for b in content):
@@ -131,7 +126,6 @@ class MessagesService:
         self.model_names = model_names
         self.store = store
         self.renderer = door.renderer
-        self.decode = self.engine.engine.decode
         self.max_model_len = door.max_model_len
 
     def _parse(self, body: MessagesRequest) -> ParsedChat:
@@ -182,7 +176,7 @@ class MessagesService:
             output = await self._final(stream, raw)
         finally:
             release()
-        result = message_body(pending, output, self.decode)
+        result = message_body(pending, output)
         calls = [b["id"] for b in result["content"] if b["type"] == "tool_use"]
         return await self._settle(pending, output, namespace, calls, result)
 
@@ -307,7 +301,7 @@ class MessagesService:
         blocks = BlockEvents(pending.tool_format, pending.parallel_tools, delta)
         try:
             output = self._checked(await anext(stream))
-            start = message_body(pending, output, self.decode)
+            start = message_body(pending, output)
             start.update(content=[], stop_reason=None, stop_sequence=None)
             start["usage"]["output_tokens"] = 0
             start.pop("cache_lease", None)
@@ -321,7 +315,7 @@ class MessagesService:
                     break
                 output = self._checked(await anext(stream))
             final = await self._settle(pending, output, namespace, list(blocks.ids),
-                                       message_body(pending, output, self.decode))
+                                       message_body(pending, output))
             reason = final["stop_reason"]
             if reason == "end_turn" and blocks.num_calls:
                 reason = "tool_use"

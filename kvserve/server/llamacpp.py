@@ -71,10 +71,9 @@ def register(app: FastAPI, serving: OpenAIServing, namespace: Callable[..., Awai
         start = time.monotonic()
         result = await serving.completions(body, raw, ns)
         if isinstance(result, SSEResult):
-            return sse_response(SSEResult(_stream(result.body, body, start), result.close))
+            return sse_response(SSEResult(_stream(result.body, start), result.close))
         choice, usage = result["choices"][0], result["usage"]
-        return JSONResponse(_final(choice["text"], choice["finish_reason"], usage, result["model"],
-                                   body, start))
+        return JSONResponse(_final(choice["text"], choice, usage, result["model"], start))
 
 
 def server_props(serving: OpenAIServing) -> dict[str, Any]:
@@ -93,18 +92,19 @@ def server_props(serving: OpenAIServing) -> dict[str, Any]:
             "eos_token": token(loaded.eos_token_id), "build_info": f"kvserve {__version__}"}
 
 
-def _final(content: str, finish_reason: str | None, usage: dict[str, Any], model: str,
-           body: LlamaCppCompletion, start: float) -> dict[str, Any]:
-    stop_type = {"length": "limit", "stop": "word" if body.stop else "eos"}.get(finish_reason or "", "none")
+def _final(content: str, choice: dict[str, Any], usage: dict[str, Any], model: str, start: float) -> dict[str, Any]:
+    """llama-server's last object; `choice`: the OpenAI choice that finished (its finish and stop reasons)."""
+    word = choice.get("stop_reason") if isinstance(choice.get("stop_reason"), str) else ""
+    stop_type = {"length": "limit", "stop": "word" if word else "eos"}.get(choice["finish_reason"] or "", "none")
     elapsed_ms = (time.monotonic() - start) * 1000
-    return {"content": content, "stop": True, "model": model, "stop_type": stop_type,
+    return {"content": content, "stop": True, "model": model, "stop_type": stop_type, "stopping_word": word,
             "tokens_predicted": usage["completion_tokens"], "tokens_evaluated": usage["prompt_tokens"],
             "tokens_cached": usage["prompt_tokens_details"]["cached_tokens"], "truncated": False,
             "timings": {"prompt_n": usage["prompt_tokens"], "predicted_n": usage["completion_tokens"],
                         "total_ms": elapsed_ms}}
 
 
-async def _stream(chunks: AsyncIterator[str], body: LlamaCppCompletion, start: float) -> AsyncIterator[str]:
+async def _stream(chunks: AsyncIterator[str], start: float) -> AsyncIterator[str]:
     """OpenAI's completion chunks as llama.cpp's: `{"content", "stop": false}`, then the final one."""
     async for chunk in sse_payloads(chunks):  # ([DONE] left out: llama.cpp ends with its final object)
         if "error" in chunk:
@@ -114,5 +114,5 @@ async def _stream(chunks: AsyncIterator[str], body: LlamaCppCompletion, start: f
         if choice["text"]:
             yield f"data: {json.dumps({'content': choice['text'], 'stop': False})}\n\n"
         if chunk.get("usage"):
-            final = _final("", choice["finish_reason"], chunk["usage"], chunk["model"], body, start)
+            final = _final("", choice, chunk["usage"], chunk["model"], start)
             yield f"data: {json.dumps(final)}\n\n"

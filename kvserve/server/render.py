@@ -21,7 +21,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 def completion_choice(index: int, out: CompletionOutput, tokenizer, num_logprobs: int | None
                       ) -> dict[str, Any]:
-    return {"index": index, "text": out.text, "finish_reason": out.finish_reason,
+    return {"index": index, "text": out.text, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
             "logprobs": logprobs_for(False, out, 0, tokenizer, num_logprobs)}
 
 
@@ -39,7 +39,7 @@ def chat_choice(index: int, out: CompletionOutput, tokenizer, num_logprobs: int 
                                        "function": {"name": c.name, "arguments": c.arguments}}
                                       for c in calls]}
             reason = "tool_calls" if reason == "stop" else reason
-    return {"index": index, "message": message, "finish_reason": reason,
+    return {"index": index, "message": message, "finish_reason": reason, "stop_reason": out.stop_reason,
             "logprobs": logprobs_for(True, out, 0, tokenizer, num_logprobs)}
 
 
@@ -75,23 +75,31 @@ def chat_response(request_id: str, created: int, model: str, choices: list, usag
 
 
 def completion_chunk(gen, index: int, text: str, finish_reason: str | None = None,
-                     logprobs: Any = None, usage_: dict | None = None) -> dict[str, Any]:
+                     logprobs: Any = None, usage_: dict | None = None, stop_reason: str | int | None = None
+                     ) -> dict[str, Any]:
     chunk = {"id": gen.request_id, "object": "text_completion", "created": gen.created,
              "model": gen.model, "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                              "finish_reason": finish_reason}]}
+                                              **_finish(finish_reason, stop_reason)}]}
     if usage_ is not None:
         chunk["usage"] = usage_
     return chunk
 
 
 def chat_chunk(gen, index: int, delta: dict[str, Any], finish_reason: str | None = None,
-               logprobs: Any = None, usage_: dict | None = None) -> dict[str, Any]:
+               logprobs: Any = None, usage_: dict | None = None, stop_reason: str | int | None = None
+               ) -> dict[str, Any]:
     chunk = {"id": gen.request_id, "object": "chat.completion.chunk", "created": gen.created,
              "model": gen.model, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                              "finish_reason": finish_reason}]}
+                                              **_finish(finish_reason, stop_reason)}]}
     if usage_ is not None:
         chunk["usage"] = usage_
     return chunk
+
+
+def _finish(finish_reason: str | None, stop_reason: str | int | None) -> dict[str, Any]:
+    """A chunk's finish fields: stop_reason (vLLM's) on the chunk that finishes its choice only."""
+    return {"finish_reason": finish_reason} if finish_reason is None else \
+        {"finish_reason": finish_reason, "stop_reason": stop_reason}
 
 
 def usage_chunk(gen, chat: bool) -> dict[str, Any]:

@@ -345,7 +345,7 @@ class OpenAIServing:
                 delta = ({"content": text} if text or not calls else {}) if chat else text
                 if calls:
                     delta["tool_calls"] = calls
-                payload = chunk(gen, c.index, delta, reason, logprobs, usage)
+                payload = chunk(gen, c.index, delta, reason, logprobs, usage, completion.stop_reason)
                 yield _sse(gen.respond(payload) if last and not body.include_usage_chunk else payload)
             if body.include_usage_chunk:
                 yield _sse(gen.respond(render.usage_chunk(gen, chat)))

@@ -315,7 +315,8 @@ def test_top_level_cache_control_marks_the_last_block():
 
 # -- usage arithmetic, with a stand-in for the engine's LeaseUsage ---------------------------------
 def output_with(num_cached: int, lease=None, num_output: int = 3):
-    completion = SimpleNamespace(token_ids=list(range(num_output)), text="abc", finish_reason="length")
+    completion = SimpleNamespace(token_ids=list(range(num_output)), text="abc", finish_reason="length",
+                                 stop_reason=None)
     return SimpleNamespace(outputs=[completion], num_cached_tokens=num_cached, lease_usage=lease)
 
 
@@ -344,14 +345,14 @@ def test_usage_splits_the_prompt_into_input_written_and_read():
 
 
 def test_stop_reasons():
-    decode = lambda ids: "abcSTOP"  # noqa: E731
     out = output_with(0)
-    assert stop_reason(pending(5), out, decode) == ("max_tokens", None)
-    assert stop_reason(pending(5, is_clamped=True), out, decode) == ("model_context_window_exceeded", None)
+    assert stop_reason(pending(5), out) == ("max_tokens", None)
+    assert stop_reason(pending(5, is_clamped=True), out) == ("model_context_window_exceeded", None)
     out.outputs[0].finish_reason = "stop"
-    assert stop_reason(pending(5, stop_sequences=["STOP"]), out, decode) == ("stop_sequence", "STOP")
-    assert stop_reason(pending(5), out, decode) == ("end_turn", None)
-    assert stop_reason(pending(5, is_prewarm=True), out, decode) == ("max_tokens", None)
+    assert stop_reason(pending(5), out) == ("end_turn", None)  # EOS
+    out.outputs[0].stop_reason = "STOP"  # the engine's: the stop string it cut the text at
+    assert stop_reason(pending(5, stop_sequences=["X", "STOP"]), out) == ("stop_sequence", "STOP")
+    assert stop_reason(pending(5, is_prewarm=True), out) == ("max_tokens", None)
 
 
 # -- leases (need the engine's lease contract) ------------------------------------------------------

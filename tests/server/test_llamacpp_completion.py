@@ -24,11 +24,26 @@ def test_completion_answers_in_llamacpps_shape(server, client, model_name):
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["stop"] is True and body["tokens_predicted"] <= 6
-    assert body["stop_type"] in ("eos", "limit") and body["tokens_evaluated"] > 0
+    assert body["stop_type"] in ("eos", "limit") and body["tokens_evaluated"] > 0 and body["stopping_word"] == ""
     same = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=6, temperature=0)
     assert body["content"] == same.choices[0].text  # the same greedy answer as /v1/completions
     again = post(server, {"prompt": PROMPT, "n_predict": 6, "temperature": 0, "cache_prompt": False})
     assert again.json()["tokens_cached"] == 0 and again.json()["content"] == body["content"]
+
+
+def test_a_stop_word_is_named_as_llama_server_names_it(server):
+    free = post(server, {"prompt": "1, 2, 3, 4, 5,", "n_predict": 12, "temperature": 0}).json()
+    word = free["content"][3:6]
+    body = {"prompt": "1, 2, 3, 4, 5,", "n_predict": 12, "temperature": 0, "stop": ["never seen", word]}
+    cut = post(server, body).json()
+    assert (cut["stop_type"], cut["stopping_word"]) == ("word", word)
+    assert free["content"].startswith(cut["content"]) and word not in cut["content"]
+    with httpx.stream("POST", server.url + "/completion", timeout=120, json={**body, "stream": True}) as r:
+        last = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")][-1]
+    assert (last["stop_type"], last["stopping_word"]) == ("word", word)
+    # a stop list that did not end the answer: EOS or the limit, no word
+    other = post(server, {"prompt": PROMPT, "n_predict": 4, "temperature": 0, "stop": ["never seen"]}).json()
+    assert (other["stop_type"], other["stopping_word"]) in (("limit", ""), ("eos", ""))
 
 
 def test_grammar_constrains_the_output(server):

@@ -144,8 +144,14 @@ def test_stop_string_is_cut_the_same_way_when_streamed(client, model_name):
     kwargs = dict(model=model_name, prompt="1, 2, 3, 4, 5,", max_tokens=24, stop=[" 8"], **GREEDY)
     whole = client.completions.create(**kwargs)
     assert whole.choices[0].finish_reason == "stop" and " 8" not in whole.choices[0].text
+    assert whole.choices[0].stop_reason == " 8"  # vLLM's field: which stop string ended it
     streamed = list(client.completions.create(**kwargs, stream=True))
     assert "".join(c.choices[0].text for c in streamed if c.choices) == whole.choices[0].text
+    finishing = [c.choices[0] for c in streamed if c.choices and c.choices[0].finish_reason]
+    assert [(c.finish_reason, c.stop_reason) for c in finishing] == [("stop", " 8")]
+    chat = client.chat.completions.create(model=model_name, max_tokens=4, messages=[{"role": "user", "content": "Hi"}],
+                                          **GREEDY)
+    assert chat.choices[0].stop_reason is None  # EOS or the length: no stop string
 
 
 def test_logprobs_in_both_formats(client, model_name):

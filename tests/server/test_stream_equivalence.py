@@ -1,7 +1,8 @@
 """Generated: on every API family's generation route, a streamed answer adds up to the whole one. For any
-stop list (empty strings, overlapping and repeated ones, strings the output holds), any token limit and
-greedy or seeded sampling, the streamed pieces join to the same text, the stream ends with the same finish
-(and stop string) as the whole answer, no error event comes, and no page stays in use afterwards."""
+stop list (empty strings, overlapping and repeated ones, strings the output holds), any token limit,
+greedy or seeded sampling, and on OpenAI's routes n choices and logprobs, the streamed pieces join to the
+same text (and logprobs), the stream ends with the same finish (and stop string) as the whole answer, no
+error event comes, and no page stays in use afterwards."""
 
 from __future__ import annotations
 
@@ -26,16 +27,33 @@ def finish_of_openai(choice: dict) -> tuple:
     return choice["finish_reason"], choice.get("stop_reason")
 
 
-def read_openai(whole: dict, lines: list[str], chat: bool) -> tuple[tuple, tuple]:
+def logprob_tokens(choice: dict, chat: bool) -> list:
+    """The sampled tokens' logprobs a choice (or one chunk of it) carries, in order."""
+    logprobs = choice.get("logprobs")
+    if not logprobs:
+        return []
+    if chat:
+        return [(t["token"], round(t["logprob"], 4)) for t in logprobs["content"]]
+    return [(t, round(v, 4)) for t, v in zip(logprobs["tokens"], logprobs["token_logprobs"])]
+
+
+def read_openai(whole: dict, lines: list[str], chat: bool) -> tuple[list, list]:
+    """Per choice index: (text, finish, logprobs), whole and streamed."""
     key = "content" if chat else "text"
     events = sse_data(lines)
     assert lines[-1] == "data: [DONE]" and not any("error" in e for e in events), lines[-3:]
-    pieces = [c for e in events for c in e["choices"]]
-    text = "".join((c["delta"].get(key) or "") if chat else c[key] for c in pieces)
-    last = [c for c in pieces if c["finish_reason"]]
-    assert len(last) == 1
-    message = whole["choices"][0]["message"] if chat else whole["choices"][0]
-    return (message[key] or "", finish_of_openai(whole["choices"][0])), (text, finish_of_openai(last[0]))
+    streamed = []
+    for index in range(len(whole["choices"])):
+        pieces = [c for e in events for c in e["choices"] if c["index"] == index]
+        text = "".join((c["delta"].get(key) or "") if chat else c[key] for c in pieces)
+        last = [c for c in pieces if c["finish_reason"]]
+        assert len(last) == 1
+        streamed.append((text, finish_of_openai(last[0]), [t for c in pieces for t in logprob_tokens(c, chat)]))
+    expected = []
+    for choice in sorted(whole["choices"], key=lambda c: c["index"]):
+        message = choice["message"] if chat else choice
+        expected.append((message[key] or "", finish_of_openai(choice), logprob_tokens(choice, chat)))
+    return expected, streamed
 
 
 def read_anthropic(whole: dict, lines: list[str]) -> tuple[tuple, tuple]:
@@ -62,11 +80,14 @@ def read_llamacpp(whole: dict, lines: list[str]) -> tuple[tuple, tuple]:
     return (whole["content"], finish(whole)), ("".join(e["content"] for e in events), finish(events[-1]))
 
 
-def request(family: str, stop: list[str], max_tokens: int, sampling: dict) -> tuple[str, dict]:
+def request(family: str, stop: list[str], max_tokens: int, sampling: dict, n: int, logprobs: bool
+            ) -> tuple[str, dict]:
     if family == "completions":
-        return "/v1/completions", {"prompt": "Colours: red, green,", "stop": stop, "max_tokens": max_tokens, **sampling}
+        return "/v1/completions", {"prompt": "Colours: red, green,", "stop": stop, "max_tokens": max_tokens, "n": n,
+                                   **({"logprobs": 2} if logprobs else {}), **sampling}
     if family == "chat":
-        return "/v1/chat/completions", {"messages": QUESTION, "stop": stop, "max_tokens": max_tokens, **sampling}
+        return "/v1/chat/completions", {"messages": QUESTION, "stop": stop, "max_tokens": max_tokens, "n": n,
+                                        **({"logprobs": True, "top_logprobs": 2} if logprobs else {}), **sampling}
     if family == "anthropic":
         return "/v1/messages", {"messages": QUESTION, "stop_sequences": stop, "max_tokens": max_tokens, **sampling}
     if family == "ollama":
@@ -81,12 +102,15 @@ READERS = {"completions": lambda w, s: read_openai(w, s, False), "chat": lambda 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(family=st.sampled_from(sorted(READERS)), stop=st.lists(STOP_PIECES, max_size=4),
-       max_tokens=st.integers(1, 24), seed=st.none() | st.integers(0, 2**31 - 1))
-def test_a_stream_adds_up_to_the_whole_answer(server, model_name, async_engine, family, stop, max_tokens, seed):
+       max_tokens=st.integers(1, 24), seed=st.none() | st.integers(0, 2**31 - 1),
+       n=st.integers(1, 3), logprobs=st.booleans())
+def test_a_stream_adds_up_to_the_whole_answer(server, model_name, async_engine, family, stop, max_tokens, seed, n,
+                                              logprobs):
+    """(n and logprobs on the OpenAI routes: each choice's text, finish and sampled tokens' logprobs)"""
     # (Anthropic's API has no seed: its sampled answers are not reproducible, so it runs greedy)
     seeded = seed is not None and family != "anthropic"
     sampling = {"temperature": 0.9, "seed": seed} if seeded else {"temperature": 0}
-    path, body = request(family, stop, max_tokens, sampling)
+    path, body = request(family, stop, max_tokens, sampling, n if seeded else 1, logprobs)
     body["model"] = model_name
     with httpx.Client(base_url=server.url, timeout=120) as http:
         whole = http.post(path, json={**body, "stream": False})

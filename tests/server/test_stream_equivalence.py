@@ -1,8 +1,9 @@
-"""Generated: on every API family's generation route, a streamed answer adds up to the whole one. For any
-stop list (empty strings, overlapping and repeated ones, strings the output holds), any token limit,
-greedy or seeded sampling, and on OpenAI's routes n choices and logprobs, the streamed pieces join to the
-same text (and logprobs), the stream ends with the same finish (and stop string) as the whole answer, no
-error event comes, and no page stays in use afterwards."""
+"""Generated: on every API family's generation route (OpenAI's completions and chat, Anthropic, Ollama,
+llama.cpp, Responses), a streamed answer adds up to the whole one. For any stop list (empty strings,
+overlapping and repeated ones, strings the output holds), any token limit, greedy or seeded sampling, and
+on OpenAI's routes n choices and logprobs, the streamed pieces join to the same text (and logprobs), the
+stream ends with the same finish (and stop string) as the whole answer, no error event comes, and no page
+stays in use afterwards."""
 
 from __future__ import annotations
 
@@ -80,6 +81,22 @@ def read_llamacpp(whole: dict, lines: list[str]) -> tuple[tuple, tuple]:
     return (whole["content"], finish(whole)), ("".join(e["content"] for e in events), finish(events[-1]))
 
 
+def read_responses(whole: dict, lines: list[str]) -> tuple[tuple, tuple]:
+    events = sse_data(lines)
+    assert events[-1]["type"] in ("response.completed", "response.incomplete"), events[-1]["type"]
+    assert not any(e["type"] in ("error", "response.failed") for e in events)
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+
+    def answer(response: dict) -> tuple:
+        texts = [c["text"] for item in response["output"] if item["type"] == "message"
+                 for c in item["content"] if c["type"] == "output_text"]
+        return "".join(texts), response["status"], response["incomplete_details"]
+    final = answer(events[-1]["response"])
+    whole_answer = answer(whole)
+    assert final[0] == text  # the final event's response holds what the deltas sent
+    return whole_answer[1:] + (whole_answer[0],), final[1:] + (text,)
+
+
 def request(family: str, stop: list[str], max_tokens: int, sampling: dict, n: int, logprobs: bool
             ) -> tuple[str, dict]:
     if family == "completions":
@@ -93,11 +110,13 @@ def request(family: str, stop: list[str], max_tokens: int, sampling: dict, n: in
     if family == "ollama":
         return "/api/generate", {"prompt": "List three colours.", "options": {
             "stop": stop, "num_predict": max_tokens, **sampling}}
+    if family == "responses":  # (no stop strings in the Responses API)
+        return "/v1/responses", {"input": "List three colours.", "max_output_tokens": max_tokens, **sampling}
     return "/completion", {"prompt": "Colours: red, green,", "stop": stop, "n_predict": max_tokens, **sampling}
 
 
 READERS = {"completions": lambda w, s: read_openai(w, s, False), "chat": lambda w, s: read_openai(w, s, True),
-           "anthropic": read_anthropic, "ollama": read_ollama, "llamacpp": read_llamacpp}
+           "anthropic": read_anthropic, "ollama": read_ollama, "llamacpp": read_llamacpp, "responses": read_responses}
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
@@ -107,8 +126,9 @@ READERS = {"completions": lambda w, s: read_openai(w, s, False), "chat": lambda 
 def test_a_stream_adds_up_to_the_whole_answer(server, model_name, async_engine, family, stop, max_tokens, seed, n,
                                               logprobs):
     """(n and logprobs on the OpenAI routes: each choice's text, finish and sampled tokens' logprobs)"""
-    # (Anthropic's API has no seed: its sampled answers are not reproducible, so it runs greedy)
-    seeded = seed is not None and family != "anthropic"
+    # (Anthropic's and the Responses API have no seed: their sampled answers are not reproducible, so they
+    # run greedy)
+    seeded = seed is not None and family not in ("anthropic", "responses")
     sampling = {"temperature": 0.9, "seed": seed} if seeded else {"temperature": 0}
     path, body = request(family, stop, max_tokens, sampling, n if seeded else 1, logprobs)
     body["model"] = model_name

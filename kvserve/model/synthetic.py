@@ -69,6 +69,7 @@ class SyntheticSpec:
     name: str  # e.g. "qwen2.5-1.5b-q4_k_m"
     config: ModelConfig  # llama or qwen2: what kvserve reads back from the file, but for the name
     mix: QuantMix
+    control_tokens: tuple[str, ...] = ()  # the first padding tokens' names instead (control tokens: FIM's)
 
     @property
     def file_name(self) -> str:
@@ -212,16 +213,19 @@ def _add_metadata(w: GGUFWriter, spec: SyntheticSpec) -> None:
         w.add_rope_dimension_count(s.head_dim)
 
 
-def _add_tokenizer(w: GGUFWriter, fields: dict[str, Any], vocab_size: int) -> None:
-    """The tokenizer keys of `fields` (the bundled GGUF's), the token list padded to `vocab_size`."""
+def _add_tokenizer(w: GGUFWriter, fields: dict[str, Any], vocab_size: int, control: tuple[str, ...] = ()) -> None:
+    """The tokenizer keys of `fields` (the bundled GGUF's), the token list padded to `vocab_size`, the
+    first pads named by `control` (control tokens)."""
     tokens, types = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.token_type"]
-    if vocab_size < len(tokens):
-        raise ValueError(f"vocabulary of {vocab_size} is smaller than the tokenizer's {len(tokens)} tokens")
-    pads = range(len(tokens), vocab_size)
+    if vocab_size < len(tokens) + len(control):
+        raise ValueError(f"vocabulary of {vocab_size} is smaller than the tokenizer's {len(tokens) + len(control)} "
+                         "tokens")
+    pads = range(len(tokens) + len(control), vocab_size)
     w.add_tokenizer_model(fields["tokenizer.ggml.model"])
     w.add_tokenizer_pre(fields["tokenizer.ggml.pre"])
-    w.add_token_list(tokens + [f"[PAD{i}]" for i in pads])
-    w.add_token_types(types + [TokenType.UNUSED] * len(pads))  # UNUSED: never matched in text
+    w.add_token_list(tokens + list(control) + [f"[PAD{i}]" for i in pads])
+    # UNUSED: never matched in text
+    w.add_token_types(types + [TokenType.CONTROL] * len(control) + [TokenType.UNUSED] * len(pads))
     w.add_token_merges(fields["tokenizer.ggml.merges"])
     for key in ("bos", "eos", "unknown", "padding"):
         if (value := fields.get(f"tokenizer.ggml.{key}_token_id")) is not None:
@@ -245,7 +249,7 @@ def build(spec: SyntheticSpec, target: Path, tokenizer_path: str, seed: int = 0)
     w = GGUFWriter(str(tmp), spec.config.architecture)
     try:
         _add_metadata(w, spec)
-        _add_tokenizer(w, GGUFFile(tokenizer_path).fields, spec.config.vocab_size)
+        _add_tokenizer(w, GGUFFile(tokenizer_path).fields, spec.config.vocab_size, spec.control_tokens)
         for t in tensors:
             w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.n_bytes, raw_dtype=t.qtype)
         w.write_header_to_file()

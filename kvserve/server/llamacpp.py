@@ -3,7 +3,9 @@
 /v1/completions machinery, answered in its shape (`content`, `stop`, `tokens_predicted`,
 `tokens_evaluated`, `tokens_cached`, `stop_type`, `timings`), streamed as `data: {...}` lines.
 llama.cpp sampler fields kvserve does not implement are a 400 unless sent at their neutral value.
-`GET /props` tells llama-server's clients the context size, chat template and those defaults."""
+`POST /infill` (code completion: `input_prefix`, `input_suffix`, `input_extra`) answers the same way on a
+prompt laid out as llama-server lays it out (infill.py). `GET /props` tells llama-server's clients the
+context size, chat template and those defaults."""
 
 from __future__ import annotations
 
@@ -14,15 +16,17 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import Field, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
 
 from kvserve.server.front import sse_response
+from kvserve.server.infill import InfillParts, infill_ids
 from kvserve.server.llamacpp_fields import NOT_LLAMA_SERVERS, UNSUPPORTED_SAMPLERS
 from kvserve.server.protocol import CompletionRequest, Temperature, TopP
 from kvserve.server.serving import OpenAIServing, SSEResult, sse_payloads
 
 
 
+MAX_EXTRA_CHUNKS = 1024  # /infill's input_extra items (llama.vim sends a ring of 16 by default)
 # /completion's fields kvserve takes only at their neutral value
 NEUTRAL_ONLY = {**UNSUPPORTED_SAMPLERS, "n_probs": 0, "n_keep": 0}
 
@@ -59,6 +63,23 @@ class LlamaCppCompletion(CompletionRequest):
         return out
 
 
+class InfillChunk(BaseModel):
+    """One of /infill's `input_extra` items: a chunk of another file."""
+
+    model_config = ConfigDict(extra="ignore")
+    filename: StrictStr = "tmp"
+    text: StrictStr = ""
+
+
+class LlamaCppInfill(LlamaCppCompletion):
+    """/infill's body: /completion's plus the code around the gap (`prompt`: text typed at the gap)."""
+
+    prompt: StrictStr = ""
+    input_prefix: StrictStr = ""
+    input_suffix: StrictStr = ""
+    input_extra: Annotated[list[InfillChunk], Field(max_length=MAX_EXTRA_CHUNKS)] = []
+
+
 def register(app: FastAPI, serving: OpenAIServing, namespace: Callable[..., Awaitable[str]]) -> None:
     @app.get("/props")
     async def props(ns: str = Depends(namespace)):
@@ -66,14 +87,32 @@ def register(app: FastAPI, serving: OpenAIServing, namespace: Callable[..., Awai
         defaults /completion samples with (kvserve's own: those of LlamaCppCompletion)."""
         return server_props(serving)
 
-    @app.post("/completion")
-    async def completion(body: LlamaCppCompletion, raw: Request, ns: str = Depends(namespace)):
-        start = time.monotonic()
+    async def answer(body: LlamaCppCompletion, raw: Request, ns: str, start: float):
         result = await serving.completions(body, raw, ns)
         if isinstance(result, SSEResult):
             return sse_response(SSEResult(_stream(result.body, start), result.close))
         choice, usage = result["choices"][0], result["usage"]
         return JSONResponse(_final(choice["text"], choice, usage, result["model"], start))
+
+    @app.post("/completion")
+    async def completion(body: LlamaCppCompletion, raw: Request, ns: str = Depends(namespace)):
+        return await answer(body, raw, ns, time.monotonic())
+
+    @app.post("/infill")
+    async def infill(body: LlamaCppInfill, raw: Request, ns: str = Depends(namespace)):
+        """llama-server's code completion: the prompt laid out and trimmed as it does (infill.py), then
+        answered as /completion answers."""
+        start, door = time.monotonic(), serving.door
+        parts = InfillParts(body.input_prefix, body.input_suffix, body.prompt,
+                            [(c.filename, c.text) for c in body.input_extra])
+        for name, text in (("input_prefix", parts.prefix), ("input_suffix", parts.suffix), ("prompt", parts.prompt),
+                           *(("input_extra", c.text) for c in body.input_extra)):
+            door.check_chars(len(text), name)
+        loaded = door.loaded
+        ids = await door.off_loop(lambda: infill_ids(
+            loaded.tokenizer, door.fim, loaded.bos_token_id if loaded.add_bos_token else None, parts,
+            door.max_model_len, -1 if body.n_predict is None else body.n_predict))
+        return await answer(body.model_copy(update={"prompt": ids}), raw, ns, start)
 
 
 def server_props(serving: OpenAIServing) -> dict[str, Any]:

@@ -42,7 +42,7 @@ ERROR_SCHEMAS: dict[str, dict[str, Any]] = {
 # what a 200 may carry besides FastAPI's application/json, by path
 STREAMS = {"/v1/completions": "text/event-stream", "/v1/chat/completions": "text/event-stream",
            "/v1/messages": "text/event-stream", "/v1/responses": "text/event-stream",
-           "/completion": "text/event-stream", "/api/chat": "application/x-ndjson",
+           "/completion": "text/event-stream", "/infill": "text/event-stream", "/api/chat": "application/x-ndjson",
            "/api/generate": "application/x-ndjson", "/v1/kv_events": "text/event-stream"}
 STREAM_ITEM = {  # one server-sent event; one JSON object per NDJSON line
     "text/event-stream": {"type": "object", "required": ["data"],

@@ -224,7 +224,7 @@ def _add_tokenizer(w: GGUFWriter, fields: dict[str, Any], vocab_size: int, contr
     w.add_tokenizer_model(fields["tokenizer.ggml.model"])
     w.add_tokenizer_pre(fields["tokenizer.ggml.pre"])
     w.add_token_list(tokens + list(control) + [f"[PAD{i}]" for i in pads])
-    # UNUSED: never matched in text
+    # CONTROL: matched whole, as special tokens; UNUSED: never matched in text
     w.add_token_types(types + [TokenType.CONTROL] * len(control) + [TokenType.UNUSED] * len(pads))
     w.add_token_merges(fields["tokenizer.ggml.merges"])
     for key in ("bos", "eos", "unknown", "padding"):

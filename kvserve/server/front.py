@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from kvserve.model.tokenizer import Encoded
     from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
+log = logging.getLogger("kvserve.server")
 MAX_CHOICES = 128  # engine requests one API request may start (prompts x n)
 TOKENIZER_THREADS = 2
 
@@ -253,9 +254,6 @@ def max_token_bytes(vocab: dict[str, int]) -> int:
 
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-log = logging.getLogger("kvserve.server")
 
 
 def stream_failure(err: Exception) -> str:

@@ -24,11 +24,9 @@ from kvserve.server.llamacpp_fields import NOT_LLAMA_SERVERS, UNSUPPORTED_SAMPLE
 from kvserve.server.protocol import CompletionRequest, Temperature, TopP
 from kvserve.server.serving import OpenAIServing, SSEResult, sse_payloads
 
-
-
-MAX_EXTRA_CHUNKS = 1024  # /infill's input_extra items (llama.vim sends a ring of 16 by default)
 # /completion's fields kvserve takes only at their neutral value
 NEUTRAL_ONLY = {**UNSUPPORTED_SAMPLERS, "n_probs": 0, "n_keep": 0}
+MAX_EXTRA_CHUNKS = 1024  # /infill's input_extra items (llama.vim sends a ring of 16 by default)
 
 
 class LlamaCppCompletion(CompletionRequest):

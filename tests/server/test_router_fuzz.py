@@ -1,7 +1,8 @@
 """Generated: `kvserve router` in front of a running `kvserve serve`, fuzzed on every route it forwards with
 the backend's own OpenAPI document (valid and invalid cases) and with structure mutations the schema cannot
 describe. Properties: no 5xx from the router, every error JSON in its API family's shape, no traceback in
-either process's log, and no KV page in use on the backend afterwards.
+either process's log, and no KV page in use on the backend afterwards. And through the router, as straight
+to a server (test_stream_equivalence.py), a streamed answer adds up to the whole one.
 
 CI runs KVSERVE_ROUTER_FUZZ_CASES (default 300) schema cases and a quarter as many mutations."""
 
@@ -17,6 +18,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from tests.server.test_schema_fuzz import SERVE, family_shape, little_work, structure_mutation, wait_no_pages_in_use
+from tests.server.test_stream_equivalence import READERS, STOP_PIECES, request
 
 schemathesis = pytest.importorskip("schemathesis")
 
@@ -93,3 +95,27 @@ def test_the_routers_routes_fuzzed_from_the_backends_document(routed):
     print("router fuzz:", json.dumps(dict(statuses)))
     assert statuses[200] and sum(n for s, n in statuses.items() if 400 <= s < 500)  # both kinds were reached
     assert wait_no_pages_in_use(backend) == 0
+
+
+@pytest.mark.slow
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(family=st.sampled_from(["completions", "chat", "anthropic", "responses"]),
+       stop=st.lists(STOP_PIECES, max_size=3), max_tokens=st.integers(1, 16),
+       seed=st.none() | st.integers(0, 2**31 - 1), n=st.integers(1, 2), logprobs=st.booleans())
+def test_through_the_router_a_stream_adds_up_to_the_whole_answer(routed, family, stop, max_tokens, seed, n,
+                                                                 logprobs):
+    """The router relays (and, to resume a broken stream, re-reads) each event: what reaches the client
+    still adds up to the whole answer, for the four API families it forwards."""
+    router, _ = routed
+    seeded = seed is not None and family in ("completions", "chat")  # (the others have no seed)
+    sampling = {"temperature": 0.9, "seed": seed} if seeded else {"temperature": 0}
+    path, body = request(family, stop, max_tokens, sampling, n if seeded else 1, logprobs)
+    model = httpx.get(router + "/v1/models", timeout=30).json()["data"][0]["id"]
+    with httpx.Client(base_url=router, timeout=120) as http:
+        whole = http.post(path, json={**body, "model": model, "stream": False})
+        assert whole.status_code == 200, whole.text
+        with http.stream("POST", path, json={**body, "model": model, "stream": True}) as streamed:
+            assert streamed.status_code == 200
+            lines = [line for line in streamed.iter_lines() if line.strip()]
+    expected, got = READERS[family](whole.json(), lines)
+    assert got == expected

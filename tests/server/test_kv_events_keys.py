@@ -22,7 +22,7 @@ def test_only_an_admin_key_gets_the_curve_key(tmp_path):
 
     public, secret = zmq.curve_keypair()
     (tmp_path / "curve.key").write_bytes(secret)
-    engine = LLMEngine(EngineConfig(**SMALL_ENGINE, kv_events_endpoint=f"tcp://127.0.0.1:{free_port()}",
+    engine = LLMEngine(EngineConfig(**SMALL_ENGINE, kv_events_endpoint=f"tcp://127.0.0.1:{free_port(2)}",
                                     kv_events_curve_secret_file=str(tmp_path / "curve.key")))
     try:
         with ServerThread(build_app(engine, api_keys=[TENANT], admin_api_keys=[ADMIN])) as running:

@@ -14,10 +14,11 @@ from collections import Counter
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server.test_schema_fuzz import SERVE, family_shape, little_work, structure_mutation, wait_no_pages_in_use
+from tests.server.test_schema_fuzz import (SERVE, family_shape, generated, little_work, structure_mutation,
+                                           wait_no_pages_in_use)
 from tests.server.test_stream_equivalence import READERS, STOP_PIECES, request
 
 schemathesis = pytest.importorskip("schemathesis")
@@ -70,8 +71,7 @@ def test_the_routers_routes_fuzzed_from_the_backends_document(routed):
                   for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)]
     statuses: Counter = Counter()
 
-    @settings(max_examples=NUM_CASES, deadline=None, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @generated(NUM_CASES)
     @given(case=st.one_of(strategies))
     def run(case):
         case.body = little_work(case.operation.path, case.body)
@@ -81,8 +81,7 @@ def test_the_routers_routes_fuzzed_from_the_backends_document(routed):
 
     run()
 
-    @settings(max_examples=max(NUM_CASES // 4, 20), deadline=None, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @generated(max(NUM_CASES // 4, 20))
     @given(path=st.sampled_from(sorted(path for _, path in FORWARDED)), mutation=structure_mutation())
     def mutate(path, mutation):
         kind, raw = mutation

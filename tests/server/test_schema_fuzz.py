@@ -29,6 +29,12 @@ SERVE = ["--kv-cache-memory", "64MiB", "--max-model-len", "512", "--max-num-seqs
          "--min-cacheable-tokens", "16", "--lease-ttl-scale", "0.0002", "--log-level", "warning"]
 
 
+def generated(num_cases: int):
+    """Hypothesis settings of a fuzz run: `num_cases` fresh cases, no shrinking, no example database."""
+    return settings(max_examples=num_cases, deadline=None, database=None, phases=[Phase.generate],
+                    suppress_health_check=list(HealthCheck))
+
+
 class HealthWatch:
     """Polls /health every 50 ms on its own thread; the latencies (a failed poll counts as 10 s)."""
 
@@ -140,8 +146,7 @@ def test_every_route_fuzzed_from_its_openapi_document(served):
     checks = [not_a_server_error, status_code_conformance, content_type_conformance,
               response_schema_conformance]
 
-    @settings(max_examples=NUM_CASES, deadline=None, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @generated(NUM_CASES)
     @given(case=st.one_of(strategies))
     def run(case):
         case.body = little_work(case.operation.path, case.body)
@@ -218,8 +223,7 @@ def test_structure_mutations_on_every_body_route(served):
     assert len(routes) >= 12, routes
     seen: Counter = Counter()
 
-    @settings(max_examples=NUM_MUTATIONS, deadline=None, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @generated(NUM_MUTATIONS)
     @given(route=st.sampled_from(routes), mutation=structure_mutation())
     def run(route, mutation):
         (method, path), (kind, body) = route, mutation

@@ -37,7 +37,8 @@ class OutputProcessor:
         """True (and the text is cut there) when the output contains one of the request's stop strings;
         the one that starts first (first listed among those starting there) is the request's stop_reason."""
         text = self.decode(request.output_token_ids)
-        hits = [(text.find(s), i, s) for i, s in enumerate(request.sampling_params.stop or []) if s and s in text]
+        found = ((text.find(s), i, s) for i, s in enumerate(request.sampling_params.stop or []) if s)
+        hits = [hit for hit in found if hit[0] >= 0]  # (one search per stop string)
         if hits:
             at, _, request.stop_reason = min(hits)
             self._stop_text[request.request_id] = text[:at]

@@ -131,7 +131,8 @@ def server_props(serving: OpenAIServing) -> dict[str, Any]:
 
 def _final(content: str, choice: dict[str, Any], usage: dict[str, Any], model: str, start: float) -> dict[str, Any]:
     """llama-server's last object; `choice`: the OpenAI choice that finished (its finish and stop reasons)."""
-    word = choice.get("stop_reason") if isinstance(choice.get("stop_reason"), str) else ""
+    reason = choice.get("stop_reason")
+    word = reason if isinstance(reason, str) else ""
     stop_type = {"length": "limit", "stop": "word" if word else "eos"}.get(choice["finish_reason"] or "", "none")
     elapsed_ms = (time.monotonic() - start) * 1000
     return {"content": content, "stop": True, "model": model, "stop_type": stop_type, "stopping_word": word,

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server.test_schema_fuzz import (SERVE, family_shape, generated, little_work, structure_mutation,
-                                           wait_no_pages_in_use)
+from tests.server.test_schema_fuzz import (SERVE, call_with_little_work, family_shape, generated,
+                                           structure_mutation, wait_no_pages_in_use)
 from tests.server.test_stream_equivalence import READERS, STOP_PIECES, request
 
 schemathesis = pytest.importorskip("schemathesis")
@@ -74,8 +74,7 @@ def test_the_routers_routes_fuzzed_from_the_backends_document(routed):
     @generated(NUM_CASES)
     @given(case=st.one_of(strategies))
     def run(case):
-        case.body = little_work(case.operation.path, case.body)
-        response = case.call(base_url=router, timeout=120)
+        response = call_with_little_work(case, router)
         statuses[response.status_code] += 1
         answered_in_shape(case.operation.path, response)
 

@@ -115,7 +115,7 @@ def add_logprobs(out: list[SampledToken], logits: torch.Tensor, chosen: torch.Te
         idx = torch.tensor(want, device=device)
         logp = torch.log_softmax(logits.index_select(0, idx).float(), dim=-1)  # [W, V]
         picked = logp.gather(1, chosen[idx][:, None])[:, 0].tolist()
-        k = max(params[i].logprobs for i in want)
+        k = min(max(params[i].logprobs for i in want), logp.shape[-1])  # (a vocabulary under k)
         top_vals, top_ids = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
         top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
         for r, i in enumerate(want):

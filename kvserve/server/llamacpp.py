@@ -1,8 +1,8 @@
 """llama-server's native `POST /completion`: its body (llama.cpp's defaults and field names, `n_predict`,
 `grammar`, `json_schema`, `cache_prompt`, `logit_bias` as `[[token, bias | false], ...]`) served by the
 /v1/completions machinery, answered in its shape (`content`, `stop`, `tokens_predicted`,
-`tokens_evaluated`, `tokens_cached`, `stop_type`, `timings`), streamed as `data: {...}` lines.
-llama.cpp sampler fields kvserve does not implement are a 400 unless sent at their neutral value.
+`tokens_evaluated`, `tokens_cached`, `stop_type`, `timings`, and with `n_probs` its
+`completion_probabilities`), streamed as `data: {...}` lines. llama.cpp sampler fields kvserve does not implement are a 400 unless sent at their neutral value.
 `POST /infill` (code completion: `input_prefix`, `input_suffix`, `input_extra`) answers the same way on a
 prompt laid out as llama-server lays it out (infill.py). `GET /props` tells llama-server's clients the
 context size, chat template and those defaults."""
@@ -21,21 +21,25 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_v
 from kvserve.server.front import sse_response
 from kvserve.server.infill import InfillParts, infill_ids
 from kvserve.server.llamacpp_fields import NOT_LLAMA_SERVERS, UNSUPPORTED_SAMPLERS
-from kvserve.server.protocol import CompletionRequest, Temperature, TopP
+from kvserve.server.protocol import MAX_LOGPROBS, CompletionRequest, Temperature, TopP
 from kvserve.server.serving import OpenAIServing, SSEResult, sse_payloads
 
 # /completion's fields kvserve takes only at their neutral value
-NEUTRAL_ONLY = {**UNSUPPORTED_SAMPLERS, "n_probs": 0, "n_keep": 0}
+NEUTRAL_ONLY = {**UNSUPPORTED_SAMPLERS, "n_keep": 0, "post_sampling_probs": False}
 MAX_EXTRA_CHUNKS = 1024  # /infill's input_extra items (llama.vim sends a ring of 16 by default)
 
 
 class LlamaCppCompletion(CompletionRequest):
-    """/completion's body: OpenAI's completion fields plus llama.cpp's, with llama.cpp's defaults."""
+    """/completion's body: OpenAI's completion fields plus llama.cpp's, with llama.cpp's defaults.
+    `n_probs` N > 0: each token's logprob and the N most likely ones (before sampling, as llama-server's
+    default), N capped at the server's logprobs limit as llama-server caps it at the vocabulary."""
 
+    logprobs_shape = "llamacpp"
     temperature: Temperature | None = 0.8
     top_p: TopP | None = 0.95
     top_k: Annotated[StrictInt, Field(ge=-1, le=2**31)] | None = 40
     n_predict: Annotated[StrictInt, Field(ge=-1, le=2**31)] | None = -1
+    n_probs: Annotated[StrictInt, Field(ge=-(2**31), le=2**31)] | None = 0  # 0 or less: none
 
     @model_validator(mode="before")
     @classmethod
@@ -45,6 +49,11 @@ class LlamaCppCompletion(CompletionRequest):
         for name, neutral in NEUTRAL_ONLY.items():
             if name in data and data[name] != neutral:
                 raise ValueError(f"{name} is not supported by kvserve; leave it out or send {json.dumps(neutral)}")
+        n_probs = data.get("n_probs")
+        if isinstance(n_probs, int) and not isinstance(n_probs, bool) and n_probs > 0:
+            if data.get("logprobs") is not None:
+                raise ValueError("send n_probs or logprobs, not both")
+            data = {**data, "logprobs": min(n_probs, MAX_LOGPROBS)}
         return data
 
     @field_validator("logit_bias", mode="before")
@@ -118,7 +127,7 @@ def server_props(serving: OpenAIServing) -> dict[str, Any]:
 
     engine = serving.engine.engine
     loaded, fields = engine.loaded, LlamaCppCompletion.model_fields
-    params = {name: fields[name].default for name in ("temperature", "top_p", "top_k", "n_predict")}
+    params = {name: fields[name].default for name in ("temperature", "top_p", "top_k", "n_predict", "n_probs")}
     params.update({name: neutral for name, neutral in NEUTRAL_ONLY.items() if name not in NOT_LLAMA_SERVERS})
     params["stream"] = False
     token = lambda i: loaded.tokenizer.id_to_token(i) if i is not None else None  # noqa: E731
@@ -135,11 +144,17 @@ def _final(content: str, choice: dict[str, Any], usage: dict[str, Any], model: s
     word = reason if isinstance(reason, str) else ""
     stop_type = {"length": "limit", "stop": "word" if word else "eos"}.get(choice["finish_reason"] or "", "none")
     elapsed_ms = (time.monotonic() - start) * 1000
-    return {"content": content, "stop": True, "model": model, "stop_type": stop_type, "stopping_word": word,
-            "tokens_predicted": usage["completion_tokens"], "tokens_evaluated": usage["prompt_tokens"],
-            "tokens_cached": usage["prompt_tokens_details"]["cached_tokens"], "truncated": False,
-            "timings": {"prompt_n": usage["prompt_tokens"], "predicted_n": usage["completion_tokens"],
-                        "total_ms": elapsed_ms}}
+    final = {"content": content, "stop": True, "model": model, "stop_type": stop_type, "stopping_word": word,
+             "tokens_predicted": usage["completion_tokens"], "tokens_evaluated": usage["prompt_tokens"],
+             "tokens_cached": usage["prompt_tokens_details"]["cached_tokens"], "truncated": False,
+             "timings": {"prompt_n": usage["prompt_tokens"], "predicted_n": usage["completion_tokens"],
+                         "total_ms": elapsed_ms}}
+    return final | _probabilities(choice)
+
+
+def _probabilities(choice: dict[str, Any]) -> dict[str, Any]:
+    """n_probs' `completion_probabilities`: those of the choice's tokens (none asked: no field)."""
+    return {} if choice.get("logprobs") is None else {"completion_probabilities": choice["logprobs"]}
 
 
 async def _stream(chunks: AsyncIterator[str], start: float) -> AsyncIterator[str]:
@@ -149,8 +164,8 @@ async def _stream(chunks: AsyncIterator[str], start: float) -> AsyncIterator[str
             yield f"data: {json.dumps(chunk)}\n\n"
             continue
         choice = chunk["choices"][0]
-        if choice["text"]:
-            yield f"data: {json.dumps({'content': choice['text'], 'stop': False})}\n\n"
+        if choice["text"] or choice.get("logprobs"):
+            yield f"data: {json.dumps({'content': choice['text'], 'stop': False} | _probabilities(choice))}\n\n"
         if chunk.get("usage"):
-            final = _final("", choice, chunk["usage"], chunk["model"], start)
+            final = _final("", choice | {"logprobs": None}, chunk["usage"], chunk["model"], start)
             yield f"data: {json.dumps(final)}\n\n"

@@ -13,7 +13,7 @@ llama.cpp's fields (`n_predict`, `grammar`, `json_schema`, `cache_prompt`): llam
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt,
                       StrictStr, field_validator, model_validator)
@@ -214,6 +214,7 @@ PromptInput = (Text | Annotated[list[TokenId], Field(min_length=1)]
 
 
 class CompletionRequest(_Sampling):
+    logprobs_shape: ClassVar[str] = "completion"  # (render.LogprobsShape: llama-server's /completion differs)
     prompt: PromptInput
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: StrictBool = False

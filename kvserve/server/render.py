@@ -1,16 +1,20 @@
-"""OpenAI response bodies as plain dicts: choices, chunks, usage and the two logprobs formats."""
+"""OpenAI response bodies as plain dicts: choices, chunks, usage, and logprobs in OpenAI's two shapes and
+llama-server's (`completion_probabilities`)."""
 
 from __future__ import annotations
 
 import functools
 import math
 import secrets
-from typing import Any
+from typing import Any, Literal
 
 from kvserve.request import CompletionOutput
 from kvserve.server.tool_parser import CallDelta, ToolFormat, parse_output
 
 MIN_LOGPROB = -9999.0  # JSON has no -Infinity; vLLM clamps the same way
+# how a route spells logprobs: OpenAI's completions (parallel lists), its chat (one entry per token),
+# llama-server's /completion (chat's entries plus the token id)
+LogprobsShape = Literal["completion", "chat", "llamacpp"]
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -19,10 +23,10 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def completion_choice(index: int, out: CompletionOutput, tokenizer, num_logprobs: int | None
-                      ) -> dict[str, Any]:
+def completion_choice(index: int, out: CompletionOutput, tokenizer, num_logprobs: int | None,
+                      shape: LogprobsShape = "completion") -> dict[str, Any]:
     return {"index": index, "text": out.text, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
-            "logprobs": logprobs_for(False, out, 0, tokenizer, num_logprobs)}
+            "logprobs": logprobs_for(shape, out, 0, tokenizer, num_logprobs)}
 
 
 def chat_choice(index: int, out: CompletionOutput, tokenizer, num_logprobs: int | None,
@@ -40,7 +44,7 @@ def chat_choice(index: int, out: CompletionOutput, tokenizer, num_logprobs: int 
                                       for c in calls]}
             reason = "tool_calls" if reason == "stop" else reason
     return {"index": index, "message": message, "finish_reason": reason, "stop_reason": out.stop_reason,
-            "logprobs": logprobs_for(True, out, 0, tokenizer, num_logprobs)}
+            "logprobs": logprobs_for("chat", out, 0, tokenizer, num_logprobs)}
 
 
 def tool_call_id() -> str:
@@ -109,20 +113,21 @@ def usage_chunk(gen, chat: bool) -> dict[str, Any]:
 
 
 # -- logprobs --------------------------------------------------------------------------------------
-def logprobs_for(chat: bool, out: CompletionOutput, start: int, tokenizer,
-                 num_logprobs: int | None) -> dict[str, Any] | None:
+def logprobs_for(shape: LogprobsShape, out: CompletionOutput, start: int, tokenizer,
+                 num_logprobs: int | None) -> dict[str, Any] | list[dict[str, Any]] | None:
     """Logprobs of tokens start.. of `out`. The engine gives, per token, a dict whose first key is
     the sampled token and whose other keys are the top alternatives."""
     if num_logprobs is None or out.logprobs is None:
         return None
     token_ids, entries = out.token_ids[start:], out.logprobs[start:]
-    if chat:
+    if shape != "completion":
+        with_id = shape == "llamacpp"
         content = []
         for token_id, entry in zip(token_ids, entries):
             top = _top(entry, num_logprobs)
-            content.append({**_token_info(tokenizer, token_id, entry.get(token_id)),
-                            "top_logprobs": [_token_info(tokenizer, t, lp) for t, lp in top]})
-        return {"content": content}
+            content.append({**_token_info(tokenizer, token_id, entry.get(token_id), with_id),
+                            "top_logprobs": [_token_info(tokenizer, t, lp, with_id) for t, lp in top]})
+        return content if with_id else {"content": content}
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     offset = 0
     for token_id, entry in zip(token_ids, entries):
@@ -146,10 +151,10 @@ def _clamp(logprob: float | None) -> float:
     return max(float(logprob), MIN_LOGPROB)
 
 
-def _token_info(tokenizer, token_id: int, logprob: float | None) -> dict[str, Any]:
+def _token_info(tokenizer, token_id: int, logprob: float | None, with_id: bool = False) -> dict[str, Any]:
     raw = token_bytes(tokenizer, token_id)
-    return {"token": raw.decode("utf-8", errors="replace"), "logprob": _clamp(logprob),
-            "bytes": list(raw)}
+    info = {"id": token_id} if with_id else {}
+    return {**info, "token": raw.decode("utf-8", errors="replace"), "logprob": _clamp(logprob), "bytes": list(raw)}
 
 
 def token_text(tokenizer, token_id: int) -> str:

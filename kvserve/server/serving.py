@@ -143,7 +143,7 @@ class OpenAIServing:
             return SSEResult(self._sse(gen, body, chat=False), lambda: self.close(gen))
         await self._finish(gen, raw)
         choices = [render.completion_choice(c.index, c.output.outputs[0], self.tokenizer,
-                                            body.logprobs) for c in gen.choices]
+                                            body.logprobs, body.logprobs_shape) for c in gen.choices]
         for choice, c in zip(choices, gen.choices):
             if gen.echo is not None:
                 choice["text"] = gen.echo[c.prompt_index] + choice["text"]
@@ -329,8 +329,8 @@ class OpenAIServing:
                 if (not text and not calls and not c.output.finished
                         and not (num_logprobs is not None and new_tokens)):
                     continue
-                logprobs = render.logprobs_for(chat, completion, c.num_sent_tokens, self.tokenizer,
-                                               num_logprobs)
+                logprobs = render.logprobs_for("chat" if chat else body.logprobs_shape, completion,
+                                               c.num_sent_tokens, self.tokenizer, num_logprobs)
                 c.num_sent_tokens = len(completion.token_ids)
                 reason = completion.finish_reason if c.output.finished else None
                 if c.output.finished and c.index == 0 and gen.tool_kv is not None and gen.tool_kv.hold:

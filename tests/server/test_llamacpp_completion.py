@@ -76,7 +76,9 @@ def test_logit_bias_pairs_ban_a_token(server):
     ({"prompt": PROMPT, "min_p": 0.1}, "min_p"),
     ({"prompt": PROMPT, "repeat_penalty": 1.1}, "repeat_penalty"),
     ({"prompt": PROMPT, "mirostat": 2}, "mirostat"),
-    ({"prompt": PROMPT, "n_probs": 3}, "n_probs"),
+    ({"prompt": PROMPT, "n_probs": 3, "post_sampling_probs": True}, "post_sampling_probs"),
+    ({"prompt": PROMPT, "n_probs": 3, "logprobs": 2}, "n_probs"),
+    ({"prompt": PROMPT, "n_probs": "3"}, "n_probs"),
     ({"prompt": PROMPT, "n_predict": "ten"}, "n_predict"),
     ({"prompt": PROMPT, "grammar": "root ::= missing"}, "grammar"),
     ({"prompt": PROMPT, "logit_bias": [[1]]}, "logit_bias"),
@@ -87,6 +89,44 @@ def test_bad_or_unsupported_fields_are_a_400_naming_them(server, body, named):
     r = post(server, body)
     assert r.status_code == 400, r.text
     assert named in r.json()["error"]["message"] or r.json()["error"]["param"] == named
+
+
+def n_probs_answers(url: str, body: dict) -> tuple[dict, list]:
+    """The whole answer to `body` and the completion_probabilities of its stream, chunk after chunk."""
+    whole = httpx.post(url + "/completion", json=body, timeout=120).json()
+    with httpx.stream("POST", url + "/completion", timeout=120, json={**body, "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert "completion_probabilities" not in events[-1]  # (llama-server's final streamed object has none)
+    return whole, [p for e in events for p in e.get("completion_probabilities", [])]
+
+
+def test_n_probs_gives_each_tokens_probabilities_as_llama_server_does(server, client, model_name):
+    from kvserve.model.gguf_loader import bundled_model_path
+    from kvserve.tools.bench.servers import llama_server
+
+    body = {"prompt": PROMPT, "n_predict": 4, "temperature": 0, "n_probs": 3}
+    ours, ours_streamed = n_probs_answers(server.url, body)
+    probs = ours["completion_probabilities"]
+    assert len(probs) == ours["tokens_predicted"] and ours_streamed == probs
+    for entry in probs:
+        assert [t["id"] for t in entry["top_logprobs"]][0] == entry["id"]  # greedy: the top one
+        assert len(entry["top_logprobs"]) == 3 and entry["bytes"] == list(entry["token"].encode())
+    # the same numbers as OpenAI's logprobs on /v1/completions
+    same = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=3)
+    assert [e["logprob"] for e in probs] == same.choices[0].logprobs.token_logprobs
+    # llama-server's own answer: the same fields at every level, the same top tokens for " Paris"
+    if not llama_server_path().is_file():
+        return
+    with llama_server(llama_server_path(), bundled_model_path(), 1, 512, 1) as peer:
+        theirs, _ = n_probs_answers(peer.base_url, body)
+    entry, peer_entry = probs[0], theirs["completion_probabilities"][0]
+    assert set(entry) == set(peer_entry) and set(entry["top_logprobs"][0]) == set(peer_entry["top_logprobs"][0])
+    assert [t["id"] for t in entry["top_logprobs"][:2]] == [t["id"] for t in peer_entry["top_logprobs"][:2]]
+    assert abs(entry["logprob"] - peer_entry["logprob"]) < 0.1
+    # none asked, none given; more than the server's logprobs limit is capped, as llama-server caps it
+    assert "completion_probabilities" not in post(server, {"prompt": PROMPT, "n_predict": 1, "n_probs": -1}).json()
+    many = post(server, {"prompt": PROMPT, "n_predict": 1, "n_probs": 10**6}).json()["completion_probabilities"]
+    assert len(many[0]["top_logprobs"]) == 20
 
 
 def test_neutral_values_of_unsupported_fields_are_accepted(server):

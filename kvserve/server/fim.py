@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenizers import Tokenizer
+
 from kvserve.server.protocol import APIError
 
 # (prefix, suffix, middle) spellings, as the families name them
@@ -30,6 +32,14 @@ def fim_tokens(tokenizer) -> FimTokens | None:
         if all(tokenizer.token_to_id(token) is not None for token in spelling):
             return FimTokens(*spelling)
     return None
+
+
+def text_only(tokenizer: Tokenizer) -> Tokenizer:
+    """A copy of `tokenizer` that encodes special-token spellings (`<|im_end|>`, `<fim_prefix>`) as the
+    text they are, not as the tokens."""
+    copy = Tokenizer.from_str(tokenizer.to_str())
+    copy.encode_special_tokens = True
+    return copy
 
 
 def fim_prompt(tokens: FimTokens | None, prompt: str | list[int], suffix: str) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from starlette.responses import StreamingResponse
 from kvserve.async_engine import AsyncEngine
 from kvserve.server import render
 from kvserve.server.breakpoints import ChatRenderer
-from kvserve.server.fim import fim_prompt, fim_tokens
+from kvserve.server.fim import fim_prompt, fim_tokens, text_only
 from kvserve.server.limits import Admission
 from kvserve.server.openai_breakpoints import MAX_BREAKPOINTS, breakpoint_tokens
 from kvserve.server.protocol import APIError
@@ -61,6 +62,12 @@ class FrontDoor:
         self.draining = False  # shutting down: no new requests
         self.abort_note: str | None = None  # why in-flight requests were aborted (shutdown)
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvserve-tokenize")
+
+    @functools.cached_property
+    def text_tokenizer(self) -> Any:
+        """The tokenizer reading special-token spellings as plain text, as llama-server reads the code sent to
+        /infill; a copy made at its first use, since the switch belongs to a tokenizer, not to one call."""
+        return text_only(self.loaded.tokenizer)
 
     # -- admission and drain -------------------------------------------------------------------
     def admit(self, namespace: str, count: int) -> Callable[[], None]:

@@ -33,15 +33,17 @@ class InfillParts:
 
 
 def infill_ids(tokenizer: Any, fim: FimTokens | None, bos: int | None, parts: InfillParts, max_model_len: int,
-               n_predict: int, batch: int = INFILL_BATCH) -> list[int]:
-    """The prompt ids for `parts` (`tokenizer`: a tokenizers.Tokenizer; `bos`: the id to lead with, None for
-    none); a 400 naming input_prefix when the model has no FIM tokens."""
+               n_predict: int, batch: int = INFILL_BATCH, code_tokenizer: Any = None) -> list[int]:
+    """The prompt ids for `parts` (`tokenizer`: a tokenizers.Tokenizer, for the prompt; `code_tokenizer`: the
+    one for the code parts, which llama-server reads with special-token spellings as text (fim.text_only;
+    None: `tokenizer`); `bos`: the id to lead with, None for none); a 400 naming input_prefix when the model
+    has no FIM tokens."""
     if fim is None:
         raise APIError("/infill needs a fill-in-the-middle model; this model's tokenizer has no FIM tokens "
                        "(<fim_prefix>, <fim_suffix>, <fim_middle>)", param="input_prefix")
 
-    def ids(text: str) -> list[int]:
-        return tokenizer.encode(text, add_special_tokens=False).ids if text else []
+    def ids(text: str, reader: Any = code_tokenizer or tokenizer) -> list[int]:
+        return reader.encode(text, add_special_tokens=False).ids if text else []
 
     def first_known(spellings: tuple[str, ...]) -> int | None:
         return next((i for s in spellings if (i := tokenizer.token_to_id(s)) is not None), None)
@@ -53,7 +55,7 @@ def infill_ids(tokenizer: Any, fim: FimTokens | None, bos: int | None, parts: In
         extra += ids(text)
     if sep is not None:
         extra += [sep, *ids("filename\n")]
-    prefix, suffix, prompt = ids(parts.prefix), ids(parts.suffix), ids(parts.prompt)
+    prefix, suffix, prompt = ids(parts.prefix), ids(parts.suffix), ids(parts.prompt, tokenizer)
     prefix = prefix[len(prefix) - min(len(prefix), 3 * (batch // 4)):]
     suffix = suffix[:max(0, batch // 4 - (2 + len(prompt)))]
     pre, suf, mid = (tokenizer.token_to_id(t) for t in (fim.prefix, fim.suffix, fim.middle))

@@ -2,9 +2,10 @@
 `grammar`, `json_schema`, `cache_prompt`, `logit_bias` as `[[token, bias | false], ...]`) served by the
 /v1/completions machinery, answered in its shape (`content`, `stop`, `tokens_predicted`,
 `tokens_evaluated`, `tokens_cached`, `stop_type`, `timings`, and with `n_probs` its
-`completion_probabilities`), streamed as `data: {...}` lines. llama.cpp sampler fields kvserve does not implement are a 400 unless sent at their neutral value.
-`POST /infill` (code completion: `input_prefix`, `input_suffix`, `input_extra`) answers the same way on a
-prompt laid out as llama-server lays it out (infill.py). `GET /props` tells llama-server's clients the
+`completion_probabilities`), streamed as `data: {...}` lines. llama.cpp sampler fields kvserve does not
+implement are a 400 unless sent at their neutral value. `POST /infill` (code completion: `input_prefix`,
+`input_suffix`, `input_extra`) answers the same way on a prompt laid out as llama-server lays it out
+(infill.py), the code's special-token spellings read as text. `GET /props` tells llama-server's clients the
 context size, chat template and those defaults."""
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def register(app: FastAPI, serving: OpenAIServing, namespace: Callable[..., Awai
         loaded = door.loaded
         ids = await door.off_loop(lambda: infill_ids(
             loaded.tokenizer, door.fim, loaded.bos_token_id if loaded.add_bos_token else None, parts,
-            door.max_model_len, -1 if body.n_predict is None else body.n_predict))
+            door.max_model_len, -1 if body.n_predict is None else body.n_predict, code_tokenizer=door.text_tokenizer))
         return await answer(body.model_copy(update={"prompt": ids}), raw, ns, start)
 
 

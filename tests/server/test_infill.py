@@ -10,7 +10,7 @@ from tokenizers import AddedToken
 
 from kvserve.model.gguf_loader import load_gguf
 from kvserve.model.known_models import bundled_model_path
-from kvserve.server.fim import fim_tokens
+from kvserve.server.fim import fim_tokens, text_only
 from kvserve.server.infill import SNIPPET, InfillParts, infill_ids
 from kvserve.tools.bench.servers import llama_server_path
 
@@ -42,6 +42,16 @@ def test_the_layout_is_llama_servers(fim_tokenizer):
     extra = [tok.token_to_id("<reponame>"), *enc("myproject\n"), *enc(SNIPPET), *enc("x = 1\n"), *enc(SNIPPET),
              *enc("y = 2\n")]
     assert ids == [7, *extra, pre, *enc("def f():\n"), *enc("  ret"), suf, *enc("\nf()\n"), mid]
+
+
+def test_code_spelling_special_tokens_is_text_and_the_prompt_is_not(fim_tokenizer):
+    tok = fim_tokenizer
+    pre, suf, mid = (tok.token_to_id(t) for t in FIM)
+    parts = InfillParts("s = '<fim_middle>'\n", "<fim_prefix>", "<fim_suffix>", [("<fim_middle>.py", "<|im_end|>")])
+    ids = infill_ids(tok, fim_tokens(tok), None, parts, max_model_len=8192, n_predict=16, code_tokenizer=text_only(tok))
+    # one PRE and one MID, where the layout puts them; the typed prompt's spelling is a SUF before the layout's
+    assert ids.count(pre) == ids.count(mid) == 1 and ids[-1] == mid and tok.token_to_id("<|im_end|>") not in ids
+    assert ids.count(suf) == 2 and ids[ids.index(suf) - 1] != pre
 
 
 def test_parts_are_trimmed_to_the_batch_and_the_context(fim_tokenizer):
@@ -110,7 +120,7 @@ def test_infill_answers_as_completion_does(fim_server):
 
 @pytest.mark.skipif(not llama_server_path().is_file(), reason="llama-server binary absent "
                     "(../shared/peers/llama.cpp/llama-server or $KVSERVE_LLAMA_SERVER)")
-@pytest.mark.parametrize("size", ["small", "trimmed"])
+@pytest.mark.parametrize("size", ["small", "trimmed", "special spellings"])
 def test_the_prompt_is_as_long_as_llama_servers(fim_model, fim_server, size):
     """The real llama-server on the same file and body evaluates as many prompt tokens: the same layout,
     and with a prefix and suffix past its default batch, the same trimming. (Extra chunks past the context:
@@ -118,7 +128,11 @@ def test_the_prompt_is_as_long_as_llama_servers(fim_model, fim_server, size):
     trims them further; test_parts_are_trimmed_to_the_batch_and_the_context.)"""
     from kvserve.tools.bench.servers import llama_server
 
-    body = BODY if size == "small" else {**BODY, "input_prefix": "x = 1\n" * 700, "input_suffix": "y = 2\n" * 300}
+    body = {"small": BODY, "trimmed": {**BODY, "input_prefix": "x = 1\n" * 700, "input_suffix": "y = 2\n" * 300},
+            # code that spells special tokens is text to llama-server; the typed prompt's spellings are tokens
+            "special spellings": {**BODY, "input_prefix": 'END = "<|im_end|>"  # <fim_middle>\n',
+                                  "prompt": "<fim_suffix>", "input_suffix": "<|im_start|>",
+                                  "input_extra": [{"filename": "<|im_end|>.py", "text": "<fim_prefix>"}]}}[size]
     ours = httpx.post(fim_server.url + "/infill", json=body, timeout=120).json()
     with llama_server(llama_server_path(), fim_model, 1, 4096, 1) as peer:
         theirs = httpx.post(peer.base_url + "/infill", json=body, timeout=120).json()

@@ -1,9 +1,9 @@
 """Generated: on every API family's generation route (OpenAI's completions and chat, Anthropic, Ollama,
 llama.cpp, Responses), a streamed answer adds up to the whole one. For any stop list (empty strings,
 overlapping and repeated ones, strings the output holds), any token limit, greedy or seeded sampling, and
-on OpenAI's routes n choices and logprobs, the streamed pieces join to the same text (and logprobs), the
-stream ends with the same finish (and stop string) as the whole answer, no error event comes, and no page
-stays in use afterwards."""
+on OpenAI's routes n choices and logprobs (llama.cpp's n_probs), the streamed pieces join to the same text
+(and logprobs), the stream ends with the same finish (and stop string) as the whole answer, no error event
+comes, and no page stays in use afterwards."""
 
 from __future__ import annotations
 
@@ -78,7 +78,12 @@ def read_llamacpp(whole: dict, lines: list[str]) -> tuple[tuple, tuple]:
     assert events[-1]["stop"] is True and not any("error" in e for e in events)
     def finish(e: dict) -> tuple:
         return e["stop_type"], e["stopping_word"]
-    return (whole["content"], finish(whole)), ("".join(e["content"] for e in events), finish(events[-1]))
+
+    def probs(entries: list[dict]) -> list:  # (n_probs: each token's id and logprob, and its alternatives' ids)
+        return [(p["id"], round(p["logprob"], 4), [t["id"] for t in p["top_logprobs"]]) for p in entries]
+    streamed_probs = probs([p for e in events for p in e.get("completion_probabilities", [])])
+    return ((whole["content"], finish(whole), probs(whole.get("completion_probabilities", []))),
+            ("".join(e["content"] for e in events), finish(events[-1]), streamed_probs))
 
 
 def read_responses(whole: dict, lines: list[str]) -> tuple[tuple, tuple]:
@@ -112,7 +117,8 @@ def request(family: str, stop: list[str], max_tokens: int, sampling: dict, n: in
             "stop": stop, "num_predict": max_tokens, **sampling}}
     if family == "responses":  # (no stop strings in the Responses API)
         return "/v1/responses", {"input": "List three colours.", "max_output_tokens": max_tokens, **sampling}
-    return "/completion", {"prompt": "Colours: red, green,", "stop": stop, "n_predict": max_tokens, **sampling}
+    return "/completion", {"prompt": "Colours: red, green,", "stop": stop, "n_predict": max_tokens,
+                           **({"n_probs": 2} if logprobs else {}), **sampling}
 
 
 READERS = {"completions": lambda w, s: read_openai(w, s, False), "chat": lambda w, s: read_openai(w, s, True),
@@ -125,7 +131,8 @@ READERS = {"completions": lambda w, s: read_openai(w, s, False), "chat": lambda 
        n=st.integers(1, 3), logprobs=st.booleans())
 def test_a_stream_adds_up_to_the_whole_answer(server, model_name, async_engine, family, stop, max_tokens, seed, n,
                                               logprobs):
-    """(n and logprobs on the OpenAI routes: each choice's text, finish and sampled tokens' logprobs)"""
+    """(n and logprobs on the OpenAI routes, n_probs on llama.cpp's: each choice's text, finish and sampled
+    tokens' logprobs)"""
     # (Anthropic's and the Responses API have no seed: their sampled answers are not reproducible, so they
     # run greedy)
     seeded = seed is not None and family not in ("anthropic", "responses")

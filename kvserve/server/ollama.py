@@ -163,17 +163,18 @@ def register(app: FastAPI, serving: OpenAIServing, info: ModelInfo,
 
 async def _whole(events: AsyncIterator[dict[str, Any]], chat_route: bool) -> dict[str, Any]:
     """A non-streamed answer: the streamed events' text joined onto the last one."""
-    pieces, last = [], {}
+    pieces, logprobs, last = [], [], {}
     async for event in events:
         if "error" in event:
             raise APIError(event["error"], 503, "server_error")
         last = event
         pieces.append(event["message"]["content"] if chat_route else event["response"])
+        logprobs += event.get("logprobs", [])
     if chat_route:
         last["message"]["content"] = "".join(pieces)
     else:
         last["response"] = "".join(pieces)
-    return last
+    return last | ({"logprobs": logprobs} if logprobs else {})
 
 
 async def _events(chunks: AsyncIterator[str], name: str, timer: Timer, chat_route: bool
@@ -192,10 +193,12 @@ async def _events(chunks: AsyncIterator[str], name: str, timer: Timer, chat_rout
             got = calls.setdefault(call["index"], {"function": {"name": "", "arguments": ""}})
             got["function"]["name"] += call.get("function", {}).get("name") or ""
             got["function"]["arguments"] += call.get("function", {}).get("arguments") or ""
-        if piece:
+        logprobs = (choice.get("logprobs") or {}).get("content")  # (its tokens' entries, text held back or not)
+        if piece or logprobs:
             timer.first = timer.first or time.monotonic()
             text = {"message": {"role": "assistant", "content": piece}} if chat_route else {"response": piece}
-            yield {"model": name, "created_at": now_iso(), **text, "done": False}
+            yield {"model": name, "created_at": now_iso(), **text, "done": False,
+                   **({"logprobs": logprobs} if logprobs else {})}
         if choice.get("finish_reason") is not None and payload.get("usage"):
             last: dict[str, Any] = {"message": {"role": "assistant", "content": ""}} if chat_route else {"response": ""}
             if calls:

@@ -1,7 +1,8 @@
 """Ollama's request bodies (/api/chat, /api/generate) as pydantic models, and their translation into the
 OpenAI requests the serving layer runs: `options` (Ollama's defaults: temperature 0.8, top_k 40,
 top_p 0.9), `format` ("json" or a JSON schema), `tools` and tool-call turns, `num_ctx` (the request's
-context cap, checked once the prompt is tokenized). Sampler options kvserve lacks are a 400 unless
+context cap, checked once the prompt is tokenized), `logprobs` and `top_logprobs` (OpenAI chat's entries,
+which Ollama's are). Sampler options kvserve lacks are a 400 unless
 sent at their neutral value; runtime hints (threads, GPU layers, mmap) change no output and are taken.
 """
 
@@ -15,8 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from kvserve.server.anthropic_protocol import first_error
 from kvserve.server.llamacpp_fields import UNSUPPORTED_SAMPLERS
-from kvserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, Int64, Penalty,
-                                     Temperature, Text, TopP)
+from kvserve.server.protocol import (MAX_LOGPROBS, APIError, ChatCompletionRequest, CompletionRequest, Int64,
+                                     Penalty, Temperature, Text, TopP)
 
 OLLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
 _DURATION = re.compile(r"^(-?\d+(?:\.\d+)?)(ms|s|m|h)?$")
@@ -70,6 +71,8 @@ class _Base(BaseModel):
     options: Options | None = None
     keep_alive: float | StrictStr | None = None
     think: StrictBool | StrictStr | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] = 0  # (as Ollama: none without logprobs)
 
     def keep_alive_s(self) -> float | None:
         """keep_alive in seconds (negative: forever); None when not given."""
@@ -87,6 +90,8 @@ class _Base(BaseModel):
                 fields[name] = getattr(opts, name)
         if opts.num_predict is not None and opts.num_predict > 0:
             fields["max_tokens"] = opts.num_predict
+        if self.logprobs:  # (chat's spelling; RawCompletion takes the count as `logprobs`)
+            fields.update(logprobs=True, top_logprobs=self.top_logprobs)
         if self.format == "json":
             fields["response_format"] = {"type": "json_object"}
         elif isinstance(self.format, dict):
@@ -141,11 +146,20 @@ class GenerateRequest(_Base):
                 raise APIError(f"{name} is not supported on /api/generate; use /api/chat for "
                                "conversations", param=name)
         if self.raw or self.suffix:
-            return validated(CompletionRequest, {**self.openai_fields(), "prompt": self.prompt,
-                                                 "suffix": self.suffix})
+            fields = self.openai_fields()
+            if self.logprobs:
+                del fields["top_logprobs"]
+                fields["logprobs"] = self.top_logprobs
+            return validated(RawCompletion, {**fields, "prompt": self.prompt, "suffix": self.suffix})
         turns = [{"role": "system", "content": self.system}] if self.system else []
         return validated(ChatCompletionRequest, {**self.openai_fields(),
                                                  "messages": [*turns, {"role": "user", "content": self.prompt}]})
+
+
+class RawCompletion(CompletionRequest):
+    """/api/generate's raw prompt (or one with a suffix) as a completion, its logprobs in Ollama's entries."""
+
+    logprobs_shape = "chat"
 
 
 def parse(model: type[_Base], payload: Any) -> Any:

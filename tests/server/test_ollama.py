@@ -1,6 +1,6 @@
 """Ollama's API through the real `ollama` client against a real server: chat (streamed and not),
 generate, list, ps, show, version, `format` with a JSON schema (20 of 20 valid at temperature 1), a tool
-call, options honoured (num_predict, seed, num_ctx) and bad input answered with Ollama's 4xx error."""
+call, options honoured (num_predict, seed, num_ctx), logprobs, and bad input answered with Ollama's 4xx error."""
 
 from __future__ import annotations
 
@@ -42,6 +42,31 @@ def test_chat_equals_openai_chat_at_temperature_0(oclient, client, model_name):
     theirs = client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0,
                                             max_tokens=10).choices[0].message.content
     assert ours == theirs
+
+
+def test_logprobs_are_openai_chats_entries_whole_and_streamed(server, oclient, client, model_name):
+    options = {"temperature": 0, "num_predict": 6}
+    whole = oclient.chat(model=model_name, messages=QUESTION, options=options, logprobs=True, top_logprobs=3)
+    assert len(whole.logprobs) == whole.eval_count
+    theirs = client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=6,
+                                            logprobs=True, top_logprobs=3).choices[0].logprobs.content
+    assert [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in whole.logprobs] == \
+        [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in theirs]
+    streamed = list(oclient.chat(model=model_name, messages=QUESTION, options=options, logprobs=True,
+                                 top_logprobs=3, stream=True))
+    assert [e for p in streamed for e in p.logprobs or []] == whole.logprobs
+    # generate, templated and raw (a completion underneath): the same entries; none unless asked, as Ollama
+    for raw in (False, True):
+        out = oclient.generate(model=model_name, prompt="1, 2, 3,", raw=raw, options=options, logprobs=True)
+        assert len(out.logprobs) == out.eval_count and all(not e.top_logprobs for e in out.logprobs)
+    # each entry's bytes, as Ollama sends them (the client's model leaves them out)
+    body = {"model": model_name, "prompt": "1, 2, 3,", "options": options, "logprobs": True, "stream": False}
+    [first, *_] = httpx.post(server.url + "/api/generate", json=body, timeout=120).json()["logprobs"]
+    assert first["bytes"] == list(first["token"].encode())
+    assert oclient.generate(model=model_name, prompt="1, 2, 3,", options=options, top_logprobs=3).logprobs is None
+    with pytest.raises(ollama.ResponseError) as err:
+        oclient.chat(model=model_name, messages=QUESTION, logprobs=True, top_logprobs=21)
+    assert err.value.status_code == 400 and "top_logprobs" in str(err.value)
 
 
 def test_generate_templated_raw_and_seeded(oclient, model_name):

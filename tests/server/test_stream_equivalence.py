@@ -1,9 +1,9 @@
 """Generated: on every API family's generation route (OpenAI's completions and chat, Anthropic, Ollama,
 llama.cpp, Responses), a streamed answer adds up to the whole one. For any stop list (empty strings,
-overlapping and repeated ones, strings the output holds), any token limit, greedy or seeded sampling, and
-on OpenAI's routes n choices and logprobs (llama.cpp's n_probs), the streamed pieces join to the same text
-(and logprobs), the stream ends with the same finish (and stop string) as the whole answer, no error event
-comes, and no page stays in use afterwards."""
+overlapping and repeated ones, strings the output holds), any token limit, greedy or seeded sampling, on
+OpenAI's routes n choices and logprobs, and logprobs on Ollama's and llama.cpp's (n_probs), the streamed
+pieces join to the same text (and logprobs), the stream ends with the same finish (and stop string) as the
+whole answer, no error event comes, and no page stays in use afterwards."""
 
 from __future__ import annotations
 
@@ -70,7 +70,9 @@ def read_anthropic(whole: dict, lines: list[str]) -> tuple[tuple, tuple]:
 def read_ollama(whole: dict, lines: list[str]) -> tuple[tuple, tuple]:
     parts = [json.loads(line) for line in lines]
     assert parts[-1]["done"] and not any("error" in p for p in parts)
-    return (whole["response"], whole["done_reason"]), ("".join(p["response"] for p in parts), parts[-1]["done_reason"])
+    streamed_logprobs = [e for p in parts for e in p.get("logprobs", [])]
+    return ((whole["response"], whole["done_reason"], whole.get("logprobs", [])),
+            ("".join(p["response"] for p in parts), parts[-1]["done_reason"], streamed_logprobs))
 
 
 def read_llamacpp(whole: dict, lines: list[str]) -> tuple[tuple, tuple]:
@@ -113,8 +115,8 @@ def request(family: str, stop: list[str], max_tokens: int, sampling: dict, n: in
     if family == "anthropic":
         return "/v1/messages", {"messages": QUESTION, "stop_sequences": stop, "max_tokens": max_tokens, **sampling}
     if family == "ollama":
-        return "/api/generate", {"prompt": "List three colours.", "options": {
-            "stop": stop, "num_predict": max_tokens, **sampling}}
+        return "/api/generate", {"prompt": "List three colours.", "options": {"stop": stop, "num_predict": max_tokens,
+                                 **sampling}, **({"logprobs": True, "top_logprobs": 2} if logprobs else {})}
     if family == "responses":  # (no stop strings in the Responses API)
         return "/v1/responses", {"input": "List three colours.", "max_output_tokens": max_tokens, **sampling}
     return "/completion", {"prompt": "Colours: red, green,", "stop": stop, "n_predict": max_tokens,
@@ -131,8 +133,8 @@ READERS = {"completions": lambda w, s: read_openai(w, s, False), "chat": lambda 
        n=st.integers(1, 3), logprobs=st.booleans())
 def test_a_stream_adds_up_to_the_whole_answer(server, model_name, async_engine, family, stop, max_tokens, seed, n,
                                               logprobs):
-    """(n and logprobs on the OpenAI routes, n_probs on llama.cpp's: each choice's text, finish and sampled
-    tokens' logprobs)"""
+    """(n and logprobs on the OpenAI routes, logprobs on Ollama's and llama.cpp's: each choice's text, finish and
+    sampled tokens' logprobs)"""
     # (Anthropic's and the Responses API have no seed: their sampled answers are not reproducible, so they
     # run greedy)
     seeded = seed is not None and family not in ("anthropic", "responses")

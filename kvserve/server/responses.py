@@ -39,6 +39,7 @@ class ResponseBuilder:
     def __init__(self, response_id: str, body: ResponsesRequest, model: str, extra: dict[str, Any]) -> None:
         self.body, self.items, self.seq = body, [], 0
         self.message: dict[str, Any] | None = None
+        self.logprobs: list[dict[str, Any]] = []  # entries not yet sent with a text delta (include's logprobs)
         self.calls: dict[int, dict[str, Any]] = {}
         self.response = {
             "id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
@@ -75,6 +76,8 @@ class ResponseBuilder:
                 continue
             choice = chunk["choices"][0]
             delta = {} if self.body.prewarm else choice.get("delta") or {}  # prewarm: no output
+            if self.body.wants_logprobs and not self.body.prewarm:
+                self.logprobs += (choice.get("logprobs") or {}).get("content") or []
             if delta.get("content"):
                 for e in self._text(delta["content"]):
                     yield e
@@ -93,14 +96,18 @@ class ResponseBuilder:
             self.items.append(self.message)
             out.append(self.event("response.output_item.added", output_index=len(self.items) - 1,
                                   item={**self.message, "content": []}))
-            self.message["content"].append({"type": "output_text", "text": "", "annotations": []})
+            part = {"type": "output_text", "text": "", "annotations": [],
+                    **({"logprobs": []} if self.body.wants_logprobs else {})}
+            self.message["content"].append(part)
             out.append(self.event("response.content_part.added", item_id=self.message["id"],
-                                  output_index=len(self.items) - 1, content_index=0,
-                                  part={"type": "output_text", "text": "", "annotations": []}))
-        self.message["content"][0]["text"] += piece
+                                  output_index=len(self.items) - 1, content_index=0, part=dict(part)))
+        part, sent, self.logprobs = self.message["content"][0], self.logprobs, []
+        part["text"] += piece
+        if self.body.wants_logprobs:
+            part["logprobs"] = part["logprobs"] + sent
         out.append(self.event("response.output_text.delta", item_id=self.message["id"],
                               output_index=self.items.index(self.message), content_index=0, delta=piece,
-                              logprobs=[]))
+                              logprobs=sent))
         return out
 
     def _call(self, call: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -121,13 +128,15 @@ class ResponseBuilder:
         return out
 
     def _finish(self, reason: str, usage: dict[str, Any], chunk: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-        out = []
+        # the last tokens' logprobs, whose text never came (a stop string held it back); none without a message:
+        # those were a tool call's tokens
+        out = self._text("") if self.message is not None and self.logprobs else []
         for index, item in enumerate(self.items):
             item["status"] = "completed"
             if item is self.message:
                 part = item["content"][0]
                 out.append(self.event("response.output_text.done", item_id=item["id"], output_index=index,
-                                      content_index=0, text=part["text"], logprobs=[]))
+                                      content_index=0, text=part["text"], logprobs=part.get("logprobs", [])))
                 out.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
                                       content_index=0, part=dict(part)))
             else:

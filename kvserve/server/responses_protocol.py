@@ -1,21 +1,21 @@
 """OpenAI's Responses API request (`POST /v1/responses`) and its translation into the chat request the
 serving layer runs: `input` as text or items (messages, `function_call`, `function_call_output`),
 `instructions` (a system turn, not carried to follow-ups, as OpenAI does), function `tools` and
-`tool_choice`, `text.format`, `max_output_tokens`, and the stored conversation of a
-`previous_response_id` put before the new input."""
+`tool_choice`, `text.format`, `max_output_tokens`, `include`'s output-text logprobs with `top_logprobs`,
+and the stored conversation of a `previous_response_id` put before the new input."""
 
 from __future__ import annotations
 
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
 
 from kvserve.server.ollama_protocol import validated
 from kvserve.server.openai_breakpoints import PromptCacheBreakpoint
 from kvserve.server.prompt_cache_options import ResponsesPromptCacheOptions
-from kvserve.server.protocol import (APIError, ChatCompletionRequest, MaxTokens, Temperature, Text,
-                                     TopP)
+from kvserve.server.protocol import (MAX_LOGPROBS, APIError, ChatCompletionRequest, MaxTokens, Temperature,
+                                     Text, TopP)
 
 MAX_INPUT_ITEMS = 2048
 
@@ -48,6 +48,15 @@ class NamedFunction(BaseModel):
     name: Text
 
 
+# what `include` may name: the output text's logprobs are given; the others name outputs of tools and
+# reasoning this server has none of, so there is nothing to add for them
+LOGPROBS = "message.output_text.logprobs"
+INCLUDABLE = (LOGPROBS, "reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
+              "web_search_call.action.sources", "message.input_image.image_url",
+              "computer_call_output.output.image_url", "code_interpreter_call.outputs")
+Includable = Literal[INCLUDABLE]  # type: ignore[valid-type]
+
+
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: Text | None = None
@@ -69,6 +78,13 @@ class ResponsesRequest(BaseModel):
     prompt_cache_options: ResponsesPromptCacheOptions | None = None  # prompt_cache_options.py
     truncation: Literal["disabled"] | None = None
     user: Text | None = None
+    include: Annotated[list[Includable], Field(max_length=len(INCLUDABLE))] | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """include's message.output_text.logprobs: each output token's logprob (and top_logprobs' alternatives)."""
+        return LOGPROBS in (self.include or ())
 
     @field_validator("tools", mode="before")
     @classmethod
@@ -128,6 +144,8 @@ class ResponsesRequest(BaseModel):
                                    "prompt_cache_retention": self.prompt_cache_retention}
         if self.prompt_cache_options is not None:
             payload["prompt_cache_options"] = self.prompt_cache_options.model_dump(include={"mode", "ttl"})
+        if self.wants_logprobs:
+            payload.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         if self.tools:
             payload["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                                 for t in self.tools]

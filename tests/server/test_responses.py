@@ -1,5 +1,5 @@
 """OpenAI's Responses API through the real openai SDK against a real server: text, streaming events,
-a function-call round trip, `text.format`, a follow-up by `previous_response_id` whose cached tokens
+a function-call round trip, `text.format`, included logprobs, a follow-up by `previous_response_id` whose cached tokens
 cover the previous turn's pages, GET and DELETE, `store: false`, tenants kept apart, and bad input
 answered with a 4xx naming the field."""
 
@@ -72,6 +72,22 @@ def test_streaming_events_add_up_to_the_response(client, model_name):
     assert client.responses.retrieve(final.id).output_text == text
 
 
+def test_included_logprobs_are_chats_whole_and_with_each_delta(client, model_name):
+    ask = {"model": model_name, "input": "Say hello.", "max_output_tokens": 6, "temperature": 0,
+           "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    part = client.responses.create(**ask).output[0].content[0]
+    chat = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Say hello."}],
+                                          max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    assert [e.model_dump() for e in part.logprobs] == [e.model_dump() for e in chat.choices[0].logprobs.content]
+    events = list(client.responses.create(**ask, stream=True))
+    sent = [(e.token, e.logprob) for ev in events if ev.type == "response.output_text.delta" for e in ev.logprobs]
+    [done] = [ev for ev in events if ev.type == "response.output_text.done"]
+    assert sent == [(e.token, e.logprob) for e in part.logprobs] == [(e.token, e.logprob) for e in done.logprobs]
+    # not included: none; an include naming outputs this server has none of adds nothing
+    plain = client.responses.create(**{**ask, "include": ["reasoning.encrypted_content"]}).output[0].content[0]
+    assert plain.logprobs is None and plain.text == part.text
+
+
 def test_function_call_round_trip(client, model_name):
     call = client.responses.create(model=model_name, input="What is the weather in Paris?", tools=[WEATHER],
                                    tool_choice="required", temperature=0, max_output_tokens=40)
@@ -133,6 +149,8 @@ def test_a_tenant_never_reads_or_continues_anothers_response(async_engine, model
     ({"input": "hi", "truncation": "auto"}, "truncation"),
     ({"input": "hi", "previous_response_id": "resp_missing"}, "previous_response_id"),
     ({"input": "hi", "model": "other"}, "model"),
+    ({"input": "hi", "include": ["message.output_text.everything"]}, "include.0"),
+    ({"input": "hi", "top_logprobs": 21}, "top_logprobs"),
 ])
 def test_bad_input_is_a_4xx_naming_the_field(server, body, param):
     r = httpx.post(server.url + "/v1/responses", json=body, timeout=60)

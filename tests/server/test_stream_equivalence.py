@@ -1,7 +1,7 @@
 """Generated: on every API family's generation route (OpenAI's completions and chat, Anthropic, Ollama,
 llama.cpp, Responses), a streamed answer adds up to the whole one. For any stop list (empty strings,
 overlapping and repeated ones, strings the output holds), any token limit, greedy or seeded sampling, on
-OpenAI's routes n choices and logprobs, and logprobs on Ollama's and llama.cpp's (n_probs), the streamed
+OpenAI's routes n choices and logprobs, and logprobs on Ollama's, llama.cpp's and Responses, the streamed
 pieces join to the same text (and logprobs), the stream ends with the same finish (and stop string) as the
 whole answer, no error event comes, and no page stays in use afterwards."""
 
@@ -92,16 +92,18 @@ def read_responses(whole: dict, lines: list[str]) -> tuple[tuple, tuple]:
     events = sse_data(lines)
     assert events[-1]["type"] in ("response.completed", "response.incomplete"), events[-1]["type"]
     assert not any(e["type"] in ("error", "response.failed") for e in events)
-    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    text, logprobs = "".join(e["delta"] for e in deltas), [p for e in deltas for p in e["logprobs"]]
 
     def answer(response: dict) -> tuple:
-        texts = [c["text"] for item in response["output"] if item["type"] == "message"
+        parts = [c for item in response["output"] if item["type"] == "message"
                  for c in item["content"] if c["type"] == "output_text"]
-        return "".join(texts), response["status"], response["incomplete_details"]
+        return ("".join(c["text"] for c in parts), [p for c in parts for p in c.get("logprobs", [])],
+                response["status"], response["incomplete_details"])
     final = answer(events[-1]["response"])
     whole_answer = answer(whole)
-    assert final[0] == text  # the final event's response holds what the deltas sent
-    return whole_answer[1:] + (whole_answer[0],), final[1:] + (text,)
+    assert final[:2] == (text, logprobs)  # the final event's response holds what the deltas sent
+    return whole_answer[2:] + whole_answer[:2], final[2:] + (text, logprobs)
 
 
 def request(family: str, stop: list[str], max_tokens: int, sampling: dict, n: int, logprobs: bool
@@ -118,7 +120,9 @@ def request(family: str, stop: list[str], max_tokens: int, sampling: dict, n: in
         return "/api/generate", {"prompt": "List three colours.", "options": {"stop": stop, "num_predict": max_tokens,
                                  **sampling}, **({"logprobs": True, "top_logprobs": 2} if logprobs else {})}
     if family == "responses":  # (no stop strings in the Responses API)
-        return "/v1/responses", {"input": "List three colours.", "max_output_tokens": max_tokens, **sampling}
+        included = {"include": ["message.output_text.logprobs"], "top_logprobs": 2} if logprobs else {}
+        return "/v1/responses", {"input": "List three colours.", "max_output_tokens": max_tokens, **sampling,
+                                 **included}
     return "/completion", {"prompt": "Colours: red, green,", "stop": stop, "n_predict": max_tokens,
                            **({"n_probs": 2} if logprobs else {}), **sampling}
 
@@ -133,8 +137,8 @@ READERS = {"completions": lambda w, s: read_openai(w, s, False), "chat": lambda 
        n=st.integers(1, 3), logprobs=st.booleans())
 def test_a_stream_adds_up_to_the_whole_answer(server, model_name, async_engine, family, stop, max_tokens, seed, n,
                                               logprobs):
-    """(n and logprobs on the OpenAI routes, logprobs on Ollama's and llama.cpp's: each choice's text, finish and
-    sampled tokens' logprobs)"""
+    """(n on OpenAI's chat and completions, and logprobs on every route but Anthropic's: each choice's text,
+    finish and sampled tokens' logprobs)"""
     # (Anthropic's and the Responses API have no seed: their sampled answers are not reproducible, so they
     # run greedy)
     seeded = seed is not None and family not in ("anthropic", "responses")

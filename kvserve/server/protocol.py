@@ -115,6 +115,14 @@ class _Sampling(StructuredFields, LlamaCppFields):
     prompt_cache_key: Annotated[Text, Field(max_length=1024)] | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     prompt_cache_options: PromptCacheOptions | None = None  # prompt_cache_options.py
+    prompt_logprobs: Any = None  # vLLM's; refused, never silently dropped
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _no_prompt_logprobs(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("prompt_logprobs is not supported (prompt logprobs are not computed); leave it out")
+        return value
 
     @field_validator("stop", mode="before")
     @classmethod

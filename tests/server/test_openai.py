@@ -211,6 +211,8 @@ def test_bad_requests_get_openai_errors(client, model_name):
     (b'{"prompt": "hi", "frequency_penalty": 3}', "frequency_penalty"),
     (b'{"prompt": "hi", "presence_penalty": "high"}', "presence_penalty"),
     (b'{"prompt": "hi", "echo": true, "logprobs": 1}', None),
+    (b'{"prompt": "hi", "prompt_logprobs": 1}', "prompt_logprobs"),
+    (b'{"prompt": "hi", "prompt_logprobs": 0}', "prompt_logprobs"),
     (b'{"prompt": "hi", "suffix": "x"}', "suffix"),
     (b'{"prompt": "hi", "n_predict": 0}', None),
     (b'{"prompt": "hi", "n_predict": 3, "max_tokens": 4}', None),

@@ -2,8 +2,8 @@
 OpenAI requests the serving layer runs: `options` (Ollama's defaults: temperature 0.8, top_k 40,
 top_p 0.9), `format` ("json" or a JSON schema), `tools` and tool-call turns, `num_ctx` (the request's
 context cap, checked once the prompt is tokenized), `logprobs` and `top_logprobs` (OpenAI chat's entries,
-which Ollama's are). Sampler options kvserve lacks are a 400 unless
-sent at their neutral value; runtime hints (threads, GPU layers, mmap) change no output and are taken.
+which Ollama's are). Sampler options kvserve lacks are a 400 unless sent at their neutral value; runtime
+hints (threads, GPU layers, mmap) change no output and are taken.
 """
 
 from __future__ import annotations

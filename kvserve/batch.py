@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.request import SamplingParams, TokenConstraint
+from kvserve.request import PromptLogprob, SamplingParams, TokenConstraint
 
 
 @dataclass(slots=True)
@@ -43,6 +43,9 @@ class ScheduledSeq:
     # a draft model's work: its drafts are not in token_ids yet; the runner proposes them before the
     # target computes the step, and appends them as the last draft.num_drafts rows
     draft: DraftSeq | None = None
+    # prompt_logprobs: the prompt token after each of the first len(prompt_targets) rows, whose logprob the
+    # runner reads there (none: not asked, or no row of this chunk is followed by a prompt token)
+    prompt_targets: list[int] | None = None
 
     @property
     def num_drafts(self) -> int:
@@ -96,3 +99,5 @@ class StepResult:
     # aligned with seqs where any seq carried drafts: the draft tokens verification accepted, in order
     # (sampled[i] is then the token after them: the correction or the bonus token)
     accepted: list[list[SampledToken]] = field(default_factory=list)
+    # aligned with seqs where any seq had prompt_targets: each target's PromptLogprob, in order
+    prompt_logprobs: list[list[PromptLogprob] | None] = field(default_factory=list)

@@ -66,7 +66,8 @@ class OutputProcessor:
             outputs=completions, finished=finished, num_cached_tokens=first.num_cached_tokens,
             metrics=RequestMetrics(first.arrival_time, first_token, last, scheduled), lease_usage=first.lease_usage,
             kv_cache=first.kv_cache, spec_decode=_spec_counts(samples),
-            held_lease_id=first.cache.held_lease_id, hold_refused=first.cache.hold_refused)
+            held_lease_id=first.cache.held_lease_id, hold_refused=first.cache.hold_refused,
+            prompt_logprobs=list(first.prompt_logprobs) if first.sampling_params.prompt_logprobs is not None else None)
 
     def _completion(self, index: int, request: Request, group_finished: bool) -> CompletionOutput:
         done = request.status.is_finished

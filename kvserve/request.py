@@ -27,6 +27,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    # each prompt token's logprob given the tokens before it, and this many alternatives (vLLM's); such a
+    # request computes its whole prompt (it takes no prefix-cache hit)
+    prompt_logprobs: int | None = None
     cache_salt: str | None = None
     structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice, grammar
     # vLLM's (and OpenAI's) definitions: each logit minus frequency_penalty x the token's count in the
@@ -51,8 +54,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= 20:
+                raise ValueError(f"{name} must be between 0 and 20, got {getattr(self, name)}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be between -2 and 2, got {getattr(self, name)}")
@@ -172,6 +176,8 @@ class Request:
     first_scheduled_time: float | None = None  # the start of the first step that computed it (queue time's end)
     num_preemptions: int = 0
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # prompt_logprobs: entry i for prompt token i ({token: logprob, alternatives...}), None for the first
+    prompt_logprobs: list[PromptLogprob | None] = field(default_factory=list)
     # n > 1: the other samples wait here until this request has computed all but its last prompt
     # token, then fork its pages (shared by ref count, copied on first write)
     fork_children: list[Request] = field(default_factory=list)
@@ -189,7 +195,11 @@ class Request:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
-        self.namespace = cache_namespace(self.tenant, self.cache_salt)
+        salt = self.cache_salt
+        if self.sampling_params.prompt_logprobs is not None:  # every prompt row computed: a namespace of its own
+            salt = f"{salt or ''}:prompt-logprobs:{self.request_id}"
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+        self.namespace = cache_namespace(self.tenant, salt)
 
     @property
     def num_cached_tokens(self) -> int:
@@ -225,6 +235,17 @@ class Request:
         """Structured outputs: the grammar is complete and nothing may follow (the sequence stops)."""
         return self.grammar is not None and self.grammar.is_finished
 
+    def prompt_targets(self, start: int, num_new: int) -> list[int] | None:
+        """prompt_logprobs: the prompt tokens after rows start..start + num_new (each row's logits give the
+        next token's logprob); None where none is asked or no row is followed by a prompt token."""
+        if self.sampling_params.prompt_logprobs is None:
+            return None
+        return self.prompt_token_ids[start + 1:min(start + num_new, self.num_prompt_tokens - 1) + 1] or None
+
+    def record_prompt_logprobs(self, start: int, entries: list[PromptLogprob]) -> None:
+        """Those of the prompt tokens after rows start.. (a recompute after preemption writes the same again)."""
+        self.prompt_logprobs[start + 1:start + 1 + len(entries)] = entries
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
@@ -240,6 +261,17 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass(slots=True)
+class PromptLogprob:
+    """One prompt token's logprob given the tokens before it, its rank in the vocabulary (1: the most
+    likely), and the `prompt_logprobs` most likely tokens there."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -282,4 +314,5 @@ class RequestOutput:
     kv_cache: dict | None = None  # why the prompt hit or missed the prefix cache (kv_explain)
     spec_decode: SpecDecodeCounts | None = None  # with speculative decoding on: drafts and accepted tokens
     held_lease_id: str | None = None  # a tool-call hold on the conversation's pages (finished only)
+    prompt_logprobs: list[PromptLogprob | None] | None = None  # asked by prompt_logprobs: one per prompt token
     hold_refused: str | None = None

@@ -262,7 +262,7 @@ class Scheduler:
             draft=drafts.work if drafts else None,
             output_token_ids=(request.output_token_ids if request.sampling_params.penalizes
                               and start + num_new == request.num_tokens else None),
-        )
+            prompt_targets=request.prompt_targets(start, num_new))
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Swap the pages to the host tier when asked and there is room; otherwise recompute: drop the

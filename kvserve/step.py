@@ -50,6 +50,9 @@ def run_step(scheduler: Scheduler, executor: Executor, clock: Callable[[], float
         return StepOutcome(out)
     result = executor.execute(out)
     manager.tiers.complete(out.page_ops.saves, result.saved)
+    for seq, entries in zip(out.seqs, result.prompt_logprobs):  # (prompt_logprobs asked: before the update)
+        if entries and seq.request_id in scheduler.requests:
+            scheduler.requests[seq.request_id].record_prompt_logprobs(seq.start_pos, entries)
     changed = scheduler.update(out, result.sampled, clock(), result.accepted)
     _apply(scheduler, executor, PageOps(*manager.tiers.take_page_moves()))
     return StepOutcome(out, changed)

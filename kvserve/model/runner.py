@@ -41,11 +41,13 @@ from kvserve.model.gpu_attention import GpuAttentionMetadata
 from kvserve.model.kv_quant import KVCodec, PagedKV, codec_for, fp8_scale_for
 from kvserve.model.llama import LlamaModel
 from kvserve.batch import DraftSeq, PageOps, SampledToken, ScheduledSeq, SchedulerOutput, StepResult
+from kvserve.request import PromptLogprob
 from kvserve.model.sampler import sample
 from kvserve.model.spec_verify import verify
 
 SEQUENCE_CHUNK = 512  # forward_sequence's tokens per pass: bounds attention scores' memory
 CALIBRATION_TOKENS = 512  # corpus tokens of the fp8 calibration pass (--calculate-kv-scales)
+PROMPT_LOGPROBS_BLOCK = 128  # prompt rows whose logits are held at once (128 x a 152k vocabulary: 78 MB)
 ROPE_MIN_POSITIONS = 8192  # the smallest RoPE table build_model makes: 2 x 4 MiB at head_dim 128 (float32)
 
 
@@ -153,8 +155,8 @@ class ModelRunner:
         saved = self.apply_page_ops(out.page_ops)
         if not out.seqs:
             return StepResult([], saved)
-        sampled, accepted = self._run(self._with_drafts(out.seqs))
-        return StepResult(sampled, saved, accepted)
+        sampled, accepted, prompt_logprobs = self._run(self._with_drafts(out.seqs))
+        return StepResult(sampled, saved, accepted, prompt_logprobs)
 
     def _with_drafts(self, seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
         """The draft model's proposals appended to the sequences that carry draft work, as the last
@@ -181,7 +183,8 @@ class ModelRunner:
             self._copy(self._window_kv_bytes, self.window_kv_scales, ops.window_copies)
         return saved
 
-    def _run(self, seqs: list) -> tuple[list[SampledToken | None], list[list[SampledToken]]]:
+    def _run(self, seqs: list) -> tuple[list[SampledToken | None], list[list[SampledToken]],
+                                         list[list[PromptLogprob] | None]]:
         query_lens = [len(s.token_ids) for s in seqs]
         assert min(query_lens) > 0, "a scheduled sequence has no tokens"
         starts = [s.start_pos for s in seqs]
@@ -190,8 +193,9 @@ class ModelRunner:
         accepted: list[list[SampledToken]] = []
         with torch.inference_mode():
             hidden = self._forward(seqs, starts, query_lens)  # [T, hidden]
+            prompt_logprobs = self._prompt_logprobs(seqs, query_lens, hidden)
             if not rows:
-                return result, accepted
+                return result, accepted, prompt_logprobs
             # a sampled sequence's last row, and before it one row per draft token it carries
             ends = list(itertools.accumulate(query_lens))
             counts = [1 + len(seqs[i].draft_token_ids) for i in rows]
@@ -212,7 +216,32 @@ class ModelRunner:
                 for r, i in enumerate(rows):
                     if counts[r] > 1:
                         *accepted[i], result[i] = verify(logits[offsets[r]:offsets[r + 1]], seqs[i])
-        return result, accepted
+        return result, accepted, prompt_logprobs
+
+    def _prompt_logprobs(self, seqs: list[ScheduledSeq], query_lens: list[int], hidden: torch.Tensor
+                         ) -> list[list[PromptLogprob] | None]:
+        """prompt_logprobs: at each row with a prompt target, the log-softmax of the raw logits at that
+        target, its rank, and the most likely tokens; the rows in blocks, so the logits stay small."""
+        asked = [i for i, s in enumerate(seqs) if s.prompt_targets]
+        if not asked:
+            return []
+        firsts = list(itertools.accumulate(query_lens, initial=0))
+        rows = [(i, firsts[i] + j, t) for i in asked for j, t in enumerate(seqs[i].prompt_targets)]
+        out: list[list[PromptLogprob] | None] = [None] * len(seqs)
+        for i in asked:
+            out[i] = []
+        for block in range(0, len(rows), PROMPT_LOGPROBS_BLOCK):
+            part = rows[block:block + PROMPT_LOGPROBS_BLOCK]
+            picked = torch.tensor([r for _, r, _ in part], device=self.device)
+            logp = torch.log_softmax(self.model.compute_logits(hidden.index_select(0, picked)).float(), dim=-1)
+            target_logp = logp.gather(1, torch.tensor([t for _, _, t in part], device=self.device)[:, None])
+            ranks = ((logp > target_logp).sum(dim=1) + 1).tolist()
+            k = min(max(seqs[i].sampling_params.prompt_logprobs for i, _, _ in part), logp.shape[-1])
+            top_vals, top_ids = (v.tolist() for v in logp.topk(k, dim=-1)) if k else ([[]] * len(part),) * 2
+            for r, ((i, _, target), value) in enumerate(zip(part, target_logp[:, 0].tolist())):
+                kk = seqs[i].sampling_params.prompt_logprobs
+                out[i].append(PromptLogprob(target, value, ranks[r], dict(zip(top_ids[r][:kk], top_vals[r][:kk]))))
+        return out
 
     def _forward(self, seqs: list[ScheduledSeq], starts: list[int], query_lens: list[int]) -> torch.Tensor:
         """The decoder over the step's rows -> final hidden states [T, hidden]: a captured graph's

@@ -115,14 +115,6 @@ class _Sampling(StructuredFields, LlamaCppFields):
     prompt_cache_key: Annotated[Text, Field(max_length=1024)] | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     prompt_cache_options: PromptCacheOptions | None = None  # prompt_cache_options.py
-    prompt_logprobs: Any = None  # vLLM's; refused, never silently dropped
-
-    @field_validator("prompt_logprobs")
-    @classmethod
-    def _no_prompt_logprobs(cls, value: Any) -> Any:
-        if value is not None:
-            raise ValueError("prompt_logprobs is not supported (prompt logprobs are not computed); leave it out")
-        return value
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -180,6 +172,11 @@ class _Sampling(StructuredFields, LlamaCppFields):
         return super().prompt_salt(cache_salt)
 
     @property
+    def prompt_logprobs_asked(self) -> int | None:
+        """How many alternatives each prompt token's logprob comes with (None: no prompt logprobs)."""
+        return None
+
+    @property
     def include_usage_chunk(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -207,6 +204,7 @@ class _Sampling(StructuredFields, LlamaCppFields):
             stop=stop,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs_asked,
             cache_salt=self.prompt_salt(self.cache_salt),
             structured_outputs=self.output_constraint(),
             presence_penalty=self.presence_penalty or 0.0,
@@ -225,6 +223,7 @@ class CompletionRequest(_Sampling):
     logprobs_shape: ClassVar[str] = "completion"  # (render.LogprobsShape: llama-server's /completion differs)
     prompt: PromptInput
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # vLLM's
     echo: StrictBool = False
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
@@ -260,12 +259,19 @@ class CompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _completion_only(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs is not supported (prompt logprobs are not computed); "
-                             "send one of them")
+        if self.stream and self.prompt_logprobs_asked is not None:
+            raise ValueError("prompt logprobs (prompt_logprobs, or echo with logprobs) come in a whole answer "
+                             "only; send stream: false")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (other than best_of == n)")
         return self
+
+    @property
+    def prompt_logprobs_asked(self) -> int | None:
+        """prompt_logprobs, or echo with logprobs (the prompt's tokens lead the logprobs, as vLLM gives them)."""
+        if self.prompt_logprobs is not None:
+            return max(self.prompt_logprobs, self.logprobs or 0) if self.echo else self.prompt_logprobs
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         prompt = self.prompt
@@ -310,6 +316,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    prompt_logprobs: Any = None  # vLLM's: refused here (given on /v1/completions), never dropped unseen
     max_completion_tokens: MaxTokens | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
@@ -321,6 +328,8 @@ class ChatCompletionRequest(_Sampling):
     def _chat_only(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: prompt logprobs are given on /v1/completions; leave it out here")
         return self
 
     def breakpoint_refs(self) -> list[BreakpointRef]:

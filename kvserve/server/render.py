@@ -4,11 +4,12 @@ llama-server's (`completion_probabilities`)."""
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import secrets
 from typing import Any, Literal
 
-from kvserve.request import CompletionOutput
+from kvserve.request import CompletionOutput, RequestOutput
 from kvserve.server.tool_parser import CallDelta, ToolFormat, parse_output
 
 MIN_LOGPROB = -9999.0  # JSON has no -Infinity; vLLM clamps the same way
@@ -27,6 +28,37 @@ def completion_choice(index: int, out: CompletionOutput, tokenizer, num_logprobs
                       shape: LogprobsShape = "completion") -> dict[str, Any]:
     return {"index": index, "text": out.text, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
             "logprobs": logprobs_for(shape, out, 0, tokenizer, num_logprobs)}
+
+
+def with_prompt(choice: dict[str, Any], output: RequestOutput, tokenizer, echo: str | None, body: Any) -> None:
+    """A completion choice with its prompt: `echo`'s text before the output, and with logprobs the prompt's
+    tokens before the output's in them (the first one without a logprob, as vLLM gives them); vLLM's
+    `prompt_logprobs` (each token's logprob, rank and decoded text, and its most likely alternatives)."""
+    entries = output.prompt_logprobs
+    if echo is not None:
+        choice["text"] = echo + choice["text"]
+        if choice["logprobs"] is not None and entries is not None and body.logprobs_shape == "completion":
+            choice["logprobs"] = _echo_logprobs(entries, output.prompt_token_ids, tokenizer, body.logprobs,
+                                                choice["logprobs"])
+    if body.prompt_logprobs is not None and entries is not None:
+        choice["prompt_logprobs"] = [None if e is None else {
+            str(t): {"logprob": _clamp(lp), "rank": e.rank if t == e.token_id else rank,
+                     "decoded_token": token_text(tokenizer, t)}
+            for rank, (t, lp) in enumerate([(e.token_id, e.logprob), *_top(e.top, body.prompt_logprobs)])}
+            for e in entries]
+
+
+def _echo_logprobs(entries: list, prompt_ids: list[int], tokenizer, num: int, generated: dict[str, Any]
+                   ) -> dict[str, Any]:
+    """OpenAI's completion logprobs with the prompt's tokens first."""
+    tokens = [token_text(tokenizer, t) for t in prompt_ids]
+    offsets = list(itertools.accumulate((len(t) for t in tokens), initial=0))
+    return {"tokens": tokens + generated["tokens"],
+            "token_logprobs": [None if e is None else _clamp(e.logprob) for e in entries] + generated["token_logprobs"],
+            "top_logprobs": [None if e is None else {token_text(tokenizer, t): _clamp(lp) for t, lp in
+                                                     _top({e.token_id: e.logprob, **e.top}, num)} for e in entries]
+            + generated["top_logprobs"],
+            "text_offset": offsets[:-1] + [offsets[-1] + o for o in generated["text_offset"]]}
 
 
 def chat_choice(index: int, out: CompletionOutput, tokenizer, num_logprobs: int | None,

@@ -145,8 +145,7 @@ class OpenAIServing:
         choices = [render.completion_choice(c.index, c.output.outputs[0], self.tokenizer,
                                             body.logprobs, body.logprobs_shape) for c in gen.choices]
         for choice, c in zip(choices, gen.choices):
-            if gen.echo is not None:
-                choice["text"] = gen.echo[c.prompt_index] + choice["text"]
+            render.with_prompt(choice, c.output, self.tokenizer, gen.echo and gen.echo[c.prompt_index], body)
         return gen.respond(render.completion_response(gen.request_id, gen.created, gen.model, choices,
                                                       gen.usage()))
 

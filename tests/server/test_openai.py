@@ -210,9 +210,9 @@ def test_bad_requests_get_openai_errors(client, model_name):
     (b'{"prompt": "hi", "logit_bias": [1, 2]}', "logit_bias"),
     (b'{"prompt": "hi", "frequency_penalty": 3}', "frequency_penalty"),
     (b'{"prompt": "hi", "presence_penalty": "high"}', "presence_penalty"),
-    (b'{"prompt": "hi", "echo": true, "logprobs": 1}', None),
-    (b'{"prompt": "hi", "prompt_logprobs": 1}', "prompt_logprobs"),
-    (b'{"prompt": "hi", "prompt_logprobs": 0}', "prompt_logprobs"),
+    (b'{"prompt": "hi", "echo": true, "logprobs": 1, "stream": true}', None),
+    (b'{"prompt": "hi", "prompt_logprobs": 1, "stream": true}', None),
+    (b'{"prompt": "hi", "prompt_logprobs": 21}', "prompt_logprobs"),
     (b'{"prompt": "hi", "suffix": "x"}', "suffix"),
     (b'{"prompt": "hi", "n_predict": 0}', None),
     (b'{"prompt": "hi", "n_predict": 3, "max_tokens": 4}', None),
@@ -229,6 +229,33 @@ def test_invalid_completion_bodies_are_400(server, body, param):
     assert error["message"] and error["type"] == "invalid_request_error"
     if param:
         assert error["param"] == param
+
+
+def test_echo_with_logprobs_and_prompt_logprobs_score_the_prompt(server, client, model_name):
+    """What lm-evaluation-harness scores a continuation with: echo + logprobs give the prompt's tokens first
+    (the first without a logprob), and vLLM's prompt_logprobs the same numbers with ranks."""
+    PROMPT = "The capital of France is Paris, and the capital of Italy is"
+    whole = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=2, temperature=0, echo=True,
+                                      logprobs=2)
+    plain = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=2, temperature=0, logprobs=2)
+    choice, generated = whole.choices[0], plain.choices[0].logprobs
+    tokens = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}, timeout=60).json()["tokens"]
+    n = len(tokens)
+    assert choice.text == PROMPT + plain.choices[0].text and "".join(choice.logprobs.tokens) == choice.text
+    assert choice.logprobs.tokens[n:] == generated.tokens and choice.logprobs.token_logprobs[n:] == \
+        generated.token_logprobs and choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.text_offset == [len("".join(choice.logprobs.tokens[:i])) for i in range(n + 2)]
+    scored = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=1, temperature=0,
+                                       extra_body={"prompt_logprobs": 1}).choices[0].model_extra["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == n
+    for i in range(1, n):
+        own = scored[i][str(tokens[i])]
+        assert own["logprob"] == choice.logprobs.token_logprobs[i] and own["rank"] >= 1
+        assert own["decoded_token"] == choice.logprobs.tokens[i]
+        assert sorted(e["rank"] for e in scored[i].values())[0] == 1
+    chat = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                      json={"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1})
+    assert chat.status_code == 400 and "prompt_logprobs" in chat.json()["error"]["message"]
 
 
 def test_unknown_route_and_method(server):

@@ -1,0 +1,47 @@
+"""Prompt logprobs (vLLM's `prompt_logprobs`; what `echo` with `logprobs` scores with): at float32 each prompt
+token's logprob equals transformers' log-softmax there, whatever the prefill chunking, with the prompt's pages
+in the prefix cache already, and for every sample of n; the rank counts the tokens more likely."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.request import SamplingParams
+from tests.conftest import make_llm
+
+PROMPT = ("The lighthouse keeper wrote every ship into her logbook, fed the gulls at dawn and watched the fog "
+          "lift over the rocks before the supply boat came in from the mainland.")
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, hf_tokenizer):
+    """transformers' log-softmax at each prompt position, for the bundled tokenizer's ids of PROMPT."""
+    import torch
+
+    from kvserve.model.gguf_loader import bundled_model_path, load_gguf
+
+    ids = load_gguf(bundled_model_path()).tokenizer.encode(PROMPT, add_special_tokens=False).ids
+    with torch.inference_mode():
+        logp = torch.log_softmax(hf_model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
+    return ids, logp
+
+
+@pytest.mark.parametrize("chunk", [16, 2048])
+def test_prompt_logprobs_equal_transformers_and_ignore_the_prefix_cache(reference, chunk):
+    ids, logp = reference
+    llm = make_llm(max_num_batched_tokens=chunk)
+    params = SamplingParams(max_tokens=2, prompt_logprobs=3)
+    llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=2))  # its pages now in the cache
+    out = llm.generate([{"prompt_token_ids": ids}], params)[0]
+    assert out.num_cached_tokens == 0 and out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for position, entry in enumerate(out.prompt_logprobs[1:], start=1):
+        row, token = logp[position - 1], ids[position]
+        assert entry.token_id == token and entry.logprob == pytest.approx(row[token].item(), abs=1e-4)
+        assert entry.rank == int((row > row[token]).sum()) + 1 or abs(row[token] - row.sort(descending=True)
+                                                                      .values[entry.rank - 1]) < 1e-4
+        assert list(entry.top) == row.topk(3).indices.tolist()
+    # n samples share the prompt: the same prompt logprobs on their output; none when not asked
+    sampled = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=2, n=3, temperature=1.0, seed=1,
+                                                                       prompt_logprobs=3))[0]
+    assert sampled.prompt_logprobs == out.prompt_logprobs
+    assert llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=2))[0].prompt_logprobs is None

@@ -45,3 +45,17 @@ def test_prompt_logprobs_equal_transformers_and_ignore_the_prefix_cache(referenc
                                                                        prompt_logprobs=3))[0]
     assert sampled.prompt_logprobs == out.prompt_logprobs
     assert llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=2))[0].prompt_logprobs is None
+
+
+def test_preemption_leaves_prompt_logprobs_as_they_were():
+    """A pool too small for all of them at once: requests preempted (recomputed) mid-prompt or mid-output
+    give the prompt logprobs they give alone."""
+    from tests.conftest import PROPERTY_MODE, pool_memory
+
+    prompts = [{"prompt_token_ids": [1 + (i * 37 + j * 11) % 4000 for j in range(40 + 7 * i)]} for i in range(8)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True, prompt_logprobs=1)
+    alone = [o.prompt_logprobs for o in make_llm(dtype=PROPERTY_MODE).generate(prompts, params)]
+    small = make_llm(dtype=PROPERTY_MODE, kv_cache_memory=pool_memory(14, dtype=PROPERTY_MODE), max_model_len=128,
+                     max_num_batched_tokens=32)
+    assert [o.prompt_logprobs for o in small.generate(prompts, params)] == alone
+    assert small.stats()["num_preemptions"] > 0

@@ -176,7 +176,7 @@ class Request:
     first_scheduled_time: float | None = None  # the start of the first step that computed it (queue time's end)
     num_preemptions: int = 0
     logprobs: list[dict[int, float]] = field(default_factory=list)
-    # prompt_logprobs: entry i for prompt token i ({token: logprob, alternatives...}), None for the first
+    # prompt_logprobs asked: entry i for prompt token i, None for the first (and until its row is computed)
     prompt_logprobs: list[PromptLogprob | None] = field(default_factory=list)
     # n > 1: the other samples wait here until this request has computed all but its last prompt
     # token, then fork its pages (shared by ref count, copied on first write)

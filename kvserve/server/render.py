@@ -4,7 +4,6 @@ llama-server's (`completion_probabilities`)."""
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import secrets
 from typing import Any, Literal
@@ -38,27 +37,16 @@ def with_prompt(choice: dict[str, Any], output: RequestOutput, tokenizer, echo: 
     if echo is not None:
         choice["text"] = echo + choice["text"]
         if choice["logprobs"] is not None and entries is not None and body.logprobs_shape == "completion":
-            choice["logprobs"] = _echo_logprobs(entries, output.prompt_token_ids, tokenizer, body.logprobs,
-                                                choice["logprobs"])
+            out = output.outputs[0]  # (the prompt's entries in the engine's form: the token first)
+            prompt = [None if e is None else {e.token_id: e.logprob, **e.top} for e in entries]
+            choice["logprobs"] = _completion_lists(tokenizer, output.prompt_token_ids + out.token_ids,
+                                                   prompt + (out.logprobs or []), body.logprobs)
     if body.prompt_logprobs is not None and entries is not None:
         choice["prompt_logprobs"] = [None if e is None else {
             str(t): {"logprob": _clamp(lp), "rank": e.rank if t == e.token_id else rank,
                      "decoded_token": token_text(tokenizer, t)}
             for rank, (t, lp) in enumerate([(e.token_id, e.logprob), *_top(e.top, body.prompt_logprobs)])}
             for e in entries]
-
-
-def _echo_logprobs(entries: list, prompt_ids: list[int], tokenizer, num: int, generated: dict[str, Any]
-                   ) -> dict[str, Any]:
-    """OpenAI's completion logprobs with the prompt's tokens first."""
-    tokens = [token_text(tokenizer, t) for t in prompt_ids]
-    offsets = list(itertools.accumulate((len(t) for t in tokens), initial=0))
-    return {"tokens": tokens + generated["tokens"],
-            "token_logprobs": [None if e is None else _clamp(e.logprob) for e in entries] + generated["token_logprobs"],
-            "top_logprobs": [None if e is None else {token_text(tokenizer, t): _clamp(lp) for t, lp in
-                                                     _top({e.token_id: e.logprob, **e.top}, num)} for e in entries]
-            + generated["top_logprobs"],
-            "text_offset": offsets[:-1] + [offsets[-1] + o for o in generated["text_offset"]]}
 
 
 def chat_choice(index: int, out: CompletionOutput, tokenizer, num_logprobs: int | None,
@@ -160,13 +148,21 @@ def logprobs_for(shape: LogprobsShape, out: CompletionOutput, start: int, tokeni
             content.append({**_token_info(tokenizer, token_id, entry.get(token_id), with_id),
                             "top_logprobs": [_token_info(tokenizer, t, lp, with_id) for t, lp in top]})
         return content if with_id else {"content": content}
+    return _completion_lists(tokenizer, token_ids, entries, num_logprobs)
+
+
+def _completion_lists(tokenizer, token_ids: list[int], entries: list[dict[int, float] | None], num: int
+                      ) -> dict[str, Any]:
+    """OpenAI's completion logprobs: parallel lists, a token's entry None where it has none (an echoed
+    prompt's first token)."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     offset = 0
     for token_id, entry in zip(token_ids, entries):
         text = token_text(tokenizer, token_id)
         tokens.append(text)
-        token_logprobs.append(_clamp(entry.get(token_id)))
-        top_logprobs.append({token_text(tokenizer, t): _clamp(lp) for t, lp in _top(entry, num_logprobs)})
+        token_logprobs.append(None if entry is None else _clamp(entry.get(token_id)))
+        top_logprobs.append(None if entry is None else
+                            {token_text(tokenizer, t): _clamp(lp) for t, lp in _top(entry, num)})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,

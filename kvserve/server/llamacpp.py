@@ -100,7 +100,7 @@ def register(app: FastAPI, serving: OpenAIServing, namespace: Callable[..., Awai
         if isinstance(result, SSEResult):
             return sse_response(SSEResult(_stream(result.body, start), result.close))
         choice, usage = result["choices"][0], result["usage"]
-        return JSONResponse(_final(choice["text"], choice, usage, result["model"], start))
+        return JSONResponse(_final(choice["text"], choice, usage, result["model"], start) | _probabilities(choice))
 
     @app.post("/completion")
     async def completion(body: LlamaCppCompletion, raw: Request, ns: str = Depends(namespace)):
@@ -145,12 +145,11 @@ def _final(content: str, choice: dict[str, Any], usage: dict[str, Any], model: s
     word = reason if isinstance(reason, str) else ""
     stop_type = {"length": "limit", "stop": "word" if word else "eos"}.get(choice["finish_reason"] or "", "none")
     elapsed_ms = (time.monotonic() - start) * 1000
-    final = {"content": content, "stop": True, "model": model, "stop_type": stop_type, "stopping_word": word,
-             "tokens_predicted": usage["completion_tokens"], "tokens_evaluated": usage["prompt_tokens"],
-             "tokens_cached": usage["prompt_tokens_details"]["cached_tokens"], "truncated": False,
-             "timings": {"prompt_n": usage["prompt_tokens"], "predicted_n": usage["completion_tokens"],
-                         "total_ms": elapsed_ms}}
-    return final | _probabilities(choice)
+    return {"content": content, "stop": True, "model": model, "stop_type": stop_type, "stopping_word": word,
+            "tokens_predicted": usage["completion_tokens"], "tokens_evaluated": usage["prompt_tokens"],
+            "tokens_cached": usage["prompt_tokens_details"]["cached_tokens"], "truncated": False,
+            "timings": {"prompt_n": usage["prompt_tokens"], "predicted_n": usage["completion_tokens"],
+                        "total_ms": elapsed_ms}}
 
 
 def _probabilities(choice: dict[str, Any]) -> dict[str, Any]:
@@ -168,5 +167,5 @@ async def _stream(chunks: AsyncIterator[str], start: float) -> AsyncIterator[str
         if choice["text"] or choice.get("logprobs"):
             yield f"data: {json.dumps({'content': choice['text'], 'stop': False} | _probabilities(choice))}\n\n"
         if chunk.get("usage"):
-            final = _final("", choice | {"logprobs": None}, chunk["usage"], chunk["model"], start)
+            final = _final("", choice, chunk["usage"], chunk["model"], start)  # (its pieces carried the probabilities)
             yield f"data: {json.dumps(final)}\n\n"

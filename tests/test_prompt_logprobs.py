@@ -7,10 +7,26 @@ from __future__ import annotations
 import pytest
 
 from kvserve.request import SamplingParams
-from tests.conftest import make_llm
+from tests.conftest import default_mode_is_invariant, make_llm
 
 PROMPT = ("The lighthouse keeper wrote every ship into her logbook, fed the gulls at dawn and watched the fog "
           "lift over the rocks before the supply boat came in from the mainland.")
+
+
+def assert_same(got: list, expected: list) -> None:
+    """The same bits on kvserve's native kernels, invariant to the batch by construction; without them
+    (KVSERVE_KERNELS=off) torch's matmul rounds by the rows it gets: the same tokens and top tokens, logprobs
+    equal to float32 rounding, and ranks that a near-tie may move by one."""
+    if default_mode_is_invariant():
+        assert got == expected
+        return
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert (a.token_id, list(a.top)) == (b.token_id, list(b.top)) and abs(a.rank - b.rank) <= 1
+            assert a.logprob == pytest.approx(b.logprob, rel=1e-5, abs=1e-5)
+            assert list(a.top.values()) == pytest.approx(list(b.top.values()), rel=1e-5, abs=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +59,7 @@ def test_prompt_logprobs_equal_transformers_and_ignore_the_prefix_cache(referenc
     # n samples share the prompt: the same prompt logprobs on their output; none when not asked
     sampled = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=2, n=3, temperature=1.0, seed=1,
                                                                        prompt_logprobs=3))[0]
-    assert sampled.prompt_logprobs == out.prompt_logprobs
+    assert_same(sampled.prompt_logprobs, out.prompt_logprobs)
     assert llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=2))[0].prompt_logprobs is None
 
 
@@ -57,5 +73,6 @@ def test_preemption_leaves_prompt_logprobs_as_they_were():
     alone = [o.prompt_logprobs for o in make_llm(dtype=PROPERTY_MODE).generate(prompts, params)]
     small = make_llm(dtype=PROPERTY_MODE, kv_cache_memory=pool_memory(14, dtype=PROPERTY_MODE), max_model_len=128,
                      max_num_batched_tokens=32)
-    assert [o.prompt_logprobs for o in small.generate(prompts, params)] == alone
+    for got, expected in zip([o.prompt_logprobs for o in small.generate(prompts, params)], alone, strict=True):
+        assert_same(got, expected)
     assert small.stats()["num_preemptions"] > 0

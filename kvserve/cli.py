@@ -42,11 +42,15 @@ def _mode_line(engine) -> str:
     """generate's start-up line: the weight mode (and the kernels' instruction set) and the KV dtype."""
     from kvserve import kernels
 
-    library = kernels.library() if engine.config.dtype == "native" else None
-    rows = kernels.library(1) if library is not None else None
-    isa = library.isa if rows is None or rows.isa == library.isa else f"{library.isa}, decode rows {rows.isa}"
-    weights = (f"the file's own formats on kvserve's native kernels ({isa})" if library is not None
-               else f"{engine.config.dtype} (torch)")
+    # the runner tunes the kernels where its matrices run on them (native, and float32 on CPU)
+    weights = "the file's own formats" if engine.config.dtype == "native" else engine.config.dtype
+    library = kernels.library() if engine.runner.kernel_tuning is not None else None
+    if library is None:
+        weights = f"{weights} (torch)"
+    else:
+        rows = kernels.library(1)
+        isa = library.isa if rows is None or rows.isa == library.isa else f"{library.isa}, decode rows {rows.isa}"
+        weights = f"{weights} on kvserve's native kernels ({isa})"
     return f"kvserve: weights: {weights}; KV cache: {engine.cache_config.kv_dtype.name}"
 
 

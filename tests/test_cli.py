@@ -15,6 +15,22 @@ def test_generate_prints_the_completion(capsys):
     assert capsys.readouterr().out.strip()
 
 
+@pytest.mark.parametrize("dtype, weights", [
+    ("float32", "float32 on kvserve's native kernels ("),  # the exact path's matrices on the F32 rows
+    ("int4", "int4 (torch)"),
+])
+def test_every_weight_mode_names_what_runs_it(capsys, dtype, weights):
+    """The start-up line for modes other than the native formats (it raised AttributeError there)."""
+    from kvserve import kernels
+
+    if dtype == "float32" and kernels.library() is None:
+        weights = "float32 (torch)"
+    assert main(["generate", "The capital of France is", "--max-tokens", "4", "--dtype", dtype]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip()
+    assert f"kvserve: weights: {weights}" in captured.err
+
+
 def test_unknown_model_is_one_line_on_stderr(capsys):
     assert main(["generate", "hi", "--model", "/no/such/model.gguf"]) == 2
     err = capsys.readouterr().err.strip()

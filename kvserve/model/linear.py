@@ -21,6 +21,7 @@ from kvserve.model.native_fallback import NativeFallback
 GROUP = 32  # elements per int4 group: one GGUF Q4 block
 PACKED_MODES = ("int4", "int8")
 NATIVE_MODE = "native"
+EXACT_MODE = "float32"
 DEQUANT_ROWS = 256  # Int4Linear: more rows than this run as a dense matmul over the unpacked weight
 _EMBED_CHUNK = 4096  # rows dequantized at once while packing the token embedding
 
@@ -234,7 +235,8 @@ class WeightBuilder:
     module maps [T, in] -> [T, out] in the mode's compute dtype. Packed modes read the blocks
     directly: no float32 copy of the whole model is made.
 
-        float32 / bfloat16 / float16   dequantized weights in that dtype (float32: the exact path)
+        float32 / bfloat16 / float16   dequantized weights in that dtype (float32: the exact path, on CPU
+               run by the native kernels' F32 rows where they are built, F.linear without them)
         int4   Q4_0/Q4_1 blocks as int4 groups of 32 (the file's own codes and scales), the rest (the
                Q8_0 token embedding = tied lm_head, other types) as int8 per row; bfloat16 activations
         int8   every matrix as int8 per row; bfloat16 activations
@@ -247,7 +249,12 @@ class WeightBuilder:
             raise ConfigError(f"--dtype {mode} runs on CPU only (torch's weight-only CPU kernels); "
                               "use --dtype bfloat16 on this device")
         self.library = None
-        if mode == NATIVE_MODE:
+        if mode == EXACT_MODE and device.type == "cpu":
+            # the exact path's float32 matrices on the native kernels' F32 rows where they are built: one
+            # fixed reduction order per output whatever the rows, and a decode row 2.2x faster than
+            # torch's float32 GEMV (docs/performance.md); None (kernels off): F.linear
+            self.library = kernels.library()
+        elif mode == NATIVE_MODE:
             if device.type != "cpu":
                 raise ConfigError("--dtype native runs on CPU only (kvserve's native kernels); "
                                   "use --dtype bfloat16 on this device")
@@ -277,6 +284,8 @@ class WeightBuilder:
         w = torch.cat([t.dequantize() for t in parts])
         if self.mode in PACKED_MODES:
             return Int8Linear(*int8_rows(w), bias, self.dtype)
+        if self.library is not None:
+            return self._float_native(w, bias)
         return Linear(w.to(self.device, self.dtype), bias)
 
     def embedding(self, name: str) -> tuple[Embedding, nn.Module]:
@@ -286,7 +295,7 @@ class WeightBuilder:
             return Embedding(head), head
         if self.mode not in PACKED_MODES:
             table = nn.Parameter(self.tensor(name), requires_grad=False)
-            return Embedding(table), Linear(table)
+            return Embedding(table), (Linear(table) if self.library is None else self._float_native(table.data))
         t = self.tensors[name]
         codes, scales = [], []
         for start in range(0, t.shape[0], _EMBED_CHUNK):  # bounded float32 scratch
@@ -306,6 +315,10 @@ class WeightBuilder:
                 merged.append((qtype, [blocks]))
         joined = [(q, b[0] if len(b) == 1 else torch.cat(b)) for q, b in merged]
         return NativeLinear(joined, parts[0].shape[1], bias, self.library)
+
+    def _float_native(self, w: torch.Tensor, bias: torch.Tensor | None = None) -> NativeLinear:
+        """A float32 matrix as F32 rows of the native kernels (its own storage: no copy)."""
+        return NativeLinear([native_blocks(FloatTensor(w), self.library)], w.shape[1], bias, self.library)
 
     def _native_part(self, t: GGUFTensor | FloatTensor) -> tuple[int, torch.Tensor]:
         if isinstance(t, FloatTensor) or native_matmul.supported(self.library, int(t.qtype)):

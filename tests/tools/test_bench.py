@@ -127,7 +127,10 @@ def test_tiny_run_beside_transformers(tmp_path, capsys):
                  "--json", "--plot", str(out), "--kv-cache-memory", "64MiB", "--max-model-len", "256",
                  "--dtype", "float32"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert set(report) == REPORT_KEYS
+    from kvserve import kernels
+
+    # float32's matrices run on the native kernels where they are built: the report names their tuning
+    assert set(report) == REPORT_KEYS | ({"kernels"} if kernels.library() is not None else set())
     peers = ["transformers", "transformers+prompt-cache"]
     assert list(report["engines"]) == ["kvserve", *peers]
     for fig in report["engines"].values():

@@ -1,6 +1,7 @@
 """The `native` weight mode: every matrix runs on kvserve's kernels over the file's own blocks (fused
 parts of different formats included), the tied embedding decodes the same blocks, the model holds
-no float copy of its weights, and it stays close to float32 on corpus text."""
+no float copy of its weights, it stays close to float32 on corpus text; and float32's own matrices run
+on the F32 rows where the kernels are built."""
 
 from __future__ import annotations
 
@@ -81,6 +82,24 @@ def test_the_model_holds_the_files_blocks_not_a_float_copy(loaded):
     rope_tables = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith(("cos", "sin")))
     assert held - rope_tables <= file_bytes * 1.01
     assert model.dtype == torch.float32
+
+
+def test_float32_runs_its_matrices_on_the_f32_rows_in_one_order_whatever_the_rows(loaded, monkeypatch):
+    """The exact path's matrices on the kernels' F32 rows: each output reduced in one fixed order (a row
+    alone gives the bits it gets among 37), close to F.linear; the tied head reads the embedding's own
+    storage; without the kernels, F.linear."""
+    builder = WeightBuilder(loaded.tensors, "float32", torch.device("cpu"))
+    qkv = builder.linear(QKV)
+    assert isinstance(qkv, NativeLinear) and qkv.qtypes == [int(Q.F32)]
+    w = torch.cat([loaded.tensors[n].dequantize() for n in QKV])
+    x = torch.randn(37, w.shape[1], generator=torch.Generator().manual_seed(5))
+    together = qkv(x)
+    assert torch.equal(together, torch.cat([qkv(x[i:i + 1]) for i in range(len(x))]))
+    assert torch.allclose(together, F.linear(x, w), rtol=1e-5, atol=1e-4)
+    embedding, head = builder.embedding("model.embed_tokens.weight")
+    assert isinstance(head, NativeLinear) and head.blocks0.data_ptr() == embedding.table.data_ptr()
+    monkeypatch.setenv("KVSERVE_KERNELS", "off")
+    assert not isinstance(WeightBuilder(loaded.tensors, "float32", torch.device("cpu")).linear(QKV), NativeLinear)
 
 
 def test_native_without_kernels_is_a_one_line_error(loaded, monkeypatch):

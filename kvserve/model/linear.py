@@ -251,7 +251,7 @@ class WeightBuilder:
         self.library = None
         if mode == EXACT_MODE and device.type == "cpu":
             # the exact path's float32 matrices on the native kernels' F32 rows where they are built: one
-            # fixed reduction order per output whatever the rows, and a decode row 2.2x faster than
+            # fixed reduction order per output whatever the rows, and a decode step ~2.4x faster than
             # torch's float32 GEMV (docs/performance.md); None (kernels off): F.linear
             self.library = kernels.library()
         elif mode == NATIVE_MODE:

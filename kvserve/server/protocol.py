@@ -144,6 +144,8 @@ class _Sampling(StructuredFields, LlamaCppFields):
         self.predict_limit(getattr(self, "max_completion_tokens", None) or self.max_tokens)
         if self.cache_salt == "":
             raise ValueError("cache_salt must not be empty; leave it out to share the cache")
+        if self.stream and self.prompt_logprobs_asked is not None:
+            raise ValueError("prompt logprobs come in a whole answer only; send stream: false")
         if self.kv_retention is not None and (self.prompt_cache_options is not None or self.breakpoint_refs()):
             raise ValueError("send kv_retention or prompt_cache_options / prompt_cache_breakpoint, not both")
         return self
@@ -174,7 +176,7 @@ class _Sampling(StructuredFields, LlamaCppFields):
     @property
     def prompt_logprobs_asked(self) -> int | None:
         """How many alternatives each prompt token's logprob comes with (None: no prompt logprobs)."""
-        return None
+        return getattr(self, "prompt_logprobs", None)
 
     @property
     def include_usage_chunk(self) -> bool:
@@ -259,9 +261,6 @@ class CompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _completion_only(self) -> CompletionRequest:
-        if self.stream and self.prompt_logprobs_asked is not None:
-            raise ValueError("prompt logprobs (prompt_logprobs, or echo with logprobs) come in a whole answer "
-                             "only; send stream: false")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (other than best_of == n)")
         return self
@@ -316,7 +315,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    prompt_logprobs: Any = None  # vLLM's: refused here (given on /v1/completions), never dropped unseen
+    prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # vLLM's: the template's
     max_completion_tokens: MaxTokens | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
@@ -328,8 +327,6 @@ class ChatCompletionRequest(_Sampling):
     def _chat_only(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
-        if self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs: prompt logprobs are given on /v1/completions; leave it out here")
         return self
 
     def breakpoint_refs(self) -> list[BreakpointRef]:

@@ -8,7 +8,7 @@ import math
 import secrets
 from typing import Any, Literal
 
-from kvserve.request import CompletionOutput, RequestOutput
+from kvserve.request import CompletionOutput, PromptLogprob, RequestOutput
 from kvserve.server.tool_parser import CallDelta, ToolFormat, parse_output
 
 MIN_LOGPROB = -9999.0  # JSON has no -Infinity; vLLM clamps the same way
@@ -41,12 +41,22 @@ def with_prompt(choice: dict[str, Any], output: RequestOutput, tokenizer, echo: 
             prompt = [None if e is None else {e.token_id: e.logprob, **e.top} for e in entries]
             choice["logprobs"] = _completion_lists(tokenizer, output.prompt_token_ids + out.token_ids,
                                                    prompt + (out.logprobs or []), body.logprobs)
-    if body.prompt_logprobs is not None and entries is not None:
-        choice["prompt_logprobs"] = [None if e is None else {
-            str(t): {"logprob": _clamp(lp), "rank": e.rank if t == e.token_id else rank,
-                     "decoded_token": token_text(tokenizer, t)}
-            for rank, (t, lp) in enumerate([(e.token_id, e.logprob), *_top(e.top, body.prompt_logprobs)])}
-            for e in entries]
+    scored = prompt_logprobs(entries, tokenizer, body.prompt_logprobs)
+    if scored is not None:
+        choice["prompt_logprobs"] = scored
+
+
+def prompt_logprobs(entries: list[PromptLogprob | None] | None, tokenizer, num: int | None
+                    ) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs`: null for the first token, then each token's logprob, rank and decoded text with
+    its `num` most likely alternatives, keyed by token id (None where none were asked for or made)."""
+    if entries is None or num is None:
+        return None
+    return [None if e is None else {
+        str(t): {"logprob": _clamp(lp), "rank": e.rank if t == e.token_id else rank,
+                 "decoded_token": token_text(tokenizer, t)}
+        for rank, (t, lp) in enumerate([(e.token_id, e.logprob), *_top(e.top, num)])}
+        for e in entries]
 
 
 def chat_choice(index: int, out: CompletionOutput, tokenizer, num_logprobs: int | None,
@@ -92,10 +102,12 @@ def completion_response(request_id: str, created: int, model: str, choices: list
             "choices": choices, "usage": usage_}
 
 
-def chat_response(request_id: str, created: int, model: str, choices: list, usage_: dict
-                  ) -> dict[str, Any]:
-    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage_}
+def chat_response(request_id: str, created: int, model: str, choices: list, usage_: dict,
+                  prompt_logprobs_: list | None = None) -> dict[str, Any]:
+    """`prompt_logprobs_`: the rendered template's, at the top level as vLLM gives them on chat."""
+    response = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+                "choices": choices, "usage": usage_}
+    return response if prompt_logprobs_ is None else {**response, "prompt_logprobs": prompt_logprobs_}
 
 
 def completion_chunk(gen, index: int, text: str, finish_reason: str | None = None,

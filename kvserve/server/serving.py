@@ -186,7 +186,8 @@ class OpenAIServing:
             calls = [call["id"] for call in choices[0]["message"].get("tool_calls", [])] or gen.held_under
             gen.tool_hold = await self.door.tool_holds.settle(namespace, gen.choices[0].output, calls,
                                                               stored=gen.hold_key is not None)
-        return gen.respond(render.chat_response(gen.request_id, gen.created, gen.model, choices, gen.usage()))
+        scored = render.prompt_logprobs(gen.choices[0].output.prompt_logprobs, self.tokenizer, body.prompt_logprobs)
+        return gen.respond(render.chat_response(gen.request_id, gen.created, gen.model, choices, gen.usage(), scored))
 
     def close(self, gen: Generation) -> None:
         """The response is over: abort what did not finish, give back the admission."""

@@ -253,9 +253,32 @@ def test_echo_with_logprobs_and_prompt_logprobs_score_the_prompt(server, client,
         assert own["logprob"] == choice.logprobs.token_logprobs[i] and own["rank"] >= 1
         assert own["decoded_token"] == choice.logprobs.tokens[i]
         assert sorted(e["rank"] for e in scored[i].values())[0] == 1
-    chat = httpx.post(server.url + "/v1/chat/completions", timeout=60,
-                      json={"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1})
-    assert chat.status_code == 400 and "prompt_logprobs" in chat.json()["error"]["message"]
+
+
+def test_chat_prompt_logprobs_score_the_rendered_template(server, client, model_name):
+    """vLLM's prompt_logprobs on chat: at the answer's top level, the template's tokens scored as
+    /v1/completions scores the same token ids; streamed, a 400."""
+    messages = [{"role": "system", "content": "Answer in one word."},
+                {"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(model=model_name, messages=messages, max_tokens=3, temperature=0,
+                                          extra_body={"prompt_logprobs": 2})
+    scored = chat.model_extra["prompt_logprobs"]
+    ids = httpx.post(server.url + "/tokenize", json={"messages": messages}, timeout=60).json()["tokens"]
+    assert len(scored) == len(ids) == chat.usage.prompt_tokens and scored[0] is None
+    same = client.completions.create(model=model_name, prompt=ids, max_tokens=1, temperature=0,
+                                     extra_body={"prompt_logprobs": 2}).choices[0].model_extra["prompt_logprobs"]
+    assert scored == same
+    assert all(str(ids[i]) in scored[i] and min(e["rank"] for e in scored[i].values()) == 1
+               for i in range(1, len(ids)))
+    plain = client.chat.completions.create(model=model_name, messages=messages, max_tokens=3, temperature=0)
+    assert chat.choices[0].message.content == plain.choices[0].message.content
+    assert "prompt_logprobs" not in (plain.model_extra or {})
+    streamed = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                          json={"messages": messages, "prompt_logprobs": 1, "stream": True})
+    assert streamed.status_code == 400 and "stream" in streamed.json()["error"]["message"]
+    too_many = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                          json={"messages": messages, "prompt_logprobs": 21})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt_logprobs"
 
 
 def test_unknown_route_and_method(server):

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from kvserve import kernels
 from kvserve.cli import main
 
 
@@ -21,8 +22,6 @@ def test_generate_prints_the_completion(capsys):
 ])
 def test_every_weight_mode_names_what_runs_it(capsys, dtype, weights):
     """The start-up line for modes other than the native formats (it raised AttributeError there)."""
-    from kvserve import kernels
-
     if dtype == "float32" and kernels.library() is None:
         weights = "float32 (torch)"
     assert main(["generate", "The capital of France is", "--max-tokens", "4", "--dtype", dtype]) == 0

@@ -110,6 +110,8 @@ class _Sampling(StructuredFields, LlamaCppFields):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     logit_bias: Annotated[dict[str, Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    # vLLM's: each prompt token's logprob (on chat, the rendered template's), in a whole answer
+    prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     kv_retention: KVRetention | None = None
     kv_explain: StrictBool = False  # add `kv_cache`: why the prompt hit or missed the prefix cache
     prompt_cache_key: Annotated[Text, Field(max_length=1024)] | None = None
@@ -176,7 +178,7 @@ class _Sampling(StructuredFields, LlamaCppFields):
     @property
     def prompt_logprobs_asked(self) -> int | None:
         """How many alternatives each prompt token's logprob comes with (None: no prompt logprobs)."""
-        return getattr(self, "prompt_logprobs", None)
+        return self.prompt_logprobs
 
     @property
     def include_usage_chunk(self) -> bool:
@@ -225,7 +227,6 @@ class CompletionRequest(_Sampling):
     logprobs_shape: ClassVar[str] = "completion"  # (render.LogprobsShape: llama-server's /completion differs)
     prompt: PromptInput
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # vLLM's
     echo: StrictBool = False
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
@@ -315,7 +316,6 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # vLLM's: the template's
     max_completion_tokens: MaxTokens | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from kvserve import kernels
 from kvserve.cli import main
 from kvserve.config import ConfigError
 from kvserve.tools.bench import (ENGINE_KEYS, RATIO_KEYS, agreement, load_workload, percentile, plot, ratios,
@@ -127,8 +128,6 @@ def test_tiny_run_beside_transformers(tmp_path, capsys):
                  "--json", "--plot", str(out), "--kv-cache-memory", "64MiB", "--max-model-len", "256",
                  "--dtype", "float32"]) == 0
     report = json.loads(capsys.readouterr().out)
-    from kvserve import kernels
-
     # float32's matrices run on the native kernels where they are built: the report names their tuning
     assert set(report) == REPORT_KEYS | ({"kernels"} if kernels.library() is not None else set())
     peers = ["transformers", "transformers+prompt-cache"]

@@ -19,11 +19,12 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
 
+from kvserve.server import sse
 from kvserve.server.front import sse_response
 from kvserve.server.infill import InfillParts, infill_ids
 from kvserve.server.llamacpp_fields import NOT_LLAMA_SERVERS, UNSUPPORTED_SAMPLERS
 from kvserve.server.protocol import MAX_LOGPROBS, CompletionRequest, Temperature, TopP
-from kvserve.server.serving import OpenAIServing, SSEResult, sse_payloads
+from kvserve.server.serving import OpenAIServing, SSEResult
 
 # /completion's fields kvserve takes only at their neutral value
 NEUTRAL_ONLY = {**UNSUPPORTED_SAMPLERS, "n_keep": 0, "post_sampling_probs": False}
@@ -159,13 +160,13 @@ def _probabilities(choice: dict[str, Any]) -> dict[str, Any]:
 
 async def _stream(chunks: AsyncIterator[str], start: float) -> AsyncIterator[str]:
     """OpenAI's completion chunks as llama.cpp's: `{"content", "stop": false}`, then the final one."""
-    async for chunk in sse_payloads(chunks):  # ([DONE] left out: llama.cpp ends with its final object)
+    async for chunk in sse.payloads(chunks):  # ([DONE] left out: llama.cpp ends with its final object)
         if "error" in chunk:
-            yield f"data: {json.dumps(chunk)}\n\n"
+            yield sse.event(chunk)
             continue
         choice = chunk["choices"][0]
         if choice["text"] or choice.get("logprobs"):
-            yield f"data: {json.dumps({'content': choice['text'], 'stop': False} | _probabilities(choice))}\n\n"
+            yield sse.event({"content": choice["text"], "stop": False} | _probabilities(choice))
         if chunk.get("usage"):
             final = _final("", choice, chunk["usage"], chunk["model"], start)  # (its pieces carried the probabilities)
-            yield f"data: {json.dumps(final)}\n\n"
+            yield sse.event(final)

@@ -7,7 +7,7 @@ ignored. Mixed into the OpenAI request models (protocol.py) and llama.cpp's /com
 from __future__ import annotations
 
 import secrets
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr
 
@@ -27,6 +27,7 @@ class LlamaCppFields(BaseModel):
     grammar: StrictStr | None = None
     json_schema: dict[str, Any] | None = None
     cache_prompt: StrictBool | None = None
+    answers_prompt_only: ClassVar[bool] = False  # n_predict 0 allowed: the route answers the prompt alone
 
     def llamacpp_constraints(self) -> list[StructuredOutputsParams | None]:
         """`grammar` and `json_schema` as constraints (at most one may be given with the others)."""
@@ -41,8 +42,9 @@ class LlamaCppFields(BaseModel):
         """`max_tokens` or `n_predict` (None: neither, or n_predict -1); both given must agree."""
         if self.n_predict is None or self.n_predict == -1:
             return max_tokens
-        if self.n_predict == 0:
-            raise ValueError("n_predict must be -1 (until the context ends) or at least 1, got 0")
+        if self.n_predict == 0 and not self.answers_prompt_only:
+            raise ValueError("n_predict must be -1 (until the context ends) or at least 1 here, got 0 "
+                             "(0, the prompt alone, is for /completion and /v1/completions)")
         if max_tokens is not None and max_tokens != self.n_predict:
             raise ValueError(f"n_predict ({self.n_predict}) and max_tokens ({max_tokens}) disagree; "
                              "send one")

@@ -17,12 +17,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from kvserve.server import sse
 from kvserve.server.anthropic import read_json
 from kvserve.server.front import ClosingStream
 from kvserve.server.ollama_info import ModelInfo
 from kvserve.server.ollama_protocol import ChatRequest, GenerateRequest, parse
 from kvserve.server.protocol import APIError, ChatCompletionRequest
-from kvserve.server.serving import OpenAIServing, SSEResult, sse_payloads
+from kvserve.server.serving import OpenAIServing, SSEResult
 
 NDJSON = "application/x-ndjson"
 
@@ -182,7 +183,7 @@ async def _events(chunks: AsyncIterator[str], name: str, timer: Timer, chat_rout
     """OpenAI's chunks as Ollama's events: a piece of text each, then the `done` one (tool calls, put
     together from their streamed pieces, go on it)."""
     calls: dict[int, dict[str, Any]] = {}
-    async for payload in sse_payloads(chunks):
+    async for payload in sse.payloads(chunks):
         if "error" in payload:
             yield {"error": payload["error"]["message"]}
             return

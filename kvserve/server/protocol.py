@@ -23,14 +23,14 @@ from kvserve.server import tool_protocol as tp
 from kvserve.server.llamacpp_fields import LlamaCppFields
 from kvserve.server.openai_breakpoints import BreakpointRef, PromptCacheBreakpoint
 from kvserve.server.prompt_cache_options import LeaseAsk, PromptCacheOptions
+from kvserve.server.prompt_only import NEEDS_ECHO
+from kvserve.server.prompt_shape import MAX_PROMPTS, MAX_TOKEN_ID, check_prompt, json_type
 from kvserve.server.structured_fields import StructuredFields, one_constraint
 from kvserve.structured import GrammarError, StructuredOutputsParams
 
 MAX_N = 16  # choices per request
-MAX_PROMPTS = 64  # prompts in one batched /v1/completions request
 MAX_STOP = 16
 MAX_LOGPROBS = 20
-MAX_TOKEN_ID = 2**31
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 
 
@@ -128,9 +128,9 @@ class _Sampling(StructuredFields, LlamaCppFields):
             for i, item in enumerate(value):
                 if not isinstance(item, str):
                     raise ValueError(f"stop strings must be strings; item {i} is "
-                                     f"{_json_type(item)}")
+                                     f"{json_type(item)}")
         elif value is not None and not isinstance(value, str):
-            raise ValueError(f"stop must be a string or a list of strings, got {_json_type(value)}")
+            raise ValueError(f"stop must be a string or a list of strings, got {json_type(value)}")
         return value
 
     @field_validator("logit_bias")
@@ -225,7 +225,9 @@ PromptInput = (Text | Annotated[list[TokenId], Field(min_length=1)]
 
 class CompletionRequest(_Sampling):
     logprobs_shape: ClassVar[str] = "completion"  # (render.LogprobsShape: llama-server's /completion differs)
+    answers_prompt_only: ClassVar[bool] = True  # max_tokens 0 with echo, n_predict 0: prompt_only.py
     prompt: PromptInput
+    max_tokens: Annotated[StrictInt, Field(ge=0, le=2**31)] | None = None
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: StrictBool = False
     best_of: StrictInt | None = None
@@ -234,36 +236,14 @@ class CompletionRequest(_Sampling):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_shape(cls, value: Any) -> Any:
-        """Name the actual problem (a negative token id, too many prompts, mixed types) instead of
-        pydantic's first union member ("Input should be a valid string")."""
-        if isinstance(value, str):
-            return value
-        if not isinstance(value, list):
-            raise ValueError(f"prompt must be a string, a list of token ids, a list of strings or "
-                             f"a list of token-id lists, got {_json_type(value)}")
-        if not value:
-            raise ValueError("prompt must not be an empty list")
-        if all(_is_int(v) for v in value):
-            _check_token_ids(value, "")
-        elif all(isinstance(v, str) for v in value) or all(isinstance(v, list) for v in value):
-            if len(value) > MAX_PROMPTS:
-                raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}")
-            for i, item in enumerate(value):
-                if isinstance(item, list):
-                    if not item:
-                        raise ValueError(f"prompt {i} is an empty list of token ids")
-                    if not all(_is_int(v) for v in item):
-                        raise ValueError(f"prompt {i} must be a list of integer token ids")
-                    _check_token_ids(item, f"prompt {i}: ")
-        else:
-            raise ValueError("prompt lists must hold only token ids (integers), only strings, or "
-                             "only token-id lists, not a mix")
-        return value
+        return check_prompt(value)
 
     @model_validator(mode="after")
     def _completion_only(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (other than best_of == n)")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError(NEEDS_ECHO)
         return self
 
     @property
@@ -300,7 +280,7 @@ class ChatMessage(BaseModel):
     def _content_shape(cls, value: Any) -> Any:
         if value is not None and not isinstance(value, (str, list)):
             raise ValueError(f"content must be a string, a list of content parts or null, got "
-                             f"{_json_type(value)}")
+                             f"{json_type(value)}")
         return value
 
     def text(self, param: str = "content") -> str:
@@ -379,19 +359,3 @@ def _arguments(arguments: str, where: str) -> Any:
     except ValueError as err:
         raise APIError(str(err), param=f"{where}.arguments") from None
 
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_token_ids(token_ids: list[int], where: str) -> None:
-    for i, token_id in enumerate(token_ids):
-        if token_id < 0 or token_id > MAX_TOKEN_ID:
-            raise ValueError(f"{where}token ids must be non-negative integers in the model's "
-                             f"vocabulary; item {i} is {token_id}")
-
-
-def _json_type(value: Any) -> str:
-    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-             list: "a list", dict: "an object", type(None): "null"}
-    return names.get(type(value), type(value).__name__)

@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from kvserve.server import sse
 from kvserve.server.anthropic import read_json
 from kvserve.server.front import ClosingStream, SSE_HEADERS
 from kvserve.server.ollama_protocol import validated
@@ -27,7 +28,7 @@ from kvserve.server.responses_protocol import ResponsesRequest
 from kvserve.server.responses_persist import response_backing
 from kvserve.server.responses_store import MAX_BYTES, MAX_RESPONSES, ResponseStore
 from kvserve.server.router_responses import RESPONSE_ID_HEADER
-from kvserve.server.serving import OpenAIServing, sse_payloads
+from kvserve.server.serving import OpenAIServing
 
 
 RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")
@@ -215,7 +216,7 @@ def register(app: FastAPI, serving: OpenAIServing, namespace: Callable[[Request]
             compared = await io(lambda: store.get(tenant, options.comparison_response_id))
             extra["prompt_cache_diagnostics"] = compare(compared.prompt if compared else None, record)
         builder = ResponseBuilder(response_id, body, serving.model_names[0], extra)
-        events = builder.events(sse_payloads(result.body))
+        events = builder.events(sse.payloads(result.body))
 
         async def keep() -> None:
             if body.store and builder.response["status"] in ("completed", "incomplete"):

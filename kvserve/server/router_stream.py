@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from kvserve.server import sse
 from kvserve.server.router_checks import MAX_EVENT_BYTES, event_problem
 from kvserve.server.router_index import BackendState, Ticket
 from kvserve.server.router_metrics import RouterMetrics, reported_cached_tokens
@@ -68,8 +69,7 @@ def parse_event(raw: bytes) -> Event:
 
 
 def encode(name: str | None, payload: Any) -> bytes:
-    line = "data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")) + "\n\n"
-    return ((f"event: {name}\n" if name else "") + line).encode()
+    return ((f"event: {name}\n" if name else "") + sse.event(payload)).encode()
 
 
 def is_comment(raw: bytes) -> bool:

@@ -12,7 +12,6 @@ and an error event that says why.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,10 +22,11 @@ from starlette.requests import Request
 
 from kvserve.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from kvserve.request import RequestOutput, SamplingParams, ToolCallKV
-from kvserve.server import render
+from kvserve.server import render, sse
 from kvserve.server.breakpoints import retained_requests
 from kvserve.server.front import MAX_CHOICES, FrontDoor, stream_failure
 from kvserve.server.constraint_error import unenforced
+from kvserve.server.prompt_only import ENGINE_MAX_TOKENS, without_generated
 from kvserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                      error_body, model_not_found)
 from kvserve.server.text_delta import TextDelta
@@ -71,6 +71,7 @@ class Generation:
     echo: list[str] | None = None  # /v1/completions with echo: each prompt's text, sent before the output
     retention: dict[str, Any] = field(default_factory=dict)  # the prompt_cache_retention it got
     cache_salt: str | None = None  # its requests' (the namespace their pages are hashed in)
+    prompt_only: bool = False  # the answer leaves out the one token generated (prompt_only.py)
 
     @property
     def held_under(self) -> list[str]:
@@ -128,10 +129,13 @@ class OpenAIServing:
             max_tokens = body.predict_limit(body.max_tokens)
             if max_tokens is None and body.n_predict != -1 and num_ctx is None:
                 max_tokens = COMPLETION_DEFAULT_MAX_TOKENS  # (n_predict -1: to the context's end)
-            max_tokens = self._room(max(map(len, prompts)), max_tokens, num_ctx, "prompt")
+            prompt_only = max_tokens == 0  # (prompt_only.py)
+            max_tokens = self._room(max(map(len, prompts)), ENGINE_MAX_TOKENS if prompt_only else max_tokens,
+                                    num_ctx, "prompt")
             params = body.sampling_params(max_tokens, body.logprobs)
             gen = await self._submit("cmpl", prompts, params, body.n, namespace, release,
                                      retention=body.lease_ask(), kv_explain=body.kv_explain)
+            gen.prompt_only = prompt_only
             gen.retention = await self.door.retain(body.prompt_cache_retention, prompts, namespace,
                                                    params.cache_salt)
         except BaseException:
@@ -286,7 +290,7 @@ class OpenAIServing:
                     raise APIError(str(item), 503, "server_error")
                 if item.finished and (broken := unenforced(item)) is not None:
                     raise broken  # (a stream's error event, a plain 400 otherwise)
-                choice.output = item
+                choice.output = without_generated(item) if gen.prompt_only else item
                 remaining -= item.finished
                 yield choice
         finally:
@@ -315,7 +319,7 @@ class OpenAIServing:
         try:
             if chat or gen.echo is not None:  # the role, or the echoed prompt, first
                 for c in gen.choices:
-                    yield _sse(chunk(gen, c.index, {"role": "assistant", "content": ""} if chat
+                    yield sse.event(chunk(gen, c.index, {"role": "assistant", "content": ""} if chat
                                      else gen.echo[c.prompt_index]))
             num_finished = 0
             async for c in outputs:
@@ -346,31 +350,19 @@ class OpenAIServing:
                 if calls:
                     delta["tool_calls"] = calls
                 payload = chunk(gen, c.index, delta, reason, logprobs, usage, completion.stop_reason)
-                yield _sse(gen.respond(payload) if last and not body.include_usage_chunk else payload)
+                yield sse.event(gen.respond(payload) if last and not body.include_usage_chunk else payload)
             if body.include_usage_chunk:
-                yield _sse(gen.respond(render.usage_chunk(gen, chat)))
+                yield sse.event(gen.respond(render.usage_chunk(gen, chat)))
             aborted = any(c.output.outputs[0].finish_reason == "abort" for c in gen.choices)
             if aborted and self.door.abort_note is not None:
-                yield _sse(error_body(self.door.abort_note, "server_error", None, "shutting_down"))
+                yield sse.event(error_body(self.door.abort_note, "server_error", None, "shutting_down"))
         except APIError as err:
-            yield _sse(error_body(err.message, err.type, err.param, err.code))
+            yield sse.event(error_body(err.message, err.type, err.param, err.code))
         except Exception as err:
-            yield _sse(error_body(stream_failure(err), "server_error"))
+            yield sse.event(error_body(stream_failure(err), "server_error"))
         finally:
             await outputs.aclose()
-        yield "data: [DONE]\n\n"
-
-
-async def sse_payloads(body: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]]:
-    """The JSON payloads of an SSE body (error events included, [DONE] left out): for the routes that
-    answer in another API's streaming shape (llama.cpp's /completion, Ollama's NDJSON)."""
-    async for line in body:
-        if line.startswith("data: {"):
-            yield json.loads(line[6:])
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        yield sse.DONE
 
 
 async def unless_disconnected(work: Awaitable[Any], raw: Request, abort: Callable[[], None]) -> Any:

@@ -1,11 +1,12 @@
 """llama-server's native /completion: llama.cpp's body and answer shapes, its grammar constraining the
-output, n_predict, cache_prompt and tokens_cached, streaming as llama.cpp streams, and its sampler
+output, n_predict (0: the prompt evaluated into the cache), cache_prompt and tokens_cached, streaming as llama.cpp streams, and its sampler
 fields kvserve lacks refused with a 400 that names them (never silently ignored); `/props` as
 llama-server's clients read it."""
 
 from __future__ import annotations
 
 import json
+import uuid
 
 import httpx
 import pytest
@@ -29,6 +30,27 @@ def test_completion_answers_in_llamacpps_shape(server, client, model_name):
     assert body["content"] == same.choices[0].text  # the same greedy answer as /v1/completions
     again = post(server, {"prompt": PROMPT, "n_predict": 6, "temperature": 0, "cache_prompt": False})
     assert again.json()["tokens_cached"] == 0 and again.json()["content"] == body["content"]
+
+
+def test_n_predict_0_evaluates_the_prompt_into_the_cache_and_predicts_nothing(server, client, model_name):
+    """llama.cpp's cache warming: the answer is empty, and the next request on the prompt finds it cached;
+    on chat, n_predict 0 is a 400 naming n_predict."""
+    prompt = f"{uuid.uuid4().hex}: a prefix that a client warms before its users arrive. " * 6
+    warm = post(server, {"prompt": prompt, "n_predict": 0, "temperature": 0})
+    assert warm.status_code == 200, warm.text
+    body = warm.json()
+    assert (body["content"], body["tokens_predicted"], body["stop_type"]) == ("", 0, "limit")
+    assert body["tokens_evaluated"] > 40 and body["tokens_cached"] == 0
+    again = post(server, {"prompt": prompt, "n_predict": 2, "temperature": 0})
+    assert again.json()["tokens_cached"] >= body["tokens_evaluated"] - 16  # all but the partial last page
+    streamed = httpx.post(server.url + "/completion", json={"prompt": prompt, "n_predict": 0, "stream": True},
+                          timeout=120)
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert events[-1]["stop"] is True and events[-1]["tokens_predicted"] == 0
+    assert "".join(e.get("content", "") for e in events) == ""
+    chat = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": model_name, "messages": [{"role": "user", "content": "Hi"}], "n_predict": 0})
+    assert chat.status_code == 400 and "n_predict" in chat.json()["error"]["message"]
 
 
 def test_a_stop_word_is_named_as_llama_server_names_it(server):

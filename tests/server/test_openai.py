@@ -193,7 +193,8 @@ def test_bad_requests_get_openai_errors(client, model_name):
     (b"{not json", None),
     (b"[]", None),
     (b'{"prompt": 5}', "prompt"),
-    (b'{"prompt": "hi", "max_tokens": 0}', "max_tokens"),
+    (b'{"prompt": "hi", "max_tokens": 0}', None),  # (the prompt alone needs echo: prompt_only.py)
+    (b'{"prompt": "hi", "max_tokens": -1}', "max_tokens"),
     (b'{"prompt": "hi", "max_tokens": "many"}', "max_tokens"),
     (b'{"prompt": "hi", "temperature": -1}', "temperature"),
     (b'{"prompt": "hi", "temperature": NaN}', "temperature"),
@@ -214,7 +215,7 @@ def test_bad_requests_get_openai_errors(client, model_name):
     (b'{"prompt": "hi", "prompt_logprobs": 1, "stream": true}', None),
     (b'{"prompt": "hi", "prompt_logprobs": 21}', "prompt_logprobs"),
     (b'{"prompt": "hi", "suffix": "x"}', "suffix"),
-    (b'{"prompt": "hi", "n_predict": 0}', None),
+    (b'{"prompt": "hi", "n_predict": -2}', "n_predict"),
     (b'{"prompt": "hi", "n_predict": 3, "max_tokens": 4}', None),
     (b'{"prompt": "hi", "grammar": "root ::= undefined_rule"}', "grammar"),
     (b'{"prompt": "hi", "json_schema": "x"}', "json_schema"),

@@ -1,6 +1,6 @@
 """The sampling fields clients send by default, through the real openai client: logit_bias and the
 penalties change the greedy output as the engine's reference-checked sampler does (the reference is in
-tests/test_logit_adjust_engine.py), echo returns the prompt, suffix is a clear 400 on a model without
+tests/test_logit_adjust_engine.py), echo returns the prompt (alone with max_tokens 0), suffix is a clear 400 on a model without
 FIM tokens, and llama.cpp's grammar / json_schema / n_predict / cache_prompt are honoured."""
 
 from __future__ import annotations
@@ -49,6 +49,35 @@ def test_echo_returns_the_prompt_before_the_output(client, model_name):
     streamed = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0,
                                          echo=True, stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == echoed.choices[0].text
+
+
+def test_echo_with_max_tokens_0_answers_the_prompt_alone(server, client, model_name):
+    """OpenAI's legacy echo without generation (vLLM's too): the prompt's text and its tokens' scores, no
+    completion token; streamed, the same text. Without echo, max_tokens 0 is a 400 that says why."""
+    tokens = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}, timeout=60).json()["tokens"]
+    alone = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1,
+                                      temperature=0)
+    one = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=1, echo=True, logprobs=1,
+                                    temperature=0)
+    choice = alone.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert (alone.usage.prompt_tokens, alone.usage.completion_tokens) == (len(tokens), 0)
+    assert choice.logprobs.tokens == one.choices[0].logprobs.tokens[:len(tokens)]
+    assert choice.logprobs.token_logprobs == one.choices[0].logprobs.token_logprobs[:len(tokens)]
+    assert choice.logprobs.token_logprobs[0] is None and None not in choice.logprobs.token_logprobs[1:]
+    two = client.completions.create(model=model_name, prompt=[PROMPT, "Hello"], max_tokens=0, echo=True, n=2)
+    assert [c.text for c in two.choices] == [PROMPT, PROMPT, "Hello", "Hello"]
+    streamed = list(client.completions.create(model=model_name, prompt=PROMPT, max_tokens=0, echo=True,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == PROMPT
+    assert [c.choices[0].finish_reason for c in streamed if c.choices][-1] == "length"
+    assert streamed[-1].usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model_name, prompt=PROMPT, max_tokens=0)
+    assert "echo" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=0)
 
 
 def test_suffix_needs_a_fim_model(client, model_name):

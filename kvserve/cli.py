@@ -18,7 +18,8 @@ def main_generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            ignore_eos=args.ignore_eos)
+                            ignore_eos=args.ignore_eos, min_p=args.min_p, repetition_penalty=args.repeat_penalty,
+                            repetition_last_n=None if args.repeat_last_n == -1 else args.repeat_last_n)
     llm = LLM(model=args.model, **engine_kwargs(args))
     print(_mode_line(llm.engine), file=sys.stderr)  # (stdout holds the answer alone)
     if args.chat:
@@ -65,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--repeat-penalty", type=float, default=1.0,
+                     help="llama.cpp's repetition penalty over the last --repeat-last-n tokens (1: off)")
+    gen.add_argument("--repeat-last-n", type=int, default=64, help="-1: the whole context")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")

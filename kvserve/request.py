@@ -13,6 +13,9 @@ from kvserve.cache.leases import Breakpoint, LeaseUsage, Retention
 from kvserve.structured.params import StructuredOutputsParams
 
 
+MAX_REPETITION_PENALTY = 10.0
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """vLLM's shape. Greedy when temperature is 0."""
@@ -37,6 +40,11 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
+    # vLLM's (CTRL's) repetition penalty: the logit of each token the context holds is divided by it where
+    # positive, multiplied where negative; over the prompt and the output, or llama.cpp's last N tokens of them
+    repetition_penalty: float = 1.0
+    repetition_last_n: int | None = None  # None: the whole context (vLLM's); 0: no token (off)
+    min_p: float = 0.0  # vLLM's: after temperature, tokens under min_p x the top token's probability are out
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,6 +68,12 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be between -2 and 2, got {getattr(self, name)}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be between 0 and 1, got {self.min_p}")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
+        if self.repetition_last_n is not None and self.repetition_last_n < 0:
+            raise ValueError(f"repetition_last_n must be >= 0 (or None: the whole context), got {self.repetition_last_n}")
         for token_id, bias in (self.logit_bias or {}).items():
             if not isinstance(token_id, int) or token_id < 0:
                 raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
@@ -73,9 +87,20 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
+    def repeats(self) -> bool:
+        """Whether the repetition penalty applies (a penalty other than 1 over a window of some tokens)."""
+        return self.repetition_penalty != 1.0 and self.repetition_last_n != 0
+
+    def repetition_tokens(self, token_ids: list[int]) -> list[int] | None:
+        """The tokens the repetition penalty applies to, of a sequence's `token_ids` (prompt and output)."""
+        if not self.repeats:
+            return None
+        return list(token_ids) if self.repetition_last_n is None else token_ids[-self.repetition_last_n:]
+
+    @property
     def adjusts_logits(self) -> bool:
         """Whether the sampler changes this row's logits before choosing (penalties, logit_bias)."""
-        return self.penalizes or bool(self.logit_bias)
+        return self.penalizes or self.repeats or bool(self.logit_bias)
 
     @property
     def is_greedy(self) -> bool:

@@ -246,22 +246,22 @@ class Scheduler:
         return self.spec.drafts(request, budget, self.max_model_len, spare) if spare > 0 else None
 
     def _seq(self, request: Request, num_new: int, drafts: Drafts | None = None) -> ScheduledSeq:
-        start = request.num_computed_tokens
+        start, params = request.num_computed_tokens, request.sampling_params
         known = drafts.token_ids if drafts else []  # (a draft model's come from the runner)
+        samples = start + num_new == request.num_tokens  # the chunk ends at the last known token
         return ScheduledSeq(
-            request_id=request.request_id,
-            token_ids=request.token_ids[start:start + num_new] + known,
+            request_id=request.request_id, token_ids=request.token_ids[start:start + num_new] + known,
             start_pos=start,
             block_table=self.manager.block_table(request.request_id),
-            need_sample=start + num_new == request.num_tokens,
-            sampling_params=request.sampling_params,
+            need_sample=samples,
+            sampling_params=params,
             num_output_tokens=request.num_output_tokens,
             window_block_table=self.manager.window_block_table(request.request_id),
             draft_token_ids=list(known),
-            grammar=request.grammar if start + num_new == request.num_tokens else None,
+            grammar=request.grammar if samples else None,
             draft=drafts.work if drafts else None,
-            output_token_ids=(request.output_token_ids if request.sampling_params.penalizes
-                              and start + num_new == request.num_tokens else None),
+            output_token_ids=request.output_token_ids if params.penalizes and samples else None,
+            repetition_token_ids=params.repetition_tokens(request.token_ids) if samples else None,
             prompt_targets=request.prompt_targets(start, num_new))
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:

@@ -51,6 +51,19 @@ def test_bad_flag_values_are_one_line(capsys):
     assert "temperature" in capsys.readouterr().err
     assert main(["generate", "hi", "--threads", "0"]) == 2
     assert "--threads must be >= 1" in capsys.readouterr().err
+    assert main(["generate", "hi", "--repeat-penalty", "0"]) == 2
+    assert "repetition_penalty" in capsys.readouterr().err
+    assert main(["generate", "hi", "--min-p", "2"]) == 2
+    assert "min_p" in capsys.readouterr().err
+
+
+def test_repeat_penalty_flag_changes_the_greedy_text(capsys):
+    prompt = "List the days of the week: Monday, Tuesday, Monday, Tuesday, Monday,"
+    texts = []
+    for flags in ([], ["--repeat-penalty", "1.5"]):
+        assert main(["generate", prompt, "--max-tokens", "8", "--ignore-eos", *flags]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] != texts[1]
 
 
 def test_threads_flag_sets_torchs_threads(capsys):

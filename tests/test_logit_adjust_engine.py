@@ -1,6 +1,7 @@
 """Penalties and logit_bias through the engine: the greedy output equals a reference the test builds
 token by token from the same model's unadjusted logprobs (vLLM's formula applied here, in the test),
-and differs from the plain greedy output, so a field the sampler ignored would fail."""
+and differs from the plain greedy output, so a field the sampler ignored would fail. The repetition
+penalty, which reads raw logits, is held to transformers' greedy loop with its own processor."""
 
 from __future__ import annotations
 
@@ -47,3 +48,26 @@ def test_penalties_and_logit_bias_match_a_reference_from_the_same_logits():
                                                  logit_bias=banned))[0].outputs[0].token_ids
     assert biased == reference_greedy(llm, prompt_ids, lambda t, _: banned.get(t, 0.0))
     assert not set(biased) & set(banned)
+
+
+def test_repetition_penalty_greedy_equals_transformers(hf_model):
+    """float32 greedy with vLLM's repetition penalty (the whole context) and llama.cpp's (the last N tokens)
+    equals transformers' model stepped by hand with RepetitionPenaltyLogitsProcessor over the same ids."""
+    import torch
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    llm = make_llm()
+    prompt_ids = llm.get_tokenizer().encode(PROMPT).ids
+    plain = llm.generate(PROMPT, SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True))[0].outputs[0].token_ids
+    for penalty, last_n in ((1.6, None), (1.6, 6)):
+        ids = list(prompt_ids)
+        with torch.inference_mode():
+            for _ in range(NUM_TOKENS):
+                logits = hf_model(input_ids=torch.tensor([ids])).logits[:, -1]
+                window = ids if last_n is None else ids[-last_n:]
+                logits = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([window]), logits)
+                ids.append(int(logits.argmax()))
+        params = SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, repetition_penalty=penalty,
+                                repetition_last_n=last_n)
+        got = llm.generate(PROMPT, params)[0].outputs[0].token_ids
+        assert got == ids[len(prompt_ids):] != plain, (penalty, last_n)

@@ -1,7 +1,10 @@
-"""logit_bias and the presence/frequency penalties, applied in place to the rows of a step's logits
-that ask for them, batched as the grammar mask is: one scatter for every row's bias, one count of
-every row's output tokens. vLLM's definitions (which are OpenAI's): the bias is added first, then
-`logit - frequency_penalty * count - presence_penalty * (count > 0)` over the tokens generated so far.
+"""logit_bias, the repetition penalty and the presence/frequency penalties, applied in place to the rows of
+a step's logits that ask for them, batched as the grammar mask is: one scatter for every row's bias, one
+gather and scatter for every row's repeated tokens, one count of every row's output tokens. vLLM's
+definitions (OpenAI's for the bias and the two penalties): the bias is added first; then each token of the
+repetition penalty's context (the prompt and output, or their last N tokens) has a positive logit divided
+by the penalty and a negative one multiplied; then `logit - frequency_penalty * count - presence_penalty *
+(count > 0)` over the tokens generated so far.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ def adjusted_rows(seqs: Sequence[ScheduledSeq]) -> list[int]:
 def apply_logit_adjustments(logits: torch.Tensor, seqs: Sequence[ScheduledSeq], rows: list[int]) -> None:
     """logits [N, V] float32, changed in place in `rows` (indices into seqs)."""
     _add_bias(logits, seqs, rows)
+    _repeat(logits, seqs, [i for i in rows if seqs[i].repetition_token_ids])
     _penalize(logits, seqs, [i for i in rows if seqs[i].sampling_params.penalizes])
 
 
@@ -35,6 +39,22 @@ def _add_bias(logits: torch.Tensor, seqs: Sequence[ScheduledSeq], rows: list[int
     device = logits.device
     index = (torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device))
     logits.index_put_(index, torch.tensor(biases, device=device, dtype=logits.dtype), accumulate=True)
+
+
+def _repeat(logits: torch.Tensor, seqs: Sequence[ScheduledSeq], rows: list[int]) -> None:
+    row_ids, token_ids, penalties = [], [], []
+    for i in rows:
+        tokens = sorted(set(seqs[i].repetition_token_ids or ()))  # (each token once: one write per entry)
+        row_ids += [i] * len(tokens)
+        token_ids += tokens
+        penalties += [seqs[i].sampling_params.repetition_penalty] * len(tokens)
+    if not row_ids:
+        return
+    device = logits.device
+    index = (torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device))
+    penalty = torch.tensor(penalties, device=device, dtype=logits.dtype)
+    values = logits[index]
+    logits[index] = torch.where(values > 0, values / penalty, values * penalty)
 
 
 def _penalize(logits: torch.Tensor, seqs: Sequence[ScheduledSeq], rows: list[int]) -> None:

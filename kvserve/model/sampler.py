@@ -1,4 +1,4 @@
-"""Next-token choice for a batch of logits rows: greedy, temperature, top-k, top-p, per-request seeds
+"""Next-token choice for a batch of logits rows: greedy, temperature, min-p, top-k, top-p, per-request seeds
 and logprobs. Seeded sampling is stateless: the draw depends only on (seed, num_output_tokens), so
 recomputing a preempted request gives the same tokens. Rows with logit_bias or penalties are adjusted
 first (logit_adjust.py), then rows with a grammar (structured outputs) are masked (grammar_mask.py), so
@@ -65,10 +65,15 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
 
 def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """logits [R, V] of rows with temperature > 0 -> the distribution each row samples from [R, V]
-    (temperature, then top-k and top-p). Speculative verification accepts drafts against it."""
+    (temperature, then min-p, then top-k and top-p, in vLLM's order). Speculative verification accepts
+    drafts against it."""
     device = logits.device
     temps = torch.tensor([p.temperature for p in params], device=device)
     scaled = logits / temps[:, None]  # [R, V]
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device, dtype=scaled.dtype)
+        probs = scaled.softmax(dim=-1)
+        scaled = scaled.masked_fill(probs < probs.max(dim=-1, keepdim=True).values * min_p[:, None], float("-inf"))
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
         top_k = torch.tensor([p.top_k for p in params], device=device)
         top_p = torch.tensor([p.top_p for p in params], device=device, dtype=scaled.dtype)

@@ -22,7 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_v
 from kvserve.server import sse
 from kvserve.server.front import sse_response
 from kvserve.server.infill import InfillParts, infill_ids
-from kvserve.server.llamacpp_fields import NOT_LLAMA_SERVERS, UNSUPPORTED_SAMPLERS
+from kvserve.server.llamacpp_fields import (LLAMA_REPEAT_LAST_N, NOT_LLAMA_SERVERS, UNSUPPORTED_SAMPLERS, LastN, MinP,
+                                             RepetitionPenalty)
 from kvserve.server.protocol import MAX_LOGPROBS, CompletionRequest, Temperature, TopP
 from kvserve.server.serving import OpenAIServing, SSEResult
 
@@ -42,6 +43,9 @@ class LlamaCppCompletion(CompletionRequest):
     top_k: Annotated[StrictInt, Field(ge=-1, le=2**31)] | None = 40
     n_predict: Annotated[StrictInt, Field(ge=-1, le=2**31)] | None = -1
     n_probs: Annotated[StrictInt, Field(ge=-(2**31), le=2**31)] | None = 0  # 0 or less: none
+    min_p: MinP | None = 0.05
+    repeat_penalty: RepetitionPenalty | None = 1.0
+    repeat_last_n: LastN | None = LLAMA_REPEAT_LAST_N
 
     @model_validator(mode="before")
     @classmethod
@@ -129,7 +133,8 @@ def server_props(serving: OpenAIServing) -> dict[str, Any]:
 
     engine = serving.engine.engine
     loaded, fields = engine.loaded, LlamaCppCompletion.model_fields
-    params = {name: fields[name].default for name in ("temperature", "top_p", "top_k", "n_predict", "n_probs")}
+    params = {name: fields[name].default for name in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty",
+                                                      "repeat_last_n", "n_predict", "n_probs")}
     params.update({name: neutral for name, neutral in NEUTRAL_ONLY.items() if name not in NOT_LLAMA_SERVERS})
     params["stream"] = False
     token = lambda i: loaded.tokenizer.id_to_token(i) if i is not None else None  # noqa: E731

@@ -1,9 +1,10 @@
 """Ollama's request bodies (/api/chat, /api/generate) as pydantic models, and their translation into the
 OpenAI requests the serving layer runs: `options` (Ollama's defaults: temperature 0.8, top_k 40,
-top_p 0.9), `format` ("json" or a JSON schema), `tools` and tool-call turns, `num_ctx` (the request's
-context cap, checked once the prompt is tokenized), `logprobs` and `top_logprobs` (OpenAI chat's entries,
-which Ollama's are). Sampler options kvserve lacks are a 400 unless sent at their neutral value; runtime
-hints (threads, GPU layers, mmap) change no output and are taken.
+top_p 0.9; `min_p`; `repeat_penalty` over the last `repeat_last_n` tokens), `format` ("json" or a JSON
+schema), `tools` and tool-call turns, `num_ctx` (the request's context cap, checked once the prompt is
+tokenized), `logprobs` and `top_logprobs` (OpenAI chat's entries, which Ollama's are). Sampler options
+kvserve lacks are a 400 unless sent at their neutral value; runtime hints (threads, GPU layers, mmap)
+change no output and are taken.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from kvserve.server.anthropic_protocol import first_error
-from kvserve.server.llamacpp_fields import UNSUPPORTED_SAMPLERS
+from kvserve.server.llamacpp_fields import UNSUPPORTED_SAMPLERS, LastN, MinP, RepetitionPenalty
 from kvserve.server.protocol import (MAX_LOGPROBS, APIError, ChatCompletionRequest, CompletionRequest, Int64,
                                      Penalty, Temperature, Text, TopP)
 
@@ -35,12 +36,14 @@ class Options(BaseModel):
     stop: list[Text] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
+    min_p: MinP | None = None
+    repeat_penalty: RepetitionPenalty | None = None  # over the last repeat_last_n tokens (64 unless given)
+    repeat_last_n: LastN | None = None
     # runtime hints with no effect on the output here
     num_thread: StrictInt | None = None
     num_gpu: StrictInt | None = None
     num_batch: StrictInt | None = None
     num_keep: StrictInt | None = None
-    repeat_last_n: StrictInt | None = None
 
 
 class ToolCallFunction(BaseModel):
@@ -85,7 +88,8 @@ class _Base(BaseModel):
         for name, default in OLLAMA_DEFAULTS.items():
             value = getattr(opts, name)
             fields[name] = default if value is None else value
-        for name in ("seed", "stop", "presence_penalty", "frequency_penalty"):
+        for name in ("seed", "stop", "presence_penalty", "frequency_penalty", "min_p", "repeat_penalty",
+                     "repeat_last_n"):
             if getattr(opts, name) is not None:
                 fields[name] = getattr(opts, name)
         if opts.num_predict is not None and opts.num_predict > 0:

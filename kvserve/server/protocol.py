@@ -1,14 +1,16 @@
 """The OpenAI request schema as pydantic models, the error body, and `SamplingParams` from a request.
 
 Unknown fields are ignored (as vLLM does); known fields of the wrong type or out of range are a 400
-with OpenAI's error JSON. Fields kvserve adds: `cache_salt` (cache isolation), `top_k`, `ignore_eos`,
-`kv_retention` (lease the prompt's KV), `kv_explain` (a `kv_cache` explanation beside `usage`).
+with OpenAI's error JSON. vLLM's sampling fields: `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
+`prompt_logprobs`. Fields kvserve adds: `cache_salt` (cache isolation), `kv_retention` (lease the
+prompt's KV), `kv_explain` (a `kv_cache` explanation beside `usage`).
 OpenAI's `prompt_cache_key` (a routing hint: `kvserve router` keeps a key on one backend; never an
 isolation boundary), `prompt_cache_retention` (`24h` pins the prompt's pages in a disk or Redis tier;
 without one, or over a pin cap, the answer says it was capped to `in_memory`) and `prompt_cache_options`
 (prompt_cache_options.py).
 Output constraints (`response_format`, `structured_outputs`, `guided_*`): structured_fields.py;
-llama.cpp's fields (`n_predict`, `grammar`, `json_schema`, `cache_prompt`): llamacpp_fields.py.
+llama.cpp's fields (`n_predict`, `grammar`, `json_schema`, `cache_prompt`, `repeat_penalty`):
+llamacpp_fields.py.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr,
 
 from kvserve.request import SamplingParams
 from kvserve.server import tool_protocol as tp
-from kvserve.server.llamacpp_fields import LlamaCppFields
+from kvserve.server.llamacpp_fields import LlamaCppFields, MinP, RepetitionPenalty
 from kvserve.server.openai_breakpoints import BreakpointRef, PromptCacheBreakpoint
 from kvserve.server.prompt_cache_options import LeaseAsk, PromptCacheOptions
 from kvserve.server.prompt_only import NEEDS_ECHO
@@ -110,6 +112,9 @@ class _Sampling(StructuredFields, LlamaCppFields):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     logit_bias: Annotated[dict[str, Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    min_p: MinP | None = None  # vLLM's and llama.cpp's
+    # vLLM's (over the prompt and output); llama.cpp's `repeat_penalty` and `repeat_last_n`: llamacpp_fields.py
+    repetition_penalty: RepetitionPenalty | None = None
     # vLLM's: each prompt token's logprob (on chat, the rendered template's), in a whole answer
     prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     kv_retention: KVRetention | None = None
@@ -214,6 +219,8 @@ class _Sampling(StructuredFields, LlamaCppFields):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            min_p=self.min_p or 0.0,
+            **self.repetition(self.repetition_penalty),
         )
 
 

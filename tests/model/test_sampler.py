@@ -1,5 +1,5 @@
 """Sampling: greedy is argmax, seeded draws are reproducible and depend only on (seed, position),
-top-k / top-p restrict the support, logprobs are log-softmax of the raw logits."""
+top-k / top-p / min-p restrict the support, logprobs are log-softmax of the raw logits."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.batch import ScheduledSeq
-from kvserve.model.sampler import greedy, sample
+from kvserve.model.sampler import greedy, sample, target_probs
 from kvserve.request import SamplingParams
 
 
@@ -76,6 +76,26 @@ def test_top_k_and_top_p_restrict_support():
     assert probs[0] < 0.8 < probs[0] + probs[1]
     top_p = {sample(logits, [seq(temperature=1.0, top_p=0.8, seed=i)])[0].token_id for i in range(200)}
     assert top_p == {0, 1}
+
+
+def test_min_p_keeps_what_transformers_min_p_keeps_after_temperature():
+    """vLLM's min-p (tokens under min_p x the top token's probability, after temperature, are out): the
+    distribution equals transformers' temperature then MinPLogitsWarper, row by row, each row its own
+    min_p; min_p 0 leaves the row alone, and greedy ignores it."""
+    from transformers import MinPLogitsWarper, TemperatureLogitsWarper
+
+    logits = logits_rows(4, 300, seed=7)
+    params = [SamplingParams(temperature=t, min_p=m) for t, m in ((0.7, 0.1), (1.3, 0.02), (1.0, 0.0), (2.0, 0.5))]
+    got = target_probs(logits.clone(), params)
+    for row, p in enumerate(params):
+        scores = TemperatureLogitsWarper(p.temperature)(None, logits[row:row + 1].clone())
+        if p.min_p > 0:
+            scores = MinPLogitsWarper(p.min_p)(None, scores)
+        want = scores.softmax(-1)[0]
+        assert torch.equal(got[row] > 0, want > 0) and torch.allclose(got[row], want, atol=1e-6)
+    assert 0 < int((got[0] > 0).sum()) < 300 and int((got[2] > 0).sum()) == 300
+    seqs = [seq(min_p=0.9), seq(temperature=0.0, min_p=1.0)]
+    assert [t.token_id for t in sample(logits[:2].clone(), seqs)] == logits[:2].argmax(-1).tolist()
 
 
 def test_sampling_follows_the_distribution():

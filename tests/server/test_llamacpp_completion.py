@@ -95,8 +95,10 @@ def test_logit_bias_pairs_ban_a_token(server):
 
 
 @pytest.mark.parametrize("body, named", [
-    ({"prompt": PROMPT, "min_p": 0.1}, "min_p"),
-    ({"prompt": PROMPT, "repeat_penalty": 1.1}, "repeat_penalty"),
+    ({"prompt": PROMPT, "min_p": 1.5}, "min_p"),
+    ({"prompt": PROMPT, "repeat_penalty": 0}, "repeat_penalty"),
+    ({"prompt": PROMPT, "repeat_last_n": -2}, "repeat_last_n"),
+    ({"prompt": PROMPT, "typical_p": 0.5}, "typical_p"),
     ({"prompt": PROMPT, "mirostat": 2}, "mirostat"),
     ({"prompt": PROMPT, "n_probs": 3, "post_sampling_probs": True}, "post_sampling_probs"),
     ({"prompt": PROMPT, "n_probs": 3, "logprobs": 2}, "n_probs"),
@@ -152,7 +154,7 @@ def test_n_probs_gives_each_tokens_probabilities_as_llama_server_does(server, cl
 
 
 def test_neutral_values_of_unsupported_fields_are_accepted(server):
-    r = post(server, {"prompt": PROMPT, "n_predict": 2, "min_p": 0.0, "repeat_penalty": 1.0, "mirostat": 0})
+    r = post(server, {"prompt": PROMPT, "n_predict": 2, "typical_p": 1.0, "dry_multiplier": 0.0, "mirostat": 0})
     assert r.status_code == 200, r.text
 
 
@@ -167,7 +169,7 @@ def test_props_tell_the_context_template_and_the_defaults_completion_samples_wit
     explicit = post(server, {"prompt": PROMPT, "seed": 5, **settings["params"], "n_predict": 8})
     assert implicit.status_code == explicit.status_code == 200, explicit.text
     assert implicit.json()["content"] == explicit.json()["content"]
-    assert settings["params"]["temperature"] == 0.8 and settings["params"]["min_p"] == 0.0
+    assert settings["params"]["temperature"] == 0.8 and settings["params"]["min_p"] == 0.05
 
 
 @pytest.mark.skipif(not llama_server_path().is_file(), reason="llama-server binary absent "
@@ -182,4 +184,7 @@ def test_props_use_llama_servers_own_names(server):
     assert set(ours) <= set(theirs)
     assert set(ours["default_generation_settings"]) <= set(theirs["default_generation_settings"])
     assert set(ours["default_generation_settings"]["params"]) <= set(theirs["default_generation_settings"]["params"])
+    ours_params, their_params = ours["default_generation_settings"]["params"], theirs["default_generation_settings"]["params"]
+    for name in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n"):
+        assert ours_params[name] == pytest.approx(their_params[name], rel=1e-6), name  # /completion's defaults
     assert theirs["eos_token"] == ours["eos_token"] and theirs["chat_template"] == ours["chat_template"]

@@ -138,7 +138,8 @@ def test_num_ctx_caps_the_request(oclient, model_name):
 @pytest.mark.parametrize("body, named, status", [
     ({"model": "MODEL", "messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role", 400),
     ({"model": "MODEL", "messages": QUESTION, "options": {"temperature": -1}}, "options.temperature", 400),
-    ({"model": "MODEL", "messages": QUESTION, "options": {"repeat_penalty": 1.3}}, "options.repeat_penalty", 400),
+    ({"model": "MODEL", "messages": QUESTION, "options": {"mirostat": 2}}, "options.mirostat", 400),
+    ({"model": "MODEL", "messages": QUESTION, "options": {"repeat_penalty": -1}}, "options.repeat_penalty", 400),
     ({"model": "MODEL", "messages": QUESTION, "options": {"num_ctx": 10**9}}, "options.num_ctx", 400),
     ({"model": "MODEL", "messages": QUESTION, "format": "yaml"}, "format", 400),
     ({"model": "MODEL", "messages": QUESTION, "keep_alive": "soon"}, "keep_alive", 400),

@@ -1,5 +1,5 @@
-"""The sampling fields clients send by default, through the real openai client: logit_bias and the
-penalties change the greedy output as the engine's reference-checked sampler does (the reference is in
+"""The sampling fields clients send by default, through the real openai client: logit_bias, the
+penalties, the repetition penalty and min_p change the output as the engine's reference-checked sampler does (the reference is in
 tests/test_logit_adjust_engine.py), echo returns the prompt (alone with max_tokens 0), suffix is a clear 400 on a model without
 FIM tokens, and llama.cpp's grammar / json_schema / n_predict / cache_prompt are honoured."""
 
@@ -39,6 +39,34 @@ def test_penalties_over_http_equal_the_engines(client, model_name):
     want = llm.generate(PROMPT, SamplingParams(max_tokens=10, ignore_eos=True, frequency_penalty=1.2,
                                                presence_penalty=0.6))[0].outputs[0].text
     assert penalized.choices[0].text == want != plain
+
+
+def test_repetition_penalty_and_min_p_by_each_clients_names_equal_the_engines(server, client, model_name):
+    """vLLM's `repetition_penalty` (the whole context) and `min_p` through the openai client, llama.cpp's
+    `repeat_penalty` on /completion and Ollama's option of that name (the last 64 tokens, as both default),
+    each the engine's greedy answer for the same SamplingParams, and not the plain one."""
+    import ollama
+
+    llm = make_llm(**SMALL_ENGINE)  # (the server's mode)
+    prompt = PROMPT + " Tuesday, Monday, Tuesday, Monday,"
+
+    def engine(**params) -> str:
+        return llm.generate(prompt, SamplingParams(max_tokens=10, ignore_eos=True, **params))[0].outputs[0].text
+    plain = engine()
+    whole = client.completions.create(model=model_name, prompt=prompt, max_tokens=10, temperature=0,
+                                      extra_body={"ignore_eos": True, "repetition_penalty": 1.5, "min_p": 0.2})
+    assert whole.choices[0].text == engine(repetition_penalty=1.5) != plain
+    window = engine(repetition_penalty=1.5, repetition_last_n=64)
+    llamacpp = httpx.post(server.url + "/completion", timeout=120, json={
+        "prompt": prompt, "n_predict": 10, "temperature": 0, "ignore_eos": True, "repeat_penalty": 1.5})
+    assert llamacpp.json()["content"] == window != plain
+    answer = ollama.Client(host=server.url).generate(model=model_name, prompt=prompt, raw=True, options={
+        "temperature": 0, "num_predict": 10, "repeat_penalty": 1.5})
+    assert answer.response in (window, window[:len(answer.response)]) and answer.response  # (Ollama stops at EOS)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model_name, prompt=prompt, max_tokens=1,
+                                  extra_body={"repetition_penalty": 1.5, "repeat_penalty": 1.2})
+    assert "disagree" in err.value.body["message"]
 
 
 def test_echo_returns_the_prompt_before_the_output(client, model_name):

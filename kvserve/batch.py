@@ -41,6 +41,7 @@ class ScheduledSeq:
     grammar: TokenConstraint | None = None  # structured outputs: the sampler masks this row by it
     output_token_ids: list[int] | None = None  # penalties: the tokens generated so far (else None)
     repetition_token_ids: list[int] | None = None  # the repetition penalty's tokens (SamplingParams.repetition_tokens)
+    ending_token_ids: list[int] | None = None  # under min_tokens: the ids that would end it, masked (Request)
     # a draft model's work: its drafts are not in token_ids yet; the runner proposes them before the
     # target computes the step, and appends them as the last draft.num_drafts rows
     draft: DraftSeq | None = None

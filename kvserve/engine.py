@@ -252,6 +252,8 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if any(t >= vocab for t in params.logit_bias or {}):
             raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
+        if any(t >= vocab for t in params.stop_token_ids or []):
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
         needed = len(token_ids) + params.max_tokens
         if needed > self.max_model_len:
             raise ValueError(

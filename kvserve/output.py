@@ -34,14 +34,20 @@ class OutputProcessor:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def hits_stop_string(self, request: Request) -> bool:
-        """True (and the text is cut there) when the output contains one of the request's stop strings;
-        the one that starts first (first listed among those starting there) is the request's stop_reason."""
-        text = self.decode(request.output_token_ids)
-        found = ((text.find(s), i, s) for i, s in enumerate(request.sampling_params.stop or []) if s)
+        """True (and the text is cut there, or after it with include_stop_str_in_output) when the output
+        contains one of the request's stop strings (none ending within its first min_tokens tokens); the one
+        that starts first (first listed among those starting there) is the request's stop_reason."""
+        params, output = request.sampling_params, request.output_token_ids
+        if len(output) < params.min_tokens:
+            return False
+        text = self.decode(output)
+        start = len(self.decode(output[:params.min_tokens])) if params.min_tokens else 0  # (one ending past it)
+        found = ((text.find(s, max(start - len(s) + 1, 0)), i, s) for i, s in enumerate(params.stop or []) if s)
         hits = [hit for hit in found if hit[0] >= 0]  # (one search per stop string)
         if hits:
             at, _, request.stop_reason = min(hits)
-            self._stop_text[request.request_id] = text[:at]
+            self._stop_text[request.request_id] = text[:at + len(request.stop_reason)
+                                                       if params.include_stop_str_in_output else at]
         return bool(hits)
 
     def output(self, request: Request) -> RequestOutput:

@@ -45,6 +45,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     repetition_last_n: int | None = None  # None: the whole context (vLLM's); 0: no token (off)
     min_p: float = 0.0  # vLLM's: after temperature, tokens under min_p x the top token's probability are out
+    # vLLM's: no stop (EOS, stop_token_ids, stop strings) before this many output tokens; the ids that
+    # would end the output are masked until then
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string, not before it
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,6 +72,13 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be between -2 and 2, got {getattr(self, name)}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if self.min_tokens and self.structured_outputs is not None:
+            raise ValueError("min_tokens cannot be combined with an output constraint, which decides where "
+                             "the output may end")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
+            raise ValueError("stop_token_ids must be token ids (integers >= 0)")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be between 0 and 1, got {self.min_p}")
         if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
@@ -99,8 +110,8 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether the sampler changes this row's logits before choosing (penalties, logit_bias)."""
-        return self.penalizes or self.repeats or bool(self.logit_bias)
+        """Whether the sampler changes this row's logits before choosing (penalties, logit_bias, min_tokens)."""
+        return self.penalizes or self.repeats or bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def is_greedy(self) -> bool:
@@ -254,6 +265,31 @@ class Request:
             return RequestStatus.FINISHED_STOPPED
         self.error = violation
         return RequestStatus.FINISHED_ERROR
+
+    def stop_after_token(self, max_model_len: int) -> RequestStatus | None:
+        """How the sequence ends with the token it just took, if it does: EOS, a stop token id, its grammar
+        done, max_tokens or the context's end; none of the first three before min_tokens."""
+        params, last = self.sampling_params, self.token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and (last == self.eos_token_id or last in self.eos_token_ids):
+                return self.stop_status()  # (FINISHED_ERROR if a grammar is left unsatisfied)
+            if params.stop_token_ids and last in params.stop_token_ids:
+                self.stop_reason = last
+                return self.stop_status()
+            if self.is_grammar_complete:
+                return self.stop_status()
+        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def ending_token_ids(self) -> list[int] | None:
+        """Under min_tokens: the ids that would end the output (EOS unless ignored, stop_token_ids), which the
+        sampler masks; None otherwise."""
+        params = self.sampling_params
+        if self.num_output_tokens >= params.min_tokens:
+            return None
+        eos = [] if params.ignore_eos else [t for t in (self.eos_token_id, *self.eos_token_ids) if t is not None]
+        return sorted({*eos, *(params.stop_token_ids or [])})
 
     @property
     def is_grammar_complete(self) -> bool:

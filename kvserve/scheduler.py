@@ -262,6 +262,7 @@ class Scheduler:
             draft=drafts.work if drafts else None,
             output_token_ids=request.output_token_ids if params.penalizes and samples else None,
             repetition_token_ids=params.repetition_tokens(request.token_ids) if samples else None,
+            ending_token_ids=request.ending_token_ids() if samples else None,
             prompt_targets=request.prompt_targets(start, num_new))
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
@@ -320,7 +321,7 @@ class Scheduler:
                 request.num_computed_tokens += len(seq.token_ids)
                 if token is not None:
                     self._append_token(request, token, now)
-                    reason = self._stop_reason(request)
+                    reason = request.stop_after_token(self.max_model_len)
             if token is not None:
                 changed.append(request)
             retention = request.retention if request.lease_usage is None else None
@@ -348,27 +349,13 @@ class Scheduler:
         reason = None
         for kept in [*accepted, token]:
             self._append_token(request, kept, now)
-            reason = self._stop_reason(request)
+            reason = request.stop_after_token(self.max_model_len)
             if reason is not None:
                 break
         request.num_computed_tokens = request.num_tokens - 1
         self.manager.truncate(request.request_id, request.num_computed_tokens)
         self.spec.record(request, seq.num_drafts, len(accepted))
         return reason
-
-    def _stop_reason(self, request: Request) -> RequestStatus | None:
-        params = request.sampling_params
-        last = request.token_ids[-1]
-        if not params.ignore_eos and (last == request.eos_token_id or last in request.eos_token_ids):
-            return request.stop_status()  # (FINISHED_ERROR if a grammar is left unsatisfied)
-        if params.stop_token_ids and last in params.stop_token_ids:
-            request.stop_reason = last
-            return request.stop_status()
-        if request.is_grammar_complete:
-            return request.stop_status()
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def finish(self, request_id: str, status: RequestStatus, now: float | None = None) -> None:
         """Called by the engine for stop strings, which need the detokenized text."""

@@ -87,6 +87,35 @@ def test_stop_reason_names_the_stop_token_id_and_is_none_otherwise():
     assert (both.stop_reason, both.text) == (first, text[:2])
 
 
+def test_min_tokens_masks_the_endings_until_then_and_stop_strings_may_be_kept():
+    """vLLM's min_tokens: the ids that would end the output (EOS, stop_token_ids) cannot be chosen before it,
+    so the first tokens are greedy with those ids banned, and no stop string ending in them counts;
+    include_stop_str_in_output keeps the stop string at the text's end."""
+    llm = make_llm()
+    messages = [{"role": "user", "content": "Say hi."}]
+    free = llm.chat(messages, SamplingParams(max_tokens=40))[0].outputs[0]
+    assert free.finish_reason == "stop" and len(free.token_ids) < 30  # it ends by itself (EOS) early
+    n = len(free.token_ids) + 6
+    endings = [t for t in {llm.engine.loaded.eos_token_id, *llm.engine.loaded.eos_token_ids} if t is not None]
+    banned = llm.chat(messages, SamplingParams(max_tokens=n, ignore_eos=True,
+                                               logit_bias=dict.fromkeys(endings, -100.0)))[0].outputs[0]
+    held = llm.chat(messages, SamplingParams(max_tokens=n + 20, min_tokens=n))[0].outputs[0]
+    assert held.token_ids[:n] == banned.token_ids and not set(held.token_ids[:n]) & set(endings)
+    stop_id = free.token_ids[0]  # a stop token id the output would stop at first: ignored until min_tokens
+    late = llm.chat(messages, SamplingParams(max_tokens=n + 20, min_tokens=n, stop_token_ids=[stop_id]))[0].outputs[0]
+    assert stop_id not in late.token_ids[:n] and len(late.token_ids) >= n
+    text = llm.generate("Count: 1, 2, 3, 4,", SamplingParams(max_tokens=16, ignore_eos=True))[0].outputs[0]
+    word = text.text[2:4]
+    kept = llm.generate("Count: 1, 2, 3, 4,", SamplingParams(max_tokens=16, ignore_eos=True, stop=[word],
+                                                              include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == text.text[:4] and kept.stop_reason == word
+    past = llm.generate("Count: 1, 2, 3, 4,", SamplingParams(max_tokens=16, ignore_eos=True, stop=[word],
+                                                              min_tokens=len(text.token_ids)))[0].outputs[0]
+    assert past.text == text.text  # the stop string's only occurrences end within the first min_tokens
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+
+
 def test_chat_applies_the_template():
     llm = make_llm()
     out = llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(max_tokens=8))[0]

@@ -4,7 +4,8 @@ gather and scatter for every row's repeated tokens, one count of every row's out
 definitions (OpenAI's for the bias and the two penalties): the bias is added first; then each token of the
 repetition penalty's context (the prompt and output, or their last N tokens) has a positive logit divided
 by the penalty and a negative one multiplied; then `logit - frequency_penalty * count - presence_penalty *
-(count > 0)` over the tokens generated so far.
+(count > 0)` over the tokens generated so far. Last, under `min_tokens`, the ids that would end the output
+are masked.
 """
 
 from __future__ import annotations
@@ -20,11 +21,21 @@ def adjusted_rows(seqs: Sequence[ScheduledSeq]) -> list[int]:
     return [i for i, s in enumerate(seqs) if s.sampling_params.adjusts_logits]
 
 
+def _mask_endings(logits: torch.Tensor, seqs: Sequence[ScheduledSeq], rows: list[int]) -> None:
+    """min_tokens: the ids that would end a row's output too early can never be chosen (vLLM's)."""
+    pairs = [(i, t) for i in rows for t in seqs[i].ending_token_ids or () if t < logits.shape[-1]]
+    if pairs:
+        rows_, tokens = zip(*pairs)
+        index = (torch.tensor(rows_, device=logits.device), torch.tensor(tokens, device=logits.device))
+        logits[index] = float("-inf")
+
+
 def apply_logit_adjustments(logits: torch.Tensor, seqs: Sequence[ScheduledSeq], rows: list[int]) -> None:
     """logits [N, V] float32, changed in place in `rows` (indices into seqs)."""
     _add_bias(logits, seqs, rows)
     _repeat(logits, seqs, [i for i in rows if seqs[i].repetition_token_ids])
     _penalize(logits, seqs, [i for i in rows if seqs[i].sampling_params.penalizes])
+    _mask_endings(logits, seqs, rows)
 
 
 def _add_bias(logits: torch.Tensor, seqs: Sequence[ScheduledSeq], rows: list[int]) -> None:

@@ -1,8 +1,8 @@
 """The OpenAI request schema as pydantic models, the error body, and `SamplingParams` from a request.
 
 Unknown fields are ignored (as vLLM does); known fields of the wrong type or out of range are a 400
-with OpenAI's error JSON. vLLM's sampling fields: `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
-`prompt_logprobs`. Fields kvserve adds: `cache_salt` (cache isolation), `kv_retention` (lease the
+with OpenAI's error JSON. vLLM's sampling fields: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
+`stop_token_ids`, `include_stop_str_in_output`, `ignore_eos`, `prompt_logprobs`. Fields kvserve adds: `cache_salt` (cache isolation), `kv_retention` (lease the
 prompt's KV), `kv_explain` (a `kv_cache` explanation beside `usage`).
 OpenAI's `prompt_cache_key` (a routing hint: `kvserve router` keeps a key on one backend; never an
 isolation boundary), `prompt_cache_retention` (`24h` pins the prompt's pages in a disk or Redis tier;
@@ -113,6 +113,9 @@ class _Sampling(StructuredFields, LlamaCppFields):
     frequency_penalty: Penalty | None = None
     logit_bias: Annotated[dict[str, Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     min_p: MinP | None = None  # vLLM's and llama.cpp's
+    min_tokens: Annotated[StrictInt, Field(ge=0, le=2**31)] = 0  # vLLM's: no stop before this many tokens
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP)] | None = None  # vLLM's
+    include_stop_str_in_output: StrictBool = False  # vLLM's
     # vLLM's (over the prompt and output); llama.cpp's `repeat_penalty` and `repeat_last_n`: llamacpp_fields.py
     repetition_penalty: RepetitionPenalty | None = None
     # vLLM's: each prompt token's logprob (on chat, the rendered template's), in a whole answer
@@ -211,6 +214,9 @@ class _Sampling(StructuredFields, LlamaCppFields):
             top_k=max(self.top_k or 0, 0),
             seed=self.seed,
             stop=stop,
+            stop_token_ids=self.stop_token_ids,
+            min_tokens=self.min_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs_asked,

@@ -254,8 +254,8 @@ class OpenAIServing:
             raise APIError(str(err), param=err.field) from None
         except ValueError as err:
             message = str(err)
-            param = ("logit_bias" if message.startswith("logit_bias")
-                     else "prompt" if "prompt" in message else None)
+            param = next((f for f in ("logit_bias", "stop_token_ids") if message.startswith(f)),
+                         "prompt" if "prompt" in message else None)
             raise APIError(message, param=param) from None
         except EngineDeadError as err:
             raise APIError(str(err), 503, "server_error") from None

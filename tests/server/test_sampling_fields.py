@@ -69,6 +69,36 @@ def test_repetition_penalty_and_min_p_by_each_clients_names_equal_the_engines(se
     assert "disagree" in err.value.body["message"]
 
 
+def test_vllms_stop_fields_min_tokens_stop_token_ids_and_include_stop_str(client, model_name):
+    """vLLM's min_tokens, stop_token_ids and include_stop_str_in_output through the openai client, each as
+    the engine applies them (tests/test_engine.py holds the engine to its references)."""
+    messages = [{"role": "user", "content": "Say hi."}]
+    free = client.chat.completions.create(model=model_name, messages=messages, max_tokens=40, temperature=0)
+    assert free.choices[0].finish_reason == "stop"
+    n = free.usage.completion_tokens + 5
+    held = client.chat.completions.create(model=model_name, messages=messages, max_tokens=n + 10, temperature=0,
+                                          extra_body={"min_tokens": n})
+    assert held.usage.completion_tokens >= n
+    plain = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0].text
+    word = plain[1:4]
+    kept = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=8, temperature=0, stop=[word],
+                                     extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert kept.choices[0].text == plain[:4] and kept.choices[0].model_extra["stop_reason"] == word
+    ids = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=0,
+                                    extra_body={"ignore_eos": True}).choices[0].logprobs.tokens
+    [stop_id] = httpx.post(str(client.base_url).replace("/v1/", "/tokenize"),
+                           json={"prompt": ids[2], "add_special_tokens": False}).json()["tokens"][:1] or [None]
+    by_id = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]}).choices[0]
+    assert (by_id.finish_reason, by_id.model_extra["stop_reason"]) == ("stop", stop_id)
+    assert plain.startswith(by_id.text) and len(by_id.text) < len(plain)
+    for extra, param in (({"min_tokens": 9}, None), ({"stop_token_ids": [10**9]}, "stop_token_ids")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=model_name, prompt=PROMPT, max_tokens=8, extra_body=extra)
+        assert err.value.body["param"] == param and next(iter(extra)) in err.value.body["message"]
+
+
 def test_echo_returns_the_prompt_before_the_output(client, model_name):
     plain = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0)
     echoed = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0,

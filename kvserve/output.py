@@ -30,8 +30,8 @@ class OutputProcessor:
         """The n samples of a request with n > 1; None otherwise."""
         return self._groups.get(request_id)
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def hits_stop_string(self, request: Request) -> bool:
         """True (and the text is cut there, or after it with include_stop_str_in_output) when the output
@@ -40,8 +40,9 @@ class OutputProcessor:
         params, output = request.sampling_params, request.output_token_ids
         if len(output) < params.min_tokens:
             return False
-        text = self.decode(output)
-        start = len(self.decode(output[:params.min_tokens])) if params.min_tokens else 0  # (one ending past it)
+        skip = params.skip_special_tokens
+        text = self.decode(output, skip)
+        start = len(self.decode(output[:params.min_tokens], skip)) if params.min_tokens else 0  # (one ending past it)
         found = ((text.find(s, max(start - len(s) + 1, 0)), i, s) for i, s in enumerate(params.stop or []) if s)
         hits = [hit for hit in found if hit[0] >= 0]  # (one search per stop string)
         if hits:
@@ -80,7 +81,10 @@ class OutputProcessor:
         text = (self._stop_text.pop(request.request_id, None) if group_finished
                 else self._stop_text.get(request.request_id))
         if text is None:
-            text = self.decode(request.output_token_ids)
+            params, ids = request.sampling_params, request.output_token_ids
+            if not params.skip_special_tokens and not params.include_stop_str_in_output and request.ended_by_eos:
+                ids = ids[:-1]  # (vLLM's: the EOS that ended it is not shown, kept special tokens or not)
+            text = self.decode(ids, params.skip_special_tokens)
         return CompletionOutput(
             index=index, token_ids=list(request.output_token_ids), text=text,
             finish_reason=request.status.value if done else None,

@@ -49,6 +49,7 @@ class SamplingParams:
     # would end the output are masked until then
     min_tokens: int = 0
     include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string, not before it
+    skip_special_tokens: bool = True  # vLLM's: False keeps special tokens (<|im_end|>, ...) in the text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -281,6 +282,12 @@ class Request:
         if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    @property
+    def ended_by_eos(self) -> bool:
+        last = self.token_ids[-1]
+        return (self.status is RequestStatus.FINISHED_STOPPED and not self.sampling_params.ignore_eos
+                and self.stop_reason is None and (last == self.eos_token_id or last in self.eos_token_ids))
 
     def ending_token_ids(self) -> list[int] | None:
         """Under min_tokens: the ids that would end the output (EOS unless ignored, stop_token_ids), which the

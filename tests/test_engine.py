@@ -116,6 +116,25 @@ def test_min_tokens_masks_the_endings_until_then_and_stop_strings_may_be_kept():
         SamplingParams(max_tokens=4, min_tokens=5)
 
 
+def test_skip_special_tokens_false_keeps_them_in_the_text_but_not_the_ending_eos():
+    """vLLM's skip_special_tokens: False shows the special tokens the output holds, except the EOS that ended
+    it (shown only with include_stop_str_in_output)."""
+    llm = make_llm()
+    tokenizer = llm.engine.tokenizer
+    start, end = (tokenizer.token_to_id(t) for t in ("<|im_start|>", "<|im_end|>"))
+    assert end in {llm.engine.loaded.eos_token_id, *llm.engine.loaded.eos_token_ids}
+
+    def text(**params) -> tuple[str, str]:
+        out = llm.generate("Hi", SamplingParams(max_tokens=3, **params))[0].outputs[0]
+        return out.text, out.finish_reason
+    forced = {"logit_bias": {start: 100.0}, "ignore_eos": True}
+    assert text(**forced) == ("", "length")
+    assert text(**forced, skip_special_tokens=False) == ("<|im_start|>" * 3, "length")
+    ended = {"logit_bias": {end: 100.0}}
+    assert text(**ended) == text(**ended, skip_special_tokens=False) == ("", "stop")
+    assert text(**ended, skip_special_tokens=False, include_stop_str_in_output=True) == ("<|im_end|>", "stop")
+
+
 def test_chat_applies_the_template():
     llm = make_llm()
     out = llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(max_tokens=8))[0]

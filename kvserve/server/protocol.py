@@ -2,8 +2,9 @@
 
 Unknown fields are ignored (as vLLM does); known fields of the wrong type or out of range are a 400
 with OpenAI's error JSON. vLLM's sampling fields: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
-`stop_token_ids`, `include_stop_str_in_output`, `ignore_eos`, `prompt_logprobs`. Fields kvserve adds: `cache_salt` (cache isolation), `kv_retention` (lease the
-prompt's KV), `kv_explain` (a `kv_cache` explanation beside `usage`).
+`stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`, `ignore_eos`, `prompt_logprobs`.
+Fields kvserve adds: `cache_salt` (cache isolation), `kv_retention` (lease the prompt's KV), `kv_explain`
+(a `kv_cache` explanation beside `usage`).
 OpenAI's `prompt_cache_key` (a routing hint: `kvserve router` keeps a key on one backend; never an
 isolation boundary), `prompt_cache_retention` (`24h` pins the prompt's pages in a disk or Redis tier;
 without one, or over a pin cap, the answer says it was capped to `in_memory`) and `prompt_cache_options`
@@ -116,6 +117,7 @@ class _Sampling(StructuredFields, LlamaCppFields):
     min_tokens: Annotated[StrictInt, Field(ge=0, le=2**31)] = 0  # vLLM's: no stop before this many tokens
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP)] | None = None  # vLLM's
     include_stop_str_in_output: StrictBool = False  # vLLM's
+    skip_special_tokens: StrictBool = True  # vLLM's
     # vLLM's (over the prompt and output); llama.cpp's `repeat_penalty` and `repeat_last_n`: llamacpp_fields.py
     repetition_penalty: RepetitionPenalty | None = None
     # vLLM's: each prompt token's logprob (on chat, the rendered template's), in a whole answer
@@ -217,6 +219,7 @@ class _Sampling(StructuredFields, LlamaCppFields):
             stop_token_ids=self.stop_token_ids,
             min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs_asked,

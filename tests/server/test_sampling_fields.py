@@ -70,8 +70,8 @@ def test_repetition_penalty_and_min_p_by_each_clients_names_equal_the_engines(se
 
 
 def test_vllms_stop_fields_min_tokens_stop_token_ids_and_include_stop_str(client, model_name):
-    """vLLM's min_tokens, stop_token_ids and include_stop_str_in_output through the openai client, each as
-    the engine applies them (tests/test_engine.py holds the engine to its references)."""
+    """vLLM's min_tokens, stop_token_ids, include_stop_str_in_output and skip_special_tokens through the
+    openai client, each as the engine applies them (tests/test_engine.py holds the engine to its references)."""
     messages = [{"role": "user", "content": "Say hi."}]
     free = client.chat.completions.create(model=model_name, messages=messages, max_tokens=40, temperature=0)
     assert free.choices[0].finish_reason == "stop"
@@ -93,6 +93,11 @@ def test_vllms_stop_fields_min_tokens_stop_token_ids_and_include_stop_str(client
                                       extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]}).choices[0]
     assert (by_id.finish_reason, by_id.model_extra["stop_reason"]) == ("stop", stop_id)
     assert plain.startswith(by_id.text) and len(by_id.text) < len(plain)
+    [start] = httpx.post(str(client.base_url).replace("/v1/", "/tokenize"),
+                         json={"prompt": "<|im_start|>", "add_special_tokens": False}).json()["tokens"]
+    shown = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=2, logit_bias={str(start): 100},
+                                      extra_body={"skip_special_tokens": False, "ignore_eos": True})
+    assert shown.choices[0].text == "<|im_start|>" * 2
     for extra, param in (({"min_tokens": 9}, None), ({"stop_token_ids": [10**9]}, "stop_token_ids")):
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model=model_name, prompt=PROMPT, max_tokens=8, extra_body=extra)

@@ -272,7 +272,7 @@ class Request:
         done, max_tokens or the context's end; none of the first three before min_tokens."""
         params, last = self.sampling_params, self.token_ids[-1]
         if self.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and (last == self.eos_token_id or last in self.eos_token_ids):
+            if not params.ignore_eos and self.is_eos(last):
                 return self.stop_status()  # (FINISHED_ERROR if a grammar is left unsatisfied)
             if params.stop_token_ids and last in params.stop_token_ids:
                 self.stop_reason = last
@@ -283,11 +283,13 @@ class Request:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    def is_eos(self, token_id: int) -> bool:
+        return token_id == self.eos_token_id or token_id in self.eos_token_ids
+
     @property
     def ended_by_eos(self) -> bool:
-        last = self.token_ids[-1]
         return (self.status is RequestStatus.FINISHED_STOPPED and not self.sampling_params.ignore_eos
-                and self.stop_reason is None and (last == self.eos_token_id or last in self.eos_token_ids))
+                and self.stop_reason is None and self.is_eos(self.token_ids[-1]))
 
     def ending_token_ids(self) -> list[int] | None:
         """Under min_tokens: the ids that would end the output (EOS unless ignored, stop_token_ids), which the

@@ -1,6 +1,6 @@
-"""Next-token choice for a batch of logits rows: greedy, temperature, min-p, top-k, top-p, per-request seeds
-and logprobs. Seeded sampling is stateless: the draw depends only on (seed, num_output_tokens), so
-recomputing a preempted request gives the same tokens. Rows with logit_bias or penalties are adjusted
+"""Next-token choice for a batch of logits rows: greedy, or a draw from the row's distribution (temperature,
+min-p, top-k, top-p and per-request seeds: distribution.py), and logprobs. Seeded sampling is stateless: the
+draw depends only on (seed, num_output_tokens), so recomputing a preempted request gives the same tokens. Rows with logit_bias or penalties are adjusted
 first (logit_adjust.py), then rows with a grammar (structured outputs) are masked (grammar_mask.py), so
 every choice below, logprobs included, sees the adjusted logits and only allowed tokens.
 """
@@ -13,23 +13,10 @@ import numpy as np
 import torch
 
 from kvserve.batch import SampledToken, ScheduledSeq
-from kvserve.request import SamplingParams
+from kvserve.model.distribution import draw, target_probs, uniforms
 from kvserve.model.grammar_mask import apply_grammar_masks, grammar_rows
 from kvserve.model.logit_adjust import adjusted_rows, apply_logit_adjustments
-
-_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads consecutive token counts over the seed space
-
-
-def _generator(seed: int, num_output_tokens: int, device: torch.device) -> torch.Generator:
-    g = torch.Generator(device=device)
-    g.manual_seed((seed * _MIX + num_output_tokens) % (1 << 64))
-    return g
-
-
-def seeded_noise(row: torch.Tensor, seed: int, num_output_tokens: int) -> torch.Tensor:
-    """Fill `row` [V] with the Exp(1) noise of a seeded request's output token num_output_tokens: the
-    same numbers whoever draws it (the sampler, or speculative verification)."""
-    return row.exponential_(generator=_generator(seed, num_output_tokens, row.device))
+from kvserve.request import SamplingParams
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -39,46 +26,6 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return torch.from_numpy(np.argmax(logits.numpy(), axis=-1))
     return logits.argmax(dim=-1)
-
-
-def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """The exponential race: argmax(p / E) with E ~ Exp(1) draws from p (over the last dim)."""
-    return (probs / noise.clamp_min(1e-30)).argmax(dim=-1)  # no 0/0 on masked tokens
-
-
-def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """logits [N, V] (already temperature-scaled), top_k [N] (0 = off), top_p [N] -> logits with
-    the excluded tokens at -inf. Ties at the top-k boundary are kept, as HF's top-k does."""
-    vocab = logits.shape[-1]
-    ordered, _ = logits.sort(dim=-1, descending=True)  # [N, V]
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)  # [N]
-    kth = ordered.gather(1, (k - 1)[:, None])  # [N, 1]
-    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
-    probs = ordered.softmax(dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
-    # the smallest set whose mass reaches top_p; the best token is always kept
-    keep = before < top_p[:, None]
-    keep[:, 0] = True
-    cutoff = ordered.masked_fill(~keep, float("inf")).min(dim=-1, keepdim=True).values  # [N, 1]
-    return logits.masked_fill((logits < cutoff) | (logits < kth), float("-inf"))
-
-
-def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """logits [R, V] of rows with temperature > 0 -> the distribution each row samples from [R, V]
-    (temperature, then min-p, then top-k and top-p, in vLLM's order). Speculative verification accepts
-    drafts against it."""
-    device = logits.device
-    temps = torch.tensor([p.temperature for p in params], device=device)
-    scaled = logits / temps[:, None]  # [R, V]
-    if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=device, dtype=scaled.dtype)
-        probs = scaled.softmax(dim=-1)
-        scaled = scaled.masked_fill(probs < probs.max(dim=-1, keepdim=True).values * min_p[:, None], float("-inf"))
-    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        top_k = torch.tensor([p.top_k for p in params], device=device)
-        top_p = torch.tensor([p.top_p for p in params], device=device, dtype=scaled.dtype)
-        scaled = _filter(scaled, top_k, top_p)
-    return scaled.softmax(dim=-1)
 
 
 def sample(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> list[SampledToken]:
@@ -96,13 +43,9 @@ def sample(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> list[SampledTo
     rows = [i for i, p in enumerate(params) if p.temperature > 0]
     if rows:
         idx = torch.tensor(rows, device=device)
-        probs = target_probs(logits.index_select(0, idx), [params[i] for i in rows])  # [R, V]
-        # exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one draw per row
-        noise = torch.empty_like(probs).exponential_()
-        for r, i in enumerate(rows):
-            if params[i].seed is not None:
-                seeded_noise(noise[r], params[i].seed, seqs[i].num_output_tokens)
-        chosen[idx] = race(probs, noise)
+        drawn = [params[i] for i in rows]
+        probs = target_probs(logits.index_select(0, idx), drawn)  # [R, V]
+        chosen[idx] = draw(probs, uniforms(drawn, [seqs[i].num_output_tokens for i in rows], device))
 
     out = [SampledToken(t) for t in chosen.tolist()]
     add_logprobs(out, logits, chosen, params)

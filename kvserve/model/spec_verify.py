@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from kvserve.batch import SampledToken, ScheduledSeq
-from kvserve.model.sampler import add_logprobs, greedy, race, seeded_noise, target_probs
+from kvserve.model.distribution import draw, target_probs, uniforms
+from kvserve.model.sampler import add_logprobs, greedy
 
 
 def verify(logits: torch.Tensor, seq: ScheduledSeq) -> list[SampledToken]:
@@ -41,8 +42,7 @@ def _seeded_draws(logits: torch.Tensor, seq: ScheduledSeq) -> list[int]:
     probs = target_probs(logits, [params] * logits.shape[0])  # [k + 1, V]
     kept: list[int] = []
     for j in range(len(drafts) + 1):
-        noise = seeded_noise(torch.empty_like(probs[j]), params.seed, seq.num_output_tokens + j)
-        token = int(race(probs[j], noise))
+        token = int(draw(probs[j:j + 1], uniforms([params], [seq.num_output_tokens + j], logits.device))[0])
         kept.append(token)
         if j == len(drafts) or token != drafts[j]:
             break

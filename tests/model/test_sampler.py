@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.batch import ScheduledSeq
-from kvserve.model.sampler import greedy, sample, target_probs
+from kvserve.model.distribution import CANDIDATES, target_probs
+from kvserve.model.sampler import greedy, sample
 from kvserve.request import SamplingParams
 
 
@@ -96,6 +97,38 @@ def test_min_p_keeps_what_transformers_min_p_keeps_after_temperature():
     assert 0 < int((got[0] > 0).sum()) < 300 and int((got[2] > 0).sum()) == 300
     seqs = [seq(min_p=0.9), seq(temperature=0.0, min_p=1.0)]
     assert [t.token_id for t in sample(logits[:2].clone(), seqs)] == logits[:2].argmax(-1).tolist()
+
+
+def test_top_k_top_p_min_p_equal_transformers_warpers_in_vllms_order():
+    """The distribution a row samples from: transformers' temperature, min-p, top-k and top-p warpers applied
+    in vLLM's order, for rows of different settings side by side; a flat row whose nucleus runs past the
+    candidates topk reads takes the full sort, and a row alone gets the same numbers as among others."""
+    from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    vocab = 49_152
+    logits = logits_rows(7, vocab, seed=11)
+    logits[5] = torch.randn(vocab, generator=torch.Generator().manual_seed(2)) * 0.05  # nearly flat
+    params = [SamplingParams(temperature=0.8, top_k=40, top_p=0.9),  # Ollama's defaults
+              SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),  # llama.cpp's
+              SamplingParams(temperature=1.0, top_p=0.5),
+              SamplingParams(temperature=1.3, top_k=3),
+              SamplingParams(temperature=1.0),
+              SamplingParams(temperature=1.0, top_p=0.99),  # past CANDIDATES: 16 times more, then the sort
+              SamplingParams(temperature=1.0, top_k=100, top_p=0.8)]  # the others read 100 candidates
+    got = target_probs(logits.clone(), params)
+    for row, p in enumerate(params):
+        scores = TemperatureLogitsWarper(p.temperature)(None, logits[row:row + 1].clone())
+        if p.min_p > 0:
+            scores = MinPLogitsWarper(p.min_p)(None, scores)
+        if p.top_k > 0:
+            scores = TopKLogitsWarper(p.top_k)(None, scores)
+        if p.top_p < 1.0:
+            scores = TopPLogitsWarper(p.top_p)(None, scores)
+        want = scores.softmax(-1)[0]
+        assert torch.equal(got[row] > 0, want > 0), row
+        assert torch.allclose(got[row], want, atol=1e-6), row
+        assert torch.equal(target_probs(logits[row:row + 1].clone(), [p])[0], got[row]), row
+    assert int((got[5] > 0).sum()) > CANDIDATES
 
 
 def test_sampling_follows_the_distribution():

@@ -21,15 +21,6 @@ def adjusted_rows(seqs: Sequence[ScheduledSeq]) -> list[int]:
     return [i for i, s in enumerate(seqs) if s.sampling_params.adjusts_logits]
 
 
-def _mask_endings(logits: torch.Tensor, seqs: Sequence[ScheduledSeq], rows: list[int]) -> None:
-    """min_tokens: the ids that would end a row's output too early can never be chosen (vLLM's)."""
-    pairs = [(i, t) for i in rows for t in seqs[i].ending_token_ids or () if t < logits.shape[-1]]
-    if pairs:
-        rows_, tokens = zip(*pairs)
-        index = (torch.tensor(rows_, device=logits.device), torch.tensor(tokens, device=logits.device))
-        logits[index] = float("-inf")
-
-
 def apply_logit_adjustments(logits: torch.Tensor, seqs: Sequence[ScheduledSeq], rows: list[int]) -> None:
     """logits [N, V] float32, changed in place in `rows` (indices into seqs)."""
     _add_bias(logits, seqs, rows)
@@ -87,3 +78,12 @@ def _penalize(logits: torch.Tensor, seqs: Sequence[ScheduledSeq], rows: list[int
     index = torch.tensor(rows, device=device)
     penalty = frequency[:, None] * counts + presence[:, None] * (counts > 0).to(logits.dtype)
     logits.index_copy_(0, index, logits.index_select(0, index) - penalty)
+
+
+def _mask_endings(logits: torch.Tensor, seqs: Sequence[ScheduledSeq], rows: list[int]) -> None:
+    """min_tokens: the ids that would end a row's output too early can never be chosen (vLLM's)."""
+    pairs = [(i, t) for i in rows for t in seqs[i].ending_token_ids or () if t < logits.shape[-1]]
+    if pairs:
+        rows_, tokens = zip(*pairs)
+        index = (torch.tensor(rows_, device=logits.device), torch.tensor(tokens, device=logits.device))
+        logits[index] = float("-inf")

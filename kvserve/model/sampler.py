@@ -1,8 +1,9 @@
 """Next-token choice for a batch of logits rows: greedy, or a draw from the row's distribution (temperature,
 min-p, top-k, top-p and per-request seeds: distribution.py), and logprobs. Seeded sampling is stateless: the
-draw depends only on (seed, num_output_tokens), so recomputing a preempted request gives the same tokens. Rows with logit_bias or penalties are adjusted
-first (logit_adjust.py), then rows with a grammar (structured outputs) are masked (grammar_mask.py), so
-every choice below, logprobs included, sees the adjusted logits and only allowed tokens.
+draw depends only on (seed, num_output_tokens), so recomputing a preempted request gives the same tokens.
+Rows with logit_bias, penalties or min_tokens are adjusted first (logit_adjust.py), then rows with a grammar
+(structured outputs) are masked (grammar_mask.py), so every choice below, logprobs included, sees the
+adjusted logits and only allowed tokens.
 """
 
 from __future__ import annotations

@@ -1,12 +1,25 @@
 """OutputProcessor: turns the engine's Requests into RequestOutputs. It groups the n samples of one
 user request, cuts text at stop strings (which need detokenized text, so the scheduler cannot apply
-them) and detokenizes."""
+them) and detokenizes: a running sample's text token by token (tokenizers' DecodeStream, so a step
+decodes its new tokens, not the whole output again), a finished one's whole."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+from tokenizers.decoders import DecodeStream
+
 from kvserve.request import CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus, SpecDecodeCounts
+
+
+@dataclass(slots=True)
+class RunningText:
+    """A running sample's output text so far, all but a trailing incomplete character."""
+
+    stream: DecodeStream
+    text: str = ""
+    num_tokens: int = 0  # output tokens decoded into `text`
 
 
 class OutputProcessor:
@@ -16,6 +29,7 @@ class OutputProcessor:
         self._stop_text: dict[str, str] = {}  # sample id -> output text cut at its stop string
         self._groups: dict[str, list[Request]] = {}  # request id -> its n samples (n > 1), in order
         self._group_of: dict[str, str] = {}  # sample id -> request id
+        self._running: dict[str, RunningText] = {}  # sample id -> its text so far (until it finishes)
 
     def add(self, request_id: str, prompt: str | None, samples: list[Request]) -> None:
         self._prompts[request_id] = prompt
@@ -41,7 +55,7 @@ class OutputProcessor:
         if len(output) < params.min_tokens:
             return False
         skip = params.skip_special_tokens
-        text = self.decode(output, skip)
+        text = self.running_text(request)
         start = len(self.decode(output[:params.min_tokens], skip)) if params.min_tokens else 0  # (one ending past it)
         found = ((text.find(s, max(start - len(s) + 1, 0)), i, s) for i, s in enumerate(params.stop or []) if s)
         hits = [hit for hit in found if hit[0] >= 0]  # (one search per stop string)
@@ -50,6 +64,17 @@ class OutputProcessor:
             self._stop_text[request.request_id] = text[:at + len(request.stop_reason)
                                                        if params.include_stop_str_in_output else at]
         return bool(hits)
+
+    def running_text(self, request: Request) -> str:
+        """The text of a running sample's output, its new tokens decoded onto what the last call had."""
+        state = self._running.get(request.request_id)
+        if state is None:
+            stream = DecodeStream(skip_special_tokens=request.sampling_params.skip_special_tokens)
+            state = self._running[request.request_id] = RunningText(stream)
+        for token_id in request.token_ids[request.num_prompt_tokens + state.num_tokens:]:
+            state.text += state.stream.step(self.tokenizer, token_id) or ""
+            state.num_tokens += 1
+        return state.text
 
     def output(self, request: Request) -> RequestOutput:
         """The RequestOutput of the user's request this sample belongs to (all n samples). The
@@ -80,7 +105,11 @@ class OutputProcessor:
         done = request.status.is_finished
         text = (self._stop_text.pop(request.request_id, None) if group_finished
                 else self._stop_text.get(request.request_id))
-        if text is None:
+        if done:
+            self._running.pop(request.request_id, None)
+        if text is None and not done:
+            text = self.running_text(request)
+        elif text is None:  # finished: the whole output decoded once (a trailing partial character shows)
             params, ids = request.sampling_params, request.output_token_ids
             if not params.skip_special_tokens and not params.include_stop_str_in_output and request.ended_by_eos:
                 ids = ids[:-1]  # (vLLM's: the EOS that ended it is not shown, kept special tokens or not)

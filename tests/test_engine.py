@@ -135,6 +135,29 @@ def test_skip_special_tokens_false_keeps_them_in_the_text_but_not_the_ending_eos
     assert text(**ended, skip_special_tokens=False, include_stop_str_in_output=True) == ("<|im_end|>", "stop")
 
 
+def test_a_running_text_is_decoded_token_by_token_and_leads_the_final_text():
+    """Each step decodes a running sample's new tokens onto its text (no whole-output decode per step): at
+    every step the text leads the final one, which is the whole output decoded; a character split across
+    tokens shows once complete, and nothing is kept once the request ends."""
+    llm = make_llm()
+    engine, tokenizer = llm.engine, llm.engine.tokenizer
+    split = tokenizer.encode("🙂", add_special_tokens=False).ids  # one character, two tokens
+    assert len(split) == 2
+    params = SamplingParams(max_tokens=24, ignore_eos=True, n=2, temperature=1.0, seed=4,
+                            logit_bias=dict.fromkeys(split, 30.0))
+    request_id = engine.add_request("Smile:", params)
+    seen: list[list[str]] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == request_id:
+                seen.append([c.text for c in out.outputs])
+                final = out.outputs
+    assert all(c.text == tokenizer.decode(c.token_ids) for c in final)
+    assert all(final[i].text.startswith(texts[i]) for texts in seen for i in range(2))
+    assert any("🙂" in texts[0] for texts in seen[:-1]) and "\ufffd" not in "".join(sum(seen[:-1], []))
+    assert not engine.outputs._running
+
+
 def test_chat_applies_the_template():
     llm = make_llm()
     out = llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(max_tokens=8))[0]

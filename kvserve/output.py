@@ -51,12 +51,12 @@ class OutputProcessor:
         """True (and the text is cut there, or after it with include_stop_str_in_output) when the output
         contains one of the request's stop strings (none ending within its first min_tokens tokens); the one
         that starts first (first listed among those starting there) is the request's stop_reason."""
-        params, output = request.sampling_params, request.output_token_ids
-        if len(output) < params.min_tokens:
+        params = request.sampling_params
+        if request.num_output_tokens < params.min_tokens:
             return False
-        skip = params.skip_special_tokens
-        text = self.running_text(request)
-        start = len(self.decode(output[:params.min_tokens], skip)) if params.min_tokens else 0  # (one ending past it)
+        text, start = self.running_text(request), 0
+        if params.min_tokens:  # a stop string counts once it ends past the first min_tokens tokens' text
+            start = len(self.decode(request.output_token_ids[:params.min_tokens], params.skip_special_tokens))
         found = ((text.find(s, max(start - len(s) + 1, 0)), i, s) for i, s in enumerate(params.stop or []) if s)
         hits = [hit for hit in found if hit[0] >= 0]  # (one search per stop string)
         if hits:

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 
 from kvserve.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from kvserve.request import RequestOutput, SamplingParams, ToolCallKV
+from kvserve.server import sse
 from kvserve.server.anthropic_blocks import BlockEvents, content_blocks
 from kvserve.server.anthropic_protocol import (MessagesRequest, ParsedChat, anthropic_error,
                                                parse_chat, parse_request)
@@ -339,7 +340,7 @@ class MessagesService:
 
 
 def _event(name: str, payload: dict[str, Any]) -> str:
-    return f"event: {name}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return sse.event(payload, name)
 
 
 async def read_json(raw: Request) -> Any:

@@ -8,7 +8,6 @@ a follow-up by `previous_response_id` renders the same prefix and hits it."""
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 import time
@@ -227,7 +226,7 @@ def register(app: FastAPI, serving: OpenAIServing, namespace: Callable[[Request]
         if body.stream:
             async def lines() -> AsyncIterator[str]:
                 async for kind, payload in events:
-                    yield f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+                    yield sse.event(payload, kind)
                 await keep()
             return ClosingStream(lines(), result.close, media_type="text/event-stream",
                                  headers={**SSE_HEADERS, RESPONSE_ID_HEADER: response_id})

@@ -69,7 +69,7 @@ def parse_event(raw: bytes) -> Event:
 
 
 def encode(name: str | None, payload: Any) -> bytes:
-    return ((f"event: {name}\n" if name else "") + sse.event(payload)).encode()
+    return sse.event(payload, name or None).encode()
 
 
 def is_comment(raw: bytes) -> bool:
@@ -141,7 +141,7 @@ class Transcript:
             return encode("error", {"type": "error",
                                     "error": {"type": "api_error", "message": message}})
         return encode(None, {"error": {"message": message, "type": "server_error", "param": None,
-                                       "code": "stream_resume_failed"}}) + b"data: [DONE]\n\n"
+                                       "code": "stream_resume_failed"}}) + sse.DONE.encode()
 
     def _fresh(self, i: int, piece: str) -> tuple[str, bool]:
         """The part of `piece` (the current stream's next text of item i) the client lacks, and

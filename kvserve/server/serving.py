@@ -320,7 +320,7 @@ class OpenAIServing:
             if chat or gen.echo is not None:  # the role, or the echoed prompt, first
                 for c in gen.choices:
                     yield sse.event(chunk(gen, c.index, {"role": "assistant", "content": ""} if chat
-                                     else gen.echo[c.prompt_index]))
+                                          else gen.echo[c.prompt_index]))
             num_finished = 0
             async for c in outputs:
                 completion = c.output.outputs[0]

@@ -10,8 +10,11 @@ from typing import Any
 DONE = "data: [DONE]\n\n"
 
 
-def event(payload: Any) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def event(payload: Any, name: str | None = None) -> str:
+    """One event: its `data:` line, after an `event:` line when it has a name (Anthropic's and Responses'
+    streams name theirs)."""
+    data = f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return data if name is None else f"event: {name}\n{data}"
 
 
 async def payloads(body: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]]:

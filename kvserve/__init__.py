@@ -41,7 +41,8 @@ def peer_environment() -> dict[str, str]:
 
 
 from kvserve.beam_search import BeamSearchParams  # noqa: E402
-from kvserve.request import CompletionOutput, RequestOutput, SamplingParams  # noqa: E402
+from kvserve.request import CompletionOutput, RequestOutput  # noqa: E402
+from kvserve.sampling_params import SamplingParams  # noqa: E402
 from kvserve.structured.params import StructuredOutputsParams  # noqa: E402
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",

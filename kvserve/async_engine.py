@@ -14,7 +14,8 @@ from typing import Any
 from kvserve.engine import LLMEngine, Prompt
 from kvserve.structured.workers import GrammarWorkers
 from kvserve.engine_stats import EngineStats
-from kvserve.request import CacheLease, RequestOutput, SamplingParams, ToolCallKV
+from kvserve.request import CacheLease, RequestOutput, ToolCallKV
+from kvserve.sampling_params import SamplingParams
 
 log = logging.getLogger("kvserve.async_engine")
 

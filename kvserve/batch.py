@@ -7,7 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.request import PromptLogprob, SamplingParams, TokenConstraint
+from kvserve.request import PromptLogprob, TokenConstraint
+
+from kvserve.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -41,7 +43,7 @@ class ScheduledSeq:
     grammar: TokenConstraint | None = None  # structured outputs: the sampler masks this row by it
     output_token_ids: list[int] | None = None  # penalties: the tokens generated so far (else None)
     repetition_token_ids: list[int] | None = None  # the repetition penalty's tokens (SamplingParams.repetition_tokens)
-    ending_token_ids: list[int] | None = None  # under min_tokens: the ids that would end it, masked (Request)
+    masked_token_ids: list[int] | None = None  # ids it may not take next: min_tokens, bad_words (Request)
     # a draft model's work: its drafts are not in token_ids yet; the runner proposes them before the
     # target computes the step, and appends them as the last draft.num_drafts rows
     draft: DraftSeq | None = None

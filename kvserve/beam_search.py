@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvserve.request import SamplingParams
+from kvserve.sampling_params import SamplingParams
 from kvserve.structured.params import StructuredOutputsParams
 
 if TYPE_CHECKING:

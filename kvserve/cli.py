@@ -14,7 +14,7 @@ from kvserve.engine_args import add_engine_arguments, engine_kwargs
 
 def main_generate(args: argparse.Namespace) -> int:
     from kvserve.llm import LLM
-    from kvserve.request import SamplingParams
+    from kvserve.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,

@@ -39,14 +39,16 @@ from kvserve.model.gpu_memory import GpuMemoryBudget, measure_budget
 from kvserve.model.runner import ModelRunner, build_model, calibrate_fp8_scale, profile_step
 from kvserve.model.tokenizer import read_chat_template
 from kvserve.output import OutputProcessor
-from kvserve.request import (CacheLease, LeaseInfo, Request, RequestOutput, RequestStatus, SamplingParams,
-                             TokenConstraint, ToolCallKV)
+from kvserve.request import (CacheLease, LeaseInfo, Request, RequestOutput, RequestStatus, TokenConstraint,
+                             ToolCallKV)
+from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import Scheduler
 from kvserve.speculative.policy import SpecDecodeStats
 from kvserve.startup_checks import check_machine
 from kvserve.step import run_step
 from kvserve.structured import compiler_for
 from kvserve.structured.compiler import CompiledGrammar
+from kvserve.token_bans import bad_words_token_ids
 from kvserve import tool_call_kv
 
 Prompt = str | dict[str, Any] | list[int]
@@ -222,6 +224,8 @@ class LLMEngine:
             raise ValueError(f"n={params.n} is over --max-num-seqs {self.config.max_num_seqs}")
         text, token_ids = self.tokenize(prompt)
         self.check_prompt(token_ids, params)
+        bad_words = bad_words_token_ids(params.bad_words or [],
+                                        lambda word: self.tokenizer.encode(word, add_special_tokens=False).ids)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.scheduler.requests or self.outputs.is_known(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -229,7 +233,7 @@ class LLMEngine:
             Request(request_id=request_id if i == 0 else f"{request_id}#{i}", prompt_token_ids=token_ids,
                     sampling_params=replace(params, seed=None if params.seed is None else params.seed + i),
                     eos_token_id=self.loaded.eos_token_id, eos_token_ids=self.loaded.eos_token_ids,
-                    tenant=tenant, cache_salt=params.cache_salt,
+                    tenant=tenant, cache_salt=params.cache_salt, bad_words_token_ids=bad_words,
                     grammar=compiled.new_state() if compiled is not None else grammar)
             for i in range(params.n)]
         request = samples[0]
@@ -252,8 +256,9 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if any(t >= vocab for t in params.logit_bias or {}):
             raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
-        if any(t >= vocab for t in params.stop_token_ids or []):
-            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            if any(t >= vocab for t in getattr(params, name) or []):
+                raise ValueError(f"{name} must be token ids in [0, {vocab})")
         needed = len(token_ids) + params.max_tokens
         if needed > self.max_model_len:
             raise ValueError(

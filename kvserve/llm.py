@@ -9,7 +9,8 @@ from typing import Any, Iterable
 from kvserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from kvserve.config import EngineConfig
 from kvserve.engine import LLMEngine, Prompt
-from kvserve.request import RequestOutput, SamplingParams
+from kvserve.request import RequestOutput
+from kvserve.sampling_params import SamplingParams
 
 
 class LLM:

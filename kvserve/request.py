@@ -1,4 +1,5 @@
-"""What a user asks for and what they get back: SamplingParams, the engine's Request state, RequestOutput."""
+"""A request in the engine and what it gives back: the Request state, its stop rules, RequestOutput
+(what it asks the sampler for: sampling_params.py)."""
 
 from __future__ import annotations
 
@@ -10,113 +11,8 @@ from typing import Any, Protocol
 from kvserve.cache.explain import CacheExplanation
 from kvserve.cache.hashing import namespace as cache_namespace
 from kvserve.cache.leases import Breakpoint, LeaseUsage, Retention
-from kvserve.structured.params import StructuredOutputsParams
-
-
-MAX_REPETITION_PENALTY = 10.0
-
-
-@dataclass(slots=True)
-class SamplingParams:
-    """vLLM's shape. Greedy when temperature is 0."""
-
-    max_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    n: int = 1
-    seed: int | None = None
-    stop: list[str] | str | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    # each prompt token's logprob given the tokens before it, and this many alternatives (vLLM's); such a
-    # request computes its whole prompt (it takes no prefix-cache hit)
-    prompt_logprobs: int | None = None
-    cache_salt: str | None = None
-    structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice, grammar
-    # vLLM's (and OpenAI's) definitions: each logit minus frequency_penalty x the token's count in the
-    # output so far, minus presence_penalty if it occurs there; logit_bias adds to the token's logit
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[int, float] | None = None
-    # vLLM's (CTRL's) repetition penalty: the logit of each token the context holds is divided by it where
-    # positive, multiplied where negative; over the prompt and the output, or llama.cpp's last N tokens of them
-    repetition_penalty: float = 1.0
-    repetition_last_n: int | None = None  # None: the whole context (vLLM's); 0: no token (off)
-    min_p: float = 0.0  # vLLM's: after temperature, tokens under min_p x the top token's probability are out
-    # vLLM's: no stop (EOS, stop_token_ids, stop strings) before this many output tokens; the ids that
-    # would end the output are masked until then
-    min_tokens: int = 0
-    include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string, not before it
-    skip_special_tokens: bool = True  # vLLM's: False keeps special tokens (<|im_end|>, ...) in the text
-
-    def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.validate()
-
-    def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
-        for name in ("logprobs", "prompt_logprobs"):
-            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= 20:
-                raise ValueError(f"{name} must be between 0 and 20, got {getattr(self, name)}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be between -2 and 2, got {getattr(self, name)}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        if self.min_tokens and self.structured_outputs is not None:
-            raise ValueError("min_tokens cannot be combined with an output constraint, which decides where "
-                             "the output may end")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
-            raise ValueError("stop_token_ids must be token ids (integers >= 0)")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be between 0 and 1, got {self.min_p}")
-        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
-        if self.repetition_last_n is not None and self.repetition_last_n < 0:
-            raise ValueError(f"repetition_last_n must be >= 0 (or None: the whole context), got {self.repetition_last_n}")
-        for token_id, bias in (self.logit_bias or {}).items():
-            if not isinstance(token_id, int) or token_id < 0:
-                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
-            if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias values must be between -100 and 100; token {token_id} "
-                                 f"has {bias}")
-
-    @property
-    def penalizes(self) -> bool:
-        """Whether the sampler needs the tokens generated so far."""
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
-    @property
-    def repeats(self) -> bool:
-        """Whether the repetition penalty applies (a penalty other than 1 over a window of some tokens)."""
-        return self.repetition_penalty != 1.0 and self.repetition_last_n != 0
-
-    def repetition_tokens(self, token_ids: list[int]) -> list[int] | None:
-        """The tokens the repetition penalty applies to, of a sequence's `token_ids` (prompt and output)."""
-        if not self.repeats:
-            return None
-        return list(token_ids) if self.repetition_last_n is None else token_ids[-self.repetition_last_n:]
-
-    @property
-    def adjusts_logits(self) -> bool:
-        """Whether the sampler changes this row's logits before choosing (penalties, logit_bias, min_tokens)."""
-        return self.penalizes or self.repeats or bool(self.logit_bias) or self.min_tokens > 0
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+from kvserve.sampling_params import SamplingParams
+from kvserve.token_bans import BadWordTokens, completed_by, masked_ids
 
 
 class TokenConstraint(Protocol):
@@ -204,6 +100,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()  # every id that ends generation (eos, end of turn, eom)
     tenant: str = ""  # whose cache: an API key's namespace, "" for none
     cache_salt: str | None = None  # the request's own salt: only requests with the same one share pages
+    bad_words_token_ids: BadWordTokens = ()  # SamplingParams.bad_words as tokens (token_bans.py)
     arrival_time: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -291,14 +188,19 @@ class Request:
         return (self.status is RequestStatus.FINISHED_STOPPED and not self.sampling_params.ignore_eos
                 and self.stop_reason is None and self.is_eos(self.token_ids[-1]))
 
-    def ending_token_ids(self) -> list[int] | None:
-        """Under min_tokens: the ids that would end the output (EOS unless ignored, stop_token_ids), which the
-        sampler masks; None otherwise."""
+    def masked_token_ids(self) -> list[int] | None:
+        """The ids the sampler masks for its next token (token_bans.py): under min_tokens those that would end
+        the output (EOS unless ignored, stop_token_ids), and those that would complete a bad word."""
         params = self.sampling_params
-        if self.num_output_tokens >= params.min_tokens:
+        holds_endings = self.num_output_tokens < params.min_tokens
+        if not holds_endings and not self.bad_words_token_ids:
             return None
-        eos = [] if params.ignore_eos else [t for t in (self.eos_token_id, *self.eos_token_ids) if t is not None]
-        return sorted({*eos, *(params.stop_token_ids or [])})
+        endings: set[int] = set()
+        if holds_endings:
+            eos = [] if params.ignore_eos else [t for t in (self.eos_token_id, *self.eos_token_ids) if t is not None]
+            endings = {*eos, *(params.stop_token_ids or [])}
+        word_bans = completed_by(self.output_token_ids, self.bad_words_token_ids)
+        return masked_ids(endings, word_bans, params.allowed_token_ids)
 
     @property
     def is_grammar_complete(self) -> bool:

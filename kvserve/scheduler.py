@@ -262,7 +262,7 @@ class Scheduler:
             draft=drafts.work if drafts else None,
             output_token_ids=request.output_token_ids if params.penalizes and samples else None,
             repetition_token_ids=params.repetition_tokens(request.token_ids) if samples else None,
-            ending_token_ids=request.ending_token_ids() if samples else None,
+            masked_token_ids=request.masked_token_ids() if samples else None,
             prompt_targets=request.prompt_targets(start, num_new))
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:

@@ -12,7 +12,8 @@ from kvserve.cache.leases import Breakpoint, Retention
 from kvserve.cache.manager import KVCacheManager
 from kvserve.cache.offload import Offloader
 from kvserve.cache.tiers import HostTier
-from kvserve.request import Request, SamplingParams
+from kvserve.request import Request
+from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import Scheduler
 from tests.test_scheduler import FakeRunner, finish_step
 

@@ -68,8 +68,8 @@ def test_no_import_circle():
             visit(name, [name])
 
 
-def test_the_model_package_sees_only_config_request_batch_and_kernels():
-    allowed = {"kvserve", "kvserve.config", "kvserve.request", "kvserve.batch"}
+def test_the_model_package_sees_only_config_request_sampling_params_batch_and_kernels():
+    allowed = {"kvserve", "kvserve.config", "kvserve.request", "kvserve.sampling_params", "kvserve.batch"}
     for name, deps in GRAPH.items():
         if name.startswith("kvserve.model"):
             outside = {d for d in deps if not d.startswith(("kvserve.model", "kvserve.kernels")) and d not in allowed}
@@ -87,7 +87,7 @@ def test_the_kernels_import_nothing_of_kvserve_but_themselves_and_errors():
 
 
 @pytest.mark.parametrize("prefix", ["kvserve.cache", "kvserve.batch", "kvserve.scheduler", "kvserve.config",
-                                    "kvserve.request"])
+                                    "kvserve.request", "kvserve.sampling_params", "kvserve.token_bans"])
 def test_the_cache_layer_and_scheduler_import_no_torch(prefix):
     for name, path in MODULES.items():
         if name == prefix or name.startswith(prefix + "."):

@@ -71,3 +71,60 @@ def test_repetition_penalty_greedy_equals_transformers(hf_model):
                                 repetition_last_n=last_n)
         got = llm.generate(PROMPT, params)[0].outputs[0].token_ids
         assert got == ids[len(prompt_ids):] != plain, (penalty, last_n)
+
+
+def _hf_greedy(hf_model, prompt_ids: list[int], processor) -> list[int]:
+    """transformers' model stepped by hand: each step's logits through `processor(ids, logits)`, then argmax."""
+    import torch
+
+    ids = list(prompt_ids)
+    with torch.inference_mode():
+        for _ in range(NUM_TOKENS):
+            logits = processor(torch.tensor([ids]), hf_model(input_ids=torch.tensor([ids])).logits[:, -1])
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt_ids):]
+
+
+def test_bad_words_greedy_equals_transformers(hf_model, hf_tokenizer):
+    """vLLM's bad_words: the plain answer's first word, and its first word with the comma after it (two tokens:
+    the comma is banned after the word only), each tokenized by transformers' tokenizer as vLLM does (as written,
+    and after a space where that is another token of the same length), held to transformers'
+    NoBadWordsLogitsProcessor over those ids."""
+    from transformers import NoBadWordsLogitsProcessor
+
+    llm = make_llm()
+    prompt_ids = llm.get_tokenizer().encode(PROMPT).ids
+    plain = llm.generate(PROMPT, SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True))[0].outputs[0].token_ids
+    for words in ([hf_tokenizer.decode(plain[:1])], [hf_tokenizer.decode(plain[:2])]):
+        sequences = []
+        for word in words:
+            written = hf_tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = hf_tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            sequences += [written] + ([spaced] if spaced[0] != written[0] and len(spaced) == len(written) else [])
+        # (transformers also matches the prompt's tail, vLLM the output's only: no word may start there)
+        assert all(s[:-1] != prompt_ids[-len(s) + 1:] for s in sequences if len(s) > 1)
+        reference = _hf_greedy(hf_model, prompt_ids, NoBadWordsLogitsProcessor(sequences, eos_token_id=None))
+
+        got = llm.generate(PROMPT, SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, bad_words=words))[0]
+        assert got.outputs[0].token_ids == reference != plain, (words, sequences)
+    assert len(sequences[0]) == 2 and reference[0] == plain[0]  # the two-token word: its first token stays
+
+
+def test_allowed_token_ids_greedy_equals_transformers(hf_model):
+    """vLLM's allowed_token_ids: every other id masked, held to transformers' PrefixConstrainedLogitsProcessor
+    with the same ids; the plain answer's first token is left out, so the answer must change."""
+    from transformers import PrefixConstrainedLogitsProcessor
+
+    llm = make_llm()
+    prompt_ids = llm.get_tokenizer().encode(PROMPT).ids
+    plain = llm.generate(PROMPT, SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True))[0].outputs[0].token_ids
+    allowed = sorted(set(plain[1:] + list(range(300, 400))) - {plain[0]})
+    reference = _hf_greedy(hf_model, prompt_ids, PrefixConstrainedLogitsProcessor(lambda _, __: allowed, 1))
+
+    params = SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, allowed_token_ids=allowed)
+    got = llm.generate(PROMPT, params)[0].outputs[0].token_ids
+    assert got == reference != plain
+    assert set(got) <= set(allowed)
+    sampled = llm.generate(PROMPT, SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, temperature=1.5,
+                                                  seed=7, allowed_token_ids=allowed[:5]))[0].outputs[0].token_ids
+    assert set(sampled) <= set(allowed[:5])

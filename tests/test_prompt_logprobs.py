@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.request import SamplingParams
+from kvserve.sampling_params import SamplingParams
 from tests.conftest import default_mode_is_invariant, make_llm
 
 PROMPT = ("The lighthouse keeper wrote every ship into her logbook, fed the gulls at dawn and watched the fog "

@@ -16,7 +16,8 @@ from kvserve.batch import PageOps, SchedulerOutput, StepResult
 from kvserve.cache.manager import KVCacheManager
 from kvserve.cache.offload import Offloader
 from kvserve.cache.tiers import HostTier
-from kvserve.request import Request, SamplingParams
+from kvserve.request import Request
+from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import Scheduler
 
 VOCAB = 1000

@@ -11,7 +11,8 @@ import pytest
 
 from kvserve.config import EngineConfig
 from kvserve.engine import LLMEngine
-from kvserve.request import SamplingParams, ToolCallKV
+from kvserve.request import ToolCallKV
+from kvserve.sampling_params import SamplingParams
 from kvserve.structured import StructuredOutputsParams
 
 AGENTS = 4

@@ -11,7 +11,7 @@ import sys
 import time
 
 from kvserve.llm import LLM
-from kvserve.request import SamplingParams
+from kvserve.sampling_params import SamplingParams
 
 model = sys.argv[1] if len(sys.argv) > 1 else ""
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 64

@@ -12,7 +12,7 @@ import sys
 import time
 
 from kvserve.llm import LLM
-from kvserve.request import SamplingParams
+from kvserve.sampling_params import SamplingParams
 
 model = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] else None
 start = time.perf_counter()

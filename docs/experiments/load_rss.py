@@ -8,7 +8,7 @@ import sys
 
 from kvserve.llm import LLM
 from kvserve.model.gguf_loader import resolve_model_path
-from kvserve.request import SamplingParams
+from kvserve.sampling_params import SamplingParams
 from kvserve.units import parse_bytes
 
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvserve.request import SamplingParams
+from kvserve.sampling_params import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads consecutive token counts over the seed space
 CANDIDATES = 64  # tokens read by topk for top-k / top-p before falling back to a full sort

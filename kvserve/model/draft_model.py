@@ -10,7 +10,7 @@ from kvserve.batch import DraftSeq, ScheduledSeq, SchedulerOutput
 from kvserve.config import ConfigError, KVDtype
 from kvserve.model.gguf_loader import LoadedModel, load_gguf, resolve_model_path
 from kvserve.model.runner import ModelRunner
-from kvserve.request import SamplingParams
+from kvserve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=1)
 

@@ -4,8 +4,10 @@ gather and scatter for every row's repeated tokens, one count of every row's out
 definitions (OpenAI's for the bias and the two penalties): the bias is added first; then each token of the
 repetition penalty's context (the prompt and output, or their last N tokens) has a positive logit divided
 by the penalty and a negative one multiplied; then `logit - frequency_penalty * count - presence_penalty *
-(count > 0)` over the tokens generated so far. Last, under `min_tokens`, the ids that would end the output
-are masked.
+(count > 0)` over the tokens generated so far. Last, the ids a row may not take are masked (under
+`min_tokens` those that would end it, the last token of a bad word: token_bans.py), and with
+`allowed_token_ids` every other id. A masked logit is minus infinity, so the order of the masks and the
+additions does not matter.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ def apply_logit_adjustments(logits: torch.Tensor, seqs: Sequence[ScheduledSeq], 
     _add_bias(logits, seqs, rows)
     _repeat(logits, seqs, [i for i in rows if seqs[i].repetition_token_ids])
     _penalize(logits, seqs, [i for i in rows if seqs[i].sampling_params.penalizes])
-    _mask_endings(logits, seqs, rows)
+    _mask(logits, seqs, rows)
+    _allow(logits, seqs, [i for i in rows if seqs[i].sampling_params.allowed_token_ids is not None])
 
 
 def _add_bias(logits: torch.Tensor, seqs: Sequence[ScheduledSeq], rows: list[int]) -> None:
@@ -80,10 +83,20 @@ def _penalize(logits: torch.Tensor, seqs: Sequence[ScheduledSeq], rows: list[int
     logits.index_copy_(0, index, logits.index_select(0, index) - penalty)
 
 
-def _mask_endings(logits: torch.Tensor, seqs: Sequence[ScheduledSeq], rows: list[int]) -> None:
-    """min_tokens: the ids that would end a row's output too early can never be chosen (vLLM's)."""
-    pairs = [(i, t) for i in rows for t in seqs[i].ending_token_ids or () if t < logits.shape[-1]]
+def _mask(logits: torch.Tensor, seqs: Sequence[ScheduledSeq], rows: list[int]) -> None:
+    """The ids a row may not take next (ScheduledSeq.masked_token_ids) can never be chosen."""
+    pairs = [(i, t) for i in rows for t in seqs[i].masked_token_ids or () if t < logits.shape[-1]]
     if pairs:
         rows_, tokens = zip(*pairs)
         index = (torch.tensor(rows_, device=logits.device), torch.tensor(tokens, device=logits.device))
         logits[index] = float("-inf")
+
+
+def _allow(logits: torch.Tensor, seqs: Sequence[ScheduledSeq], rows: list[int]) -> None:
+    """allowed_token_ids: every other id of the row is masked."""
+    for i in rows:
+        allowed = torch.tensor([t for t in seqs[i].sampling_params.allowed_token_ids if t < logits.shape[-1]],
+                               device=logits.device, dtype=torch.long)
+        kept = logits[i, allowed]
+        logits[i] = float("-inf")
+        logits[i, allowed] = kept

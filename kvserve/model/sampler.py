@@ -1,9 +1,9 @@
 """Next-token choice for a batch of logits rows: greedy, or a draw from the row's distribution (temperature,
 min-p, top-k, top-p and per-request seeds: distribution.py), and logprobs. Seeded sampling is stateless: the
 draw depends only on (seed, num_output_tokens), so recomputing a preempted request gives the same tokens.
-Rows with logit_bias, penalties or min_tokens are adjusted first (logit_adjust.py), then rows with a grammar
-(structured outputs) are masked (grammar_mask.py), so every choice below, logprobs included, sees the
-adjusted logits and only allowed tokens.
+Rows with logit_bias, penalties, min_tokens, allowed_token_ids or bad_words are adjusted first
+(logit_adjust.py), then rows with a grammar (structured outputs) are masked (grammar_mask.py), so every choice
+below, logprobs included, sees the adjusted logits and only allowed tokens.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from kvserve.batch import SampledToken, ScheduledSeq
 from kvserve.model.distribution import draw, target_probs, uniforms
 from kvserve.model.grammar_mask import apply_grammar_masks, grammar_rows
 from kvserve.model.logit_adjust import adjusted_rows, apply_logit_adjustments
-from kvserve.request import SamplingParams
+from kvserve.sampling_params import SamplingParams
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from kvserve.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from kvserve.request import RequestOutput, SamplingParams, ToolCallKV
+from kvserve.request import RequestOutput, ToolCallKV
+from kvserve.sampling_params import SamplingParams
 from kvserve.server import sse
 from kvserve.server.anthropic_blocks import BlockEvents, content_blocks
 from kvserve.server.anthropic_protocol import (MessagesRequest, ParsedChat, anthropic_error,

@@ -22,7 +22,7 @@ from fastapi import Depends, FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvserve.async_engine import EngineDeadError
-from kvserve.request import SamplingParams
+from kvserve.sampling_params import SamplingParams
 from kvserve.server.anthropic_protocol import Block, InputMessage, parse_chat, MessagesRequest
 from kvserve.server.breakpoints import lease_ttl_s, make_lease
 from kvserve.server.front import FrontDoor

@@ -11,7 +11,7 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr
 
-from kvserve.request import MAX_REPETITION_PENALTY
+from kvserve.sampling_params import MAX_REPETITION_PENALTY
 from kvserve.structured import StructuredOutputsParams
 
 

@@ -2,7 +2,8 @@
 
 Unknown fields are ignored (as vLLM does); known fields of the wrong type or out of range are a 400
 with OpenAI's error JSON. vLLM's sampling fields: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
-`stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`, `ignore_eos`, `prompt_logprobs`.
+`stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`, `ignore_eos`, `prompt_logprobs`,
+`allowed_token_ids`, `bad_words`.
 Fields kvserve adds: `cache_salt` (cache isolation), `kv_retention` (lease the prompt's KV), `kv_explain`
 (a `kv_cache` explanation beside `usage`).
 OpenAI's `prompt_cache_key` (a routing hint: `kvserve router` keeps a key on one backend; never an
@@ -21,7 +22,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt,
                       StrictStr, field_validator, model_validator)
 
-from kvserve.request import SamplingParams
+from kvserve.sampling_params import SamplingParams
 from kvserve.server import tool_protocol as tp
 from kvserve.server.llamacpp_fields import LlamaCppFields, MinP, RepetitionPenalty
 from kvserve.server.openai_breakpoints import BreakpointRef, PromptCacheBreakpoint
@@ -35,6 +36,8 @@ MAX_N = 16  # choices per request
 MAX_STOP = 16
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
+MAX_ALLOWED_TOKENS = 2**18  # allowed_token_ids: more than any vocabulary served
+MAX_BAD_WORDS = 256
 
 
 def _utf8(text: str) -> str:
@@ -118,6 +121,8 @@ class _Sampling(StructuredFields, LlamaCppFields):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP)] | None = None  # vLLM's
     include_stop_str_in_output: StrictBool = False  # vLLM's
     skip_special_tokens: StrictBool = True  # vLLM's
+    allowed_token_ids: Annotated[list[TokenId], Field(max_length=MAX_ALLOWED_TOKENS)] | None = None  # vLLM's
+    bad_words: Annotated[list[Text], Field(max_length=MAX_BAD_WORDS)] | None = None  # vLLM's
     # vLLM's (over the prompt and output); llama.cpp's `repeat_penalty` and `repeat_last_n`: llamacpp_fields.py
     repetition_penalty: RepetitionPenalty | None = None
     # vLLM's: each prompt token's logprob (on chat, the rendered template's), in a whole answer
@@ -220,6 +225,8 @@ class _Sampling(StructuredFields, LlamaCppFields):
             min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words or None,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs_asked,

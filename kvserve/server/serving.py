@@ -21,7 +21,8 @@ from typing import Any
 from starlette.requests import Request
 
 from kvserve.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from kvserve.request import RequestOutput, SamplingParams, ToolCallKV
+from kvserve.request import RequestOutput, ToolCallKV
+from kvserve.sampling_params import SamplingParams
 from kvserve.server import render, sse
 from kvserve.server.breakpoints import retained_requests
 from kvserve.server.front import MAX_CHOICES, FrontDoor, stream_failure
@@ -254,8 +255,8 @@ class OpenAIServing:
             raise APIError(str(err), param=err.field) from None
         except ValueError as err:
             message = str(err)
-            param = next((f for f in ("logit_bias", "stop_token_ids") if message.startswith(f)),
-                         "prompt" if "prompt" in message else None)
+            fields = ("logit_bias", "stop_token_ids", "allowed_token_ids", "bad_words")
+            param = next((f for f in fields if message.startswith(f)), "prompt" if "prompt" in message else None)
             raise APIError(message, param=param) from None
         except EngineDeadError as err:
             raise APIError(str(err), 503, "server_error") from None

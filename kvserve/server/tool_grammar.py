@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from kvserve.request import SamplingParams
+from kvserve.sampling_params import SamplingParams
 from kvserve.server.protocol import APIError
 from kvserve.server.tool_parser import CLOSE, OPEN, ToolFormat
 from kvserve.server.tool_protocol import ToolSet

@@ -8,7 +8,7 @@ compiled by llguidance into one matcher per sequence, whose bitmask the sampler 
 Interface for other parts of kvserve (the server's tool calling builds its constraint here):
 
     from kvserve.structured import StructuredOutputsParams, GrammarError
-    from kvserve.request import SamplingParams
+    from kvserve.sampling_params import SamplingParams
 
     # a JSON schema (e.g. one function's `parameters`); strict=True refuses keywords that cannot be
     # enforced, otherwise they are ignored

@@ -11,7 +11,8 @@ import pytest
 from kvserve.config import KV_DTYPES
 from kvserve.model.draft_model import DraftModel
 from kvserve.model.gguf_loader import load_gguf
-from kvserve.request import Request, SamplingParams
+from kvserve.request import Request
+from kvserve.sampling_params import SamplingParams
 from kvserve.speculative.draft_kv import DraftKV
 from tests.model.tiny_models import VOCAB, make_hf_model, write_gguf
 

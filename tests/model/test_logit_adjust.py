@@ -12,7 +12,7 @@ import torch
 from kvserve.batch import ScheduledSeq
 from kvserve.model.logit_adjust import adjusted_rows, apply_logit_adjustments
 from kvserve.model.sampler import sample
-from kvserve.request import SamplingParams
+from kvserve.sampling_params import SamplingParams
 
 
 def seq(output: list[int] | None = None, prompt: tuple[int, ...] = (), **params) -> ScheduledSeq:

@@ -11,7 +11,7 @@ import pytest
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kvserve import kernels
-from kvserve.request import SamplingParams
+from kvserve.sampling_params import SamplingParams
 from tests.conftest import make_llm
 from tests.model.tiny_models import make_hf_model, write_gguf
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kvserve.batch import ScheduledSeq
 from kvserve.model.distribution import CANDIDATES, target_probs
 from kvserve.model.sampler import greedy, sample
-from kvserve.request import SamplingParams
+from kvserve.sampling_params import SamplingParams
 
 
 def seq(num_output_tokens: int = 0, **params) -> ScheduledSeq:

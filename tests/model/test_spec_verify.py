@@ -8,7 +8,7 @@ import torch
 
 from kvserve.batch import ScheduledSeq
 from kvserve.model.spec_verify import verify
-from kvserve.request import SamplingParams
+from kvserve.sampling_params import SamplingParams
 
 
 def seq(drafts: list[int], **params) -> ScheduledSeq:

@@ -12,7 +12,8 @@ import pytest
 
 from kvserve.async_engine import AsyncEngine, EngineDeadError
 from kvserve.engine_stats import EngineStats
-from kvserve.request import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+from kvserve.request import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import SchedulerCounts
 
 

@@ -104,6 +104,35 @@ def test_vllms_stop_fields_min_tokens_stop_token_ids_and_include_stop_str(client
         assert err.value.body["param"] == param and next(iter(extra)) in err.value.body["message"]
 
 
+def test_vllms_bad_words_and_allowed_token_ids_equal_the_engines(client, model_name):
+    """vLLM's bad_words and allowed_token_ids through the openai client (chat and completions), each the
+    engine's greedy answer for the same SamplingParams (tests/test_logit_adjust_engine.py holds the engine to
+    transformers' processors) and not the plain one; what the engine refuses is a 400 naming the field."""
+    llm = make_llm(**SMALL_ENGINE)  # (the server's mode)
+    kwargs = dict(model=model_name, max_tokens=8, temperature=0)
+    plain = client.completions.create(prompt=PROMPT, logprobs=0, extra_body={"ignore_eos": True}, **kwargs)
+    first_word = plain.choices[0].logprobs.tokens[0]
+    banned = client.completions.create(prompt=PROMPT, extra_body={"ignore_eos": True, "bad_words": [first_word]},
+                                       **kwargs).choices[0].text
+    want = llm.generate(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True, bad_words=[first_word]))[0]
+    assert banned == want.outputs[0].text != plain.choices[0].text
+    assert not banned.startswith(first_word)
+    allowed = sorted({t for t in llm.get_tokenizer().encode(" Friday, Saturday, Sunday.").ids})
+    messages = [{"role": "user", "content": "Name a day of the week."}]
+    chat = client.chat.completions.create(messages=messages, extra_body={"allowed_token_ids": allowed}, **kwargs)
+    rendered = httpx.post(str(client.base_url).replace("/v1/", "/tokenize"), timeout=60,
+                          json={"model": model_name, "messages": messages}).json()["tokens"]
+    want = llm.generate({"prompt_token_ids": rendered}, SamplingParams(max_tokens=8, allowed_token_ids=allowed))[0]
+    assert chat.choices[0].message.content == want.outputs[0].text
+    assert want.outputs[0].token_ids and set(want.outputs[0].token_ids) <= set(allowed)
+    for extra, param in (({"allowed_token_ids": []}, None), ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
+                         ({"bad_words": ["  "]}, None),
+                         ({"bad_words": ["Monday"], "response_format": {"type": "json_object"}}, None)):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(prompt=PROMPT, extra_body=extra, **kwargs)
+        assert err.value.body["param"] == param and next(iter(extra)) in err.value.body["message"], err.value.body
+
+
 def test_echo_returns_the_prompt_before_the_output(client, model_name):
     plain = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0)
     echoed = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0,

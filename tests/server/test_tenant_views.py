@@ -94,7 +94,8 @@ def test_a_tenant_past_the_named_ones_still_gets_its_own_report():
     """Past MAX_TENANTS the operator's view sums tenants as "other"; each still sees its own part."""
     from kvserve.cache_report import MAX_TENANTS, CacheReporter
     from kvserve.engine_stats import EngineStats
-    from kvserve.request import Request, SamplingParams
+    from kvserve.request import Request
+    from kvserve.sampling_params import SamplingParams
 
     reporter = CacheReporter(16, 1.0, "bfloat16")
     for i in range(MAX_TENANTS + 3):

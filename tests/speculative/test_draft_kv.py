@@ -7,7 +7,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.request import Request, SamplingParams
+from kvserve.request import Request
+
+from kvserve.sampling_params import SamplingParams
 from kvserve.speculative_config import SpeculativeConfig
 from kvserve.speculative.draft_kv import DraftKV
 from kvserve.speculative.policy import SpecPolicy

@@ -3,7 +3,9 @@ pages; k adapts to acceptance; counts are vLLM's."""
 
 from __future__ import annotations
 
-from kvserve.request import Request, SamplingParams
+from kvserve.request import Request
+
+from kvserve.sampling_params import SamplingParams
 from kvserve.speculative_config import SpeculativeConfig
 from kvserve.speculative.policy import COOLDOWN_STEPS, SpecPolicy
 

@@ -41,7 +41,7 @@ def shared_prefix_trace() -> list[TraceRequest]:
 def run_engine(trace: list[TraceRequest]) -> dict:
     from kvserve.config import EngineConfig
     from kvserve.engine import LLMEngine
-    from kvserve.request import SamplingParams
+    from kvserve.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(dtype="float32", page_size=PAGE_SIZE, prefix_cache="radix",
                                     kv_cache_memory=pool_memory(NUM_PAGES, PAGE_SIZE), max_model_len=64,
@@ -98,7 +98,7 @@ def run_engine_one_at_a_time(trace: list[TraceRequest]) -> tuple[dict, dict]:
     from kvserve.cache.leases import Breakpoint
     from kvserve.config import EngineConfig
     from kvserve.engine import LLMEngine
-    from kvserve.request import SamplingParams
+    from kvserve.sampling_params import SamplingParams
     from kvserve.tools.simulate.replayer import RequestRecord
 
     engine = LLMEngine(EngineConfig(dtype="float32", page_size=PAGE_SIZE, prefix_cache="radix",

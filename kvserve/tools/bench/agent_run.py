@@ -33,7 +33,8 @@ CALL_SCHEMA = {
 
 def run_loops(engine, spec: RunSpec, report: Reporter) -> dict:
     """Run the workload on a warmed-up engine; returns the per-request results and the agent figures."""
-    from kvserve.request import SamplingParams, ToolCallKV
+    from kvserve.request import ToolCallKV
+    from kvserve.sampling_params import SamplingParams
     from kvserve.structured import StructuredOutputsParams
 
     loops, n = spec.loops, len(spec.token_ids)

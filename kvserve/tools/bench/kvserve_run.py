@@ -22,7 +22,7 @@ def kernels_of(engine) -> dict | None:
 
 def run_kvserve(spec: RunSpec, report: Reporter) -> dict:
     from kvserve.engine import LLMEngine
-    from kvserve.request import SamplingParams
+    from kvserve.sampling_params import SamplingParams
     from kvserve.structured import StructuredOutputsParams
 
     start = time.perf_counter()

@@ -31,7 +31,8 @@ from kvserve.cache.manager import KVCacheManager
 from kvserve.cache.offload import Offloader
 from kvserve.cache.tiers import HostTier
 from kvserve.config import EngineConfig
-from kvserve.request import Request, RequestOutput, SamplingParams, ToolCallKV
+from kvserve.request import Request, RequestOutput, ToolCallKV
+from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import ADMISSION_AGE_BOUND_S, ADMISSION_SCAN_LIMIT, Scheduler
 from kvserve.step import run_step
 from kvserve.tool_call_kv import after_step

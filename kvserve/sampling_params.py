@@ -39,6 +39,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     repetition_last_n: int | None = None  # None: the whole context (vLLM's); 0: no token (off)
     min_p: float = 0.0  # vLLM's: after temperature, tokens under min_p x the top token's probability are out
+    # llama.cpp's order: top-k, top-p and min-p on the untempered distribution, then the temperature over the
+    # tokens they keep (vLLM's, False: the temperature first, then min-p, top-k and top-p)
+    temperature_last: bool = False
     # vLLM's: no stop (EOS, stop_token_ids, stop strings) before this many output tokens; the ids that
     # would end the output are masked until then
     min_tokens: int = 0
@@ -121,6 +124,11 @@ class SamplingParams:
         allowed_token_ids, bad_words)."""
         return (self.penalizes or self.repeats or bool(self.logit_bias) or self.min_tokens > 0
                 or self.allowed_token_ids is not None or bool(self.bad_words))
+
+    @property
+    def filters(self) -> bool:
+        """Whether top-k, top-p or min-p leaves tokens out of a sampled row's distribution."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
     @property
     def is_greedy(self) -> bool:

@@ -1,7 +1,7 @@
-"""The distribution a sampled row draws from (temperature, then min-p, then top-k and top-p, in vLLM's order)
-and the draw itself: one uniform number per row, from the request's seed and output position when it has a
-seed, inverted through the row's cumulative distribution. The sampler and speculative verification both draw
-here, so a seeded request gets the same token from either.
+"""The distribution a sampled row draws from (temperature, then min-p, then top-k and top-p, in vLLM's order;
+or llama.cpp's, the temperature last) and the draw itself: one uniform number per row, from the request's seed
+and output position when it has a seed, inverted through the row's cumulative distribution. The sampler and
+speculative verification both draw here, so a seeded request gets the same token from either.
 
 Every reduction runs over a whole row of the vocabulary, alone, so a row's distribution and draw do not depend
 on its batch neighbours. Top-k and top-p read the few most likely tokens by `topk`, not a sort of the
@@ -46,16 +46,33 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """logits [R, V] of rows with temperature > 0 -> the distribution each row samples from [R, V]."""
+    """logits [R, V] of rows with temperature > 0 -> the distribution each row samples from [R, V]. vLLM's
+    order: the temperature, then min-p, top-k and top-p. A row with `temperature_last` takes llama.cpp's:
+    top-k, top-p and min-p on the untempered distribution, then the tokens they keep at its temperature."""
     device = logits.device
-    temps = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
+    last = [p.temperature_last and p.temperature != 1.0 and p.filters for p in params]  # (else the same as vLLM's)
+    temps = torch.tensor([1.0 if at_end else p.temperature for p, at_end in zip(params, last)], device=device,
+                         dtype=logits.dtype)
     probs = (logits / temps[:, None]).softmax(dim=-1)  # [R, V]
-    if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=device, dtype=probs.dtype)
-        probs = probs.masked_fill(probs < probs.max(dim=-1, keepdim=True).values * min_p[:, None], 0.0)
+    probs = _min_p(probs, [0.0 if at_end else p.min_p for p, at_end in zip(params, last)])
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
         probs = probs.masked_fill(probs < _cutoffs(probs, params), 0.0)
+    probs = _min_p(probs, [p.min_p if at_end else 0.0 for p, at_end in zip(params, last)])
+    tempered = [r for r in range(len(params)) if last[r]]
+    if tempered:  # the kept tokens (a probability of 0 at temperature 1 is one a filter took) at the row's temperature
+        idx = torch.tensor(tempered, device=device)
+        temps = torch.tensor([params[r].temperature for r in tempered], device=device, dtype=logits.dtype)
+        kept = (logits.index_select(0, idx) / temps[:, None]).softmax(dim=-1)
+        probs = probs.index_copy(0, idx, kept.masked_fill(probs.index_select(0, idx) == 0.0, 0.0))
     return probs / _totals(probs)
+
+
+def _min_p(probs: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Each row's tokens under min_p x its most likely token's probability are out (a row at 0: none)."""
+    if not any(m > 0.0 for m in min_p):
+        return probs
+    threshold = torch.tensor(min_p, device=probs.device, dtype=probs.dtype)[:, None]
+    return probs.masked_fill(probs < probs.max(dim=-1, keepdim=True).values * threshold, 0.0)
 
 
 def _totals(probs: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from kvserve.server.infill import InfillParts, infill_ids
 from kvserve.server.llamacpp_fields import (LLAMA_REPEAT_LAST_N, NOT_LLAMA_SERVERS, UNSUPPORTED_SAMPLERS, LastN, MinP,
                                              RepetitionPenalty)
 from kvserve.server.protocol import MAX_LOGPROBS, CompletionRequest, Temperature, TopP
+from kvserve.server.sampler_chain import LLAMA_SAMPLERS, SamplerChain
 from kvserve.server.serving import OpenAIServing, SSEResult
 
 # /completion's fields kvserve takes only at their neutral value
@@ -46,6 +47,7 @@ class LlamaCppCompletion(CompletionRequest):
     min_p: MinP | None = 0.05
     repeat_penalty: RepetitionPenalty | None = 1.0
     repeat_last_n: LastN | None = LLAMA_REPEAT_LAST_N
+    default_chain = SamplerChain(frozenset(LLAMA_SAMPLERS), temperature_last=True)  # llama.cpp's: the temperature last
 
     @model_validator(mode="before")
     @classmethod
@@ -136,7 +138,7 @@ def server_props(serving: OpenAIServing) -> dict[str, Any]:
     params = {name: fields[name].default for name in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty",
                                                       "repeat_last_n", "n_predict", "n_probs")}
     params.update({name: neutral for name, neutral in NEUTRAL_ONLY.items() if name not in NOT_LLAMA_SERVERS})
-    params["stream"] = False
+    params["stream"], params["samplers"] = False, list(LLAMA_SAMPLERS)
     token = lambda i: loaded.tokenizer.id_to_token(i) if i is not None else None  # noqa: E731
     return {"default_generation_settings": {"n_ctx": serving.max_model_len, "params": params},
             "total_slots": engine.config.max_num_seqs, "model_alias": serving.model_names[0],

@@ -1,7 +1,7 @@
 """llama.cpp's own request fields, as llama-server reads them on its OpenAI routes and on `/completion`:
 `n_predict` (max tokens), `grammar` (GBNF), `json_schema` (a schema the output follows), `cache_prompt`
-(false: compute the whole prompt, reusing no cached prefix) and `repeat_penalty` / `repeat_last_n`. Each is
-honoured; none is ignored. Mixed into the OpenAI request models (protocol.py) and llama.cpp's /completion (llamacpp.py).
+(false: compute the whole prompt, reusing no cached prefix), `repeat_penalty` / `repeat_last_n` and `samplers`
+(which samplers run, in which order: sampler_chain.py). Each is honoured; none is ignored. Mixed into the OpenAI request models (protocol.py) and llama.cpp's /completion (llamacpp.py).
 """
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ from __future__ import annotations
 import secrets
 from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr, field_validator
 
 from kvserve.sampling_params import MAX_REPETITION_PENALTY
+from kvserve.server.sampler_chain import MAX_SAMPLERS, SamplerChain
 from kvserve.structured import StructuredOutputsParams
 
 
@@ -35,7 +36,22 @@ class LlamaCppFields(BaseModel):
     # llama.cpp's repetition penalty (Ollama's too): over the last repeat_last_n tokens of the context
     repeat_penalty: RepetitionPenalty | None = None
     repeat_last_n: LastN | None = None
+    samplers: (Annotated[list[StrictStr], Field(max_length=MAX_SAMPLERS)]
+               | Annotated[StrictStr, Field(max_length=MAX_SAMPLERS)] | None) = None
     answers_prompt_only: ClassVar[bool] = False  # n_predict 0 allowed: the route answers the prompt alone
+    default_chain: ClassVar[SamplerChain | None] = None  # the samplers without `samplers` (None: vLLM's order)
+
+    @field_validator("samplers")
+    @classmethod
+    def _chain(cls, value: list[str] | str | None) -> list[str] | str | None:
+        if value is not None:
+            SamplerChain.parse(value)  # (raises what is wrong)
+        return value
+
+    def sampler_fields(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """SamplingParams' fields as `samplers` (or the route's default chain) runs them."""
+        chain = SamplerChain.parse(self.samplers) if self.samplers is not None else self.default_chain
+        return chain.apply(fields) if chain is not None else fields
 
     def llamacpp_constraints(self) -> list[StructuredOutputsParams | None]:
         """`grammar` and `json_schema` as constraints (at most one may be given with the others)."""

@@ -214,7 +214,7 @@ class _Sampling(StructuredFields, LlamaCppFields):
 
     def _sampling_params(self, max_tokens: int, logprobs: int | None,
                          stop: list[str] | None) -> SamplingParams:
-        return SamplingParams(
+        return SamplingParams(**self.sampler_fields(dict(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -237,7 +237,7 @@ class _Sampling(StructuredFields, LlamaCppFields):
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             min_p=self.min_p or 0.0,
             **self.repetition(self.repetition_penalty),
-        )
+        )))
 
 
 PromptInput = (Text | Annotated[list[TokenId], Field(min_length=1)]

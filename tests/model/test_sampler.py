@@ -131,6 +131,38 @@ def test_top_k_top_p_min_p_equal_transformers_warpers_in_vllms_order():
     assert int((got[5] > 0).sum()) > CANDIDATES
 
 
+def test_temperature_last_equals_transformers_warpers_in_llama_cpps_order():
+    """temperature_last: transformers' top-k, top-p and min-p warpers on the raw logits, then the temperature
+    (llama.cpp's default chain), for rows beside vLLM-order rows of the same settings, which differ; a row
+    alone gets the same numbers as among others."""
+    from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    logits = logits_rows(6, 49_152, seed=5)
+    params = [SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, temperature_last=True),
+              SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),
+              SamplingParams(temperature=1.5, top_p=0.9, temperature_last=True),
+              SamplingParams(temperature=1.5, min_p=0.1, temperature_last=True),
+              SamplingParams(temperature=0.7, temperature_last=True),  # no filter: the same in either order
+              SamplingParams(temperature=2.0, top_k=5, temperature_last=True)]
+    got = target_probs(logits.clone(), params)
+    for row, p in enumerate(params):
+        scores = logits[row:row + 1].clone()
+        if p.temperature_last:
+            if p.top_k > 0:
+                scores = TopKLogitsWarper(p.top_k)(None, scores)
+            if p.top_p < 1.0:
+                scores = TopPLogitsWarper(p.top_p)(None, scores)
+            if p.min_p > 0:
+                scores = MinPLogitsWarper(p.min_p)(None, scores)
+            want = TemperatureLogitsWarper(p.temperature)(None, scores).softmax(-1)[0]
+            assert torch.equal(got[row] > 0, want > 0), row
+            assert torch.allclose(got[row], want, atol=1e-6), row
+        assert torch.equal(target_probs(logits[row:row + 1].clone(), [p])[0], got[row]), row
+    vllms = target_probs(logits[2:3].clone(), [SamplingParams(temperature=1.5, top_p=0.9)])[0]
+    assert int((vllms > 0).sum()) > int((got[2] > 0).sum())  # the nucleus of the flatter distribution is wider
+    assert torch.equal(got[4], target_probs(logits[4:5].clone(), [SamplingParams(temperature=0.7)])[0])
+
+
 def test_sampling_follows_the_distribution():
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
     counts = [0, 0, 0]

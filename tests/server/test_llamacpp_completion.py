@@ -153,6 +153,35 @@ def test_n_probs_gives_each_tokens_probabilities_as_llama_server_does(server, cl
     assert len(many[0]["top_logprobs"]) == 20
 
 
+def test_completion_samples_in_llama_cpps_order_and_samplers_decides_it(server, client, model_name):
+    """/completion runs llama.cpp's chain: top-k, top-p and min-p on the untempered distribution, the temperature
+    last (a seeded answer equals the engine's with temperature_last, not vLLM's order); `samplers` (names or
+    llama-server's letters, as its web UI sends them) picks the order on any route and turns off what it leaves
+    out; an order kvserve does not run is a 400 naming the field."""
+    from kvserve import SamplingParams
+    from tests.conftest import make_llm
+    from tests.server.conftest import SMALL_ENGINE
+
+    llm = make_llm(**SMALL_ENGINE)  # (the server's mode)
+
+    def engine(**params) -> str:
+        return llm.generate(PROMPT, SamplingParams(max_tokens=12, seed=11, temperature=1.6, **params))[0].outputs[0].text
+    filters = dict(top_k=40, top_p=0.95, min_p=0.05)
+    llama_order, vllm_order = engine(temperature_last=True, **filters), engine(**filters)
+    assert llama_order != vllm_order
+    body = {"prompt": PROMPT, "n_predict": 12, "seed": 11, "temperature": 1.6}
+    assert post(server, body).json()["content"] == llama_order
+    assert post(server, {**body, "samplers": ["temperature", "min_p", "top_k", "top_p"]}).json()["content"] == vllm_order
+    kwargs = dict(model=model_name, prompt=PROMPT, max_tokens=12, seed=11, temperature=1.6, top_p=0.95)
+    letters = client.completions.create(**kwargs, extra_body={"samplers": "edkypmxt", "top_k": 40, "min_p": 0.05})
+    assert letters.choices[0].text == llama_order
+    assert client.completions.create(**kwargs).choices[0].text == engine(top_p=0.95)  # (OpenAI's route: vLLM's)
+    # top-k and the temperature only: top_p and min_p are left out of the chain
+    assert post(server, {**body, "samplers": "kt"}).json()["content"] == engine(top_k=40, temperature_last=True)
+    refused = post(server, {**body, "samplers": ["temperature", "top_p", "min_p"]})
+    assert refused.status_code == 400 and "samplers" in refused.json()["error"]["message"], refused.text
+
+
 def test_neutral_values_of_unsupported_fields_are_accepted(server):
     r = post(server, {"prompt": PROMPT, "n_predict": 2, "typical_p": 1.0, "dry_multiplier": 0.0, "mirostat": 0})
     assert r.status_code == 200, r.text
@@ -187,4 +216,5 @@ def test_props_use_llama_servers_own_names(server):
     ours_params, their_params = ours["default_generation_settings"]["params"], theirs["default_generation_settings"]["params"]
     for name in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n"):
         assert ours_params[name] == pytest.approx(their_params[name], rel=1e-6), name  # /completion's defaults
+    assert ours_params["samplers"] == their_params["samplers"]  # (the chain, in llama.cpp's default order)
     assert theirs["eos_token"] == ours["eos_token"] and theirs["chat_template"] == ours["chat_template"]

@@ -1,7 +1,8 @@
 """llama.cpp's own request fields, as llama-server reads them on its OpenAI routes and on `/completion`:
 `n_predict` (max tokens), `grammar` (GBNF), `json_schema` (a schema the output follows), `cache_prompt`
 (false: compute the whole prompt, reusing no cached prefix), `repeat_penalty` / `repeat_last_n` and `samplers`
-(which samplers run, in which order: sampler_chain.py). Each is honoured; none is ignored. Mixed into the OpenAI request models (protocol.py) and llama.cpp's /completion (llamacpp.py).
+(which samplers run, in which order: sampler_chain.py). Each is honoured; none is ignored. Mixed into the
+OpenAI request models (protocol.py) and llama.cpp's /completion (llamacpp.py).
 """
 
 from __future__ import annotations

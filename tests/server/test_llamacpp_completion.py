@@ -165,13 +165,15 @@ def test_completion_samples_in_llama_cpps_order_and_samplers_decides_it(server, 
     llm = make_llm(**SMALL_ENGINE)  # (the server's mode)
 
     def engine(**params) -> str:
-        return llm.generate(PROMPT, SamplingParams(max_tokens=12, seed=11, temperature=1.6, **params))[0].outputs[0].text
+        params = SamplingParams(max_tokens=12, seed=11, temperature=1.6, **params)
+        return llm.generate(PROMPT, params)[0].outputs[0].text
     filters = dict(top_k=40, top_p=0.95, min_p=0.05)
     llama_order, vllm_order = engine(temperature_last=True, **filters), engine(**filters)
     assert llama_order != vllm_order
     body = {"prompt": PROMPT, "n_predict": 12, "seed": 11, "temperature": 1.6}
     assert post(server, body).json()["content"] == llama_order
-    assert post(server, {**body, "samplers": ["temperature", "min_p", "top_k", "top_p"]}).json()["content"] == vllm_order
+    in_vllms_order = post(server, {**body, "samplers": ["temperature", "min_p", "top_k", "top_p"]})
+    assert in_vllms_order.json()["content"] == vllm_order
     kwargs = dict(model=model_name, prompt=PROMPT, max_tokens=12, seed=11, temperature=1.6, top_p=0.95)
     letters = client.completions.create(**kwargs, extra_body={"samplers": "edkypmxt", "top_k": 40, "min_p": 0.05})
     assert letters.choices[0].text == llama_order

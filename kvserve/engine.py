@@ -37,7 +37,7 @@ from kvserve.model.draft_model import DraftModel, load_draft_model
 from kvserve.model.gguf_loader import load_gguf, resolve_model_path
 from kvserve.model.gpu_memory import GpuMemoryBudget, measure_budget
 from kvserve.model.runner import ModelRunner, build_model, calibrate_fp8_scale, profile_step
-from kvserve.model.tokenizer import read_chat_template
+from kvserve.model.tokenizer import ChatTemplateOptions, read_chat_template
 from kvserve.output import OutputProcessor
 from kvserve.request import (CacheLease, LeaseInfo, Request, RequestOutput, RequestStatus, TokenConstraint,
                              ToolCallKV)
@@ -188,10 +188,11 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError("a prompt is a string, a list of token ids, or {'prompt_token_ids': [...]}")
 
-    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    options: ChatTemplateOptions = ChatTemplateOptions()) -> str:
         """The conversation as the model's chat template renders it (BOS written as text), with
-        the tool definitions where the template puts them."""
-        return self.loaded.render_chat(messages, tools=tools, template=self.chat_template)
+        the tool definitions where the template puts them, as `options` asks."""
+        return self.loaded.render_chat(messages, options, tools=tools, template=self.chat_template)
 
     def grammar_compiler(self):
         """The structured-outputs compiler of this model's tokenizer (built on first use, ~0.5 s for

@@ -9,6 +9,7 @@ from typing import Any, Iterable
 from kvserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from kvserve.config import EngineConfig
 from kvserve.engine import LLMEngine, Prompt
+from kvserve.model.tokenizer import ChatTemplateOptions
 from kvserve.request import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -44,9 +45,14 @@ class LLM:
         return self._run(ids)
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
-             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+             sampling_params: SamplingParams | None = None, *, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+        """vLLM's LLM.chat: each conversation rendered by the model's template (tools where it puts them; a
+        generation prompt, or the last message continued; chat_template_kwargs as template variables)."""
+        options = ChatTemplateOptions(add_generation_prompt, continue_final_message, dict(chat_template_kwargs or {}))
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        return self.generate([self.engine.chat_prompt(c) for c in conversations], sampling_params)
+        return self.generate([self.engine.chat_prompt(c, tools, options) for c in conversations], sampling_params)
 
     def _run(self, ids: list[str]) -> list[RequestOutput]:
         wanted = set(ids)

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.model.generic_tools import template_reads_tools, with_generic_tools
-from kvserve.model.tokenizer import Encoded, apply_chat_template, encode_prompt
+from kvserve.model.tokenizer import ChatTemplateOptions, Encoded, apply_chat_template, encode_prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,12 +119,12 @@ class LoadedModel:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+    def render_chat(self, messages: list[dict[str, Any]], options: ChatTemplateOptions = ChatTemplateOptions(),
                     tools: list[dict[str, Any]] | None = None, template: str | None = None) -> str:
-        """The chat as the model's template renders it; `tools` (transformers' shape) go into the
-        template's `tools` variable, as apply_chat_template passes them, or, for a template that never
-        reads it, into the system turn in the generic tool format (generic_tools.py). `template`
-        replaces the model's own (--chat-template)."""
+        """The chat as the model's template renders it, as `options` asks (tokenizer.ChatTemplateOptions);
+        `tools` (transformers' shape) go into the template's `tools` variable, as apply_chat_template passes
+        them, or, for a template that never reads it, into the system turn in the generic tool format
+        (generic_tools.py). `template` replaces the model's own (--chat-template)."""
         template = template or self.chat_template
         if template is None:
             raise ConfigError(f"the model {self.path!r} has no chat template; send a plain prompt")
@@ -138,7 +138,9 @@ class LoadedModel:
             special["tools"] = tools
         elif tools:
             messages = with_generic_tools(messages, tools)
-        return apply_chat_template(template, messages, add_generation_prompt, **special)
+        text = apply_chat_template(template, messages, options.add_generation_prompt, **options.template_kwargs,
+                                   **special)
+        return options.rendered(text, messages)
 
 
 def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:

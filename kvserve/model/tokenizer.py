@@ -173,6 +173,45 @@ def read_chat_template(value: str) -> str:
     return template
 
 
+# the template variables kvserve sets itself, which chat_template_kwargs may not replace
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message",
+                                         "bos_token", "eos_token"})
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTemplateOptions:
+    """How a chat renders beyond its messages and tools (vLLM's and transformers' names): a generation prompt
+    opening the answer's turn, or the last message left open so that the answer continues it (assistant
+    prefill), and extra template variables (`enable_thinking`, ...)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("continue_final_message continues the last message instead of opening a new turn: "
+                             "send add_generation_prompt false with it")
+        reserved = sorted(RESERVED_TEMPLATE_VARIABLES & set(self.template_kwargs))
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {reserved[0]!r}, which kvserve sets itself")
+
+    def rendered(self, text: str, messages: list[dict[str, Any]]) -> str:
+        """The template's `text` of `messages`, cut after the last message's content when it is continued
+        (transformers' rule: its text as given, else stripped, found last in the rendered chat)."""
+        if not self.continue_final_message:
+            return text
+        final = messages[-1].get("content") if messages else None
+        if not isinstance(final, str) or not final.strip():
+            raise ValueError("continue_final_message needs a last message with text to continue")
+        for content in (final, final.strip()):
+            at = text.rfind(content)
+            if at >= 0:
+                return text[:at + len(content)]
+        raise ValueError("continue_final_message: the chat template does not copy the last message's text, so "
+                         "it cannot be continued")
+
+
 def apply_chat_template(
     template: str, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
 ) -> str:

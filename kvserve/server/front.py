@@ -27,6 +27,7 @@ import numpy as np
 from starlette.responses import StreamingResponse
 
 from kvserve.async_engine import AsyncEngine
+from kvserve.model.tokenizer import ChatTemplateOptions
 from kvserve.server import render
 from kvserve.server.breakpoints import ChatRenderer
 from kvserve.server.fim import fim_prompt, fim_tokens, text_only
@@ -127,17 +128,20 @@ class FrontDoor:
             raise APIError(f"cannot tokenize the prompt: {err}", param="messages") from None
 
     def chat_ids(self, conversation: list[dict[str, Any]], param: str = "messages",
-                 tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """A chat's prompt ids: the model's template (generation prompt added, tools where the
-        template puts them), then `encode`. Blocking: call it on a worker thread."""
+                 tools: list[dict[str, Any]] | None = None,
+                 options: ChatTemplateOptions = ChatTemplateOptions()) -> list[int]:
+        """A chat's prompt ids: the model's template (tools where the template puts them, the generation
+        prompt or the last message continued as `options` asks), then `encode`. Blocking: call it on a worker
+        thread."""
         self.check_chars(chat_chars(conversation, tools), param)
-        return self.encode(self.chat_text(conversation, param, tools), param)
+        return self.encode(self.chat_text(conversation, param, tools, options), param)
 
     def chat_text(self, conversation: list[dict[str, Any]], param: str = "messages",
-                  tools: list[dict[str, Any]] | None = None) -> str:
+                  tools: list[dict[str, Any]] | None = None,
+                  options: ChatTemplateOptions = ChatTemplateOptions()) -> str:
         """The chat as the model's template renders it (template errors: a 400 naming `param`)."""
         try:
-            return self.engine.engine.chat_prompt(conversation, tools)
+            return self.engine.engine.chat_prompt(conversation, tools, options)
         except APIError:
             raise
         except Exception as err:  # template errors: jinja raises its own types
@@ -156,9 +160,10 @@ class FrontDoor:
             lambda: [p if isinstance(p, list) else self.encode(p, param) for p in prompts])
 
     async def render_chat(self, conversation: list[dict[str, Any]], param: str = "messages",
-                          tools: list[dict[str, Any]] | None = None) -> list[int]:
+                          tools: list[dict[str, Any]] | None = None,
+                          options: ChatTemplateOptions = ChatTemplateOptions()) -> list[int]:
         self.check_chars(chat_chars(conversation, tools), param)
-        return await self.off_loop(lambda: self.chat_ids(conversation, param, tools))
+        return await self.off_loop(lambda: self.chat_ids(conversation, param, tools, options))
 
     async def render_completion_request(self, body: CompletionRequest) -> list[list[int]]:
         """The prompt ids /v1/completions gives the engine for `body` (one list per prompt); with a
@@ -171,10 +176,10 @@ class FrontDoor:
     async def render_chat_request(self, body: ChatCompletionRequest) -> list[int]:
         """The prompt ids /v1/chat/completions gives the engine for `body`; its explicit cache
         breakpoints placed on them (body.place_breakpoints, openai_breakpoints.py)."""
-        conversation, tools = body.conversation(), body.toolset().template_tools
+        conversation, tools, options = body.conversation(), body.toolset().template_tools, body.template_options()
         refs = body.breakpoint_refs()
         if not refs:
-            return await self.render_chat(conversation, tools=tools)
+            return await self.render_chat(conversation, tools=tools, options=options)
         if len(refs) > MAX_BREAKPOINTS:
             raise APIError(f"at most {MAX_BREAKPOINTS} prompt_cache_breakpoint parts per request, got "
                            f"{len(refs)}", param="messages")
@@ -182,9 +187,9 @@ class FrontDoor:
         contents = {i: m.content for i, m in enumerate(body.messages) if isinstance(m.content, list)}
 
         def work() -> tuple[list[int], list[int] | None]:
-            text = self.chat_text(conversation, "messages", tools)
+            text = self.chat_text(conversation, "messages", tools, options)
             encoded = self.encode_with_ends(text)
-            render = lambda chat: self.chat_text(chat, "messages", tools)  # noqa: E731
+            render = lambda chat: self.chat_text(chat, "messages", tools, options)  # noqa: E731
             return encoded.ids, breakpoint_tokens(conversation, contents, refs, render, text, encoded)
         ids, counts = await self.off_loop(work)
         if counts is None:

@@ -14,18 +14,20 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from kvserve.server.chat_fields import ChatTemplateFields
 from kvserve.server.front import FrontDoor
 from kvserve.server.kv_event_view import TenantEventView
 from kvserve.server.protocol import ChatCompletionRequest, ChatMessage, error_body
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(ChatTemplateFields):
+    """A prompt, or messages rendered as /v1/chat/completions renders them (vLLM's template fields too)."""
+
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
-    add_generation_prompt: bool = True
     # accepted for vLLM's clients; the ids are always those the completion endpoints would use
     add_special_tokens: bool | None = None
 
@@ -53,7 +55,8 @@ def kv_routes(door: FrontDoor, namespace: Callable[..., Awaitable[str]],
         if body.messages is None:
             ids = (await door.tokenize([body.prompt]))[0]
         else:
-            ids = await door.render_chat(ChatCompletionRequest(messages=body.messages).conversation())
+            conversation = ChatCompletionRequest(messages=body.messages).conversation()
+            ids = await door.render_chat(conversation, options=body.template_options())
         # a JSONResponse skips FastAPI's per-item encoder, which would hold the loop on long prompts
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
 

@@ -10,7 +10,8 @@ OpenAI's `prompt_cache_key` (a routing hint: `kvserve router` keeps a key on one
 isolation boundary), `prompt_cache_retention` (`24h` pins the prompt's pages in a disk or Redis tier;
 without one, or over a pin cap, the answer says it was capped to `in_memory`) and `prompt_cache_options`
 (prompt_cache_options.py).
-Output constraints (`response_format`, `structured_outputs`, `guided_*`): structured_fields.py;
+Output constraints (`response_format`, `structured_outputs`, `guided_*`): structured_fields.py; the chat
+template's (`add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`): chat_fields.py;
 llama.cpp's fields (`n_predict`, `grammar`, `json_schema`, `cache_prompt`, `repeat_penalty`):
 llamacpp_fields.py.
 """
@@ -24,6 +25,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr,
 
 from kvserve.sampling_params import SamplingParams
 from kvserve.server import tool_protocol as tp
+from kvserve.server.chat_fields import ChatTemplateFields
 from kvserve.server.llamacpp_fields import LlamaCppFields, MinP, RepetitionPenalty
 from kvserve.server.openai_breakpoints import BreakpointRef, PromptCacheBreakpoint
 from kvserve.server.prompt_cache_options import LeaseAsk, PromptCacheOptions
@@ -317,7 +319,7 @@ class ChatMessage(BaseModel):
         return "".join(part.text or "" for part in self.content)
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(_Sampling, ChatTemplateFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
     logprobs: StrictBool = False

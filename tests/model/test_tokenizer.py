@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve.model.gguf_loader import apply_chat_template, bundled_model_path, load_gguf
+from kvserve.model.tokenizer import ChatTemplateOptions
 
 TEXTS = [
     "Hello world",
@@ -55,9 +56,32 @@ def test_chat_template_equals_transformers(hf_tokenizer, loaded):
     ]
     for add in (True, False):
         expected = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
-        assert loaded.render_chat(messages, add_generation_prompt=add) == expected
+        assert loaded.render_chat(messages, ChatTemplateOptions(add_generation_prompt=add)) == expected
         assert apply_chat_template(loaded.chat_template, messages, add) == expected
     with_system = [{"role": "system", "content": "Be brief."}, messages[0]]
     assert loaded.render_chat(with_system) == hf_tokenizer.apply_chat_template(
         with_system, tokenize=False, add_generation_prompt=True
     )
+
+
+def test_continue_final_message_and_template_kwargs_equal_transformers(hf_tokenizer, loaded):
+    """The last message left open (assistant prefill; its text with and without a trailing space, which the
+    template keeps) and extra template variables, as transformers' apply_chat_template renders them."""
+    continued = ChatTemplateOptions(add_generation_prompt=False, continue_final_message=True)
+    for prefill in ("The capital is", "The capital is "):
+        messages = [{"role": "user", "content": "What is the capital of France?"},
+                    {"role": "assistant", "content": prefill}]
+        expected = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                                    continue_final_message=True)
+        assert loaded.render_chat(messages, continued) == expected
+        assert expected.endswith(prefill)
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if shout %}!{% endif %}"
+    options = ChatTemplateOptions(template_kwargs={"shout": True})
+    expected = hf_tokenizer.apply_chat_template(messages, tokenize=False, chat_template=template, shout=True)
+    assert loaded.render_chat(messages, options, template=template) == expected == messages[0]["content"] + prefill + "!"
+    with pytest.raises(ValueError, match="add_generation_prompt false"):
+        ChatTemplateOptions(continue_final_message=True)
+    with pytest.raises(ValueError, match="'messages'"):
+        ChatTemplateOptions(template_kwargs={"messages": []})
+    with pytest.raises(ValueError, match="does not copy"):  # (a template that leaves the text out)
+        loaded.render_chat(messages, continued, template="{% for m in messages %}{{ m['role'] }}{% endfor %}")

@@ -44,6 +44,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="N",
                         help="with API keys: at most N requests without a valid key are read "
                              "(and dropped) at once before their 401; more get it at once")
+    parser.add_argument("--reasoning-format", choices=("auto", "none"), default="auto",
+                        help="auto (llama-server's default): a thinking model's <think> text goes to "
+                             "reasoning_content (Ollama: thinking), apart from content; none: left in content")
     parser.add_argument("--max-waiting-requests", type=_non_negative_int, default=0, metavar="N",
                         help="429 with Retry-After once N engine requests (prompts x n) are "
                              "waiting beyond those running (default 0: no limit)")

@@ -62,7 +62,7 @@ def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
               metrics_v0_names: bool = False,
               read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
               max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED,
-              in_flight_caps: InFlightCaps | None = None) -> FastAPI:
+              in_flight_caps: InFlightCaps | None = None, reasoning_format: str = "auto") -> FastAPI:
     owns_engine = isinstance(engine, LLMEngine)
     llm_engine = engine if owns_engine else engine.engine
     model_name = model_name or default_model_name(llm_engine)
@@ -78,7 +78,7 @@ def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
         previous = async_engine.on_step  # several apps may watch one engine (tests)
         async_engine.on_step = _chain(previous, metrics.observe)
     names = [model_name, *(n for n in extra_model_names or [] if n and n != model_name)]
-    door = FrontDoor(async_engine, Admission(max_waiting_requests, max_requests_per_tenant))
+    door = FrontDoor(async_engine, Admission(max_waiting_requests, max_requests_per_tenant), reasoning_format)
     serving = OpenAIServing(door, names)
     keys = ApiKeys(api_keys, shared_cache_namespace, admin_api_keys)
 

@@ -33,6 +33,7 @@ from kvserve.server.breakpoints import ChatRenderer
 from kvserve.server.fim import fim_prompt, fim_tokens, text_only
 from kvserve.server.limits import Admission
 from kvserve.server.openai_breakpoints import MAX_BREAKPOINTS, breakpoint_tokens
+from kvserve.server.reasoning import ReasoningFormat
 from kvserve.server.protocol import APIError
 from kvserve.server.tool_holds import ToolHolds
 from kvserve.server.tool_parser import tool_format
@@ -47,7 +48,8 @@ TOKENIZER_THREADS = 2
 
 
 class FrontDoor:
-    def __init__(self, engine: AsyncEngine, admission: Admission | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, admission: Admission | None = None,
+                 reasoning_format: str = "auto") -> None:
         self.engine = engine
         llm = engine.engine
         self.loaded = llm.loaded
@@ -57,6 +59,9 @@ class FrontDoor:
         self.admission = admission or Admission()
         self.renderer = ChatRenderer(llm.chat_prompt, self.encode_with_ends)
         self.tool_format = tool_format(llm.chat_template)  # how this model writes tool calls
+        # how this model marks its reasoning (None: it does not think, or --reasoning-format none)
+        self.reasoning = None if reasoning_format == "none" else ReasoningFormat.of(
+            lambda token: llm.tokenizer.token_to_id(token) is not None, llm.chat_template)
         self.fim = fim_tokens(llm.tokenizer)  # None: no `suffix`
         self.tool_holds = ToolHolds(engine, llm.config.tool_call_kv_ttl * llm.config.lease_ttl_scale,
                                     llm.config.lease_ttl_scale)
@@ -232,6 +237,17 @@ class FrontDoor:
         if num_tokens >= self.max_model_len:
             raise APIError(f"the prompt is too long: {num_tokens} tokens, at or over max_model_len "
                            f"{self.max_model_len}; shorten it", param=param)
+
+    def room(self, prompt_len: int, max_tokens: int | None, num_ctx: int | None, param: str) -> int:
+        """max_tokens, or the rest of the context (max_model_len, or a smaller num_ctx) after the prompt."""
+        if num_ctx is not None and prompt_len + (max_tokens or 1) > num_ctx:
+            asked = f" plus num_predict {max_tokens}" if max_tokens else ""
+            raise APIError(f"the prompt is {prompt_len} tokens{asked}: over num_ctx {num_ctx}; raise "
+                           "options.num_ctx or shorten the prompt", param="options.num_ctx")
+        if max_tokens is not None:
+            return max_tokens
+        self.check_fits(prompt_len, param)
+        return min(self.max_model_len, num_ctx or self.max_model_len) - prompt_len
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -195,7 +195,8 @@ def serve(args: argparse.Namespace) -> int:
                     metrics_tenant_secret=read_secret_file(args.metrics_tenant_secret_file),
                     metrics_v0_names=args.metrics_v0_names,
                     read_timeout_s=args.request_read_timeout,
-                    max_unauthenticated=args.max_unauthenticated_connections, in_flight_caps=caps)
+                    max_unauthenticated=args.max_unauthenticated_connections, in_flight_caps=caps,
+                    reasoning_format=args.reasoning_format)
     if engine.event_publisher is not None:  # the topic's {pod_ip}, {port} and {model}
         engine.event_publisher.set_topic(fill_topic(
             engine.config.kv_events_topic, pod_ip=pod_ip(engine.config.kv_events_endpoint),

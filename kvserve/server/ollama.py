@@ -85,11 +85,13 @@ def register(app: FastAPI, serving: OpenAIServing, info: ModelInfo,
                 await unload(tenant)
             return {"model": name, "created_at": now_iso(), "response": "", "done": True,
                     "done_reason": "unload" if body.keep_alive_s() == 0 else "load"}
+        if body.think not in (None, False) and serving.door.reasoning is None:
+            raise APIError("think: this model does not think; leave think out or send false", param="think")
         request = body.openai()
         timer = Timer()
         serve = serving.chat if isinstance(request, ChatCompletionRequest) else serving.completions
         result: SSEResult = await serve(request, raw, tenant, num_ctx)
-        events = _events(result.body, name, timer, chat_route)
+        events = _events(result.body, name, timer, chat_route, shows_thinking=body.think is not False)
         unloads = body.keep_alive_s() == 0  # once the answer is out
         if body.stream:
             async def lines():
@@ -163,25 +165,26 @@ def register(app: FastAPI, serving: OpenAIServing, info: ModelInfo,
 
 
 async def _whole(events: AsyncIterator[dict[str, Any]], chat_route: bool) -> dict[str, Any]:
-    """A non-streamed answer: the streamed events' text joined onto the last one."""
-    pieces, logprobs, last = [], [], {}
+    """A non-streamed answer: the streamed events' text (and thinking) joined onto the last one."""
+    pieces, thinking, logprobs, last = [], [], [], {}
     async for event in events:
         if "error" in event:
             raise APIError(event["error"], 503, "server_error")
         last = event
         pieces.append(event["message"]["content"] if chat_route else event["response"])
+        thinking.append((event["message"] if chat_route else event).get("thinking", ""))
         logprobs += event.get("logprobs", [])
-    if chat_route:
-        last["message"]["content"] = "".join(pieces)
-    else:
-        last["response"] = "".join(pieces)
+    answer = last["message"] if chat_route else last
+    answer["content" if chat_route else "response"] = "".join(pieces)
+    if any(thinking):
+        answer["thinking"] = "".join(thinking)
     return last | ({"logprobs": logprobs} if logprobs else {})
 
 
-async def _events(chunks: AsyncIterator[str], name: str, timer: Timer, chat_route: bool
-                  ) -> AsyncIterator[dict[str, Any]]:
-    """OpenAI's chunks as Ollama's events: a piece of text each, then the `done` one (tool calls, put
-    together from their streamed pieces, go on it)."""
+async def _events(chunks: AsyncIterator[str], name: str, timer: Timer, chat_route: bool,
+                  shows_thinking: bool = True) -> AsyncIterator[dict[str, Any]]:
+    """OpenAI's chunks as Ollama's events: a piece of text (or of thinking: Ollama's `thinking`, unless
+    think is false) each, then the `done` one (tool calls, put together from their streamed pieces, go on it)."""
     calls: dict[int, dict[str, Any]] = {}
     async for payload in sse.payloads(chunks):
         if "error" in payload:
@@ -190,14 +193,18 @@ async def _events(chunks: AsyncIterator[str], name: str, timer: Timer, chat_rout
         choice = payload["choices"][0]
         delta = choice.get("delta")
         piece = (delta.get("content") or "") if delta is not None else choice.get("text", "")
+        thought = (delta or {}).get("reasoning_content") or "" if shows_thinking else ""
         for call in (delta or {}).get("tool_calls") or []:
             got = calls.setdefault(call["index"], {"function": {"name": "", "arguments": ""}})
             got["function"]["name"] += call.get("function", {}).get("name") or ""
             got["function"]["arguments"] += call.get("function", {}).get("arguments") or ""
         logprobs = (choice.get("logprobs") or {}).get("content")  # (its tokens' entries, text held back or not)
-        if piece or logprobs:
+        if piece or thought or logprobs:
             timer.first = timer.first or time.monotonic()
-            text = {"message": {"role": "assistant", "content": piece}} if chat_route else {"response": piece}
+            text: dict[str, Any] = {"role": "assistant", "content": piece} if chat_route else {"response": piece}
+            if thought:
+                text["thinking"] = thought
+            text = {"message": text} if chat_route else text
             yield {"model": name, "created_at": now_iso(), **text, "done": False,
                    **({"logprobs": logprobs} if logprobs else {})}
         if choice.get("finish_reason") is not None and payload.get("usage"):

@@ -9,6 +9,7 @@ import secrets
 from typing import Any, Literal
 
 from kvserve.request import CompletionOutput, PromptLogprob, RequestOutput
+from kvserve.server.reasoning import ReasoningSplit
 from kvserve.server.tool_parser import CallDelta, ToolFormat, parse_output
 
 MIN_LOGPROB = -9999.0  # JSON has no -Infinity; vLLM clamps the same way
@@ -60,12 +61,18 @@ def prompt_logprobs(entries: list[PromptLogprob | None] | None, tokenizer, num: 
 
 
 def chat_choice(index: int, out: CompletionOutput, tokenizer, num_logprobs: int | None,
-                tools: ToolFormat | None = None, parallel: bool = True) -> dict[str, Any]:
-    """`tools`: the format to read tool calls in (None: tools were not offered)."""
-    message: dict[str, Any] = {"role": "assistant", "content": out.text}
+                tools: ToolFormat | None = None, parallel: bool = True,
+                reasoning: ReasoningSplit | None = None) -> dict[str, Any]:
+    """`tools`: the format to read tool calls in (None: tools were not offered); `reasoning`: a thinking
+    model's splitter, which takes its reasoning out of the content (reasoning.py)."""
+    text, thought = out.text, None
+    if reasoning is not None:
+        reasoning.update(out.text, finished=True)
+        text, thought = reasoning.content, reasoning.reasoning or None
+    message: dict[str, Any] = {"role": "assistant", "content": text}
     reason = out.finish_reason
     if tools is not None:
-        found = parse_output(out.text, tools)
+        found = parse_output(text, tools)
         calls = found.calls if parallel else found.calls[:1]
         if calls:
             message = {"role": "assistant", "content": found.content or None,
@@ -73,6 +80,8 @@ def chat_choice(index: int, out: CompletionOutput, tokenizer, num_logprobs: int 
                                        "function": {"name": c.name, "arguments": c.arguments}}
                                       for c in calls]}
             reason = "tool_calls" if reason == "stop" else reason
+    if thought is not None:
+        message["reasoning_content"] = thought
     return {"index": index, "message": message, "finish_reason": reason, "stop_reason": out.stop_reason,
             "logprobs": logprobs_for("chat", out, 0, tokenizer, num_logprobs)}
 

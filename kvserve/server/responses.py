@@ -39,6 +39,7 @@ class ResponseBuilder:
     def __init__(self, response_id: str, body: ResponsesRequest, model: str, extra: dict[str, Any]) -> None:
         self.body, self.items, self.seq = body, [], 0
         self.message: dict[str, Any] | None = None
+        self.thinking: dict[str, Any] | None = None  # a thinking model's reasoning item (reasoning.py)
         self.logprobs: list[dict[str, Any]] = []  # entries not yet sent with a text delta (include's logprobs)
         self.calls: dict[int, dict[str, Any]] = {}
         self.response = {
@@ -78,6 +79,9 @@ class ResponseBuilder:
             delta = {} if self.body.prewarm else choice.get("delta") or {}  # prewarm: no output
             if self.body.wants_logprobs and not self.body.prewarm:
                 self.logprobs += (choice.get("logprobs") or {}).get("content") or []
+            if delta.get("reasoning_content"):
+                for e in self._reasoning(delta["reasoning_content"]):
+                    yield e
             if delta.get("content"):
                 for e in self._text(delta["content"]):
                     yield e
@@ -110,6 +114,21 @@ class ResponseBuilder:
                               logprobs=sent))
         return out
 
+    def _reasoning(self, piece: str) -> list[tuple[str, dict[str, Any]]]:
+        """A piece of the reasoning, as vLLM's Responses API gives a thinking model's: a `reasoning` item whose
+        `reasoning_text` grows by `response.reasoning_text.delta` events."""
+        out = []
+        if self.thinking is None:
+            self.thinking = {"type": "reasoning", "id": f"rs_{secrets.token_hex(12)}", "summary": [],
+                             "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"}
+            self.items.append(self.thinking)
+            out.append(self.event("response.output_item.added", output_index=len(self.items) - 1,
+                                  item={**self.thinking, "content": []}))
+        self.thinking["content"][0]["text"] += piece
+        out.append(self.event("response.reasoning_text.delta", item_id=self.thinking["id"],
+                              output_index=self.items.index(self.thinking), content_index=0, delta=piece))
+        return out
+
     def _call(self, call: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         out, fn = [], call.get("function") or {}
         item = self.calls.get(call["index"])
@@ -139,6 +158,9 @@ class ResponseBuilder:
                                       content_index=0, text=part["text"], logprobs=part.get("logprobs", [])))
                 out.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
                                       content_index=0, part=dict(part)))
+            elif item is self.thinking:
+                out.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                      content_index=0, text=item["content"][0]["text"]))
             else:
                 out.append(self.event("response.function_call_arguments.done", item_id=item["id"],
                                       output_index=index, arguments=item["arguments"], name=item["name"]))

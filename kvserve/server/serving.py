@@ -30,6 +30,7 @@ from kvserve.server.constraint_error import unenforced
 from kvserve.server.prompt_only import ENGINE_MAX_TOKENS, without_generated
 from kvserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                      error_body, model_not_found)
+from kvserve.server.reasoning import ReasoningSplit
 from kvserve.server.text_delta import TextDelta
 from kvserve.server.tool_grammar import with_tool_grammar
 from kvserve.server.tool_parser import ToolStream
@@ -47,6 +48,7 @@ class Choice:
     output: RequestOutput | None = None
     num_sent_tokens: int = 0
     tools: ToolStream | None = None  # tools offered: the text is read for tool calls as it streams
+    reasoning: ReasoningSplit | None = None  # a thinking model's chat: its reasoning told apart (reasoning.py)
     call_ids: dict[int, str] = field(default_factory=dict)
 
     @property
@@ -131,7 +133,7 @@ class OpenAIServing:
             if max_tokens is None and body.n_predict != -1 and num_ctx is None:
                 max_tokens = COMPLETION_DEFAULT_MAX_TOKENS  # (n_predict -1: to the context's end)
             prompt_only = max_tokens == 0  # (prompt_only.py)
-            max_tokens = self._room(max(map(len, prompts)), ENGINE_MAX_TOKENS if prompt_only else max_tokens,
+            max_tokens = self.door.room(max(map(len, prompts)), ENGINE_MAX_TOKENS if prompt_only else max_tokens,
                                     num_ctx, "prompt")
             params = body.sampling_params(max_tokens, body.logprobs)
             gen = await self._submit("cmpl", prompts, params, body.n, namespace, release,
@@ -168,7 +170,7 @@ class OpenAIServing:
         release = self.door.admit(namespace, body.n)
         try:
             prompt = await self.door.render_chat_request(body)
-            max_tokens = self._room(len(prompt), body.requested_max_tokens, num_ctx, "messages")
+            max_tokens = self.door.room(len(prompt), body.requested_max_tokens, num_ctx, "messages")
             params = with_tool_grammar(body.sampling_params(max_tokens, body.num_logprobs), toolset, fmt)
             gen = await self._submit("chatcmpl", [prompt], params, body.n, namespace, release,
                                      retention=body.lease_ask(), kv_explain=body.kv_explain,
@@ -179,14 +181,15 @@ class OpenAIServing:
         except BaseException:
             release()
             raise
-        if fmt is not None:
-            for c in gen.choices:
-                c.tools = ToolStream(fmt, toolset.choice.parallel)
+        tail = self.tokenizer.decode(prompt[-4:], skip_special_tokens=False) if self.door.reasoning else ""
+        for c in gen.choices:
+            c.tools = ToolStream(fmt, toolset.choice.parallel) if fmt is not None else None
+            c.reasoning = self.door.reasoning.splitter(tail) if self.door.reasoning else None
         if body.stream:
             return SSEResult(self._sse(gen, body, chat=True), lambda: self.close(gen), prompt)
         await self._finish(gen, raw)
-        choices = [render.chat_choice(c.index, c.output.outputs[0], self.tokenizer,
-                                      body.num_logprobs, fmt, toolset.choice.parallel) for c in gen.choices]
+        choices = [render.chat_choice(c.index, c.output.outputs[0], self.tokenizer, body.num_logprobs, fmt,
+                                      toolset.choice.parallel, c.reasoning) for c in gen.choices]
         if tool_kv is not None and tool_kv.hold:
             calls = [call["id"] for call in choices[0]["message"].get("tool_calls", [])] or gen.held_under
             gen.tool_hold = await self.door.tool_holds.settle(namespace, gen.choices[0].output, calls,
@@ -203,17 +206,6 @@ class OpenAIServing:
             self.door.pin_answers(gen)  # 24h retention: the answers too (the next turn's prefix)
 
     # -- shared steps --------------------------------------------------------------------------
-    def _room(self, prompt_len: int, max_tokens: int | None, num_ctx: int | None, param: str) -> int:
-        """max_tokens, or the rest of the context (max_model_len, or a smaller num_ctx) after the prompt."""
-        if num_ctx is not None and prompt_len + (max_tokens or 1) > num_ctx:
-            asked = f" plus num_predict {max_tokens}" if max_tokens else ""
-            raise APIError(f"the prompt is {prompt_len} tokens{asked}: over num_ctx {num_ctx}; raise "
-                           "options.num_ctx or shorten the prompt", param="options.num_ctx")
-        if max_tokens is not None:
-            return max_tokens
-        self.door.check_fits(prompt_len, param)
-        return min(self.max_model_len, num_ctx or self.max_model_len) - prompt_len
-
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
             raise model_not_found(model, self.model_names)
@@ -325,13 +317,16 @@ class OpenAIServing:
             num_finished = 0
             async for c in outputs:
                 completion = c.output.outputs[0]
-                text = c.delta.update(completion.text, c.output.finished)
+                text, thought = c.delta.update(completion.text, c.output.finished), ""
+                if c.reasoning is not None:  # the reasoning apart, the rest read for tool calls
+                    thought, text = c.reasoning.update(text, c.output.finished)
                 calls = []
                 if c.tools is not None:  # what TextDelta lets out, read for tool calls
-                    text, found = c.tools.update(c.delta.sent, c.output.finished)
+                    said = c.reasoning.content if c.reasoning is not None else c.delta.sent
+                    text, found = c.tools.update(said, c.output.finished)
                     calls = render.tool_call_deltas(found, c.call_ids)
                 new_tokens = completion.token_ids[c.num_sent_tokens:]
-                if (not text and not calls and not c.output.finished
+                if (not text and not thought and not calls and not c.output.finished
                         and not (num_logprobs is not None and new_tokens)):
                     continue
                 logprobs = render.logprobs_for("chat" if chat else body.logprobs_shape, completion,
@@ -347,9 +342,11 @@ class OpenAIServing:
                 num_finished += c.output.finished
                 last = num_finished == len(gen.choices)
                 usage = gen.usage() if every_usage or (last and not body.include_usage_chunk) else None
-                delta = ({"content": text} if text or not calls else {}) if chat else text
+                delta = ({"content": text} if text or not (calls or thought) else {}) if chat else text
                 if calls:
                     delta["tool_calls"] = calls
+                if thought:
+                    delta["reasoning_content"] = thought
                 payload = chunk(gen, c.index, delta, reason, logprobs, usage, completion.stop_reason)
                 yield sse.event(gen.respond(payload) if last and not body.include_usage_chunk else payload)
             if body.include_usage_chunk:

@@ -1,0 +1,117 @@
+"""A thinking model's reasoning apart from its answer: `reasoning_content` on /v1/chat/completions (whole and
+streamed, the same texts), Ollama's `thinking` (and `think: false` reaching the template), and the splitter's
+streamed pieces always adding up to the whole answer's split. The model thinks because a DeepSeek-R1-style
+template opens the think block and a regex makes it close it."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvserve.server.reasoning import ReasoningFormat, split
+from tests.server.conftest import SMALL_ENGINE, ServerThread
+
+# DeepSeek-R1's way, cut down: the generation prompt opens the think block (unless enable_thinking is false)
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n"
+            "{% if not (enable_thinking is defined and enable_thinking is false) %}<think>\n{% endif %}{% endif %}")
+ASK = [{"role": "user", "content": "What is the capital of France?"}]
+THINKS = {"structured_outputs": {"regex": "[A-Za-z ]{4,24}\n</think>\n\n[A-Za-z ]{4,24}"}}
+PIECES = st.lists(st.sampled_from(["<think>", "</think>", "<th", "</thi", "nk>", " ", "\n", "word", "a b"]),
+                  max_size=12).map("".join)
+
+
+@given(text=PIECES, cuts=st.lists(st.integers(0, 200), max_size=6), opened=st.booleans())
+def test_streamed_pieces_add_up_to_the_whole_answers_split(text, cuts, opened):
+    format_ = ReasoningFormat()
+    tail = "<think>\n" if opened else "assistant\n"
+    splitter, bounds = format_.splitter(tail), sorted({0, len(text), *(min(c, len(text)) for c in cuts)})
+    streamed = ["", ""]
+    for start, end in zip(bounds, bounds[1:]):
+        for i, part in enumerate(splitter.update(text[start:end], finished=False)):
+            streamed[i] += part
+    for i, part in enumerate(splitter.update("", finished=True)):
+        streamed[i] += part
+    assert tuple(streamed) == split(format_, tail, text)
+
+
+def test_the_splits_rules():
+    format_ = ReasoningFormat()
+    assert split(format_, "", "<think>\nHmm.\n</think>\n\nParis.") == ("Hmm.", "Paris.")
+    assert split(format_, "<think>\n", "Hmm.\n</think>\n\nParis.") == ("Hmm.", "Paris.")  # opened by the prompt
+    assert split(format_, "", " Paris, surely.") == ("", " Paris, surely.")  # no think block: all content
+    assert split(format_, "<think>\n", "Still thinking") == ("Still thinking", "")  # cut before it closed
+
+
+@pytest.fixture(scope="module")
+def thinking_server():
+    from kvserve.config import EngineConfig
+    from kvserve.engine import LLMEngine
+    from kvserve.server.api import build_app
+
+    engine = LLMEngine(EngineConfig(**SMALL_ENGINE, chat_template=TEMPLATE))
+    with ServerThread(build_app(engine)) as running:
+        yield running
+
+
+def test_chat_gives_the_reasoning_apart_whole_and_streamed(thinking_server):
+    client = openai.OpenAI(base_url=thinking_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    kwargs = dict(model=model, messages=ASK, max_tokens=40, temperature=0, extra_body=THINKS)
+    whole = client.chat.completions.create(**kwargs).choices[0].message
+    thought, answer = whole.model_extra["reasoning_content"], whole.content
+    assert thought and answer and "think>" not in thought + answer
+    ids = httpx.post(thinking_server.url + "/tokenize", json={"messages": ASK}, timeout=60).json()["tokens"]
+    raw = client.completions.create(model=model, prompt=ids, max_tokens=40, temperature=0, extra_body=THINKS)
+    assert raw.choices[0].text == f"{thought}\n</think>\n\n{answer}"  # the same tokens, told apart
+    streamed = {"reasoning_content": "", "content": ""}
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        delta = chunk.choices[0].delta if chunk.choices else None
+        for key in streamed:
+            streamed[key] += (delta.model_extra.get(key) if key != "content" else delta.content) or "" if delta else ""
+    assert streamed == {"reasoning_content": thought, "content": answer}
+
+
+def test_ollama_gives_thinking_and_think_false_reaches_the_template(thinking_server, server):
+    """(No regex on Ollama's API: unconstrained, the model never closes the block the template opened, so all of
+    its answer is thinking, as on the OpenAI route.)"""
+    import ollama
+
+    client = ollama.Client(host=thinking_server.url)
+    model = client.list().models[0].model
+    options = {"temperature": 0, "num_predict": 24}
+    body = {"model": model, "messages": ASK, "options": options, "stream": False, "think": True}
+    answer = httpx.post(thinking_server.url + "/api/chat", json=body, timeout=120).json()
+    openai_client = openai.OpenAI(base_url=thinking_server.url + "/v1", api_key="unused", max_retries=0)
+    openai_answer = openai_client.chat.completions.create(model=openai_client.models.list().data[0].id, messages=ASK,
+                                                          max_tokens=24, temperature=0).choices[0].message
+    assert answer["message"]["thinking"] == openai_answer.model_extra["reasoning_content"] != ""
+    assert answer["message"]["content"] == openai_answer.content == ""
+    lines = [json.loads(line) for line in httpx.post(thinking_server.url + "/api/chat", json={
+        **body, "stream": True}, timeout=120).text.splitlines()]
+    assert "".join(e["message"].get("thinking", "") for e in lines) == answer["message"]["thinking"]
+    plain = client.chat(model=model, messages=ASK, think=False, options=options)
+    assert plain.message.thinking is None and plain.message.content
+    assert plain.prompt_eval_count < answer["prompt_eval_count"]  # the template did not open the think block
+    refused = httpx.post(server.url + "/api/chat", json={"model": model, "messages": ASK, "think": True}, timeout=60)
+    assert refused.status_code == 400 and "does not think" in refused.text  # (the bundled template does not)
+
+
+def test_responses_give_the_reasoning_as_a_reasoning_item(thinking_server):
+    """The Responses API (the real openai client): a `reasoning` item whose reasoning_text is the chat route's
+    reasoning_content, whole and from `response.reasoning_text.delta` events."""
+    client = openai.OpenAI(base_url=thinking_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    chat = client.chat.completions.create(model=model, messages=ASK, max_tokens=24, temperature=0).choices[0].message
+    response = client.responses.create(model=model, input=ASK[0]["content"], max_output_tokens=24, temperature=0)
+    [item] = response.output
+    assert item.type == "reasoning" and item.content[0].text == chat.model_extra["reasoning_content"]
+    events = list(client.responses.create(model=model, input=ASK[0]["content"], max_output_tokens=24,
+                                          temperature=0, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == item.content[0].text
+    assert [e.text for e in events if e.type == "response.reasoning_text.done"] == [item.content[0].text]

@@ -20,16 +20,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from kvserve.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from kvserve.model.tokenizer import ChatTemplateOptions
 from kvserve.request import RequestOutput, ToolCallKV
 from kvserve.sampling_params import SamplingParams
 from kvserve.server import sse
 from kvserve.server.anthropic_blocks import BlockEvents, content_blocks
 from kvserve.server.anthropic_protocol import (MessagesRequest, ParsedChat, anthropic_error,
                                                parse_chat, parse_request)
-from kvserve.server.breakpoints import SYSTEM, TOOLS, RenderedChat, make_lease
+from kvserve.server.breakpoints import SYSTEM, TOOLS, ChatRenderer, RenderedChat, make_lease
 from kvserve.server.cache_diagnostics import DiagnosticsStore, PromptFingerprint, fingerprint
 from kvserve.server.constraint_error import unenforced
 from kvserve.server.protocol import APIError
+from kvserve.server.reasoning import ReasoningSplit
 from kvserve.server.tool_grammar import with_tool_grammar
 from kvserve.server.tool_parser import ToolFormat
 from kvserve.structured import GrammarError
@@ -56,6 +58,7 @@ class Pending:
     tool_format: ToolFormat | None = None  # tools offered (and not tool_choice none): read calls
     parallel_tools: bool = True
     tool_kv: ToolCallKV | None = None  # the tool-call holds it asked for and ended
+    reasoning: ReasoningSplit | None = None  # a thinking model's: its reasoning goes to a thinking block
 
 
 def usage(pending: Pending, output: RequestOutput) -> dict[str, Any]:
@@ -92,7 +95,7 @@ def stop_reason(pending: Pending, output: RequestOutput) -> tuple[str, str | Non
 def message_body(pending: Pending, output: RequestOutput) -> dict[str, Any]:
     reason, sequence = stop_reason(pending, output)
     content = [] if pending.is_prewarm else content_blocks(output.outputs[0].text, pending.tool_format,
-                                                            pending.parallel_tools)
+                                                            pending.parallel_tools, pending.reasoning)
     if reason == "end_turn" and any(b["type"] == "tool_use" for b in content):
         reason = "tool_use"
     body = {"id": pending.id, "type": "message", "role": "assistant", "model": pending.model,
@@ -128,12 +131,22 @@ class MessagesService:
         self.model_names = model_names
         self.store = store
         self.renderer = door.renderer
+        # a thinking model asked for no extended thinking: its template told so (Qwen3's variable)
+        self.unthinking_renderer = ChatRenderer(
+            lambda chat, tools=None: door.engine.engine.chat_prompt(
+                chat, tools, ChatTemplateOptions(template_kwargs={"enable_thinking": False})),
+            door.encode_with_ends) if door.reasoning is not None else door.renderer
         self.max_model_len = door.max_model_len
+
+    def _renderer(self, body: MessagesRequest) -> ChatRenderer:
+        return self.renderer if body.thinks else self.unthinking_renderer
 
     def _parse(self, body: MessagesRequest) -> ParsedChat:
         if body.model not in self.model_names:
             raise APIError(f"model: {body.model} (this server serves {', '.join(self.model_names)})",
                            404)
+        if body.thinks and self.door.reasoning is None:
+            raise APIError("thinking: this model does not think; leave `thinking` out or disable it")
         chat = parse_chat(body)
         system = len(chat.system.text) if chat.system is not None else 0
         self.door.check_chars(system + sum(len(t.text) for t in chat.turns), "messages")
@@ -143,16 +156,18 @@ class MessagesService:
         """POST /v1/messages/count_tokens: the prompt tokens a request would have."""
         if isinstance(payload, dict):
             payload = {"max_tokens": 1, **payload}
-        chat = self._parse(parse_request(payload))
-        rendered = await self.door.off_loop(lambda: self.renderer.render(chat.system, chat.turns, chat.tools))
+        body = parse_request(payload)
+        chat, renderer = self._parse(body), self._renderer(body)
+        rendered = await self.door.off_loop(lambda: renderer.render(chat.system, chat.turns, chat.tools))
         return {"input_tokens": len(rendered.token_ids)}
 
     def _prepare(self, body: MessagesRequest, chat: ParsedChat) -> Prepared:
         """Blocking (render, tokenize, place breakpoints): runs on the front door's threads."""
-        rendered = self.renderer.render(chat.system, chat.turns, chat.tools)
+        renderer = self._renderer(body)
+        rendered = renderer.render(chat.system, chat.turns, chat.tools)
         n = len(rendered.token_ids)
         self.door.check_fits(n)
-        offsets = (self.renderer.token_offsets(chat.system, chat.turns, rendered,
+        offsets = (renderer.token_offsets(chat.system, chat.turns, rendered,
                                                [b.ref for b in chat.breakpoints], chat.tools)
                    if chat.breakpoints else [])
         record = (self._fingerprint(body, chat, rendered, max(offsets, default=n))
@@ -223,6 +238,9 @@ class MessagesService:
                           diagnosis, body.kv_explain,
                           self.door.tool_format if chat.toolset.parses_calls else None,
                           chat.toolset.choice.parallel)
+        if self.door.reasoning is not None:
+            tail = self.engine.engine.tokenizer.decode(rendered.token_ids[-4:], skip_special_tokens=False)
+            pending.reasoning = self.door.reasoning.splitter(tail)
         answered = [r["tool_call_id"] for turn in chat.turns for r in turn.tool_results]
         pending.tool_kv = self.door.tool_holds.request_kv(namespace, answered, pending.tool_format is not None)
         self.door.check_open()
@@ -238,7 +256,7 @@ class MessagesService:
         refs = [(TOOLS, len(chat.tools) - 1)] if chat.tools else []
         refs += ([(SYSTEM, len(chat.system.blocks) - 1)] if chat.system and chat.system.blocks else [])
         refs += sorted({ref for ref in chat.message_ends if ref is not None})
-        ends = self.renderer.block_ends(chat.system, chat.turns, rendered, refs, chat.tools)
+        ends = self._renderer(body).block_ends(chat.system, chat.turns, rendered, refs, chat.tools)
         if ends is None:
             return None
         tokens = {ref: rendered.tokens_before(end) for ref, end in zip(refs, ends)}
@@ -300,7 +318,7 @@ class MessagesService:
 
     async def _events(self, pending: Pending, stream: RequestStream, namespace: str) -> AsyncIterator[str]:
         delta = TextDelta(pending.stop_sequences or None)
-        blocks = BlockEvents(pending.tool_format, pending.parallel_tools, delta)
+        blocks = BlockEvents(pending.tool_format, pending.parallel_tools, delta, pending.reasoning)
         try:
             output = self._checked(await anext(stream))
             start = message_body(pending, output)

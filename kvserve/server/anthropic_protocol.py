@@ -3,8 +3,9 @@
 structured_fields.py, as the OpenAI routes' constraints are), its error body, and the chat and breakpoints a request
 describes (a `cache_control` on a tool definition is a breakpoint like one on a block).
 
-Unknown fields are ignored; known ones of the wrong type, other content blocks (images, documents),
-server tools and extended thinking are a 400 in Anthropic's shape:
+Unknown fields are ignored; known ones of the wrong type, other content blocks (images, documents) and
+server tools are a 400 in Anthropic's shape (extended thinking, on a model that thinks: reasoning.py;
+an earlier answer's thinking blocks are not rendered, as templates drop past reasoning):
 `{"type": "error", "error": {"type", "message"}}`.
 """
 
@@ -125,6 +126,11 @@ class MessagesRequest(AnthropicStructuredFields):
     tool_choice: ToolChoiceParam | None = None
     thinking: dict[str, Any] | None = None
 
+    @property
+    def thinks(self) -> bool:
+        """Extended thinking asked for (its budget is not enforced apart: max_tokens bounds thinking and text)."""
+        return self.thinking is not None and self.thinking.get("type") == "enabled"
+
     def toolset(self) -> tp.ToolSet:
         """The tools in the neutral form both APIs render alike, and the choice; 400 for a choice
         that names no tool."""
@@ -176,8 +182,8 @@ def parse_request(payload: Any) -> MessagesRequest:
         body = MessagesRequest.model_validate(payload)
     except ValidationError as err:
         raise APIError(first_error(err.errors())) from None
-    if body.thinking and body.thinking.get("type") not in (None, "disabled"):
-        raise APIError("extended thinking is not supported by this server; leave `thinking` out")
+    if body.thinking is not None and body.thinking.get("type") not in ("enabled", "disabled"):
+        raise APIError("thinking.type: send \"enabled\" (with budget_tokens) or \"disabled\"")
     return body
 
 
@@ -237,6 +243,8 @@ def _texts(blocks: list[Block | str], turn_index: int, breakpoints: list[Breakpo
             texts.append(block)
             continue
         at = f"{where}.{j}"
+        if block.type in ("thinking", "redacted_thinking") and turn.role == "assistant":
+            continue  # (an earlier answer's reasoning, sent back: chat templates leave it out)
         if block.type == "tool_use":
             if turn.role != "assistant":
                 raise APIError(f"{at}: tool_use blocks belong in assistant messages")

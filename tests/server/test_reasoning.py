@@ -115,3 +115,36 @@ def test_responses_give_the_reasoning_as_a_reasoning_item(thinking_server):
                                           temperature=0, stream=True))
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == item.content[0].text
     assert [e.text for e in events if e.type == "response.reasoning_text.done"] == [item.content[0].text]
+
+
+def test_anthropic_gives_a_thinking_block_when_thinking_is_enabled(thinking_server):
+    """The real anthropic client: with extended thinking, the reasoning is a thinking block (streamed as
+    thinking_delta, then its signature_delta) equal to the chat route's reasoning_content; without it, the
+    template is told not to think; a thinking block sent back is not rendered."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=thinking_server.url, api_key="unused", max_retries=0)
+    model = openai.OpenAI(base_url=thinking_server.url + "/v1", api_key="unused").models.list().data[0].id
+    chat = openai.OpenAI(base_url=thinking_server.url + "/v1", api_key="unused").chat.completions.create(
+        model=model, messages=ASK, max_tokens=24, temperature=0).choices[0].message
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    kwargs = dict(model=model, messages=ASK, max_tokens=24, extra_body={"temperature": 0})
+    answer = client.messages.create(**kwargs, thinking=thinking)
+    assert answer.content[0].type == "thinking"
+    assert answer.content[0].thinking == chat.model_extra["reasoning_content"]
+    with client.messages.stream(**kwargs, thinking=thinking) as stream:
+        events = list(stream)
+    deltas = [e.delta for e in events if e.type == "content_block_delta"]
+    assert "".join(d.thinking for d in deltas if d.type == "thinking_delta") == answer.content[0].thinking
+    assert any(d.type == "signature_delta" for d in deltas)
+    plain = client.messages.create(**kwargs)
+    assert plain.content[0].type == "text"
+    prompts = [client.messages.count_tokens(model=model, messages=ASK, **t).input_tokens
+               for t in ({}, {"thinking": thinking})]
+    assert prompts[0] < prompts[1]  # (without thinking, the template opens no think block)
+    blocks = [answer.content[0].model_dump(), {"type": "text", "text": "Paris."}]
+    sent_back = [*ASK, {"role": "assistant", "content": blocks}, {"role": "user", "content": "And of Spain?"}]
+    text_only = [*ASK, {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And of Spain?"}]
+    counted = [client.messages.count_tokens(model=model, messages=m, thinking=thinking).input_tokens
+               for m in (sent_back, text_only)]
+    assert counted[0] == counted[1]

@@ -64,6 +64,8 @@ TABLE = {
                         "{{ messages[0]['content'] }}"),  # vLLM: a file path or the template itself
     "--disable-hybrid-kv-cache-manager": (["--disable-hybrid-kv-cache-manager"],
                                           lambda a, c: c.disable_hybrid_kv_cache_manager, True),
+    # vLLM: the <think> block's text goes to reasoning_content (kvserve's --reasoning-format auto)
+    "--reasoning-parser": (["--reasoning-parser", "qwen3"], lambda a, c: a.reasoning_format, "auto"),
 }
 
 

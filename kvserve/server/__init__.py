@@ -47,6 +47,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reasoning-format", choices=("auto", "none"), default="auto",
                         help="auto (llama-server's default): a thinking model's <think> text goes to "
                              "reasoning_content (Ollama: thinking), apart from content; none: left in content")
+    parser.add_argument("--reasoning-parser", dest="reasoning_format", type=_think_parser, metavar="NAME",
+                        help="vLLM's flag: deepseek_r1 or qwen3 (the <think> block) is --reasoning-format auto")
     parser.add_argument("--max-waiting-requests", type=_non_negative_int, default=0, metavar="N",
                         help="429 with Retry-After once N engine requests (prompts x n) are "
                              "waiting beyond those running (default 0: no limit)")
@@ -105,6 +107,14 @@ def _non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 (no limit) or more, got {value}")
     return value
+
+
+def _think_parser(name: str) -> str:
+    """vLLM's reasoning parsers that read a <think> block; kvserve's splitter reads it (reasoning.py)."""
+    if name not in ("deepseek_r1", "qwen3"):
+        raise argparse.ArgumentTypeError(f"kvserve reads <think> blocks (vLLM's deepseek_r1 and qwen3 parsers), "
+                                         f"not {name!r}; leave it out (--reasoning-format auto is the default)")
+    return "auto"
 
 
 def main_serve(args: argparse.Namespace) -> int:

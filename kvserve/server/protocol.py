@@ -3,7 +3,7 @@
 Unknown fields are ignored (as vLLM does); known fields of the wrong type or out of range are a 400
 with OpenAI's error JSON. vLLM's sampling fields: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
 `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`, `ignore_eos`, `prompt_logprobs`,
-`allowed_token_ids`, `bad_words`.
+`allowed_token_ids`, `bad_words`, `truncate_prompt_tokens`.
 Fields kvserve adds: `cache_salt` (cache isolation), `kv_retention` (lease the prompt's KV), `kv_explain`
 (a `kv_cache` explanation beside `usage`).
 OpenAI's `prompt_cache_key` (a routing hint: `kvserve router` keeps a key on one backend; never an
@@ -125,6 +125,8 @@ class _Sampling(StructuredFields, LlamaCppFields):
     skip_special_tokens: StrictBool = True  # vLLM's
     allowed_token_ids: Annotated[list[TokenId], Field(max_length=MAX_ALLOWED_TOKENS)] | None = None  # vLLM's
     bad_words: Annotated[list[Text], Field(max_length=MAX_BAD_WORDS)] | None = None  # vLLM's
+    # vLLM's: keep the prompt's last k tokens (-1: as many as max_model_len holds)
+    truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1, le=2**31)] | None = None
     # vLLM's (over the prompt and output); llama.cpp's `repeat_penalty` and `repeat_last_n`: llamacpp_fields.py
     repetition_penalty: RepetitionPenalty | None = None
     # vLLM's: each prompt token's logprob (on chat, the rendered template's), in a whole answer
@@ -196,6 +198,16 @@ class _Sampling(StructuredFields, LlamaCppFields):
     def prompt_logprobs_asked(self) -> int | None:
         """How many alternatives each prompt token's logprob comes with (None: no prompt logprobs)."""
         return self.prompt_logprobs
+
+    def truncated(self, prompt: list[int], max_model_len: int) -> list[int]:
+        """The prompt's ids as truncate_prompt_tokens keeps them (its last k; -1: max_model_len)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return prompt
+        if k == 0:
+            raise APIError("truncate_prompt_tokens must be at least 1 (or -1: max_model_len)",
+                           param="truncate_prompt_tokens")
+        return prompt[-(max_model_len if k == -1 else k):]
 
     @property
     def include_usage_chunk(self) -> bool:

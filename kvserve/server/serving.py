@@ -128,7 +128,7 @@ class OpenAIServing:
         self._check_model(body.model)
         release = self.door.admit(namespace, len(body.prompts()) * body.n)
         try:
-            prompts = await self.door.render_completion_request(body)
+            prompts = [body.truncated(p, self.max_model_len) for p in await self.door.render_completion_request(body)]
             max_tokens = body.predict_limit(body.max_tokens)
             if max_tokens is None and body.n_predict != -1 and num_ctx is None:
                 max_tokens = COMPLETION_DEFAULT_MAX_TOKENS  # (n_predict -1: to the context's end)
@@ -144,8 +144,9 @@ class OpenAIServing:
         except BaseException:
             release()
             raise
-        if body.echo:
-            gen.echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in body.prompts()]
+        if body.echo:  # (a truncated prompt echoes what is left of it)
+            shown = body.prompts() if body.truncate_prompt_tokens is None else prompts
+            gen.echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in shown]
         if body.stream:
             return SSEResult(self._sse(gen, body, chat=False), lambda: self.close(gen))
         await self._finish(gen, raw)
@@ -169,7 +170,10 @@ class OpenAIServing:
                                                   stored=hold_key is not None and body.n == 1)
         release = self.door.admit(namespace, body.n)
         try:
-            prompt = await self.door.render_chat_request(body)
+            prompt = body.truncated(await self.door.render_chat_request(body), self.max_model_len)
+            if body.truncate_prompt_tokens is not None and body.breakpoint_refs():
+                raise APIError("truncate_prompt_tokens moves the prompt_cache_breakpoint parts; send one of them",
+                               param="truncate_prompt_tokens")
             max_tokens = self.door.room(len(prompt), body.requested_max_tokens, num_ctx, "messages")
             params = with_tool_grammar(body.sampling_params(max_tokens, body.num_logprobs), toolset, fmt)
             gen = await self._submit("chatcmpl", [prompt], params, body.n, namespace, release,

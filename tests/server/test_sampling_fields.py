@@ -206,3 +206,25 @@ def test_n_predict_limits_and_cache_prompt_false_reuses_nothing(client, model_na
                                                   "cache_prompt": False})
     assert fresh.usage.prompt_tokens_details.cached_tokens == 0
     assert fresh.choices[0].text == again.choices[0].text == out.choices[0].text
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(server, client, model_name):
+    """vLLM's truncate_prompt_tokens: the answer is the one for the prompt's last k tokens (completions and
+    chat, echo shows what is left); 0 is a 400 naming it."""
+    tokens = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}, timeout=60).json()["tokens"]
+    kwargs = dict(model=model_name, max_tokens=6, temperature=0)
+    cut = client.completions.create(prompt=PROMPT, echo=True, extra_body={"truncate_prompt_tokens": 7}, **kwargs)
+    tail = client.completions.create(prompt=tokens[-7:], echo=True, **kwargs)
+    whole = client.completions.create(prompt=PROMPT, **kwargs)
+    assert cut.choices[0].text == tail.choices[0].text and cut.usage.prompt_tokens == 7
+    assert not cut.choices[0].text.startswith(PROMPT) and whole.usage.prompt_tokens == len(tokens)
+    messages = [{"role": "user", "content": PROMPT}]
+    rendered = httpx.post(server.url + "/tokenize", json={"messages": messages}, timeout=60).json()["tokens"]
+    chat = client.chat.completions.create(messages=messages, extra_body={"truncate_prompt_tokens": 9}, **kwargs)
+    by_ids = client.completions.create(prompt=rendered[-9:], **kwargs)
+    assert chat.choices[0].message.content == by_ids.choices[0].text and chat.usage.prompt_tokens == 9
+    everything = client.completions.create(prompt=PROMPT, extra_body={"truncate_prompt_tokens": -1}, **kwargs)
+    assert everything.choices[0].text == whole.choices[0].text
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(prompt=PROMPT, extra_body={"truncate_prompt_tokens": 0}, **kwargs)
+    assert err.value.body["param"] == "truncate_prompt_tokens"

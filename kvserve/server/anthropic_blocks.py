@@ -38,10 +38,9 @@ def content_blocks(text: str, fmt: ToolFormat | None, parallel: bool = True,
     block (when there is text), then one tool_use block per call (`fmt` None: tools were not offered)."""
     thinking = []
     if reasoning is not None:
-        reasoning.update(text, finished=True)
-        text = reasoning.content
-        if reasoning.reasoning:
-            thinking = [{"type": "thinking", "thinking": reasoning.reasoning, "signature": SIGNATURE}]
+        thought, text = reasoning.whole(text)
+        if thought:
+            thinking = [{"type": "thinking", "thinking": thought, "signature": SIGNATURE}]
     if fmt is None:
         return thinking + [{"type": "text", "text": text}]
     found = parse_output(text, fmt)

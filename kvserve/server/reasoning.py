@@ -39,12 +39,22 @@ class ReasoningSplit:
     dropped; a piece that may be the start of a marker is held back until the next piece tells."""
 
     def __init__(self, format_: ReasoningFormat, opened: bool) -> None:
-        self.format = format_
+        self.format, self.opened = format_, opened
         self.state = "reasoning" if opened else "start"  # start -> reasoning -> content, or start -> content
         self.pending = ""
         self.reasoning = ""  # what has been let out, cumulative
         self.content = ""
         self.after_close = False  # the whitespace after the close marker is still to drop
+
+    def fresh(self) -> ReasoningSplit:
+        """A splitter for the same answer from its start (a whole answer cut apart from its stream's)."""
+        return ReasoningSplit(self.format, self.opened)
+
+    def whole(self, text: str) -> tuple[str, str]:
+        """A whole answer's (reasoning, content), by a fresh splitter (this one's state untouched)."""
+        splitter = self.fresh()
+        splitter.update(text, finished=True)
+        return splitter.reasoning, splitter.content
 
     def update(self, piece: str, finished: bool) -> tuple[str, str]:
         """(reasoning, content) let out by this piece of the answer's text (all of what is held once finished)."""
@@ -91,6 +101,4 @@ def _held(text: str, marker: str) -> int:
 
 def split(format_: ReasoningFormat, prompt_tail: str, text: str) -> tuple[str, str]:
     """A whole answer's (reasoning, content)."""
-    splitter = format_.splitter(prompt_tail)
-    splitter.update(text, finished=True)
-    return splitter.reasoning, splitter.content
+    return format_.splitter(prompt_tail).whole(text)

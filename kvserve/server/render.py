@@ -67,8 +67,8 @@ def chat_choice(index: int, out: CompletionOutput, tokenizer, num_logprobs: int 
     model's splitter, which takes its reasoning out of the content (reasoning.py)."""
     text, thought = out.text, None
     if reasoning is not None:
-        reasoning.update(out.text, finished=True)
-        text, thought = reasoning.content, reasoning.reasoning or None
+        thought, text = reasoning.whole(out.text)
+        thought = thought or None
     message: dict[str, Any] = {"role": "assistant", "content": text}
     reason = out.finish_reason
     if tools is not None:

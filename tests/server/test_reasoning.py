@@ -46,6 +46,10 @@ def test_the_splits_rules():
     assert split(format_, "<think>\n", "Hmm.\n</think>\n\nParis.") == ("Hmm.", "Paris.")  # opened by the prompt
     assert split(format_, "", " Paris, surely.") == ("", " Paris, surely.")  # no think block: all content
     assert split(format_, "<think>\n", "Still thinking") == ("Still thinking", "")  # cut before it closed
+    streaming = format_.splitter("")
+    assert streaming.update("<think>Hm", finished=False) == ("Hm", "")
+    assert streaming.whole("<think>Hmm</think>Paris") == ("Hmm", "Paris")  # a whole answer leaves the stream be
+    assert streaming.update("m</think>Paris", finished=True) == ("m", "Paris")
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ what the client lacks and made to read as the one it has been getting.
 
     response.created / in_progress        sent once (the first stream's)
     output_item.added / content_part.added  once per output (and content) index
-    output_text.delta, function_call_arguments.delta
+    output_text.delta, function_call_arguments.delta, reasoning_text.delta
                                           cut to the characters past what the client has (the
                                           replacement's text must repeat the client's: Diverged if not)
     *.done, response.completed / incomplete  once each, ids and sequence numbers rewritten
@@ -26,9 +26,10 @@ from kvserve.server.router_stream import BackendBroke, BackendInvalid, Diverged,
 
 ONCE = ("response.created", "response.in_progress")
 PER_ITEM = ("response.output_item.added", "response.output_item.done", "response.content_part.added",
-            "response.content_part.done", "response.output_text.done",
+            "response.content_part.done", "response.output_text.done", "response.reasoning_text.done",
             "response.function_call_arguments.done")
-DELTAS = {"response.output_text.delta": "delta", "response.function_call_arguments.delta": "delta"}
+DELTAS = {"response.output_text.delta": "delta", "response.function_call_arguments.delta": "delta",
+          "response.reasoning_text.delta": "delta"}  # (a thinking model's reasoning item)
 FINAL = ("response.completed", "response.incomplete", "response.failed")
 
 

@@ -106,8 +106,9 @@ class Transcript:
     into the rest of it."""
     anthropic: bool
     chat: bool = True
-    text: dict[int, str] = field(default_factory=dict)  # per choice / content block: client's text
-    read: dict[int, int] = field(default_factory=dict)  # ... of which the current stream repeated
+    # per choice / content block (a choice's reasoning: (index, "reasoning_content")): the client's text
+    text: dict[int | tuple[int, str], str] = field(default_factory=dict)
+    read: dict[int | tuple[int, str], int] = field(default_factory=dict)  # ... of which the current stream repeated
     opened: set[int] = field(default_factory=set)  # chat roles / Anthropic blocks started
     closed: set[int] = field(default_factory=set)  # finish_reasons / Anthropic blocks stopped
     sent: set[str] = field(default_factory=set)  # Anthropic message_start, message_delta
@@ -134,7 +135,7 @@ class Transcript:
         choices = event.data.get("choices") if isinstance(event.data, dict) else None
         return bool(choices) and any(
             c.get("finish_reason") or (c.get("delta") or {}).get("content") or c.get("text")
-            for c in choices if isinstance(c, dict))
+            or (c.get("delta") or {}).get("reasoning_content") for c in choices if isinstance(c, dict))
 
     def error_event(self, message: str) -> bytes:
         if self.anthropic:
@@ -143,7 +144,7 @@ class Transcript:
         return encode(None, {"error": {"message": message, "type": "server_error", "param": None,
                                        "code": "stream_resume_failed"}}) + sse.DONE.encode()
 
-    def _fresh(self, i: int, piece: str) -> tuple[str, bool]:
+    def _fresh(self, i: int | tuple[int, str], piece: str) -> tuple[str, bool]:
         """The part of `piece` (the current stream's next text of item i) the client lacks, and
         whether the piece began inside what the client has."""
         have, pos = self.text.get(i, ""), self.read.get(i, 0)
@@ -196,17 +197,22 @@ class Transcript:
         i = choice.get("index", 0)
         holder = dict(choice.get("delta") or {}) if self.chat else choice
         key = "content" if self.chat else "text"
+        thought = holder.get("reasoning_content") if self.chat else None  # a thinking model's, kept apart
+        thought = thought if isinstance(thought, str) else ""
+        fresh_thought = self._fresh((i, "reasoning_content"), thought)[0] if thought else ""
         piece = holder.get(key) or ""
         fresh, old = self._fresh(i, piece if isinstance(piece, str) else "")
         role_repeated = self.chat and "role" in holder and i in self.opened
         finish = choice.get("finish_reason")
         new_finish = bool(finish) and i not in self.closed
-        if not fresh and not new_finish and (old or role_repeated):
+        if not fresh and not fresh_thought and not new_finish and (old or role_repeated or thought):
             return None
-        if fresh == piece and not role_repeated and (new_finish or not finish):
+        if fresh == piece and fresh_thought == thought and not role_repeated and (new_finish or not finish):
             out = choice
         else:
             holder[key] = fresh
+            if thought:
+                holder["reasoning_content"] = fresh_thought
             if role_repeated:
                 del holder["role"]
             out = {**choice, "finish_reason": finish if new_finish else None}

@@ -103,3 +103,32 @@ def test_a_replacement_that_says_something_else_is_refused_not_spliced():
     t.resume()  # a third stream whose text is not the client's
     with pytest.raises(Diverged):
         t.accept(event("response.output_text.delta", output_index=0, content_index=0, delta="Help"))
+
+
+def test_a_thinking_models_reasoning_item_resumes_without_repeats():
+    """A reasoning item (kvserve/server/reasoning.py) before the message: its reasoning_text deltas are cut to
+    what the client lacks, as the message's text is, and its done event is sent once."""
+    from kvserve.server.router_responses_stream import ResponsesTranscript
+    from kvserve.server.router_stream import Event
+
+    def event(kind: str, **fields) -> Event:
+        return Event(b"", kind, {"type": kind, "sequence_number": 99, **fields})
+
+    def stream(t: ResponsesTranscript, thoughts: list[str], texts: list[str]) -> list[bytes]:
+        events = [event("response.created", response={"id": "resp", "output": []}),
+                  event("response.output_item.added", output_index=0, item={"id": "rs", "type": "reasoning"})]
+        events += [event("response.reasoning_text.delta", output_index=0, content_index=0, item_id="rs", delta=d)
+                   for d in thoughts]
+        events += [event("response.reasoning_text.done", output_index=0, content_index=0, item_id="rs",
+                         text="".join(thoughts))] if texts else []
+        events += [event("response.output_text.delta", output_index=1, content_index=0, item_id="msg", delta=d)
+                   for d in texts]
+        return [out for out in map(t.accept, events) if out is not None]
+
+    t = ResponsesTranscript()
+    first = stream(t, ["Hmm, ", "Fra"], [])
+    t.resume()
+    rest = stream(t, ["Hmm, France."], ["Par", "is."])
+    sent = [e for e in first + rest if b"reasoning_text" in e]
+    assert b"".join(sent).count(b'"delta":"Hmm, "') == 1 and any(b'"delta":"nce."' in e for e in sent)
+    assert sum(b"reasoning_text.done" in e for e in first + rest) == 1

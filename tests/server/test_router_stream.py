@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from kvserve.server.router_stream import (BackendBroke, Diverged, Transcript, encode, sse_events,
+from kvserve.server.router_stream import (BackendBroke, Diverged, Transcript, encode, parse_event, sse_events,
                                           with_seed)
 
 
@@ -65,6 +65,33 @@ def test_a_chat_stream_resumes_where_the_client_is():
     assert {p["id"] for p in payloads if "id" in p} == {"a"}  # one coherent stream
     assert sum(bool(c.get("finish_reason")) for p in payloads for c in p.get("choices") or []) == 1
     assert payloads[-1] == {"done": True} and payloads[-2]["usage"] == {"prompt_tokens": 3}
+
+
+def test_a_thinking_models_chat_stream_resumes_its_reasoning_and_its_answer():
+    """reasoning_content (a thinking model's, kvserve/server/reasoning.py) is the client's too: a replacement
+    repeats neither it nor the answer."""
+    def chunk(delta, reason=None):
+        return encode(None, {"id": "r", "created": 1, "choices": [{"index": 0, "delta": delta,
+                                                                    "finish_reason": reason}]})
+
+    def stream(thoughts: list[str], pieces: list[str], finish: bool) -> list[bytes]:
+        events = [chunk({"role": "assistant", "content": ""})]
+        events += [chunk({"reasoning_content": t}) for t in thoughts] + [chunk({"content": p}) for p in pieces]
+        return events + ([chunk({"content": ""}, "stop"), b"data: [DONE]\n\n"] if finish else [])
+
+    def seen(sent: list[bytes], key: str) -> str:
+        return "".join((c.get("delta") or {}).get(key) or "" for raw in sent
+                       if (data := raw.decode().split("data: ", 1)[1].strip()) != "[DONE]"
+                       for c in json.loads(data).get("choices") or [])
+
+    for thoughts_first, pieces_first in ((["Hm", "m, Fra"], []), (["Hmm, France."], ["Par"])):
+        t = Transcript(anthropic=False, chat=True)
+        assert t.first_output(parse_event(stream(["Hm"], [], False)[1]))  # (the prefill is done)
+        first = relay(t, stream(thoughts_first, pieces_first, finish=False))
+        t.resume()
+        rest = relay(t, stream(["Hmm, ", "France."], ["Pa", "ris."], finish=True))
+        assert seen(first + rest, "reasoning_content") == "Hmm, France."
+        assert seen(first + rest, "content") == "Paris." and t.done
 
 
 def test_an_unbroken_stream_passes_through_byte_for_byte():

@@ -162,7 +162,7 @@ def build_app(engine: LLMEngine | AsyncEngine, *, model_name: str | None = None,
     render_routes.register(app, door, names, namespace)
     llamacpp.register(app, serving, namespace)
     responses.register(app, serving, namespace)
-    ollama.register(app, serving, model_info(llm_engine, names, kvserve_version()),
+    ollama.register(app, serving, model_info(llm_engine, names, kvserve_version(), door.reasoning is not None),
                     namespace)
 
     @app.get("/health")

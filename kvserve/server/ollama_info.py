@@ -32,6 +32,7 @@ class ModelInfo:
     template: str
     version: str
     modified_at: str
+    thinks: bool = False  # a thinking model, its reasoning told apart (reasoning.py): Ollama's "thinking"
 
     @property
     def tag(self) -> str:
@@ -54,7 +55,8 @@ class ModelInfo:
                 f"{self.family}.context_length": self.context_length}
         return {"modelfile": f"FROM {self.names[0]}\n", "parameters": "", "template": self.template,
                 "details": self.details(), "model_info": info, "modified_at": self.modified_at,
-                "capabilities": ["completion", "tools"]}  # (the generic tool format serves any template)
+                # (the generic tool format serves any template)
+                "capabilities": ["completion", "tools", *(["thinking"] if self.thinks else [])]}
 
     def expiry(self, keep_alive_s: float | None) -> datetime:
         seconds = DEFAULT_KEEP_ALIVE_S if keep_alive_s is None else keep_alive_s
@@ -79,7 +81,7 @@ class ModelInfo:
                              "kv_cache_dtype": stats.kv_cache_dtype if stats else ""}}
 
 
-def model_info(engine: LLMEngine, names: list[str], version: str) -> ModelInfo:
+def model_info(engine: LLMEngine, names: list[str], version: str, thinks: bool = False) -> ModelInfo:
     loaded, cache, cfg = engine.loaded, engine.cache_config, engine.loaded.config
     page_bytes = kv_bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cache.page_size, cache.kv_dtype)
     path = resolve_model_path(engine.config.model)
@@ -93,7 +95,7 @@ def model_info(engine: LLMEngine, names: list[str], version: str) -> ModelInfo:
                      size=os.path.getsize(path) if is_file else 0, digest=loaded.fingerprint,
                      context_length=engine.max_model_len, kv_bytes_per_token=page_bytes / cache.page_size,
                      template=engine.chat_template or "",
-                     version=version, modified_at=modified.isoformat().replace("+00:00", "Z"))
+                     version=version, modified_at=modified.isoformat().replace("+00:00", "Z"), thinks=thinks)
 
 
 def kvserve_version() -> str:

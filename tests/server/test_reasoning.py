@@ -102,6 +102,8 @@ def test_ollama_gives_thinking_and_think_false_reaches_the_template(thinking_ser
     plain = client.chat(model=model, messages=ASK, think=False, options=options)
     assert plain.message.thinking is None and plain.message.content
     assert plain.prompt_eval_count < answer["prompt_eval_count"]  # the template did not open the think block
+    assert "thinking" in client.show(model).capabilities  # (Open WebUI offers its think switch on this)
+    assert "thinking" not in ollama.Client(host=server.url).show(model).capabilities
     refused = httpx.post(server.url + "/api/chat", json={"model": model, "messages": ASK, "think": True}, timeout=60)
     assert refused.status_code == 400 and "does not think" in refused.text  # (the bundled template does not)
 

@@ -185,7 +185,9 @@ class OpenAIServing:
         except BaseException:
             release()
             raise
-        tail = self.tokenizer.decode(prompt[-4:], skip_special_tokens=False) if self.door.reasoning else ""
+        # (a constraint decides the output from its first token: a block the prompt opened is not reasoning then)
+        free = self.door.reasoning is not None and params.structured_outputs is None
+        tail = self.tokenizer.decode(prompt[-4:], skip_special_tokens=False) if free else ""
         for c in gen.choices:
             c.tools = ToolStream(fmt, toolset.choice.parallel) if fmt is not None else None
             c.reasoning = self.door.reasoning.splitter(tail) if self.door.reasoning else None

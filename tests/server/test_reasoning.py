@@ -1,7 +1,7 @@
 """A thinking model's reasoning apart from its answer: `reasoning_content` on /v1/chat/completions (whole and
 streamed, the same texts), Ollama's `thinking` (and `think: false` reaching the template), and the splitter's
-streamed pieces always adding up to the whole answer's split. The model thinks because a DeepSeek-R1-style
-template opens the think block and a regex makes it close it."""
+streamed pieces always adding up to the whole answer's split. The model thinks because a regex makes it write a
+think block (the chat route), or because a DeepSeek-R1-style template opens one for it (the other routes)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,11 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content']
             "{% if add_generation_prompt %}<|im_start|>assistant\n"
             "{% if not (enable_thinking is defined and enable_thinking is false) %}<think>\n{% endif %}{% endif %}")
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
-THINKS = {"structured_outputs": {"regex": "[A-Za-z ]{4,24}\n</think>\n\n[A-Za-z ]{4,24}"}}
+# a regex makes the model think (the template told not to open the block: under a constraint, only an output that
+# opens it has reasoning)
+UNOPENED = {"enable_thinking": False}
+THINKS = {"structured_outputs": {"regex": "<think>\n[A-Za-z ]{4,24}\n</think>\n\n[A-Za-z ]{4,24}"},
+          "chat_template_kwargs": UNOPENED}
 PIECES = st.lists(st.sampled_from(["<think>", "</think>", "<th", "</thi", "nk>", " ", "\n", "word", "a b"]),
                   max_size=12).map("".join)
 
@@ -70,15 +74,22 @@ def test_chat_gives_the_reasoning_apart_whole_and_streamed(thinking_server):
     whole = client.chat.completions.create(**kwargs).choices[0].message
     thought, answer = whole.model_extra["reasoning_content"], whole.content
     assert thought and answer and "think>" not in thought + answer
-    ids = httpx.post(thinking_server.url + "/tokenize", json={"messages": ASK}, timeout=60).json()["tokens"]
-    raw = client.completions.create(model=model, prompt=ids, max_tokens=40, temperature=0, extra_body=THINKS)
-    assert raw.choices[0].text == f"{thought}\n</think>\n\n{answer}"  # the same tokens, told apart
+    ids = httpx.post(thinking_server.url + "/tokenize", json={"messages": ASK, "chat_template_kwargs": UNOPENED},
+                     timeout=60).json()["tokens"]
+    raw = client.completions.create(model=model, prompt=ids, max_tokens=40, temperature=0,
+                                    extra_body={"structured_outputs": THINKS["structured_outputs"]})
+    assert raw.choices[0].text == f"<think>\n{thought}\n</think>\n\n{answer}"  # the same tokens, told apart
     streamed = {"reasoning_content": "", "content": ""}
     for chunk in client.chat.completions.create(**kwargs, stream=True):
         delta = chunk.choices[0].delta if chunk.choices else None
         for key in streamed:
             streamed[key] += (delta.model_extra.get(key) if key != "content" else delta.content) or "" if delta else ""
     assert streamed == {"reasoning_content": thought, "content": answer}
+    # an output constraint decides the answer from its first token: the block the template opened is no
+    # reasoning then, the JSON is the content
+    constrained = client.chat.completions.create(model=model, messages=ASK, max_tokens=24, temperature=0,
+                                                 response_format={"type": "json_object"}).choices[0].message
+    assert constrained.content.lstrip().startswith("{") and "reasoning_content" not in constrained.model_extra
 
 
 def test_ollama_gives_thinking_and_think_false_reaches_the_template(thinking_server, server):

@@ -32,6 +32,21 @@ class ReasoningFormat:
         tail = prompt_tail.rstrip()
         return ReasoningSplit(self, opened=tail.endswith(self.open))
 
+    def num_reasoning_tokens(self, splitter: ReasoningSplit, token_ids: list[int],
+                             decode: Callable[[list[int]], str]) -> int:
+        """How many of an answer's tokens are its reasoning (OpenAI's `reasoning_tokens`): those up to the end of
+        the close marker, all of them while it has not closed, none in an answer without a think block."""
+        text = decode(token_ids)
+        if not (splitter.opened or text.lstrip().startswith(self.open)):
+            return 0
+        if self.close not in text:
+            return len(token_ids)
+        low, high = 1, len(token_ids)  # the fewest leading tokens whose text holds the close marker
+        while low < high:
+            middle = (low + high) // 2
+            low, high = (low, middle) if self.close in decode(token_ids[:middle]) else (middle + 1, high)
+        return low
+
 
 class ReasoningSplit:
     """Cuts an answer's text, piece by piece, into reasoning and content. An answer that does not start with

@@ -18,10 +18,13 @@ MIN_LOGPROB = -9999.0  # JSON has no -Infinity; vLLM clamps the same way
 LogprobsShape = Literal["completion", "chat", "llamacpp"]
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+          reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage; `reasoning_tokens` (a thinking model's answers: reasoning.py) in completion_tokens_details."""
+    details = {} if reasoning_tokens is None else {"completion_tokens_details": {"reasoning_tokens": reasoning_tokens}}
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}, **details}
 
 
 def completion_choice(index: int, out: CompletionOutput, tokenizer, num_logprobs: int | None,

@@ -174,7 +174,8 @@ class ResponseBuilder:
             incomplete_details={"reason": "max_output_tokens"} if reason == "length" else None,
             usage={"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
                    "output_tokens": usage["completion_tokens"],
-                   "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": usage["total_tokens"]},
+                   "output_tokens_details": {"reasoning_tokens": usage.get("completion_tokens_details", {}).get(
+                       "reasoning_tokens", 0)}, "total_tokens": usage["total_tokens"]},
             **{k: chunk[k] for k in ("prompt_cache_retention", "prompt_cache_retention_note", "kv_cache")
                if k in chunk})
         done = "response.incomplete" if reason == "length" else "response.completed"

@@ -75,6 +75,7 @@ class Generation:
     retention: dict[str, Any] = field(default_factory=dict)  # the prompt_cache_retention it got
     cache_salt: str | None = None  # its requests' (the namespace their pages are hashed in)
     prompt_only: bool = False  # the answer leaves out the one token generated (prompt_only.py)
+    decode: Callable[[list[int]], str] | None = None  # the tokenizer's, where a thinking model's reasoning is counted
 
     @property
     def held_under(self) -> list[str]:
@@ -100,7 +101,9 @@ class Generation:
         firsts = {c.prompt_index: c for c in reversed(self.choices)}  # choice 0 of each prompt
         cached = sum(c.output.num_cached_tokens for c in firsts.values() if c.output is not None)
         completion = sum(len(c.output.outputs[0].token_ids) for c in self.choices if c.output)
-        return render.usage(sum(len(p) for p in self.prompts), completion, cached)
+        thinking = [c.reasoning.format.num_reasoning_tokens(c.reasoning, c.output.outputs[0].token_ids, self.decode)
+                    for c in self.choices if c.reasoning is not None and c.output is not None]
+        return render.usage(sum(len(p) for p in self.prompts), completion, cached, sum(thinking) if thinking else None)
 
 
 @dataclass(slots=True)
@@ -188,6 +191,7 @@ class OpenAIServing:
         # (a constraint decides the output from its first token: a block the prompt opened is not reasoning then)
         free = self.door.reasoning is not None and params.structured_outputs is None
         tail = self.tokenizer.decode(prompt[-4:], skip_special_tokens=False) if free else ""
+        gen.decode = self.tokenizer.decode
         for c in gen.choices:
             c.tools = ToolStream(fmt, toolset.choice.parallel) if fmt is not None else None
             c.reasoning = self.door.reasoning.splitter(tail) if self.door.reasoning else None

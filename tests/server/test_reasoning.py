@@ -79,6 +79,12 @@ def test_chat_gives_the_reasoning_apart_whole_and_streamed(thinking_server):
     raw = client.completions.create(model=model, prompt=ids, max_tokens=40, temperature=0,
                                     extra_body={"structured_outputs": THINKS["structured_outputs"]})
     assert raw.choices[0].text == f"<think>\n{thought}\n</think>\n\n{answer}"  # the same tokens, told apart
+    through_close = client.completions.create(model=model, prompt=ids, max_tokens=40, temperature=0, logprobs=0,
+                                              extra_body={"structured_outputs": THINKS["structured_outputs"]})
+    pieces = through_close.choices[0].logprobs.tokens
+    closed_at = next(k for k in range(1, len(pieces) + 1) if "</think>" in "".join(pieces[:k]))
+    counted = client.chat.completions.create(**kwargs).usage.completion_tokens_details.reasoning_tokens
+    assert counted == closed_at  # OpenAI's reasoning_tokens: the answer's tokens through the close marker
     streamed = {"reasoning_content": "", "content": ""}
     for chunk in client.chat.completions.create(**kwargs, stream=True):
         delta = chunk.choices[0].delta if chunk.choices else None
@@ -128,6 +134,7 @@ def test_responses_give_the_reasoning_as_a_reasoning_item(thinking_server):
     response = client.responses.create(model=model, input=ASK[0]["content"], max_output_tokens=24, temperature=0)
     [item] = response.output
     assert item.type == "reasoning" and item.content[0].text == chat.model_extra["reasoning_content"]
+    assert response.usage.output_tokens_details.reasoning_tokens == response.usage.output_tokens  # (never closed)
     events = list(client.responses.create(model=model, input=ASK[0]["content"], max_output_tokens=24,
                                           temperature=0, stream=True))
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == item.content[0].text

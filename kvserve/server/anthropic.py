@@ -238,9 +238,7 @@ class MessagesService:
                           diagnosis, body.kv_explain,
                           self.door.tool_format if chat.toolset.parses_calls else None,
                           chat.toolset.choice.parallel)
-        if self.door.reasoning is not None:  # (under a constraint, no block the prompt opened: as serving.chat)
-            tail = self.engine.engine.tokenizer.decode(rendered.token_ids[-4:], skip_special_tokens=False)
-            pending.reasoning = self.door.reasoning.splitter("" if params.structured_outputs else tail)
+        pending.reasoning = self.door.reasoning_split(rendered.token_ids, params.structured_outputs is not None)
         answered = [r["tool_call_id"] for turn in chat.turns for r in turn.tool_results]
         pending.tool_kv = self.door.tool_holds.request_kv(namespace, answered, pending.tool_format is not None)
         self.door.check_open()

@@ -33,7 +33,7 @@ from kvserve.server.breakpoints import ChatRenderer
 from kvserve.server.fim import fim_prompt, fim_tokens, text_only
 from kvserve.server.limits import Admission
 from kvserve.server.openai_breakpoints import MAX_BREAKPOINTS, breakpoint_tokens
-from kvserve.server.reasoning import ReasoningFormat
+from kvserve.server.reasoning import ReasoningFormat, ReasoningSplit
 from kvserve.server.protocol import APIError
 from kvserve.server.tool_holds import ToolHolds
 from kvserve.server.tool_parser import tool_format
@@ -237,6 +237,14 @@ class FrontDoor:
         if num_tokens >= self.max_model_len:
             raise APIError(f"the prompt is too long: {num_tokens} tokens, at or over max_model_len "
                            f"{self.max_model_len}; shorten it", param=param)
+
+    def reasoning_split(self, prompt: list[int], constrained: bool) -> ReasoningSplit | None:
+        """The splitter of one answer to `prompt` (None: the model does not think). Under an output constraint,
+        which decides the answer from its first token, a think block the prompt opened is not reasoning."""
+        if self.reasoning is None:
+            return None
+        tail = "" if constrained else self.loaded.tokenizer.decode(prompt[-4:], skip_special_tokens=False)
+        return self.reasoning.splitter(tail)
 
     def room(self, prompt_len: int, max_tokens: int | None, num_ctx: int | None, param: str) -> int:
         """max_tokens, or the rest of the context (max_model_len, or a smaller num_ctx) after the prompt."""

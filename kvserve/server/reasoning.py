@@ -32,21 +32,6 @@ class ReasoningFormat:
         tail = prompt_tail.rstrip()
         return ReasoningSplit(self, opened=tail.endswith(self.open))
 
-    def num_reasoning_tokens(self, splitter: ReasoningSplit, token_ids: list[int],
-                             decode: Callable[[list[int]], str]) -> int:
-        """How many of an answer's tokens are its reasoning (OpenAI's `reasoning_tokens`): those up to the end of
-        the close marker, all of them while it has not closed, none in an answer without a think block."""
-        text = decode(token_ids)
-        if not (splitter.opened or text.lstrip().startswith(self.open)):
-            return 0
-        if self.close not in text:
-            return len(token_ids)
-        low, high = 1, len(token_ids)  # the fewest leading tokens whose text holds the close marker
-        while low < high:
-            middle = (low + high) // 2
-            low, high = (low, middle) if self.close in decode(token_ids[:middle]) else (middle + 1, high)
-        return low
-
 
 class ReasoningSplit:
     """Cuts an answer's text, piece by piece, into reasoning and content. An answer that does not start with
@@ -64,6 +49,20 @@ class ReasoningSplit:
     def fresh(self) -> ReasoningSplit:
         """A splitter for the same answer from its start (a whole answer cut apart from its stream's)."""
         return ReasoningSplit(self.format, self.opened)
+
+    def num_tokens(self, token_ids: list[int], decode: Callable[[list[int]], str]) -> int:
+        """How many of the answer's tokens are its reasoning (OpenAI's `reasoning_tokens`): those up to the end of
+        the close marker, all of them while it has not closed, none in an answer without a think block."""
+        text, close = decode(token_ids), self.format.close
+        if not (self.opened or text.lstrip().startswith(self.format.open)):
+            return 0
+        if close not in text:
+            return len(token_ids)
+        low, high = 1, len(token_ids)  # the fewest leading tokens whose text holds the close marker
+        while low < high:
+            middle = (low + high) // 2
+            low, high = (low, middle) if close in decode(token_ids[:middle]) else (middle + 1, high)
+        return low
 
     def whole(self, text: str) -> tuple[str, str]:
         """A whole answer's (reasoning, content), by a fresh splitter (this one's state untouched)."""

@@ -101,7 +101,7 @@ class Generation:
         firsts = {c.prompt_index: c for c in reversed(self.choices)}  # choice 0 of each prompt
         cached = sum(c.output.num_cached_tokens for c in firsts.values() if c.output is not None)
         completion = sum(len(c.output.outputs[0].token_ids) for c in self.choices if c.output)
-        thinking = [c.reasoning.format.num_reasoning_tokens(c.reasoning, c.output.outputs[0].token_ids, self.decode)
+        thinking = [c.reasoning.num_tokens(c.output.outputs[0].token_ids, self.decode)
                     for c in self.choices if c.reasoning is not None and c.output is not None]
         return render.usage(sum(len(p) for p in self.prompts), completion, cached, sum(thinking) if thinking else None)
 
@@ -188,13 +188,10 @@ class OpenAIServing:
         except BaseException:
             release()
             raise
-        # (a constraint decides the output from its first token: a block the prompt opened is not reasoning then)
-        free = self.door.reasoning is not None and params.structured_outputs is None
-        tail = self.tokenizer.decode(prompt[-4:], skip_special_tokens=False) if free else ""
         gen.decode = self.tokenizer.decode
         for c in gen.choices:
             c.tools = ToolStream(fmt, toolset.choice.parallel) if fmt is not None else None
-            c.reasoning = self.door.reasoning.splitter(tail) if self.door.reasoning else None
+            c.reasoning = self.door.reasoning_split(prompt, params.structured_outputs is not None)
         if body.stream:
             return SSEResult(self._sse(gen, body, chat=True), lambda: self.close(gen), prompt)
         await self._finish(gen, raw)

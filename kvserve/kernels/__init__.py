@@ -1,7 +1,8 @@
 """kvserve's own CPU kernels: C++17 sources under `src/`, built once per instruction set by `build.py`
-(scalar, AVX2+FMA+F16C, AVX-512 with VNNI/BF16), loaded with ctypes and picked at run time.
+(scalar, AVX2+FMA+F16C, AVX-512 with VNNI/BF16, and that with Intel's AMX-INT8 tiles for the prefill), loaded
+with ctypes and picked at run time.
 
-`KVSERVE_KERNELS=off` forces the pure-torch path; `KVSERVE_KERNELS_ISA=scalar|avx2|avx512` forces one
+`KVSERVE_KERNELS=off` forces the pure-torch path; `KVSERVE_KERNELS_ISA=scalar|avx2|avx512|amx` forces one
 instruction set (an error if this CPU cannot run it); else a model's start-up calibration picks the faster
 SIMD build where the CPU runs two (kernels/tuning.py), else the best it runs. `library()` is None whenever
 the kernels cannot be used, and every caller then takes the torch path, which stays the reference."""
@@ -19,7 +20,7 @@ from pathlib import Path
 from kvserve.errors import ConfigError
 from kvserve.kernels import api
 
-ISAS = ("scalar", "avx2", "avx512")
+ISAS = ("scalar", "avx2", "avx512", "amx")
 LIB_DIR = Path(__file__).with_name("_lib")
 SRC_DIR = Path(__file__).with_name("src")
 # /proc/cpuinfo flags each build needs (the compiler flags in build.py turn on the same set)
@@ -28,6 +29,7 @@ ISA_FLAGS = {
     "avx2": ("avx2", "fma", "f16c"),
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16", "fma", "f16c"),
 }
+ISA_FLAGS["amx"] = (*ISA_FLAGS["avx512"], "avx512vbmi", "amx_tile", "amx_bf16")
 
 
 def library_path(isa: str) -> Path:
@@ -69,7 +71,21 @@ def cpu_flags() -> frozenset[str]:
 def host_isas() -> list[str]:
     """Instruction sets this CPU can run, slowest first."""
     flags = cpu_flags()
-    return [isa for isa in ISAS if all(f in flags for f in ISA_FLAGS[isa])]
+    return [isa for isa in ISAS if all(f in flags for f in ISA_FLAGS[isa]) and (isa != "amx" or _amx_permitted())]
+
+
+@functools.lru_cache(maxsize=1)
+def _amx_permitted() -> bool:
+    """Whether Linux lets this process use the AMX tile registers (asked once for the whole process, as the
+    kernels ask again: arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA); a kernel or hypervisor that keeps them
+    off leaves the AVX-512 build."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl on x86-64
+    except (OSError, AttributeError):
+        return False
 
 
 def enabled() -> bool:

@@ -31,6 +31,8 @@ ISA_COMPILER_FLAGS = {
     "avx2": ["-march=haswell", "-mtune=znver3", "-DKVS_ISA_AVX2", '-DKVS_ISA_NAME="avx2"'],
     "avx512": ["-march=skylake-avx512", "-mavx512vnni", "-mavx512bf16", "-DKVS_ISA_AVX512",
                '-DKVS_ISA_NAME="avx512"'],
+    "amx": ["-march=skylake-avx512", "-mavx512vnni", "-mavx512bf16", "-mavx512vbmi", "-mamx-tile", "-mamx-bf16", "-DKVS_ISA_AVX512",
+            "-DKVS_ISA_AMX", '-DKVS_ISA_NAME="amx"'],
 }
 OBJ_DIR = LIB_DIR / "obj"
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)

@@ -18,7 +18,9 @@ from kvserve.model.linear import NativeLinear
 STREAM_BYTES = 48 << 20  # more than a last-level cache (32 MB on Zen 4 and Zen 5 CCDs): weights come from DRAM
 HEAD_ROWS_STEP = 8  # the vocabulary matrix's rows in whole groups (an interleaved format's FormatInfo.group_rows)
 KV_CONTEXT = 2048  # tokens of the attention pass, page_size 16
-PREFILL_ROWS, PREFILL_BYTES = 64, 4 << 20  # the prefill pass: a chunk's rows through ~4 MB of weights
+# the prefill pass: a chunk's rows through ~4 MB of weights (rows enough for the AMX tile, which leaves shorter
+# calls to the vector tiles: src/matmul_amx.h AMX_MIN_ROWS)
+PREFILL_ROWS, PREFILL_BYTES = 128, 4 << 20
 # the chained sums' pass: one row through each interleaved format's first rows, on one thread, from the caches
 # (1 MiB: a core's L2 or its L3, where the weights do not stream and compute is timed; a few calls: their
 # Python overhead, a few us each, small beside it)

@@ -1,6 +1,6 @@
-"""AVX2 against AVX-512: the two builds give the same bits, op by op and for a whole model (issue 39:
-choosing between them at start-up is a tuning choice, and a tuning choice must never change a greedy
-answer). The block formats' matmul is pinned in test_matmul.py; here the rest of what a model runs. The
+"""AVX2 against AVX-512 (and AMX where the host has it): the builds give the same bits, op by op and for a
+whole model (issue 39: choosing between them at start-up is a tuning choice, and a tuning choice must never
+change a greedy answer). The block formats' matmul is pinned in test_matmul.py; here the rest of what a model runs. The
 reductions (RMSNorm's sum of squares, attention's scores and softmax sums, the float formats' dot
 products) agree because both builds sum in 16 lanes (src/ops_simd.h: AVX2's vector is two 256-bit halves)
 before one lane tree; with AVX2 summing in 8 lanes, as before, every test below but RoPE's and the
@@ -21,9 +21,9 @@ from tests.kernels.test_matmul import random_weight
 pytestmark = pytest.mark.skipif(not {"avx2", "avx512"} <= set(kernels.host_isas()),
                                 reason="needs a host that runs both AVX2 and AVX-512")
 def on_both(monkeypatch, fn) -> dict[str, object]:
-    """fn() with KVSERVE_KERNELS_ISA forced to avx2, then to avx512, keyed by the set."""
+    """fn() with KVSERVE_KERNELS_ISA forced to each SIMD build this host runs (avx2, avx512, amx), keyed by it."""
     got = {}
-    for isa in ("avx2", "avx512"):
+    for isa in kernels.simd_isas():
         monkeypatch.setenv("KVSERVE_KERNELS", "on")
         monkeypatch.setenv("KVSERVE_KERNELS_ISA", isa)
         if kernels.library() is None:
@@ -33,9 +33,10 @@ def on_both(monkeypatch, fn) -> dict[str, object]:
 
 
 def assert_same_bits(got: dict[str, object]) -> None:
-    a, b = got["avx2"], got["avx512"]
-    for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,), strict=True):
-        assert torch.equal(x, y), f"{(x != y).float().mean():.0%} of the elements differ"
+    a = got["avx2"]
+    for isa, b in got.items():
+        for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,), strict=True):
+            assert torch.equal(x, y), f"{isa}: {(x != y).float().mean():.0%} of the elements differ"
 
 
 def test_rope_is_the_same_bits(monkeypatch):
@@ -79,7 +80,7 @@ def test_float_format_matmul_is_the_same_bits(monkeypatch, qtype):
 
 def test_the_bundled_models_greedy_tokens_and_logits_are_the_same_bits(monkeypatch):
     """Greedy tokens with their logprobs, and every row's logits of a prefill and of decode rows, under
-    KVSERVE_KERNELS_ISA=avx2 and =avx512 (--dtype native, the prefetch tuning held at its built-in)."""
+    KVSERVE_KERNELS_ISA=avx2, =avx512 and =amx where the host has it (--dtype native, the prefetch tuning held at its built-in)."""
     from kvserve import SamplingParams
     from kvserve.model import runner
     from tests.conftest import make_llm
@@ -95,13 +96,14 @@ def test_the_bundled_models_greedy_tokens_and_logits_are_the_same_bits(monkeypat
         if any(m.library is not kernels.library() for m in model.modules() if hasattr(m, "library")):
             raise RuntimeError("the model's linears are not on the forced instruction set")
         outs = llm.generate(prompts, params)
-        ids = [t for o in outs for t in o.prompt_token_ids]  # the same rows on both sets
+        ids = [t for o in outs for t in o.prompt_token_ids] * 8  # the same rows on every set (AMX's from 128)
         logits = model.compute_logits(llm.engine.runner.forward_sequence(ids, chunk=len(ids) - 4))
         answers = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
         return answers, logits
 
     got = on_both(monkeypatch, run)
     runner.build_model.cache_clear()  # (the next test's models are built on its own set)
-    (answers_avx2, logits_avx2), (answers_avx512, logits_avx512) = got["avx2"], got["avx512"]
-    assert torch.equal(logits_avx2, logits_avx512), f"logits differ by up to {(logits_avx2 - logits_avx512).abs().max()}"
-    assert answers_avx2 == answers_avx512
+    answers_avx2, logits_avx2 = got["avx2"]
+    for isa, (answers, logits) in got.items():
+        assert torch.equal(logits_avx2, logits), f"{isa}: logits differ by up to {(logits_avx2 - logits).abs().max()}"
+        assert answers == answers_avx2, isa

@@ -249,21 +249,25 @@ def test_the_int8_rounding_is_the_same_on_every_isa(monkeypatch):
 
 
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda q: q.name)
-def test_avx512_gives_the_avx2_products_bit_for_bit(qtype, monkeypatch):
-    # the AVX-512 build runs AVX2's chain with two weight rows a vector (prefill tiles and decode
-    # rows): each output the same bits; 37 weight rows leave an odd row past every pair; row counts
-    # on both sides of the decode path's limit and of the tile heights
-    if not {"avx2", "avx512"} <= set(kernels.host_isas()):
+def test_every_simd_build_gives_the_avx2_products_bit_for_bit(qtype, monkeypatch):
+    # the AVX-512 build runs AVX2's chain with two weight rows a vector (prefill tiles and decode rows), the
+    # AMX build sixteen activation rows a tile in the tile unit: each output the same bits; 37 weight rows
+    # leave an odd row past every pair; row counts on both sides of the decode path's limit, of the vector
+    # tiles' heights and of the calls AMX takes (from 128 rows, sixteen at a time: a remainder on the vector tiles)
+    isas = kernels.simd_isas()
+    if len(isas) < 2:
         pytest.skip("needs a host with AVX-512")
     k = 512
     w = torch.from_numpy(random_weight(qtype, 37, k, seed=11))
-    x = torch.randn(21, k, generator=torch.Generator().manual_seed(12)) * 2
+    x = torch.randn(150, k, generator=torch.Generator().manual_seed(12)) * 2
     got = {}
-    for isa in ("avx2", "avx512"):
+    for isa in isas:
         monkeypatch.setenv("KVSERVE_KERNELS_ISA", isa)
         kl = kernels.library()
         if kl is None:
             pytest.skip("native kernels not built")
-        got[isa] = [km.matmul(kl, qtype, w, k, x[:t], num_threads=th) for t in (1, 2, 3, 4, 5, 8, 9, 21) for th in (1, 2)]
-    for a, b in zip(got["avx2"], got["avx512"]):
-        assert torch.equal(a, b)
+        got[isa] = [km.matmul(kl, qtype, w, k, x[:t], num_threads=th)
+                    for t in (1, 2, 3, 4, 5, 8, 9, 16, 21, 127, 128, 150) for th in (1, 2)]
+    for isa in isas[1:]:
+        for a, b in zip(got[isas[0]], got[isa]):
+            assert torch.equal(a, b), isa

@@ -172,7 +172,7 @@ struct KvsStep {
 // ---------------------------------------------------------------- entry points
 
 // The library itself (kvs_api.cpp)
-const char* kvs_isa(void);            // "scalar", "avx2" or "avx512"
+const char* kvs_isa(void);            // "scalar", "avx2", "avx512" or "amx"
 const char* kvs_source_digest(void);  // kvserve.kernels.source_digest() of the sources it was built from
 const char* kvs_api_manifest(void);   // one line per entry point, struct and enum value (api.py reads it)
 int kvs_max_threads(void);            // OpenMP's

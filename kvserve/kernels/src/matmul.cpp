@@ -15,9 +15,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <utility>
 #include <vector>
 
+#include "matmul_amx.h"
 #include "matmul_direct.h"
 #include "matmul_tile.h"
 
@@ -49,6 +51,10 @@ constexpr int64_t CHUNK_BYTES = 16384;    // decode: weight bytes a thread takes
 using ToFloatFn = void (*)(const uint8_t*, int64_t, float*);
 using ToGroupFn = void (*)(const uint8_t*, int64_t, const QGroup&, int);
 using GroupFn = void (*)(const XRow*, const QGroup&, int, int64_t, float*, int64_t);
+#if defined(KVS_ISA_AMX)
+using AmxGroupsFn = void (*)(const XRow*, const uint16_t*, int64_t, const uint8_t*, int64_t, const uint16_t*, int64_t,
+                             int64_t, int64_t, float*, int64_t);
+#endif
 
 struct FormatKernels {
     const FormatRow* row;
@@ -56,6 +62,9 @@ struct FormatKernels {
     ToGroupFn to_group;                 // block formats
     GroupFn tile[TILE_ROWS];            // block formats
     DirectFn decode_rows[DIRECT_ROWS];  // block formats, SIMD builds
+#if defined(KVS_ISA_AMX)
+    AmxGroupsFn amx = nullptr;          // block formats: AMX_ROWS activation rows x a panel's decoded groups
+#endif
 };
 
 template <int Q, size_t... R>
@@ -74,6 +83,11 @@ constexpr FormatKernels kernels_row(std::index_sequence<R...>) {
                           {qdot_group<Q, 1>, qdot_group<Q, 2>, qdot_group<Q, 3>, qdot_group<Q, 4>}, {}};
 #if KVS_SIMD
         ((row.decode_rows[R] = qdot_direct_rows<Q, int(R) + 1>), ...);
+#endif
+#if defined(KVS_ISA_AMX)
+        // (not Q6_K: its two sub-scales a block need integer products, vpmulld on every row, which cost the
+        // vector unit more than the tile unit saves it: 1536 x 8960, 512 rows, 48 against 46 ms)
+        if constexpr (Q != KVS_Q6_K) row.amx = amx_groups<Q>;
 #endif
         return row;
     }
@@ -299,18 +313,30 @@ inline void add_offsets(const float* offT, int64_t ldo, int64_t nw, int64_t nb, 
 // size; the tests, to reach several passes with small matrices), else what Linux reports for cpu0 in sysfs
 // (cpuid's figure, which sysconf gives, can be the whole socket's inside a VM: 320 MiB against lscpu's 32
 // on this project's Zen 4 hosts)
+int64_t sysfs_cache_bytes(int index, int64_t fallback) {
+    const std::string path = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index) + "/size";
+    FILE* f = std::fopen(path.c_str(), "r");
+    long kib = 0;
+    const bool read = f && std::fscanf(f, "%ldK", &kib) == 1 && kib > 0;
+    if (f) std::fclose(f);
+    return read ? int64_t(kib) << 10 : fallback;
+}
+
 int64_t host_l3_bytes() {
     if (const char* set = std::getenv("KVSERVE_KERNELS_L3_BYTES"))
         if (const long long bytes = std::atoll(set); bytes > 0) return bytes;
-    static const int64_t sysfs = [] {
-        FILE* f = std::fopen("/sys/devices/system/cpu/cpu0/cache/index3/size", "r");
-        long kib = 0;
-        const bool read = f && std::fscanf(f, "%ldK", &kib) == 1 && kib > 0;
-        if (f) std::fclose(f);
-        return read ? int64_t(kib) << 10 : L3_FALLBACK_BYTES;
-    }();
+    static const int64_t sysfs = sysfs_cache_bytes(3, L3_FALLBACK_BYTES);
     return sysfs;
 }
+
+#if defined(KVS_ISA_AMX)
+// The host's L2 per core (sysfs index2): the AMX tile's panels are sized to half of it (2 MB on the
+// project's Intel hosts, where the vector tiles' 96 KB panels left the tile unit waiting on the activations)
+int64_t host_l2_bytes() {
+    static const int64_t sysfs = sysfs_cache_bytes(2, 1 << 20);
+    return sysfs;
+}
+#endif
 
 // Activation rows one pass over a prefill's weight panels takes: every panel's tiles read every row of the
 // pass, so a pass's rounded rows (~1.5 bytes an element: the int8 codes, the blocks' fields and the
@@ -320,7 +346,9 @@ int64_t host_l3_bytes() {
 // 942-982 -> 824-825 ms; 14,336 x 4,096, whose 9.5 MB of rows took two passes of 8 MB: within the noise.)
 int64_t prefill_pass_rows(int64_t T, int64_t K) {
     const int64_t rounded_row_bytes = K + K / 2;
-    return std::min(T, std::max<int64_t>(TILE_ROWS, host_l3_bytes() / 4 / rounded_row_bytes / TILE_ROWS * TILE_ROWS));
+    constexpr int64_t step = 4 * TILE_ROWS;  // whole steps of AMX's sixteen rows (the vector tiles' four, four times)
+    const int64_t fits = host_l3_bytes() / 4 / rounded_row_bytes;
+    return std::min(T, fits >= step ? fits / step * step : std::max<int64_t>(TILE_ROWS, fits / TILE_ROWS * TILE_ROWS));
 }
 
 // Block formats: activations rounded to int8 blocks once, rows decoded to 8-bit codes
@@ -344,11 +372,26 @@ void run_quant(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, c
 #endif
     const int64_t gbytes = qgroup_bytes(K);
     const FormatKernels& tiles = row_kernels(f);
+#if defined(KVS_ISA_AMX)
+    // sixteen rows at a time in the tile unit where the OS lets this process use it; the rows left over (and
+    // every row elsewhere) on the vector tiles, which give the same bits
+    const bool amx = T >= AMX_MIN_ROWS && tiles.amx && amx_permitted();
+    thread_local Bf16Rows caller_bf16;
+    Bf16Rows& xbf = caller_bf16;
+    if (amx) {
+        xbf.fit(T, K);
+        parallel_for(nthreads, T / AMX_ROWS * AMX_ROWS, [&](int64_t t) { bf16_row(xrows[t], K, xbf, t); });
+    }
+#endif
     // panels of weight rows (whole groups) handed out one at a time, at least PANELS_PER_THREAD a
     // thread: on a shared host a thread that loses its core leaves the rest of its panels to the other
     const int64_t per_thread = (N + PANELS_PER_THREAD * nthreads - 1) / (PANELS_PER_THREAD * nthreads);
+    int64_t panel_bytes = T <= TILE_ROWS ? L1_BYTES : L2_BYTES, group_bytes = gbytes;
+#if defined(KVS_ISA_AMX)
+    if (amx) panel_bytes = host_l2_bytes() / 2, group_bytes += 2 * TILE_GROUP * K;  // and the groups' BF16 codes
+#endif
     const int64_t rows_per_block =
-        (std::max<int64_t>(TILE_GROUP, std::min(TILE_GROUP * (T <= TILE_ROWS ? L1_BYTES : L2_BYTES) / gbytes, per_thread)) +
+        (std::max<int64_t>(TILE_GROUP, std::min(TILE_GROUP * panel_bytes / group_bytes, per_thread)) +
          TILE_GROUP - 1) / TILE_GROUP * TILE_GROUP;
     const int64_t num_panels = (N + rows_per_block - 1) / rows_per_block;
     const int64_t pass_rows = prefill_pass_rows(T, K);
@@ -366,6 +409,9 @@ void run_quant(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, c
             const int64_t ldo = rows_per_block;
             thread_local std::vector<float> offT;  // [nb][ldo] the panel's offsets, transposed
             if (split_offsets && int64_t(offT.size()) < nb * ldo) offT.resize(nb * ldo);
+#if defined(KVS_ISA_AMX)
+            const TilesInUse tiles_in_use(amx, tiles.row->type);
+#endif
             panels.each([&](int64_t panel) {
                 const int64_t n0 = panel * rows_per_block, nw = std::min(N, n0 + rows_per_block) - n0;
                 const int64_t groups = (nw + TILE_GROUP - 1) / TILE_GROUP;
@@ -377,7 +423,21 @@ void run_quant(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, c
                     if (split_offsets)
                         for (int64_t b = 0; b < nb; ++b) offT[b * ldo + j] = j < nw ? g.off[(j % TILE_GROUP) * nb + b] : 0.0f;
                 }
-                for (int64_t t = t_begin; t < t_end; t += TILE_ROWS) {
+                int64_t t = t_begin;
+#if defined(KVS_ISA_AMX)
+                thread_local std::vector<uint16_t> wbf;  // the panel's codes as the tile unit's BF16 operand
+                if (amx && t_end - t_begin >= AMX_ROWS) {
+                    if (int64_t(wbf.size()) < groups * nb * GROUP_BF16) wbf.resize(groups * nb * GROUP_BF16);
+                    for (int64_t gi = 0; gi < groups; ++gi)
+                        bf16_group(qgroup_at(&scratch[gi * gbytes], K), nb, &wbf[gi * nb * GROUP_BF16]);
+                }
+                for (; amx && t % AMX_ROWS == 0 && t + AMX_ROWS <= t_end; t += AMX_ROWS) {
+                    float* yt = y + t * ldy + n0;
+                    tiles.amx(&xrows[t], xbf.tile(t, K), K, scratch.data(), gbytes, wbf.data(), groups, nw, nb, yt, ldy);
+                    if (split_offsets) add_offsets(offT.data(), ldo, nw, nb, &xrows[t], AMX_ROWS, yt, ldy);
+                }
+#endif
+                for (; t < t_end; t += TILE_ROWS) {
                     const XRow* xr = &xrows[t];
                     float* yt = y + t * ldy + n0;
                     const int64_t nr = std::min<int64_t>(TILE_ROWS, t_end - t);

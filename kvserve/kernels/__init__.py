@@ -71,21 +71,28 @@ def cpu_flags() -> frozenset[str]:
 def host_isas() -> list[str]:
     """Instruction sets this CPU can run, slowest first."""
     flags = cpu_flags()
-    return [isa for isa in ISAS if all(f in flags for f in ISA_FLAGS[isa]) and (isa != "amx" or _amx_permitted())]
+    return [isa for isa in ISAS if all(f in flags for f in ISA_FLAGS[isa]) and (isa != "amx" or _amx_usable())]
 
 
 @functools.lru_cache(maxsize=1)
-def _amx_permitted() -> bool:
+def _amx_usable() -> bool:
     """Whether Linux lets this process use the AMX tile registers (asked once for the whole process, as the
-    kernels ask again: arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA); a kernel or hypervisor that keeps them
-    off leaves the AVX-512 build."""
+    kernels ask again: arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA) and the AMX build exists or the compiler
+    can make it; else the AVX-512 build is the widest."""
     if not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl on x86-64
+        if libc.syscall(158, 0x1023, 18) != 0:  # SYS_arch_prctl on x86-64
+            return False
     except (OSError, AttributeError):
         return False
+    if library_path("amx").is_file():
+        return True
+    from kvserve.kernels import build
+
+    cxx = build.compiler()
+    return cxx is not None and build.compiler_takes(cxx, "amx")
 
 
 def enabled() -> bool:

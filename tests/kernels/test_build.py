@@ -117,3 +117,25 @@ def test_a_first_use_builds_every_missing_simd_build_at_once_unless_one_is_force
     kernels.library_path("avx2").unlink()
     monkeypatch.setenv("KVSERVE_KERNELS_ISA", "avx2")
     assert kernels.first_use_isas("avx2") == ["avx2"]
+
+
+def test_a_compiler_that_cannot_build_amx_skips_it_in_one_line(monkeypatch, capsys, tmp_path):
+    """(AMX needs GCC 11 or clang 12.) The other builds run; the CPU's list leaves AMX out where its library is
+    missing and the compiler cannot make it, so the AVX-512 build is the widest rather than the torch path."""
+    monkeypatch.setattr(build, "compiler_takes", lambda cxx, isa: isa != "amx")
+    assert build.build(("amx",), force=True) == 0
+    err = capsys.readouterr().err.strip()
+    assert "cannot build for amx" in err and "\n" not in err
+    monkeypatch.setattr(kernels, "LIB_DIR", tmp_path)  # no library there
+    kernels._amx_usable.cache_clear()
+    try:
+        assert "amx" not in kernels.host_isas()
+    finally:
+        kernels._amx_usable.cache_clear()
+
+
+def test_the_compiler_here_takes_every_builds_flags():
+    cxx = build.compiler()
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    assert all(build.compiler_takes(cxx, isa) for isa in kernels.ISAS)

@@ -309,10 +309,7 @@ inline void add_offsets(const float* offT, int64_t ldo, int64_t nw, int64_t nb, 
 }
 #endif
 
-// The host's L3 in bytes: KVSERVE_KERNELS_L3_BYTES where set (a host whose sysfs says nothing or the wrong
-// size; the tests, to reach several passes with small matrices), else what Linux reports for cpu0 in sysfs
-// (cpuid's figure, which sysconf gives, can be the whole socket's inside a VM: 320 MiB against lscpu's 32
-// on this project's Zen 4 hosts)
+// The size of cpu0's cache at sysfs `index` (2: L2, 3: L3), or `fallback` where Linux does not say
 int64_t sysfs_cache_bytes(int index, int64_t fallback) {
     const std::string path = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index) + "/size";
     FILE* f = std::fopen(path.c_str(), "r");
@@ -322,6 +319,10 @@ int64_t sysfs_cache_bytes(int index, int64_t fallback) {
     return read ? int64_t(kib) << 10 : fallback;
 }
 
+// The host's L3 in bytes: KVSERVE_KERNELS_L3_BYTES where set (a host whose sysfs says nothing or the wrong
+// size; the tests, to reach several passes with small matrices), else what Linux reports for cpu0 in sysfs
+// (cpuid's figure, which sysconf gives, can be the whole socket's inside a VM: 320 MiB against lscpu's 32
+// on this project's Zen 4 hosts)
 int64_t host_l3_bytes() {
     if (const char* set = std::getenv("KVSERVE_KERNELS_L3_BYTES"))
         if (const long long bytes = std::atoll(set); bytes > 0) return bytes;
@@ -330,8 +331,8 @@ int64_t host_l3_bytes() {
 }
 
 #if defined(KVS_ISA_AMX)
-// The host's L2 per core (sysfs index2): the AMX tile's panels are sized to half of it (2 MB on the
-// project's Intel hosts, where the vector tiles' 96 KB panels left the tile unit waiting on the activations)
+// The host's L2 per core (sysfs index2): the AMX tile's panels (their groups and BF16 codes, reread by every
+// sixteen activation rows) are sized to half of it
 int64_t host_l2_bytes() {
     static const int64_t sysfs = sysfs_cache_bytes(2, 1 << 20);
     return sysfs;

@@ -411,7 +411,7 @@ void run_quant(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, c
             thread_local std::vector<float> offT;  // [nb][ldo] the panel's offsets, transposed
             if (split_offsets && int64_t(offT.size()) < nb * ldo) offT.resize(nb * ldo);
 #if defined(KVS_ISA_AMX)
-            const TilesInUse tiles_in_use(amx, tiles.row->type);
+            const TilesInUse tiles_in_use(amx);
 #endif
             panels.each([&](int64_t panel) {
                 const int64_t n0 = panel * rows_per_block, nw = std::min(N, n0 + rows_per_block) - n0;

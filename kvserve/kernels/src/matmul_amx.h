@@ -4,10 +4,10 @@
 //
 // Exact in BF16: a block's total is sum_k u[k] * v[k], u the group's stored byte (<= 255: 8 significant bits) and
 // v = q * m the activation's int8 times its sub-block's power of two (7 significant bits): both are BF16 values,
-// each product is exact in float32, and every partial sum of a block (< 32 * 255 * 1016 < 2^24; Q6_K's halves
-// less) is an integer float32 holds, so TDPBF16PS adds them without rounding, in any order. One tile product a
-// block (K = 32), where AMX-INT8 would need v split in two bytes, and its result is already the float the vector
-// tile converts its integer total to.
+// each product is exact in float32, and every partial sum of a block (< 32 * 255 * 1016 < 2^24) is an integer
+// float32 holds, so TDPBF16PS adds them without rounding, in any order. One tile product a block (K = 32), where
+// AMX-INT8 would need v split in two bytes, and its result is already the float the vector tile converts its
+// integer total to. Not Q6_K (matmul.cpp says why).
 #pragma once
 #include "matmul_tile.h"
 
@@ -77,35 +77,30 @@ inline bool amx_permitted() {
     return granted;
 }
 
-// The tile shapes amx_groups uses. A block (Q6_K: half a block, one sub-scale each) is one k-step: its activation
-// rows in tile 2, 16 x 64 bytes (32); the group's block in tile 3, 16 (8) pair rows x 64 bytes; the totals of
-// consecutive k-steps in tiles 0 and 1 by turns, 16 x 16 float32 (the next product need not wait for a store)
+// The tile shapes amx_groups uses, a block a k-step: the activation rows' block in tile 2 (16 rows x 64 bytes), the
+// group's block in tile 3 (16 pair rows x 64 bytes), the totals of consecutive blocks in tiles 0 and 1 by turns
+// (16 x 16 float32: the next product need not wait for a store)
 struct alignas(64) TileShapes {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t bytes_per_row[16] = {};
-    uint8_t rows[16] = {};
-    explicit TileShapes(int step_bytes) {
-        bytes_per_row[0] = bytes_per_row[1] = 64, rows[0] = rows[1] = 16;
-        bytes_per_row[2] = uint16_t(step_bytes), rows[2] = 16;
-        bytes_per_row[3] = 64, rows[3] = uint8_t(step_bytes / 4);
-    }
+    uint16_t bytes_per_row[16] = {64, 64, 64, 64};
+    uint8_t rows[16] = {16, 16, 16, 16};
 };
 
 // The shapes loaded for one thread's share of a call and released after it: another user of the tile unit on
 // the same thread (oneDNN under torch, on the calling thread) loads its own shapes, and releases them
 struct TilesInUse {
     bool on;
-    TilesInUse(bool use, int type) : on(use) {
-        static const TileShapes whole(64), halves(32);
-        if (on) _tile_loadconfig(type == KVS_Q6_K ? &halves : &whole);
+    explicit TilesInUse(bool use) : on(use) {
+        static const TileShapes shapes;
+        if (on) _tile_loadconfig(&shapes);
     }
     ~TilesInUse() {
         if (on) _tile_release();
     }
 };
 
-// the k-step at element `at` of a block of the activation rows' tile (Bf16Rows) against the group's BF16 at wb,
-// its totals stored at out (16 x 16 float32) from tile 0 (even steps) or 1 (odd)
+// a block of the activation rows' tile (Bf16Rows) at v against the group's block of BF16 at wb, its totals stored
+// at out (16 x 16 float32) from tile 0 (even blocks) or 1 (odd)
 inline void tile_step(const uint16_t* v, const uint16_t* wb, float* out, bool odd) {
     _tile_loadd(2, v, 64);
     _tile_loadd(3, wb, 64);
@@ -126,8 +121,8 @@ inline void tile_step(const uint16_t* v, const uint16_t* wb, float* out, bool od
 template <int Q>
 inline void amx_groups(const XRow* x, const uint16_t* v, int64_t K, const uint8_t* groups, int64_t gbytes,
                        const uint16_t* wbf, int64_t ngroups, int64_t nw, int64_t nb, float* y, int64_t ldy) {
-    constexpr int steps = Q == KVS_Q6_K ? 2 : 1;  // k-steps a block
-    alignas(64) float totals[AMX_CHUNK * steps][256];
+    static_assert(Q != KVS_Q6_K);
+    alignas(64) float totals[AMX_CHUNK][256];
     alignas(64) float sums[AMX_GROUPS][AMX_ROWS][TILE_GROUP];  // each group's accumulators between chunks
     for (int64_t g0 = 0; g0 < ngroups; g0 += AMX_GROUPS) {
         const int64_t gn = std::min<int64_t>(AMX_GROUPS, ngroups - g0);
@@ -137,37 +132,24 @@ inline void amx_groups(const XRow* x, const uint16_t* v, int64_t K, const uint8_
             for (int64_t gi = 0; gi < gn; ++gi) {
                 const QGroup g = qgroup_at(const_cast<uint8_t*>(groups) + (g0 + gi) * gbytes, K);
                 const uint16_t* wb = wbf + (g0 + gi) * nb * GROUP_BF16 + b0 * GROUP_BF16;
-                for (int64_t j = 0; j < chunk * steps; ++j)
-                    tile_step(v + AMX_ROWS * 32 * (b0 + j / steps) + 32 / steps * (j % steps),
-                              wb + GROUP_BF16 / steps * j, totals[j], j % 2);
+                for (int64_t j = 0; j < chunk; ++j)
+                    tile_step(v + AMX_ROWS * 32 * (b0 + j), wb + GROUP_BF16 * j, totals[j], j % 2);
                 __m512 acc[AMX_ROWS];
                 for (int r = 0; r < AMX_ROWS; ++r) acc[r] = _mm512_load_ps(sums[gi][r]);
                 for (int64_t j = 0; j < chunk; ++j) {
                     const int64_t b = b0 + j;
                     const __m512 dw = _mm512_loadu_ps(g.d + TILE_GROUP * b);
-                    __m512i sc, sc2;
-                    if constexpr (has_subscales(Q)) sc = _mm512_loadu_si512(g.scale + TILE_GROUP * b);
-                    if constexpr (Q == KVS_Q6_K) sc2 = _mm512_loadu_si512(g.scale2 + TILE_GROUP * b);
                     // Q4_K's and Q5_K's total times its sub-scale as a float product: both exact floats, so the
                     // product rounds the exact integer once, as converting the vector tile's integer product does
-                    const __m512 scf = _mm512_cvtepi32_ps(sc);
+                    __m512 scale = _mm512_setzero_ps();
+                    if constexpr (has_subscales(Q)) scale = _mm512_cvtepi32_ps(_mm512_loadu_si512(g.scale + TILE_GROUP * b));
 #pragma GCC unroll 16
                     for (int r = 0; r < AMX_ROWS; ++r) {
-                        __m512 total;
-                        if constexpr (Q == KVS_Q6_K) {  // each half's sum less its bias, scaled, as group_totals
-                            const int32_t sum = x[r].sum[b], half = x[r].half[b];
-                            const __m512i h0 = _mm512_sub_epi32(_mm512_cvtps_epi32(_mm512_load_ps(totals[2 * j] + 16 * r)),
-                                                                _mm512_set1_epi32(32 * half));
-                            const __m512i h1 = _mm512_sub_epi32(_mm512_cvtps_epi32(_mm512_load_ps(totals[2 * j + 1] + 16 * r)),
-                                                                _mm512_set1_epi32(32 * (sum - half)));
-                            total = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_mullo_epi32(sc, h0), _mm512_mullo_epi32(sc2, h1)));
-                        } else {
-                            total = _mm512_load_ps(totals[j] + 16 * r);
-                            // less the bias times the row's sum: two integers under 2^24, so exactly their difference
-                            if constexpr (tile_bias(Q) != 0)
-                                total = _mm512_sub_ps(total, _mm512_set1_ps(float(tile_bias(Q) * x[r].sum[b])));
-                            if constexpr (Q == KVS_Q4_K || Q == KVS_Q5_K) total = _mm512_mul_ps(total, scf);
-                        }
+                        __m512 total = _mm512_load_ps(totals[j] + 16 * r);
+                        // less the bias times the row's sum: two integers under 2^24, so exactly their difference
+                        if constexpr (tile_bias(Q) != 0)
+                            total = _mm512_sub_ps(total, _mm512_set1_ps(float(tile_bias(Q) * x[r].sum[b])));
+                        if constexpr (has_subscales(Q)) total = _mm512_mul_ps(total, scale);
                         acc[r] = _mm512_fmadd_ps(total, _mm512_mul_ps(dw, _mm512_set1_ps(x[r].d[b])), acc[r]);
                     }
                 }

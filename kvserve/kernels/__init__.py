@@ -1,6 +1,6 @@
 """kvserve's own CPU kernels: C++17 sources under `src/`, built once per instruction set by `build.py`
-(scalar, AVX2+FMA+F16C, AVX-512 with VNNI/BF16, and that with Intel's AMX-INT8 tiles for the prefill), loaded
-with ctypes and picked at run time.
+(scalar, AVX2+FMA+F16C, AVX-512 with VNNI/BF16, and that with Intel's AMX tiles for the prefill), loaded with
+ctypes and picked at run time.
 
 `KVSERVE_KERNELS=off` forces the pure-torch path; `KVSERVE_KERNELS_ISA=scalar|avx2|avx512|amx` forces one
 instruction set (an error if this CPU cannot run it); else a model's start-up calibration picks the faster

@@ -31,8 +31,8 @@ ISA_COMPILER_FLAGS = {
     "avx2": ["-march=haswell", "-mtune=znver3", "-DKVS_ISA_AVX2", '-DKVS_ISA_NAME="avx2"'],
     "avx512": ["-march=skylake-avx512", "-mavx512vnni", "-mavx512bf16", "-DKVS_ISA_AVX512",
                '-DKVS_ISA_NAME="avx512"'],
-    "amx": ["-march=skylake-avx512", "-mavx512vnni", "-mavx512bf16", "-mavx512vbmi", "-mamx-tile", "-mamx-bf16", "-DKVS_ISA_AVX512",
-            "-DKVS_ISA_AMX", '-DKVS_ISA_NAME="amx"'],
+    "amx": ["-march=skylake-avx512", "-mavx512vnni", "-mavx512bf16", "-mavx512vbmi", "-mamx-tile", "-mamx-bf16",
+            "-DKVS_ISA_AVX512", "-DKVS_ISA_AMX", '-DKVS_ISA_NAME="amx"'],
 }
 # builds a compiler may not know the instructions of (AMX: GCC 11, clang 12): skipped with one line where it
 # does not (kernels.host_isas then leaves them out, as on a CPU without them)
@@ -87,8 +87,8 @@ def compiler_takes(cxx: str, isa: str) -> bool:
     with tempfile.TemporaryDirectory() as tmp:
         probe = Path(tmp) / "probe.cpp"
         probe.write_text("#include <immintrin.h>\nint main() { return 0; }\n")
-        done = subprocess.run([cxx, *BASE_FLAGS, *ISA_COMPILER_FLAGS[isa], "-c", str(probe), "-o", str(Path(tmp) / "p.o")],
-                              capture_output=True)
+        done = subprocess.run([cxx, *BASE_FLAGS, *ISA_COMPILER_FLAGS[isa], "-c", str(probe), "-o",
+                               str(Path(tmp) / "p.o")], capture_output=True)
         return done.returncode == 0
 
 

@@ -80,7 +80,8 @@ def test_float_format_matmul_is_the_same_bits(monkeypatch, qtype):
 
 def test_the_bundled_models_greedy_tokens_and_logits_are_the_same_bits(monkeypatch):
     """Greedy tokens with their logprobs, and every row's logits of a prefill and of decode rows, under
-    KVSERVE_KERNELS_ISA=avx2, =avx512 and =amx where the host has it (--dtype native, the prefetch tuning held at its built-in)."""
+    KVSERVE_KERNELS_ISA=avx2, =avx512 and =amx where the host has it (--dtype native, the prefetch tuning held
+    at its built-in)."""
     from kvserve import SamplingParams
     from kvserve.model import runner
     from tests.conftest import make_llm

@@ -189,9 +189,10 @@ class OpenAIServing:
             release()
             raise
         gen.decode = self.tokenizer.decode
+        reasoning = self.door.reasoning_split(prompt, params.structured_outputs is not None)  # each choice's: fresh()
         for c in gen.choices:
             c.tools = ToolStream(fmt, toolset.choice.parallel) if fmt is not None else None
-            c.reasoning = self.door.reasoning_split(prompt, params.structured_outputs is not None)
+            c.reasoning = reasoning.fresh() if reasoning is not None else None
         if body.stream:
             return SSEResult(self._sse(gen, body, chat=True), lambda: self.close(gen), prompt)
         await self._finish(gen, raw)

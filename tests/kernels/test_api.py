@@ -97,4 +97,5 @@ def test_the_loaded_library_carries_its_format_table_and_vector_width(fresh_load
     built_libraries()
     kl = kernels.library()
     assert kl is not None and kl.formats[api.Format.Q4_K].row_bytes(512) == 288
-    assert kl.simd_width == {"scalar": 1, "avx2": 16, "avx512": 16, "amx": 16}[kl.isa]  # AVX2: two 256-bit halves (ops_simd.h)
+    # AVX2: two 256-bit halves (ops_simd.h)
+    assert kl.simd_width == {"scalar": 1, "avx2": 16, "avx512": 16, "amx": 16}[kl.isa]

@@ -1,7 +1,7 @@
 """AVX2 against AVX-512 (and AMX where the host has it): the builds give the same bits, op by op and for a
 whole model (issue 39: choosing between them at start-up is a tuning choice, and a tuning choice must never
-change a greedy answer). The block formats' matmul is pinned in test_matmul.py; here the rest of what a model runs. The
-reductions (RMSNorm's sum of squares, attention's scores and softmax sums, the float formats' dot
+change a greedy answer). The block formats' matmul is pinned in test_matmul.py; here the rest of what a model
+runs. The reductions (RMSNorm's sum of squares, attention's scores and softmax sums, the float formats' dot
 products) agree because both builds sum in 16 lanes (src/ops_simd.h: AVX2's vector is two 256-bit halves)
 before one lane tree; with AVX2 summing in 8 lanes, as before, every test below but RoPE's and the
 gated activations' failed."""
@@ -20,7 +20,7 @@ from tests.kernels.test_matmul import random_weight
 
 pytestmark = pytest.mark.skipif(not {"avx2", "avx512"} <= set(kernels.host_isas()),
                                 reason="needs a host that runs both AVX2 and AVX-512")
-def on_both(monkeypatch, fn) -> dict[str, object]:
+def on_every_simd_build(monkeypatch, fn) -> dict[str, object]:
     """fn() with KVSERVE_KERNELS_ISA forced to each SIMD build this host runs (avx2, avx512, amx), keyed by it."""
     got = {}
     for isa in kernels.simd_isas():
@@ -44,21 +44,21 @@ def test_rope_is_the_same_bits(monkeypatch):
     for head_dim in (64, 128):
         cos, sin = Rotary(head_dim, 100000.0, 2048, "cpu", torch.float32)(torch.arange(90, 111))
         x = torch.randn(21, 9, head_dim, generator=gen) * 3
-        assert_same_bits(on_both(monkeypatch, lambda: ops.rope(kernels.library(), x, cos, sin, 3, 0.125)))
+        assert_same_bits(on_every_simd_build(monkeypatch, lambda: ops.rope(kernels.library(), x, cos, sin, 3, 0.125)))
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 def test_gated_activations_are_the_same_bits(monkeypatch, activation):
     x = torch.randn(9, 2 * 1539, generator=torch.Generator().manual_seed(2)) * 4  # a tail past the last vector
-    assert_same_bits(on_both(monkeypatch, lambda: ops.gated_activation(kernels.library(), x, activation)))
+    assert_same_bits(on_every_simd_build(monkeypatch, lambda: ops.gated_activation(kernels.library(), x, activation)))
 
 
 @pytest.mark.parametrize("dim", [64, 576, 1536, 100])
 def test_rms_norm_is_the_same_bits(monkeypatch, dim):
     gen = torch.Generator().manual_seed(dim)
     x, residual, w = torch.randn(64, dim, generator=gen), torch.randn(64, dim, generator=gen), torch.randn(dim)
-    assert_same_bits(on_both(monkeypatch, lambda: ops.rms_norm(kernels.library(), x, w, 1e-6)))
-    assert_same_bits(on_both(monkeypatch, lambda: ops.rms_norm(kernels.library(), x, w, 1e-6, residual)))
+    assert_same_bits(on_every_simd_build(monkeypatch, lambda: ops.rms_norm(kernels.library(), x, w, 1e-6)))
+    assert_same_bits(on_every_simd_build(monkeypatch, lambda: ops.rms_norm(kernels.library(), x, w, 1e-6, residual)))
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8"])
@@ -66,14 +66,14 @@ def test_attention_is_the_same_bits(monkeypatch, kv_dtype):
     """A prefill in uneven chunks, then decode rows, over 300 keys (two softmax segments)."""
     q, k, v, pages = sequence(5, 300, 9, 3, 64, 16)
     chunks = [130, 7, 150, *[1] * 13]
-    assert_same_bits(on_both(monkeypatch, lambda: run_schedule(kv_dtype, q, k, v, 16, pages, chunks)[0]))
+    assert_same_bits(on_every_simd_build(monkeypatch, lambda: run_schedule(kv_dtype, q, k, v, 16, pages, chunks)[0]))
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16], ids=lambda q: q.name)
 def test_float_format_matmul_is_the_same_bits(monkeypatch, qtype):
     w = torch.from_numpy(random_weight(qtype, 37, 520, seed=4))  # K = 520: a tail past the last vector
     x = torch.randn(21, 520, generator=torch.Generator().manual_seed(4))
-    assert_same_bits(on_both(monkeypatch, lambda: tuple(
+    assert_same_bits(on_every_simd_build(monkeypatch, lambda: tuple(
         km.matmul(kernels.library(), qtype, w, 520, x[:t], num_threads=threads) for t in (1, 5, 21)
         for threads in (1, 2))))
 
@@ -102,7 +102,7 @@ def test_the_bundled_models_greedy_tokens_and_logits_are_the_same_bits(monkeypat
         answers = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
         return answers, logits
 
-    got = on_both(monkeypatch, run)
+    got = on_every_simd_build(monkeypatch, run)
     runner.build_model.cache_clear()  # (the next test's models are built on its own set)
     answers_avx2, logits_avx2 = got["avx2"]
     for isa, (answers, logits) in got.items():

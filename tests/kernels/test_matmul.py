@@ -248,6 +248,28 @@ def test_the_int8_rounding_is_the_same_on_every_isa(monkeypatch):
         assert torch.equal(q, got[0][0]) and torch.equal(d, got[0][1]) and torch.equal(m, got[0][2])
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q5_K], ids=lambda q: q.name)
+def test_wide_prefill_panels_give_the_avx2_products_bit_for_bit(qtype, monkeypatch):
+    # a panel as wide as the AMX tile takes (16 groups of 16 weight rows, then 15 and a half) over a K the
+    # tile unit takes in several slices (a slice's BF16 codes fill half the L2: 8,192 is two on a 4 MiB L2):
+    # the sums carried from slice to slice give each output the bits of one pass over K
+    isas = kernels.simd_isas()
+    if len(isas) < 2:
+        pytest.skip("needs a host with AVX-512")
+    n, k = 1000, 8192
+    w = torch.from_numpy(random_weight(qtype, n, k, seed=13))
+    x = torch.randn(144, k, generator=torch.Generator().manual_seed(14)) * 2
+    got = {}
+    for isa in isas:
+        monkeypatch.setenv("KVSERVE_KERNELS_ISA", isa)
+        kl = kernels.library()
+        if kl is None:
+            pytest.skip("native kernels not built")
+        got[isa] = km.matmul(kl, qtype, w, k, x, num_threads=1)
+    for isa in isas[1:]:
+        assert torch.equal(got[isas[0]], got[isa]), isa
+
+
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda q: q.name)
 def test_every_simd_build_gives_the_avx2_products_bit_for_bit(qtype, monkeypatch):
     # the AVX-512 build runs AVX2's chain with two weight rows a vector (prefill tiles and decode rows), the

@@ -53,7 +53,7 @@ using ToGroupFn = void (*)(const uint8_t*, int64_t, const QGroup&, int);
 using GroupFn = void (*)(const XRow*, const QGroup&, int, int64_t, float*, int64_t);
 #if defined(KVS_ISA_AMX)
 using AmxGroupsFn = void (*)(const XRow*, const uint16_t*, int64_t, const uint8_t*, int64_t, const uint16_t*, int64_t,
-                             int64_t, int64_t, float*, int64_t);
+                             int64_t, int64_t, int64_t, float*, int64_t);
 #endif
 
 struct FormatKernels {
@@ -331,8 +331,8 @@ int64_t host_l3_bytes() {
 }
 
 #if defined(KVS_ISA_AMX)
-// The host's L2 per core (sysfs index2): the AMX tile's panels (their groups and BF16 codes, reread by every
-// sixteen activation rows) are sized to half of it
+// The host's L2 per core (sysfs index2): the AMX tile's K slices (a panel's BF16 codes, reread by every sixteen
+// activation rows) are sized to half of it
 int64_t host_l2_bytes() {
     static const int64_t sysfs = sysfs_cache_bytes(2, 1 << 20);
     return sysfs;
@@ -389,7 +389,7 @@ void run_quant(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, c
     const int64_t per_thread = (N + PANELS_PER_THREAD * nthreads - 1) / (PANELS_PER_THREAD * nthreads);
     int64_t panel_bytes = T <= TILE_ROWS ? L1_BYTES : L2_BYTES, group_bytes = gbytes;
 #if defined(KVS_ISA_AMX)
-    if (amx) panel_bytes = host_l2_bytes() / 2, group_bytes += 2 * TILE_GROUP * K;  // and the groups' BF16 codes
+    if (amx) panel_bytes = AMX_GROUPS * group_bytes;  // the tile unit takes their BF16 codes a K slice at a time
 #endif
     const int64_t rows_per_block =
         (std::max<int64_t>(TILE_GROUP, std::min(TILE_GROUP * panel_bytes / group_bytes, per_thread)) +
@@ -426,16 +426,26 @@ void run_quant(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, c
                 }
                 int64_t t = t_begin;
 #if defined(KVS_ISA_AMX)
-                thread_local std::vector<uint16_t> wbf;  // the panel's codes as the tile unit's BF16 operand
-                if (amx && t_end - t_begin >= AMX_ROWS) {
-                    if (int64_t(wbf.size()) < groups * nb * GROUP_BF16) wbf.resize(groups * nb * GROUP_BF16);
-                    for (int64_t gi = 0; gi < groups; ++gi)
-                        bf16_group(qgroup_at(&scratch[gi * gbytes], K), nb, &wbf[gi * nb * GROUP_BF16]);
-                }
-                for (; amx && t % AMX_ROWS == 0 && t + AMX_ROWS <= t_end; t += AMX_ROWS) {
-                    float* yt = y + t * ldy + n0;
-                    tiles.amx(&xrows[t], xbf.tile(t, K), K, scratch.data(), gbytes, wbf.data(), groups, nw, nb, yt, ldy);
-                    if (split_offsets) add_offsets(offT.data(), ldo, nw, nb, &xrows[t], AMX_ROWS, yt, ldy);
+                // sixteen rows at a time over each K slice of the panel's codes (amx_slice_blocks), the offsets
+                // after the last slice
+                const int64_t amx_end = amx && t % AMX_ROWS == 0 ? t + (t_end - t) / AMX_ROWS * AMX_ROWS : t;
+                if (amx_end > t) {
+                    thread_local std::vector<uint16_t> wbf;  // the slice's codes as the tile unit's BF16 operand
+                    const int64_t slice = amx_slice_blocks(groups, host_l2_bytes());
+                    if (int64_t(wbf.size()) < groups * slice * GROUP_BF16) wbf.resize(groups * slice * GROUP_BF16);
+                    for (int64_t b0 = 0; b0 < nb; b0 += slice) {
+                        const int64_t b1 = std::min(nb, b0 + slice);
+                        for (int64_t gi = 0; gi < groups; ++gi)
+                            bf16_group(qgroup_at(&scratch[gi * gbytes], K), b0, b1,
+                                       &wbf[gi * (b1 - b0) * GROUP_BF16]);
+                        for (int64_t ta = t; ta < amx_end; ta += AMX_ROWS)
+                            tiles.amx(&xrows[ta], xbf.tile(ta, K), K, scratch.data(), gbytes, wbf.data(), groups, nw,
+                                      b0, b1, y + ta * ldy + n0, ldy);
+                    }
+                    if (split_offsets)
+                        for (int64_t ta = t; ta < amx_end; ta += AMX_ROWS)
+                            add_offsets(offT.data(), ldo, nw, nb, &xrows[ta], AMX_ROWS, y + ta * ldy + n0, ldy);
+                    t = amx_end;
                 }
 #endif
                 for (; t < t_end; t += TILE_ROWS) {

@@ -51,24 +51,33 @@ inline void bf16_row(const XRow& x, int64_t K, Bf16Rows& rows, int64_t t) {
     }
 }
 
-// A decoded group's codes as the tile unit's B operand, a block at a time (GROUP_BF16 values): pair row p holds
-// elements 2p, 2p + 1 of each of the 16 weight rows side by side. From the group's k-group rows (4 bytes of each
-// weight row): bytes 4c, 4c + 1 make pair row 2 kg, bytes 4c + 2, 4c + 3 pair row 2 kg + 1.
-inline void bf16_group(const QGroup& g, int64_t nb, uint16_t* out) {
+// A decoded group's blocks b_begin .. b_end - 1 as the tile unit's B operand, a block at a time (GROUP_BF16 values):
+// pair row p holds elements 2p, 2p + 1 of each of the 16 weight rows side by side. From the group's k-group rows
+// (4 bytes of each weight row): bytes 4c, 4c + 1 make pair row 2 kg, bytes 4c + 2, 4c + 3 pair row 2 kg + 1.
+inline void bf16_group(const QGroup& g, int64_t b_begin, int64_t b_end, uint16_t* out) {
     const __m512i even = _mm512_set_epi32(0x3d3c3938, 0x35343130, 0x2d2c2928, 0x25242120, 0x1d1c1918, 0x15141110,
                                           0x0d0c0908, 0x05040100, 0x3d3c3938, 0x35343130, 0x2d2c2928, 0x25242120,
                                           0x1d1c1918, 0x15141110, 0x0d0c0908, 0x05040100);
     const __m512i odd = _mm512_add_epi8(even, _mm512_set1_epi8(2));
-    for (int64_t kg = 0; kg < 8 * nb; ++kg) {
+    for (int64_t kg = 8 * b_begin; kg < 8 * b_end; ++kg) {
         const __m512i bytes = _mm512_loadu_si512(g.q + 64 * kg);
+        uint16_t* pairs_out = out + 64 * (kg - 8 * b_begin);
         for (int half = 0; half < 2; ++half) {
             const __m256i pairs = _mm512_castsi512_si256(_mm512_permutexvar_epi8(half ? odd : even, bytes));
             const __m512i w = _mm512_cvtepu8_epi16(pairs);
             const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(w)));
             const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(w, 1)));
-            _mm512_storeu_si512(out + 64 * kg + 32 * half, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            _mm512_storeu_si512(pairs_out + 32 * half, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
     }
+}
+
+// Blocks of a K slice: the slice's BF16 codes for a panel's groups (reread by every sixteen activation rows) fill
+// half the host's L2, whatever K is, so that a panel holds AMX_GROUPS groups and each activation tile loaded from
+// the L3 serves all of them (a whole-K panel of the 8B's 14,336-wide down projection held one group)
+inline int64_t amx_slice_blocks(int64_t groups, int64_t l2_bytes) {
+    const int64_t fits = l2_bytes / 2 / (groups * GROUP_BF16 * int64_t(sizeof(uint16_t)));
+    return std::max<int64_t>(AMX_CHUNK, fits / AMX_CHUNK * AMX_CHUNK);
 }
 
 // The process's permission to use the tile registers (Linux asks for it once: arch_prctl)
@@ -77,13 +86,13 @@ inline bool amx_permitted() {
     return granted;
 }
 
-// The tile shapes amx_groups uses, a block a k-step: the activation rows' block in tile 2 (16 rows x 64 bytes), the
-// group's block in tile 3 (16 pair rows x 64 bytes), the totals of consecutive blocks in tiles 0 and 1 by turns
-// (16 x 16 float32: the next product need not wait for a store)
+// The tile shapes amx_groups uses (TileQueue), a block a k-step: the activation rows' block in tile 2 or 6 (16 rows
+// x 64 bytes), the group's block in tile 3 or 7 (16 pair rows x 64 bytes), the block's totals in tile 0 or 1 (16 x
+// 16 float32), by turns: a block's loads and product need not wait for the last one's
 struct alignas(64) TileShapes {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t bytes_per_row[16] = {64, 64, 64, 64};
-    uint8_t rows[16] = {16, 16, 16, 16};
+    uint16_t bytes_per_row[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+    uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
 };
 
 // The shapes loaded for one thread's share of a call and released after it: another user of the tile unit on
@@ -99,67 +108,123 @@ struct TilesInUse {
     }
 };
 
-// a block of the activation rows' tile (Bf16Rows) at v against the group's block of BF16 at wb, its totals stored
-// at out (16 x 16 float32) from tile 0 (even blocks) or 1 (odd)
-inline void tile_step(const uint16_t* v, const uint16_t* wb, float* out, bool odd) {
-    _tile_loadd(2, v, 64);
-    _tile_loadd(3, wb, 64);
-    if (odd) {
-        _tile_zero(1);
-        _tile_dpbf16ps(1, 2, 3);
-        _tile_stored(1, out, 64);
-    } else {
-        _tile_zero(0);
-        _tile_dpbf16ps(0, 2, 3);
-        _tile_stored(0, out, 64);
+// The tile unit's side of amx_groups: a block's product (the activation rows' tile, Bf16Rows, at v against the
+// group's block of BF16 at w) into tile 0 or 1 by turns, its loads in tiles 2, 3 or 6, 7; its totals (16 x 16
+// float32) stored only after the next block's product is issued, which a store of its own would wait for
+struct TileQueue {
+    float* pending = nullptr;
+    bool pending_odd = false;
+
+    void issue(const uint16_t* v, const uint16_t* w, float* out, bool odd) {
+        if (odd) {
+            _tile_loadd(6, v, 64);
+            _tile_loadd(7, w, 64);
+            _tile_zero(1);
+            _tile_dpbf16ps(1, 6, 7);
+        } else {
+            _tile_loadd(2, v, 64);
+            _tile_loadd(3, w, 64);
+            _tile_zero(0);
+            _tile_dpbf16ps(0, 2, 3);
+        }
+        flush();
+        pending = out, pending_odd = odd;
     }
+    void flush() {
+        if (pending && pending_odd) _tile_stored(1, pending, 64);
+        if (pending && !pending_odd) _tile_stored(0, pending, 64);
+        pending = nullptr;
+    }
+};
+
+// a tile's 1 KB (16 lines) into L1
+inline void prefetch_tile(const uint16_t* at) {
+    for (int line = 0; line < 16; ++line) _mm_prefetch(reinterpret_cast<const char*>(at) + 64 * line, _MM_HINT_T0);
 }
 
+// One step of amx_groups: a chunk of blocks from b0 against group gi (its BF16 codes at w, the activation tile's
+// at v)
+struct AmxStep {
+    int64_t b0, gi, chunk;
+    const uint16_t* w;
+    const uint16_t* v;
+};
+
 // y[r * ldy + c] for AMX_ROWS activation rows (x; their BF16 tile at v: Bf16Rows::tile) and the ngroups decoded
-// groups at `groups` (gbytes apart; their BF16 codes at wbf, nb * GROUP_BF16 a group) of a panel's nw rows,
-// without the offsets: qdot_group's outputs (TilesInUse held)
+// groups at `groups` (gbytes apart) of a panel's nw rows, over blocks b_begin .. b_end - 1 of K (their BF16 codes
+// at wbf, (b_end - b_begin) * GROUP_BF16 a group), without the offsets: qdot_group's outputs (TilesInUse held).
+// A slice after the first adds to the sums y holds: each output's chain of additions is the whole-K one.
 template <int Q>
 inline void amx_groups(const XRow* x, const uint16_t* v, int64_t K, const uint8_t* groups, int64_t gbytes,
-                       const uint16_t* wbf, int64_t ngroups, int64_t nw, int64_t nb, float* y, int64_t ldy) {
+                       const uint16_t* wbf, int64_t ngroups, int64_t nw, int64_t b_begin, int64_t b_end, float* y,
+                       int64_t ldy) {
     static_assert(Q != KVS_Q6_K);
-    alignas(64) float totals[AMX_CHUNK][256];
+    alignas(64) float totals[2][AMX_CHUNK][256];  // a step's block totals, and the next step's
     alignas(64) float sums[AMX_GROUPS][AMX_ROWS][TILE_GROUP];  // each group's accumulators between chunks
+    const int64_t slice = b_end - b_begin;
     for (int64_t g0 = 0; g0 < ngroups; g0 += AMX_GROUPS) {
         const int64_t gn = std::min<int64_t>(AMX_GROUPS, ngroups - g0);
-        std::memset(sums, 0, sizeof(sums));
-        for (int64_t b0 = 0; b0 < nb; b0 += AMX_CHUNK) {
-            const int64_t chunk = std::min<int64_t>(AMX_CHUNK, nb - b0);
-            for (int64_t gi = 0; gi < gn; ++gi) {
-                const QGroup g = qgroup_at(const_cast<uint8_t*>(groups) + (g0 + gi) * gbytes, K);
-                const uint16_t* wb = wbf + (g0 + gi) * nb * GROUP_BF16 + b0 * GROUP_BF16;
-                for (int64_t j = 0; j < chunk; ++j)
-                    tile_step(v + AMX_ROWS * 32 * (b0 + j), wb + GROUP_BF16 * j, totals[j], j % 2);
-                __m512 acc[AMX_ROWS];
-                for (int r = 0; r < AMX_ROWS; ++r) acc[r] = _mm512_load_ps(sums[gi][r]);
-                for (int64_t j = 0; j < chunk; ++j) {
-                    const int64_t b = b0 + j;
-                    const __m512 dw = _mm512_loadu_ps(g.d + TILE_GROUP * b);
-                    // Q4_K's and Q5_K's total times its sub-scale as a float product: both exact floats, so the
-                    // product rounds the exact integer once, as converting the vector tile's integer product does
-                    __m512 scale = _mm512_setzero_ps();
-                    if constexpr (has_subscales(Q)) scale = _mm512_cvtepi32_ps(_mm512_loadu_si512(g.scale + TILE_GROUP * b));
-#pragma GCC unroll 16
-                    for (int r = 0; r < AMX_ROWS; ++r) {
-                        __m512 total = _mm512_load_ps(totals[j] + 16 * r);
-                        // less the bias times the row's sum: two integers under 2^24, so exactly their difference
-                        if constexpr (tile_bias(Q) != 0)
-                            total = _mm512_sub_ps(total, _mm512_set1_ps(float(tile_bias(Q) * x[r].sum[b])));
-                        if constexpr (has_subscales(Q)) total = _mm512_mul_ps(total, scale);
-                        acc[r] = _mm512_fmadd_ps(total, _mm512_mul_ps(dw, _mm512_set1_ps(x[r].d[b])), acc[r]);
-                    }
+        for (int64_t gi = 0; gi < gn; ++gi) {
+            const int64_t c0 = TILE_GROUP * (g0 + gi);
+            const __mmask16 kept = __mmask16((1u << std::min<int64_t>(TILE_GROUP, nw - c0)) - 1);
+            for (int r = 0; r < AMX_ROWS; ++r)
+                _mm512_store_ps(sums[gi][r], b_begin == 0 ? _mm512_setzero_ps()
+                                                          : _mm512_maskz_loadu_ps(kept, y + r * ldy + c0));
+        }
+        // steps of (chunk, group), software-pipelined: the tile unit makes step s + 1's totals, a block at a time,
+        // while the vector unit scales and adds step s's; step s + 2's codes and activations are fetched into L1
+        const int64_t steps = (slice + AMX_CHUNK - 1) / AMX_CHUNK * gn;
+        const auto step_at = [&](int64_t step) {
+            const int64_t b0 = b_begin + step / gn * AMX_CHUNK, gi = step % gn;
+            return AmxStep{b0, gi, std::min<int64_t>(AMX_CHUNK, b_end - b0),
+                           wbf + ((g0 + gi) * slice + b0 - b_begin) * GROUP_BF16, v + AMX_ROWS * 32 * b0};
+        };
+        AmxStep cur = step_at(0);
+        TileQueue tile_unit;
+        for (int64_t j = 0; j < cur.chunk; ++j)
+            tile_unit.issue(cur.v + AMX_ROWS * 32 * j, cur.w + GROUP_BF16 * j, totals[0][j], j % 2);
+        tile_unit.flush();
+        for (int64_t step = 0; step < steps; ++step) {
+            const bool has_next = step + 1 < steps, has_after = step + 2 < steps;
+            const AmxStep next = has_next ? step_at(step + 1) : cur, after = has_after ? step_at(step + 2) : cur;
+            float (*tot)[256] = totals[step % 2];
+            float (*next_tot)[256] = totals[(step + 1) % 2];
+            const QGroup g = qgroup_at(const_cast<uint8_t*>(groups) + (g0 + cur.gi) * gbytes, K);
+            __m512 acc[AMX_ROWS];
+            for (int r = 0; r < AMX_ROWS; ++r) acc[r] = _mm512_load_ps(sums[cur.gi][r]);
+            for (int64_t j = 0; j < cur.chunk; ++j) {
+                if (has_next && j < next.chunk)  // (a step's chunk is never shorter than the next one's)
+                    tile_unit.issue(next.v + AMX_ROWS * 32 * j, next.w + GROUP_BF16 * j, next_tot[j], j % 2);
+                if (has_after && j < after.chunk) {
+                    prefetch_tile(after.w + GROUP_BF16 * j);
+                    if (after.gi == 0) prefetch_tile(after.v + AMX_ROWS * 32 * j);  // a new chunk's activations
                 }
-                for (int r = 0; r < AMX_ROWS; ++r) _mm512_store_ps(sums[gi][r], acc[r]);
+                const int64_t b = cur.b0 + j;
+                const __m512 dw = _mm512_loadu_ps(g.d + TILE_GROUP * b);
+                // Q4_K's and Q5_K's total times its sub-scale as a float product: both exact floats, so the
+                // product rounds the exact integer once, as converting the vector tile's integer product does
+                __m512 scale = _mm512_setzero_ps();
+                if constexpr (has_subscales(Q))
+                    scale = _mm512_cvtepi32_ps(_mm512_loadu_si512(g.scale + TILE_GROUP * b));
+#pragma GCC unroll 16
+                for (int r = 0; r < AMX_ROWS; ++r) {
+                    __m512 total = _mm512_load_ps(tot[j] + 16 * r);
+                    // less the bias times the row's sum: two integers under 2^24, so exactly their difference
+                    if constexpr (tile_bias(Q) != 0)
+                        total = _mm512_sub_ps(total, _mm512_set1_ps(float(tile_bias(Q) * x[r].sum[b])));
+                    if constexpr (has_subscales(Q)) total = _mm512_mul_ps(total, scale);
+                    acc[r] = _mm512_fmadd_ps(total, _mm512_mul_ps(dw, _mm512_set1_ps(x[r].d[b])), acc[r]);
+                }
             }
+            for (int r = 0; r < AMX_ROWS; ++r) _mm512_store_ps(sums[cur.gi][r], acc[r]);
+            tile_unit.flush();
+            cur = next;
         }
         for (int64_t gi = 0; gi < gn; ++gi) {
-            const int64_t c0 = TILE_GROUP * (g0 + gi), cn = std::min<int64_t>(TILE_GROUP, nw - c0);
+            const int64_t c0 = TILE_GROUP * (g0 + gi);
+            const __mmask16 kept = __mmask16((1u << std::min<int64_t>(TILE_GROUP, nw - c0)) - 1);
             for (int r = 0; r < AMX_ROWS; ++r)
-                for (int64_t c = 0; c < cn; ++c) y[r * ldy + c0 + c] = sums[gi][r][c];
+                _mm512_mask_storeu_ps(y + r * ldy + c0, kept, _mm512_load_ps(sums[gi][r]));
         }
     }
 }

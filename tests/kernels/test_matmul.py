@@ -218,16 +218,25 @@ def test_only_whole_groups_of_a_format_with_a_twin_are_interleaved(lib, monkeypa
     assert km.interleave(lib, Q.Q6_K, whole, 256) == (int(Q.Q6_K), whole) and torch.equal(whole, before)
 
 
-def on_every_isa(monkeypatch, fn) -> list:
-    """fn(library) on each instruction set this host runs, forced by KVSERVE_KERNELS_ISA."""
+def on_every_isa(monkeypatch, fn, isas: list[str] | None = None) -> list:
+    """fn(library) on each instruction set this host runs (or of `isas`), forced by KVSERVE_KERNELS_ISA."""
     got = []
-    for isa in kernels.host_isas():
+    for isa in isas or kernels.host_isas():
         monkeypatch.setenv("KVSERVE_KERNELS_ISA", isa)
         kl = kernels.library()
         if kl is None:
             pytest.skip("native kernels not built")
         got.append(fn(kl))
     return got
+
+
+def on_each_simd_library(monkeypatch, fn) -> list:
+    """fn(library) on each SIMD build this host runs, AVX2's first (skipped where there is one): a list, where
+    test_isa_identity.on_every_simd_build runs fn() and keys the results by build."""
+    isas = kernels.simd_isas()
+    if len(isas) < 2:
+        pytest.skip("needs a host with AVX-512")
+    return on_every_isa(monkeypatch, fn, isas)
 
 
 @pytest.mark.parametrize("qtype", BLOCK_TYPES + FLOAT_TYPES, ids=lambda q: q.name)
@@ -253,21 +262,12 @@ def test_wide_prefill_panels_give_the_avx2_products_bit_for_bit(qtype, monkeypat
     # a panel as wide as the AMX tile takes (16 groups of 16 weight rows, then 15 and a half) over a K the
     # tile unit takes in several slices (a slice's BF16 codes fill half the L2: 8,192 is two on a 4 MiB L2):
     # the sums carried from slice to slice give each output the bits of one pass over K
-    isas = kernels.simd_isas()
-    if len(isas) < 2:
-        pytest.skip("needs a host with AVX-512")
     n, k = 1000, 8192
     w = torch.from_numpy(random_weight(qtype, n, k, seed=13))
     x = torch.randn(144, k, generator=torch.Generator().manual_seed(14)) * 2
-    got = {}
-    for isa in isas:
-        monkeypatch.setenv("KVSERVE_KERNELS_ISA", isa)
-        kl = kernels.library()
-        if kl is None:
-            pytest.skip("native kernels not built")
-        got[isa] = km.matmul(kl, qtype, w, k, x, num_threads=1)
-    for isa in isas[1:]:
-        assert torch.equal(got[isas[0]], got[isa]), isa
+    got = on_each_simd_library(monkeypatch, lambda kl: km.matmul(kl, qtype, w, k, x, num_threads=1))
+    for other in got[1:]:
+        assert torch.equal(got[0], other)
 
 
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda q: q.name)
@@ -276,20 +276,12 @@ def test_every_simd_build_gives_the_avx2_products_bit_for_bit(qtype, monkeypatch
     # AMX build sixteen activation rows a tile in the tile unit: each output the same bits; 37 weight rows
     # leave an odd row past every pair; row counts on both sides of the decode path's limit, of the vector
     # tiles' heights and of the calls AMX takes (from 128 rows, sixteen at a time: a remainder on the vector tiles)
-    isas = kernels.simd_isas()
-    if len(isas) < 2:
-        pytest.skip("needs a host with AVX-512")
     k = 512
     w = torch.from_numpy(random_weight(qtype, 37, k, seed=11))
     x = torch.randn(150, k, generator=torch.Generator().manual_seed(12)) * 2
-    got = {}
-    for isa in isas:
-        monkeypatch.setenv("KVSERVE_KERNELS_ISA", isa)
-        kl = kernels.library()
-        if kl is None:
-            pytest.skip("native kernels not built")
-        got[isa] = [km.matmul(kl, qtype, w, k, x[:t], num_threads=th)
-                    for t in (1, 2, 3, 4, 5, 8, 9, 16, 21, 127, 128, 150) for th in (1, 2)]
-    for isa in isas[1:]:
-        for a, b in zip(got[isas[0]], got[isa]):
-            assert torch.equal(a, b), isa
+    calls = [(t, th) for t in (1, 2, 3, 4, 5, 8, 9, 16, 21, 127, 128, 150) for th in (1, 2)]
+    got = on_each_simd_library(monkeypatch, lambda kl: [km.matmul(kl, qtype, w, k, x[:t], num_threads=th)
+                                                        for t, th in calls])
+    for other in got[1:]:
+        for a, b in zip(got[0], other):
+            assert torch.equal(a, b)

@@ -387,12 +387,12 @@ void run_quant(const FormatKernels& f, const uint8_t* w, int64_t N, int64_t K, c
     // panels of weight rows (whole groups) handed out one at a time, at least PANELS_PER_THREAD a
     // thread: on a shared host a thread that loses its core leaves the rest of its panels to the other
     const int64_t per_thread = (N + PANELS_PER_THREAD * nthreads - 1) / (PANELS_PER_THREAD * nthreads);
-    int64_t panel_bytes = T <= TILE_ROWS ? L1_BYTES : L2_BYTES, group_bytes = gbytes;
+    int64_t panel_bytes = T <= TILE_ROWS ? L1_BYTES : L2_BYTES;
 #if defined(KVS_ISA_AMX)
-    if (amx) panel_bytes = AMX_GROUPS * group_bytes;  // the tile unit takes their BF16 codes a K slice at a time
+    if (amx) panel_bytes = AMX_GROUPS * gbytes;  // the tile unit takes these groups' BF16 codes a K slice at a time
 #endif
     const int64_t rows_per_block =
-        (std::max<int64_t>(TILE_GROUP, std::min(TILE_GROUP * panel_bytes / group_bytes, per_thread)) +
+        (std::max<int64_t>(TILE_GROUP, std::min(TILE_GROUP * panel_bytes / gbytes, per_thread)) +
          TILE_GROUP - 1) / TILE_GROUP * TILE_GROUP;
     const int64_t num_panels = (N + rows_per_block - 1) / rows_per_block;
     const int64_t pass_rows = prefill_pass_rows(T, K);

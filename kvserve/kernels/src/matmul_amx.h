@@ -131,8 +131,12 @@ struct TileQueue {
         pending = out, pending_odd = odd;
     }
     void flush() {
-        if (pending && pending_odd) _tile_stored(1, pending, 64);
-        if (pending && !pending_odd) _tile_stored(0, pending, 64);
+        if (!pending) return;
+        if (pending_odd) {
+            _tile_stored(1, pending, 64);
+        } else {
+            _tile_stored(0, pending, 64);
+        }
         pending = nullptr;
     }
 };
@@ -162,15 +166,18 @@ inline void amx_groups(const XRow* x, const uint16_t* v, int64_t K, const uint8_
     alignas(64) float totals[2][AMX_CHUNK][256];  // a step's block totals, and the next step's
     alignas(64) float sums[AMX_GROUPS][AMX_ROWS][TILE_GROUP];  // each group's accumulators between chunks
     const int64_t slice = b_end - b_begin;
+    // group g's columns of y and those of them the panel has (a last group short of rows keeps fewer)
+    const auto columns = [&](int64_t g) { return TILE_GROUP * g; };
+    const auto kept = [&](int64_t g) {
+        return __mmask16((1u << std::min<int64_t>(TILE_GROUP, nw - columns(g))) - 1);
+    };
     for (int64_t g0 = 0; g0 < ngroups; g0 += AMX_GROUPS) {
         const int64_t gn = std::min<int64_t>(AMX_GROUPS, ngroups - g0);
-        for (int64_t gi = 0; gi < gn; ++gi) {
-            const int64_t c0 = TILE_GROUP * (g0 + gi);
-            const __mmask16 kept = __mmask16((1u << std::min<int64_t>(TILE_GROUP, nw - c0)) - 1);
+        for (int64_t gi = 0; gi < gn; ++gi)
             for (int r = 0; r < AMX_ROWS; ++r)
                 _mm512_store_ps(sums[gi][r], b_begin == 0 ? _mm512_setzero_ps()
-                                                          : _mm512_maskz_loadu_ps(kept, y + r * ldy + c0));
-        }
+                                                          : _mm512_maskz_loadu_ps(kept(g0 + gi),
+                                                                                  y + r * ldy + columns(g0 + gi)));
         // steps of (chunk, group), software-pipelined: the tile unit makes step s + 1's totals, a block at a time,
         // while the vector unit scales and adds step s's; step s + 2's codes and activations are fetched into L1
         const int64_t steps = (slice + AMX_CHUNK - 1) / AMX_CHUNK * gn;
@@ -220,12 +227,9 @@ inline void amx_groups(const XRow* x, const uint16_t* v, int64_t K, const uint8_
             tile_unit.flush();
             cur = next;
         }
-        for (int64_t gi = 0; gi < gn; ++gi) {
-            const int64_t c0 = TILE_GROUP * (g0 + gi);
-            const __mmask16 kept = __mmask16((1u << std::min<int64_t>(TILE_GROUP, nw - c0)) - 1);
+        for (int64_t gi = 0; gi < gn; ++gi)
             for (int r = 0; r < AMX_ROWS; ++r)
-                _mm512_mask_storeu_ps(y + r * ldy + c0, kept, _mm512_load_ps(sums[gi][r]));
-        }
+                _mm512_mask_storeu_ps(y + r * ldy + columns(g0 + gi), kept(g0 + gi), _mm512_load_ps(sums[gi][r]));
     }
 }
 

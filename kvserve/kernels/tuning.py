@@ -33,8 +33,9 @@ from kvserve.kernels.api import Format, KvsTuning, Prefetch
 # decode rows and for the prefill tiles apart; 7: the decode pass reads the layers and the vocabulary's matrix
 # in a step's shares (it had timed the vocabulary's matrix alone where that came first and filled the pass);
 # 8: a narrower build is chosen only by ISA_MARGIN (choices cached before could hold a disturbed calibration's);
-# 9: a choice settles after SETTLE_CALIBRATIONS, merged by each candidate's best time; 10: the chained sums
-CACHE_VERSION = 10
+# 9: a choice settles after SETTLE_CALIBRATIONS, merged by each candidate's best time; 10: the chained sums;
+# 11: an interleaved group's spread prefetch counted from the step being computed, and nearer candidates
+CACHE_VERSION = 11
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +90,8 @@ SUMS_ROUNDS = 7  # chaining moves Zen 4's hot rows by 1-6% either way: more roun
 # only)
 SETTLE_CALIBRATIONS = 3
 # what the calibration tries for the weights (KVSERVE_KERNELS_TUNE's spelling) and for the KV rows
-WEIGHT_CANDIDATES = ["l1+0", "l1~4096", "l1~8192", "l2~4096", "l2~8192", "l2~16384", "l2~32768", "l3~16384",
-                     "none+0"]
+WEIGHT_CANDIDATES = ["l1+0", "l1~1024", "l1~4096", "l1~8192", "l2~2048", "l2~4096", "l2~8192", "l2~16384",
+                     "l2~32768", "l3~16384", "none+0"]
 KV_CANDIDATES = [Prefetch.L1, Prefetch.L2, Prefetch.L3, Prefetch.NONE]
 
 

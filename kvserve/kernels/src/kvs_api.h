@@ -67,7 +67,9 @@ struct KvsFormatInfo {
 struct KvsTuning {
     int32_t weight_prefetch;        // KvsPrefetch: where the decode rows ask for the weights ahead of use
     int32_t weight_prefetch_ahead;  // bytes between the end of the group being computed and the ones
-                                    //   prefetched (0: one group of eight rows, whatever its size)
+                                    //   prefetched (0: one group of eight rows, whatever its size); an
+                                    //   interleaved group's spread prefetch: between the step being
+                                    //   computed and the bytes prefetched
     int32_t kv_prefetch;            // KvsPrefetch: where attention asks for the KV rows ahead of use
     int32_t weight_prefetch_spread; // 1: a group's prefetch spread over its blocks; 0: in one burst
     int32_t chained_sums;           // bit f (1 << KvsFormat f): the decode rows of f's interleaved twin add

@@ -4,6 +4,7 @@
 // step; 1: hot in the caches). Build: g++ -O2 -std=c++17 attention_bench.cpp -o attbench -ldl; run:
 // ./attbench LIB HEADS KV_HEADS HEAD_DIM KEYS ROWS LAYERS THREADS REPS, e.g. the 1.5B's decode at 1.5k:
 // ./attbench kvserve/kernels/_lib/libkvserve_avx512.so 12 2 128 1547 1 28 2 200.
+// KV=0..3 in the environment sets attention's prefetch (KvsPrefetch: none, L1, L2, L3; unset: the built-in L1).
 // Prints the min and median microseconds a call and a checksum of the outputs: two libraries that keep
 // attention's chains print the same checksum.
 #include <dlfcn.h>
@@ -30,6 +31,12 @@ int main(int argc, char** argv) {
         return 1;
     }
     auto attend = reinterpret_cast<int (*)(const KvsAttention*)>(dlsym(lib, "kvs_paged_attention"));
+    if (const char* where = std::getenv("KV")) {  // attention's prefetch as the calibration would set it
+        KvsTuning t{};
+        reinterpret_cast<void (*)(KvsTuning*)>(dlsym(lib, "kvs_get_tuning"))(&t);
+        t.kv_prefetch = std::atoi(where);
+        reinterpret_cast<void (*)(const KvsTuning*)>(dlsym(lib, "kvs_set_tuning"))(&t);
+    }
     const int heads = std::atoi(argv[2]), kv_heads = std::atoi(argv[3]), hd = std::atoi(argv[4]);
     const int64_t keys = std::atol(argv[5]), rows = std::atol(argv[6]);
     const int layers = std::atoi(argv[7]), threads = std::atoi(argv[8]), reps = std::atoi(argv[9]);

@@ -62,9 +62,11 @@ def test_rms_norm_is_the_same_bits(monkeypatch, dim):
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8"])
-def test_attention_is_the_same_bits(monkeypatch, kv_dtype):
-    """A prefill in uneven chunks, then decode rows, over 300 keys (two softmax segments)."""
-    q, k, v, pages = sequence(5, 300, 9, 3, 64, 16)
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2)], ids=["groups of 3", "groups of 4"])
+def test_attention_is_the_same_bits(monkeypatch, kv_dtype, heads, kv_heads):
+    """A prefill in uneven chunks, then decode rows, over 300 keys (two softmax segments); query groups of three
+    and of four (AVX-512 takes four query vectors a key load, AVX2 three and one)."""
+    q, k, v, pages = sequence(5, 300, heads, kv_heads, 64, 16)
     chunks = [130, 7, 150, *[1] * 13]
     assert_same_bits(on_every_simd_build(monkeypatch, lambda: run_schedule(kv_dtype, q, k, v, 16, pages, chunks)[0]))
 

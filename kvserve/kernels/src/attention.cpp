@@ -36,6 +36,16 @@ using namespace kvs::simd;
 // keys whose scores are reduced together (reduce_keys): four where 16 vectors fit in registers; on AVX2, whose
 // vector is two registers, one, so that three query vectors still share each key's load
 constexpr int KG = VF_BUDGET >= 16 ? 4 : 1;
+// AVX-512's 32 registers (VF_BUDGET counts 16) let four query vectors of a GQA group of four or eight (Llama 3's,
+// Gemma 3's) share each key and value load: as three and one, the one reloaded every key for a single query
+// vector. ATT_BUDGET: the registers p . v's accumulators are sized to.
+#if defined(KVS_ISA_AVX512)
+constexpr bool QUERIES_BY_FOUR = true;
+constexpr int ATT_BUDGET = 28;
+#else
+constexpr bool QUERIES_BY_FOUR = false;
+constexpr int ATT_BUDGET = VF_BUDGET;
+#endif
 constexpr int SEGMENT = 256;  // keys per partial softmax state, aligned to absolute positions
 constexpr int TILE = 16;  // prefill rows of one table attended together (each key block decoded once)
 static_assert(SEGMENT % KG == 0 && SEGMENT % 16 == 0, "score groups and W-lane chunks never straddle segments");
@@ -220,6 +230,9 @@ inline void scores_kg(const float* q, const void* const* kb, int64_t at, int hd,
 template <bool B16>
 inline void group_scores(const float* q, int nq, const void* const* kb, int64_t at, int hd, float* s) {
     int i = 0;
+    if constexpr (QUERIES_BY_FOUR)  // (4 x KG accumulators, four queries and one key: 21 registers)
+        if (nq % 4 == 0)
+            for (; i < nq; i += 4) scores_kg<B16, 4>(q + i * hd, kb, at, hd, s + i * SEGMENT);
     // (3 x KG accumulators, three queries and one key: within VF_BUDGET)
     for (; i + 3 <= nq; i += 3) scores_kg<B16, 3>(q + i * hd, kb, at, hd, s + i * SEGMENT);
     if (nq - i == 2) scores_kg<B16, 2>(q + i * hd, kb, at, hd, s + i * SEGMENT);
@@ -250,7 +263,7 @@ inline void accumulate_span(const float* p, const void* const* vb, int64_t at, i
 template <bool B16, int NQ>
 void accumulate_rows(const float* p, const void* const* vb, int64_t at, int j0, int j1, int hd, float* o) {
     // NQ x ND accumulators, NQ probabilities and one value within the budget (ND a power of two, at most 8)
-    constexpr int fit = (VF_BUDGET - NQ - 1) / NQ;
+    constexpr int fit = (ATT_BUDGET - NQ - 1) / NQ;
     constexpr int ND = fit >= 8 ? 8 : fit >= 4 ? 4 : fit >= 2 ? 2 : 1;
     int d = 0;
     for (; d + ND * W <= hd; d += ND * W) accumulate_span<B16, NQ, ND>(p, vb, at, j0, j1, d, hd, o);
@@ -259,10 +272,13 @@ void accumulate_rows(const float* p, const void* const* vb, int64_t at, int j0, 
     for (; d < hd; d += W) accumulate_span<B16, NQ, 1>(p, vb, at, j0, j1, d, hd, o);
 }
 
-// p . v for the n query vectors of one row, three at a time.
+// p . v for the n query vectors of one row, three at a time (four where QUERIES_BY_FOUR and n is a multiple).
 template <bool B16>
 void accumulate(const float* p, const void* const* vb, int64_t at, int j0, int j1, int hd, int n, float* o) {
     int i = 0;
+    if constexpr (QUERIES_BY_FOUR)
+        if (n % 4 == 0)
+            for (; i < n; i += 4) accumulate_rows<B16, 4>(p + i * SEGMENT, vb, at, j0, j1, hd, o + i * hd);
     for (; i + 3 <= n; i += 3) accumulate_rows<B16, 3>(p + i * SEGMENT, vb, at, j0, j1, hd, o + i * hd);
     if (n - i == 2) accumulate_rows<B16, 2>(p + i * SEGMENT, vb, at, j0, j1, hd, o + i * hd);
     if (n - i == 1) accumulate_rows<B16, 1>(p + i * SEGMENT, vb, at, j0, j1, hd, o + i * hd);

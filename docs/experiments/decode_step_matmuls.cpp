@@ -3,8 +3,10 @@
 // matrix), each call timed: per kind microseconds a step and GB/s, and the step's total (docs/performance.md,
 // "Round 4, the decode rows' own instruction set"). Build: g++ -O2 -std=c++17 decode_step_matmuls.cpp -o dsm
 // -ldl; run: ./dsm LIB THREADS STEPS, e.g. ./dsm kvserve/kernels/_lib/libkvserve_avx2.so 2 10.
-// TUNE=where,ahead,spread sets the prefetch tuning (kvs_set_tuning: where 0-3 = none, L1, L2, L3; ahead in
-// bytes; spread 0/1) as the calibration would; HUGE=1 puts the weights on transparent huge pages.
+// TUNE=where,ahead,spread[,chained] sets the tuning (kvs_set_tuning: where 0-3 = none, L1, L2, L3; ahead in
+// bytes; spread 0/1; chained: KvsTuning::chained_sums, e.g. 20480 for Q4_K and Q6_K) as the calibration would;
+// HUGE=1 puts the weights on transparent huge pages; IL=1 runs the interleaved twins (types 1012, 1014: the
+// layout the engine decodes), the random blocks' fp16 fields where the twin keeps them.
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -20,7 +22,7 @@
 
 #include "random_blocks.h"
 
-struct Tuning { int32_t weights, ahead, kv, spread; };  // KvsTuning
+struct Tuning { int32_t weights, ahead, kv, spread, chained; };  // KvsTuning
 
 struct Weights {  // an anonymous mapping, on huge pages if HUGE is set
     uint8_t* data = nullptr;
@@ -48,8 +50,8 @@ int main(int argc, char** argv) {
     void* lib = nullptr;
     const MatmulFn matmul = load_matmul(argv[1], &lib);
     if (const char* spec = std::getenv("TUNE")) {
-        Tuning t{0, 0, 3, 0};
-        std::sscanf(spec, "%d,%d,%d", &t.weights, &t.ahead, &t.spread);
+        Tuning t{0, 0, 3, 0, 0};
+        std::sscanf(spec, "%d,%d,%d,%d", &t.weights, &t.ahead, &t.spread, &t.chained);
         reinterpret_cast<void (*)(const Tuning*)>(dlsym(lib, "kvs_set_tuning"))(&t);
     }
     const int threads = std::atoi(argv[2]), steps = std::atoi(argv[3]);
@@ -68,6 +70,7 @@ int main(int argc, char** argv) {
     ops.push_back({"lm_head Q6_K", 14, vocab, hidden, {}});
     std::mt19937_64 gen(1);
     double total_bytes = 0;
+    const bool interleaved = std::getenv("IL") != nullptr;
     for (Op& op : ops) {
         const int bytes = op.type == 12 ? 144 : 210, half_at = op.type == 12 ? 0 : 208;
         const int64_t blocks = op.N * (op.K / 256);
@@ -76,7 +79,13 @@ int main(int argc, char** argv) {
             const uint64_t v = gen();
             std::memcpy(op.w.data + i, &v, 8);
         }
-        for (int64_t b = 0; b < blocks; ++b) {  // every fp16 scale a small normal value
+        for (int64_t b = 0; interleaved && b < blocks; ++b) {  // a twin's block: eight rows' headers, then codes
+            const uint16_t half = uint16_t(0x2000 + (gen() & 0x3ff));
+            uint8_t* header = op.w.data + b / 8 * 8 * bytes + b % 8 * (op.type == 12 ? 16 : 18);
+            std::memcpy(header + (op.type == 12 ? 0 : 16), &half, 2);  // Q4_K: d, dmin, scales; Q6_K: scales, d
+            if (op.type == 12) std::memcpy(header + 2, &half, 2);
+        }
+        for (int64_t b = 0; !interleaved && b < blocks; ++b) {  // every fp16 scale a small normal value
             const uint16_t half = uint16_t(0x2000 + (gen() & 0x3ff));
             std::memcpy(op.w.data + b * bytes + half_at, &half, 2);
             if (op.type == 12) std::memcpy(op.w.data + b * bytes + 2, &half, 2);
@@ -92,7 +101,7 @@ int main(int argc, char** argv) {
         const auto step_start = std::chrono::steady_clock::now();
         for (Op& op : ops) {
             const auto start = std::chrono::steady_clock::now();
-            matmul(op.type, op.w.data, op.N, op.K, x.data(), op.K, 1, y.data(), op.N, threads);
+            matmul(op.type + (interleaved ? 1000 : 0), op.w.data, op.N, op.K, x.data(), op.K, 1, y.data(), op.N, threads);
             const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
             if (s > 0) {
                 per_kind[op.kind].first += took;

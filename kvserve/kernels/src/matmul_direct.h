@@ -531,8 +531,8 @@ inline void qdot_direct_rows(const uint8_t* w, int64_t row_bytes, int64_t lo, in
     // The distance is counted past the group's end where its eight rows are eight streams read side by side:
     // with long rows, a group larger than the distance, a prefetch any nearer would land in rows the group is
     // still reading. An interleaved group is one stream read in order: spread over its steps, the distance
-    // runs from the step being computed (a window sliding with the reads; past the group's end it came 7-64
-    // KB ahead at the 1.5B's shapes, and no prefetch at all beat it on the Intel Xeon)
+    // runs from the step being computed (a window sliding with the reads; past the group's end it came a
+    // whole group, 7-65 KB at the 1.5B's and the 8B's shapes, ahead, and no prefetch at all beat it on the Intel Xeon)
     const bool one_stream = format_row(Q).group_rows > 1 && tuning.weight_prefetch_spread;
     const int64_t distance = tuning.weight_prefetch_ahead > 0 ? tuning.weight_prefetch_ahead : group_bytes;
     const int64_t ahead = (one_stream ? 0 : group_bytes) + distance;

@@ -20,9 +20,8 @@
 #include <string>
 #include <vector>
 
+#include "../../kvserve/kernels/src/kvs_api.h"
 #include "random_blocks.h"
-
-struct Tuning { int32_t weights, ahead, kv, spread, chained; };  // KvsTuning
 
 struct Weights {  // an anonymous mapping, on huge pages if HUGE is set
     uint8_t* data = nullptr;
@@ -50,9 +49,11 @@ int main(int argc, char** argv) {
     void* lib = nullptr;
     const MatmulFn matmul = load_matmul(argv[1], &lib);
     if (const char* spec = std::getenv("TUNE")) {
-        Tuning t{0, 0, 3, 0, 0};
-        std::sscanf(spec, "%d,%d,%d,%d", &t.weights, &t.ahead, &t.spread, &t.chained);
-        reinterpret_cast<void (*)(const Tuning*)>(dlsym(lib, "kvs_set_tuning"))(&t);
+        KvsTuning t{};
+        t.kv_prefetch = KVS_PREFETCH_L3;
+        std::sscanf(spec, "%d,%d,%d,%d", &t.weight_prefetch, &t.weight_prefetch_ahead, &t.weight_prefetch_spread,
+                    &t.chained_sums);
+        reinterpret_cast<void (*)(const KvsTuning*)>(dlsym(lib, "kvs_set_tuning"))(&t);
     }
     const int threads = std::atoi(argv[2]), steps = std::atoi(argv[3]);
     const int layers = 28, hidden = 1536, inter = 8960, kv = 256, vocab = 151936;

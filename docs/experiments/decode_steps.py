@@ -1,9 +1,10 @@
 """Times decode steps one by one in process (issue 39's step spread): a synthetic prompt, then each
 engine.step() of one greedy sequence, printing min / median / p90 / max and the load average.
 
-    .venv/bin/python docs/experiments/decode_steps.py [MODEL] [STEPS] [PROMPT_TOKENS]
+    .venv/bin/python docs/experiments/decode_steps.py [MODEL] [STEPS] [PROMPT_TOKENS] [MAX_MODEL_LEN]
 
-MODEL "" is the bundled model. Alternate with another tree (PYTHONPATH=/other/tree) to compare two
+MODEL "" is the bundled model; MAX_MODEL_LEN (default: the model's own) for a model whose whole context does
+not fit the default KV pool, e.g. 4096 for synthetic:llama-3.1-8b-q4_k_m. Alternate with another tree (PYTHONPATH=/other/tree) to compare two
 versions under the same load."""
 
 import os
@@ -16,7 +17,8 @@ from kvserve.sampling_params import SamplingParams
 model = sys.argv[1] if len(sys.argv) > 1 else ""
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 64
 prompt_tokens = int(sys.argv[3]) if len(sys.argv) > 3 else 1500
-engine = LLM(model=model or None).engine
+max_model_len = int(sys.argv[4]) if len(sys.argv) > 4 else None
+engine = LLM(model=model or None, max_model_len=max_model_len).engine
 prompt = [100 + (i * 7) % 5000 for i in range(prompt_tokens)]
 engine.add_request(prompt, SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True))
 start = time.perf_counter()

@@ -36,3 +36,14 @@ def test_each_engine_is_a_fraction_of_the_probed_bandwidth(monkeypatch):
 
 def test_the_probe_reads_at_a_plausible_rate():
     assert 0.5 < memory_wall.read_bandwidth_gbs(1, repeats=2) < 1000
+
+
+@pytest.mark.parametrize("before, after", [(30.0, 20.0), (20.0, 30.0)])
+def test_the_best_probe_of_the_run_counts(monkeypatch, before, after):
+    # a neighbour's burst during one probe must not put an engine above the host's bandwidth
+    monkeypatch.setattr(memory_wall, "read_bandwidth_gbs", lambda threads: after)
+    wall = memory_wall.memory_wall(bundled_model_path(), {}, 1500, 2, {"kvserve": {"tpot_s": 0.01}},
+                                   earlier_probes=(before,))
+    assert wall["host_read_gbs"] == 30.0 and wall["host_read_samples_gbs"] == [before, after]
+    assert wall["engines"]["kvserve"]["fraction_of_host"] == pytest.approx(
+        wall["engines"]["kvserve"]["achieved_gbs"] / 30.0)

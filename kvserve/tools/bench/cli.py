@@ -138,6 +138,14 @@ def run_bench(args: argparse.Namespace, progress_console=None) -> dict:
     report = {"schema_version": 1, "workload": {**workload.describe(), "request_rate": args.request_rate},
               "machine": _machine(args.threads), "engine_args": {"model": model_path, **kwargs},
               "engines": {}, "ratios": {}, "greedy_agreement": {}}
+    w = report["workload"]
+    single_stream = w["num_requests"] == 1 or (http and (args.concurrency or 1) == 1)
+    # a GGUF's tensor sizes are the bytes a token reads; a safetensors folder's depend on the dtype it loads in
+    wall = single_stream and os.path.isfile(model_path)  # decode against the memory wall
+    if wall:
+        from kvserve.tools.bench.memory_wall import read_bandwidth_gbs
+
+        probe_before = read_bandwidth_gbs(args.threads)
     if http:
         concurrency = args.concurrency or 1
         report["http"] = {"concurrency": concurrency, "passes": args.passes, "endpoint": "/v1/completions",
@@ -146,14 +154,12 @@ def run_bench(args: argparse.Namespace, progress_console=None) -> dict:
     else:
         _run_in_process(report, args, workload, model_path, kwargs, modes, progress_console)
     report["machine"]["load_avg_after"] = list(os.getloadavg())
-    w = report["workload"]
-    single_stream = w["num_requests"] == 1 or (http and (args.concurrency or 1) == 1)
-    # a GGUF's tensor sizes are the bytes a token reads; a safetensors folder's depend on the dtype it loads in
-    if single_stream and os.path.isfile(model_path):  # decode against the memory wall
+    if wall:
         from kvserve.tools.bench.memory_wall import memory_wall
 
         context = (w["prompt_tokens"] + w["max_tokens"] // 2) // w["num_requests"]
-        report["memory_wall"] = memory_wall(model_path, kwargs, context, args.threads, report["engines"])
+        report["memory_wall"] = memory_wall(model_path, kwargs, context, args.threads, report["engines"],
+                                            earlier_probes=(probe_before,))
     if "agent" in report:
         from kvserve.tools.bench.report import agent_summary
 

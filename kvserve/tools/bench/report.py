@@ -69,7 +69,8 @@ def render(report: dict, console) -> None:
                           for name, e in wall["engines"].items())
         console.print(f"memory wall: a decode token reads {wall['bytes_per_token'] / 1e6:.1f} MB (weights "
                       f"{wall['weights'] / 1e6:.1f} MB, KV at {wall['context']:,} tokens {wall['kv'] / 1e6:.1f} MB); "
-                      f"this host reads {wall['host_read_gbs']:.1f} GB/s; achieved: {rates}")
+                      f"this host reads {wall['host_read_gbs']:.1f} GB/s (the best of "
+                      f"{', '.join(f'{g:.1f}' for g in wall.get('host_read_samples_gbs', []))}); achieved: {rates}")
     kernels = report.get("kernels")
     if kernels:
         console.print(f"kvserve's native kernels: {kernels['isa']}, {kernels['label']}")

@@ -4,8 +4,8 @@ engine.step() of one greedy sequence, printing min / median / p90 / max and the 
     .venv/bin/python docs/experiments/decode_steps.py [MODEL] [STEPS] [PROMPT_TOKENS] [MAX_MODEL_LEN]
 
 MODEL "" is the bundled model; MAX_MODEL_LEN (default: the model's own) for a model whose whole context does
-not fit the default KV pool, e.g. 4096 for synthetic:llama-3.1-8b-q4_k_m. Alternate with another tree (PYTHONPATH=/other/tree) to compare two
-versions under the same load."""
+not fit the default KV pool, e.g. 4096 for synthetic:llama-3.1-8b-q4_k_m. Alternate with another tree
+(PYTHONPATH=/other/tree) to compare two versions under the same load."""
 
 import os
 import sys

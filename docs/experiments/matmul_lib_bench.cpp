@@ -17,6 +17,7 @@
 #include <random>
 #include <vector>
 
+#include "../../kvserve/kernels/src/kvs_api.h"
 #include "random_blocks.h"
 
 int main(int argc, char** argv) {
@@ -26,10 +27,10 @@ int main(int argc, char** argv) {
     }
     const MatmulFn matmul = load_matmul(argv[1]);
     if (const char* mask = std::getenv("KVS_CHAINED_SUMS")) {
-        struct Tuning { int32_t weight, ahead, kv, spread, chained_sums; } tuning{};
+        KvsTuning tuning{};
         void* lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
-        const auto get = reinterpret_cast<void (*)(Tuning*)>(dlsym(lib, "kvs_get_tuning"));
-        const auto set = reinterpret_cast<void (*)(const Tuning*)>(dlsym(lib, "kvs_set_tuning"));
+        const auto get = reinterpret_cast<void (*)(KvsTuning*)>(dlsym(lib, "kvs_get_tuning"));
+        const auto set = reinterpret_cast<void (*)(const KvsTuning*)>(dlsym(lib, "kvs_set_tuning"));
         get(&tuning);
         tuning.chained_sums = std::atoi(mask);
         set(&tuning);

@@ -29,12 +29,24 @@ void adds(long n) {
 #define TWELVE(a, b, c, d, e, f, g, h, i, j, k, l) \
     asm volatile(a "\n" b "\n" c "\n" d "\n" e "\n" f "\n" g "\n" h "\n" i "\n" j "\n" k "\n" l ::"r"(memory) : CLOBBERS)
 #define DP(r) "vpdpbusd %%zmm20, %%zmm19, %%zmm" #r
-#define DPB(r, off) "vpdpbusd " #off "(%0)%{1to16%}, %%zmm19, %%zmm" #r
+#define DP_MEM(r) "vpdpbusd 4*" #r "(%0)%{1to16%}, %%zmm19, %%zmm" #r  // x's 4 bytes from memory
+#define DP_CHAIN(r) DP(0)                                                 // each on the one before
 #define SLLV(r) "vpsllvd %%zmm20, %%zmm19, %%zmm" #r
 #define ADD(r) "vpaddd %%zmm20, %%zmm19, %%zmm" #r
 #define MULLD(r) "vpmulld %%zmm20, %%zmm19, %%zmm" #r
 #define FMA(r) "vfmadd231ps %%zmm20, %%zmm19, %%zmm" #r
 #define CVT(r) "vcvtdq2ps %%zmm19, %%zmm" #r
+// a loop of twelve OPs, and one of eight vpdpbusd with four OPs between them
+#define ALONE(OP)                                                                                            \
+    [](long n) {                                                                                             \
+        for (long i = 0; i < n; ++i)                                                                         \
+            TWELVE(OP(0), OP(1), OP(2), OP(3), OP(4), OP(5), OP(6), OP(7), OP(8), OP(9), OP(10), OP(11));     \
+    }
+#define BESIDE_EIGHT(OP)                                                                                     \
+    [](long n) {                                                                                             \
+        for (long i = 0; i < n; ++i)                                                                         \
+            TWELVE(DP(0), DP(1), OP(12), DP(2), DP(3), OP(13), DP(4), DP(5), OP(14), DP(6), DP(7), OP(15));  \
+    }
 
 struct Case {
     const char* name;
@@ -42,18 +54,18 @@ struct Case {
 };
 
 const Case kCases[] = {
-    {"vpdpbusd", [](long n) { for (long i = 0; i < n; ++i) TWELVE(DP(0), DP(1), DP(2), DP(3), DP(4), DP(5), DP(6), DP(7), DP(8), DP(9), DP(10), DP(11)); }},
-    {"vpdpbusd, x broadcast from memory", [](long n) { for (long i = 0; i < n; ++i) TWELVE(DPB(0, 0), DPB(1, 4), DPB(2, 8), DPB(3, 12), DPB(4, 16), DPB(5, 20), DPB(6, 24), DPB(7, 28), DPB(8, 32), DPB(9, 36), DPB(10, 40), DPB(11, 44)); }},
-    {"vpdpbusd, one chain (1 / latency)", [](long n) { for (long i = 0; i < n; ++i) TWELVE(DP(0), DP(0), DP(0), DP(0), DP(0), DP(0), DP(0), DP(0), DP(0), DP(0), DP(0), DP(0)); }},
-    {"vpsllvd", [](long n) { for (long i = 0; i < n; ++i) TWELVE(SLLV(0), SLLV(1), SLLV(2), SLLV(3), SLLV(4), SLLV(5), SLLV(6), SLLV(7), SLLV(8), SLLV(9), SLLV(10), SLLV(11)); }},
-    {"vpaddd", [](long n) { for (long i = 0; i < n; ++i) TWELVE(ADD(0), ADD(1), ADD(2), ADD(3), ADD(4), ADD(5), ADD(6), ADD(7), ADD(8), ADD(9), ADD(10), ADD(11)); }},
-    {"vpmulld", [](long n) { for (long i = 0; i < n; ++i) TWELVE(MULLD(0), MULLD(1), MULLD(2), MULLD(3), MULLD(4), MULLD(5), MULLD(6), MULLD(7), MULLD(8), MULLD(9), MULLD(10), MULLD(11)); }},
-    {"vcvtdq2ps", [](long n) { for (long i = 0; i < n; ++i) TWELVE(CVT(0), CVT(1), CVT(2), CVT(3), CVT(4), CVT(5), CVT(6), CVT(7), CVT(8), CVT(9), CVT(10), CVT(11)); }},
-    {"8 vpdpbusd + 4 vpsllvd (the tile's mix)", [](long n) { for (long i = 0; i < n; ++i) TWELVE(DP(0), DP(1), SLLV(12), DP(2), DP(3), SLLV(13), DP(4), DP(5), SLLV(14), DP(6), DP(7), SLLV(15)); }},
-    {"8 vpdpbusd + 4 vpaddd", [](long n) { for (long i = 0; i < n; ++i) TWELVE(DP(0), DP(1), ADD(12), DP(2), DP(3), ADD(13), DP(4), DP(5), ADD(14), DP(6), DP(7), ADD(15)); }},
-    {"8 vpdpbusd + 4 vpmulld", [](long n) { for (long i = 0; i < n; ++i) TWELVE(DP(0), DP(1), MULLD(12), DP(2), DP(3), MULLD(13), DP(4), DP(5), MULLD(14), DP(6), DP(7), MULLD(15)); }},
-    {"8 vpdpbusd + 4 vfmadd231ps", [](long n) { for (long i = 0; i < n; ++i) TWELVE(DP(0), DP(1), FMA(12), DP(2), DP(3), FMA(13), DP(4), DP(5), FMA(14), DP(6), DP(7), FMA(15)); }},
-    {"8 vpdpbusd + 4 vcvtdq2ps", [](long n) { for (long i = 0; i < n; ++i) TWELVE(DP(0), DP(1), CVT(12), DP(2), DP(3), CVT(13), DP(4), DP(5), CVT(14), DP(6), DP(7), CVT(15)); }},
+    {"vpdpbusd", ALONE(DP)},
+    {"vpdpbusd, x broadcast from memory", ALONE(DP_MEM)},
+    {"vpdpbusd, one chain (1 / latency)", ALONE(DP_CHAIN)},
+    {"vpsllvd", ALONE(SLLV)},
+    {"vpaddd", ALONE(ADD)},
+    {"vpmulld", ALONE(MULLD)},
+    {"vcvtdq2ps", ALONE(CVT)},
+    {"8 vpdpbusd + 4 vpsllvd (the tile's mix)", BESIDE_EIGHT(SLLV)},
+    {"8 vpdpbusd + 4 vpaddd", BESIDE_EIGHT(ADD)},
+    {"8 vpdpbusd + 4 vpmulld", BESIDE_EIGHT(MULLD)},
+    {"8 vpdpbusd + 4 vfmadd231ps", BESIDE_EIGHT(FMA)},
+    {"8 vpdpbusd + 4 vcvtdq2ps", BESIDE_EIGHT(CVT)},
 };
 
 }  // namespace
